@@ -1,0 +1,233 @@
+"""KVCacheClient: the blocking SDK. AsyncKVCacheClient (aio.py) mirrors it method for method.
+
+    from kvcache_client import KVCacheClient, Namespace
+
+    ns = Namespace(model_id="my-model", kv_dtype="bfloat16", chunk_tokens=256,
+                   num_layers=32, num_kv_heads=8, head_size=128)
+    with KVCacheClient("127.0.0.1:51051") as client:
+        keys = client.chunk_keys(prompt_token_ids, ns)
+        hit = client.lookup(ns, keys).prefix_length
+        tensors = client.get_tensors(ns, keys[:hit])
+
+Every call has a deadline (`timeout_s`, per call or the client's default) that
+covers all its attempts; statuses in the retry policy are retried with
+backoff inside it. Every block received is verified against its checksum; a
+block that fails is returned as a miss and counted in `corrupt_blocks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeVar
+
+import grpc
+import numpy as np
+
+from kvcache_client import keys as _keys
+from kvcache_client.errors import BlockFormatError, DeadlineExceeded, from_rpc_error
+from kvcache_client.format import Layout, verify_block
+from kvcache_client.retry import RetryPolicy
+from kvcache_client.transport import (
+    Fetched,
+    GrpcTransport,
+    LookupResult,
+    PutResult,
+    ServerStats,
+    Transport,
+    channel_options,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "127.0.0.1:51051"
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+T = TypeVar("T")
+NamespaceLike = _keys.Namespace | str
+
+__all__ = ["DEFAULT_TARGET", "KVCacheClient", "LookupResult", "PutResult", "ServerStats"]
+
+
+def namespace_name(namespace: NamespaceLike) -> str:
+    """The server-side namespace string: a Namespace's fingerprint hex, or a str as given."""
+    return namespace.name if isinstance(namespace, _keys.Namespace) else namespace
+
+
+def verified(fetched: list[Fetched | None], on_corrupt: Callable[[], None]) -> list[bytes | None]:
+    """Blocks that pass their checksum; corrupt ones become misses."""
+    out: list[bytes | None] = []
+    for item in fetched:
+        if item is None:
+            out.append(None)
+            continue
+        data, tier = item
+        try:
+            verify_block(data)
+        except BlockFormatError as exc:
+            log.error("block from tier %s failed verification, treating as a miss: %s", tier, exc)
+            on_corrupt()
+            out.append(None)
+            continue
+        out.append(data)
+    return out
+
+
+class KVCacheClient:
+    """A blocking client of one kvcache server. Thread-safe; share one per process."""
+
+    def __init__(
+        self,
+        target: str = DEFAULT_TARGET,
+        *,
+        timeout_s: float = 30.0,
+        retry: RetryPolicy | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        transport: Transport | None = None,
+    ) -> None:
+        """Connects lazily to `target` ("host:port").
+
+        Args:
+            target: The server address.
+            timeout_s: Default deadline of each call, all retries included.
+            retry: Retry policy; the default retries UNAVAILABLE three times.
+            max_message_bytes: gRPC message limit of this client (bounds one block).
+            transport: Replaces the gRPC transport (tests, other data paths).
+        """
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self.target = target
+        self._timeout_s = timeout_s
+        self._retry = retry or RetryPolicy()
+        self._transport: Transport = transport or GrpcTransport(
+            grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+        )
+        self.corrupt_blocks = 0
+
+    @classmethod
+    def connect(cls, target: str = DEFAULT_TARGET, **kwargs: object) -> KVCacheClient:
+        """Same as the constructor; reads better at call sites."""
+        return cls(target, **kwargs)  # type: ignore[arg-type]
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _call(self, timeout_s: float | None, fn: Callable[[float], T]) -> T:
+        deadline = time.monotonic() + (timeout_s or self._timeout_s)
+        attempts = 0
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the call finished")
+            attempts += 1
+            try:
+                return fn(remaining)
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if not self._retry.should_retry(err.code, attempts):
+                    raise err from None
+                sleep_s = min(self._retry.backoff_s(attempts), max(0.0, deadline - time.monotonic()))
+                log.debug("%s; retrying in %.3fs (attempt %d)", err, sleep_s, attempts)
+                time.sleep(sleep_s)
+
+    def _count_corrupt(self) -> None:
+        self.corrupt_blocks += 1
+
+    # -- API -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def chunk_keys(
+        tokens: Sequence[int] | np.ndarray, namespace: _keys.Namespace, *, include_partial: bool = True
+    ) -> list[bytes]:
+        """Chunk keys of a prompt (kvcache_client.keys.chunk_keys)."""
+        return _keys.chunk_keys(tokens, namespace, include_partial=include_partial)
+
+    def lookup(
+        self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> LookupResult:
+        """The longest stored prefix of `keys`, in one round trip."""
+        if not keys:
+            return LookupResult(0)
+        ns = namespace_name(namespace)
+        return self._call(timeout_s, lambda t: self._transport.lookup(ns, keys, t))
+
+    def put_many(
+        self, namespace: NamespaceLike, items: Sequence[tuple[bytes, bytes]], *, timeout_s: float | None = None
+    ) -> PutResult:
+        """Stores (key, block) pairs, blocks built with kvcache_client.format.encode_block."""
+        if not items:
+            return PutResult(0, 0, 0)
+        ns = namespace_name(namespace)
+        return self._call(timeout_s, lambda t: self._transport.put(ns, items, t))
+
+    def get_many(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        *,
+        prefix_only: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[bytes | None]:
+        """Each key's verified block, or None. With prefix_only, stops at the first miss."""
+        if not keys:
+            return []
+        ns = namespace_name(namespace)
+        fetched = self._call(timeout_s, lambda t: self._transport.get(ns, keys, prefix_only, t))
+        return verified(fetched, self._count_corrupt)
+
+    def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
+        """Removes keys from every tier; returns how many were stored."""
+        if not keys:
+            return 0
+        ns = namespace_name(namespace)
+        return self._call(timeout_s, lambda t: self._transport.delete(ns, keys, t))
+
+    def stats(self, *, timeout_s: float | None = None) -> ServerStats:
+        """The server's counters."""
+        return self._call(timeout_s, self._transport.stats)
+
+    def put_tensors(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        tensors: Sequence[torch.Tensor],
+        *,
+        layout: Layout = Layout.CANONICAL,
+        timeout_s: float | None = None,
+    ) -> PutResult:
+        """Stores one tensor per key (CPU tensors go to the wire with a single copy)."""
+        from kvcache_client.tensors import tensor_to_block
+
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
+        return self.put_many(
+            namespace,
+            [(k, tensor_to_block(t, layout)) for k, t in zip(keys, tensors, strict=True)],
+            timeout_s=timeout_s,
+        )
+
+    def get_tensors(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        *,
+        prefix_only: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[torch.Tensor | None]:
+        """One CPU tensor per key, or None; each tensor views the received bytes without a copy."""
+        from kvcache_client.tensors import block_to_tensor
+
+        blocks = self.get_many(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s)
+        return [None if b is None else block_to_tensor(b, verify=False) for b in blocks]
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def __enter__(self) -> KVCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,53 @@
+"""torch tensors <-> blocks, with one copy on the way out and none on the way in.
+
+Imported lazily by the clients: importing kvcache_client does not import torch.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from kvcache_client.format import DType, Layout, decode_block, encode_block
+
+
+def torch_dtype(dtype: DType) -> torch.dtype:
+    """DType -> torch.dtype (raises ValueError if this torch lacks it, e.g. float8 on old builds)."""
+    value = getattr(torch, dtype.name.lower(), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"this torch build has no {dtype.name.lower()}")
+    return value
+
+
+def block_dtype(dtype: torch.dtype) -> DType:
+    """torch.dtype -> DType."""
+    return DType.from_name(str(dtype))
+
+
+def tensor_to_block(tensor: torch.Tensor, layout: Layout = Layout.CANONICAL) -> bytes:
+    """Encodes a tensor as a block. A contiguous CPU tensor is read in place: the only copy
+    is the one into the returned bytes object, which is what gRPC sends."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    t = t.contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    return encode_block(memoryview(raw), dtype=block_dtype(t.dtype), shape=tuple(t.shape), layout=layout)
+
+
+def block_to_tensor(data: bytes, *, verify: bool = True) -> torch.Tensor:
+    """Decodes a block into a CPU tensor that views `data`'s payload without a copy.
+
+    The tensor shares memory with `data`: treat it as read-only (clone it, or
+    copy it into its destination, before writing to it).
+    """
+    header, payload = decode_block(data, verify=verify)
+    dtype = torch_dtype(header.dtype)
+    if header.raw_len == 0:
+        return torch.empty(header.shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # torch warns that bytes are not writable; the tensor is documented as read-only.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(payload, dtype=torch.uint8)
+    return flat.view(dtype).reshape(header.shape)

@@ -1,0 +1,286 @@
+"""The seam where block bytes move between the SDK and the server.
+
+`KVCacheClient` and `AsyncKVCacheClient` do keys, retries, deadlines and
+verification; a transport only moves requests and bytes. The gRPC transports
+here are the default. A same-host shared-memory path or a bulk socket path
+plugs in by implementing the same methods (`put` and `get` carry the bytes;
+the rest are small control calls that may stay on gRPC), without changing the
+clients' API.
+
+Transports raise grpc.RpcError (or an RPCError subclass) on failure; the
+clients map, retry and time out.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+
+from kvcache_client.errors import KVCacheError
+from kvcache_proto import kvcache_pb2 as pb
+from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+
+TIER_NAMES = {pb.TIER_RAM: "ram", pb.TIER_REDIS: "redis", pb.TIER_S3: "s3"}
+
+DEFAULT_MESSAGE_BYTES = 4 << 20
+"""Target size of one Put message: small blocks are packed up to it, larger ones go one per message."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest stored prefix of a list of keys.
+
+    Attributes:
+        prefix_length: keys[:prefix_length] are stored.
+        tiers: For each of those keys, the fastest tier holding it ("ram", "redis", "s3").
+    """
+
+    prefix_length: int
+    tiers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """What a put_many stored.
+
+    Attributes:
+        stored: Blocks the server now holds.
+        rejected: Valid blocks the server could not keep (larger than its RAM tier).
+        bytes_sent: Block bytes sent, headers included.
+    """
+
+    stored: int
+    rejected: int
+    bytes_sent: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierInfo:
+    """One tier's counters, as reported by Stats."""
+
+    name: str
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    puts: int
+    evictions: int
+    rejected: int
+    checksum_failures: int
+    errors: int
+    healthy: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    """The server's Stats answer."""
+
+    version: str
+    uptime_s: float
+    put_checksum_failures: int
+    failed_requests: int
+    max_block_bytes: int
+    max_keys_per_request: int
+    tiers: tuple[TierInfo, ...] = field(default_factory=tuple)
+
+    def tier(self, name: str) -> TierInfo:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+Fetched = tuple[bytes, str]
+"""A block as received and the name of the tier that served it."""
+
+
+class Transport(Protocol):
+    """What KVCacheClient needs from a transport (blocking calls)."""
+
+    def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult: ...
+
+    def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], timeout_s: float) -> PutResult: ...
+
+    def get(
+        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
+    ) -> list[Fetched | None]: ...
+
+    def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int: ...
+
+    def stats(self, timeout_s: float) -> ServerStats: ...
+
+    def close(self) -> None: ...
+
+
+class AsyncTransport(Protocol):
+    """What AsyncKVCacheClient needs from a transport (coroutines)."""
+
+    async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult: ...
+
+    async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], timeout_s: float) -> PutResult: ...
+
+    async def get(
+        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
+    ) -> list[Fetched | None]: ...
+
+    async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int: ...
+
+    async def stats(self, timeout_s: float) -> ServerStats: ...
+
+    async def close(self) -> None: ...
+
+
+# -- message building and parsing, shared by both gRPC transports ---------------------------------
+
+
+def put_requests(
+    namespace: str, items: Sequence[tuple[bytes, bytes]], message_bytes: int = DEFAULT_MESSAGE_BYTES
+) -> Iterator[pb.PutRequest]:
+    """Packs blocks into PutRequest messages of about `message_bytes` each (the namespace in the first)."""
+    batch: list[pb.Block] = []
+    size = 0
+    first = True
+    for key, data in items:
+        if batch and size + len(data) > message_bytes:
+            yield pb.PutRequest(namespace=namespace if first else "", blocks=batch)
+            first, batch, size = False, [], 0
+        batch.append(pb.Block(key=key, data=data))
+        size += len(data)
+    if batch or first:
+        yield pb.PutRequest(namespace=namespace if first else "", blocks=batch)
+
+
+def lookup_result(response: pb.LookupResponse) -> LookupResult:
+    return LookupResult(response.prefix_length, tuple(TIER_NAMES.get(t, "unknown") for t in response.tiers))
+
+
+def put_result(response: pb.PutResponse) -> PutResult:
+    return PutResult(response.stored, response.rejected, response.bytes_received)
+
+
+class GetCollector:
+    """Gathers streamed GetItems into a list indexed like the request's keys."""
+
+    def __init__(self, n: int) -> None:
+        self.out: list[Fetched | None] = [None] * n
+
+    def add(self, response: pb.GetResponse) -> None:
+        for item in response.items:
+            if item.index >= len(self.out):
+                raise KVCacheError(f"server sent item index {item.index} for {len(self.out)} keys")
+            if item.found:
+                self.out[item.index] = (item.data, TIER_NAMES.get(item.tier, "unknown"))
+
+
+def server_stats(r: pb.StatsResponse) -> ServerStats:
+    return ServerStats(
+        version=r.version,
+        uptime_s=r.uptime_s,
+        put_checksum_failures=r.put_checksum_failures,
+        failed_requests=r.failed_requests,
+        max_block_bytes=r.max_block_bytes,
+        max_keys_per_request=r.max_keys_per_request,
+        tiers=tuple(
+            TierInfo(
+                name=t.name,
+                used_bytes=t.used_bytes,
+                capacity_bytes=t.capacity_bytes,
+                blocks=t.blocks,
+                hits=t.hits,
+                misses=t.misses,
+                puts=t.puts,
+                evictions=t.evictions,
+                rejected=t.rejected,
+                checksum_failures=t.checksum_failures,
+                errors=t.errors,
+                healthy=t.healthy,
+            )
+            for t in r.tiers
+        ),
+    )
+
+
+def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+
+
+# -- gRPC transports ---------------------------------------------------------------------------
+
+
+class GrpcTransport:
+    """Blocking gRPC transport over one channel."""
+
+    def __init__(self, channel: grpc.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
+        self._channel = channel
+        self._stub = pb_grpc.KVCacheStub(channel)
+        self._message_bytes = message_bytes
+
+    def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
+        return lookup_result(self._stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=timeout_s))
+
+    def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], timeout_s: float) -> PutResult:
+        return put_result(self._stub.Put(put_requests(namespace, items, self._message_bytes), timeout=timeout_s))
+
+    def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
+        collector = GetCollector(len(keys))
+        request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
+        for response in self._stub.Get(request, timeout=timeout_s):
+            collector.add(response)
+        return collector.out
+
+    def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
+        return self._stub.Delete(pb.DeleteRequest(namespace=namespace, keys=keys), timeout=timeout_s).deleted
+
+    def stats(self, timeout_s: float) -> ServerStats:
+        return server_stats(self._stub.Stats(pb.StatsRequest(), timeout=timeout_s))
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+async def _aiter(requests: Iterable[pb.PutRequest]) -> AsyncIterator[pb.PutRequest]:
+    for request in requests:
+        yield request
+
+
+class AsyncGrpcTransport:
+    """asyncio gRPC transport over one grpc.aio channel."""
+
+    def __init__(self, channel: grpc.aio.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
+        self._channel = channel
+        self._stub = pb_grpc.KVCacheStub(channel)
+        self._message_bytes = message_bytes
+
+    async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
+        request = pb.LookupRequest(namespace=namespace, keys=keys)
+        return lookup_result(await self._stub.Lookup(request, timeout=timeout_s))
+
+    async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], timeout_s: float) -> PutResult:
+        requests = _aiter(put_requests(namespace, items, self._message_bytes))
+        return put_result(await self._stub.Put(requests, timeout=timeout_s))
+
+    async def get(
+        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
+    ) -> list[Fetched | None]:
+        collector = GetCollector(len(keys))
+        request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
+        async for response in self._stub.Get(request, timeout=timeout_s):
+            collector.add(response)
+        return collector.out
+
+    async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
+        response = await self._stub.Delete(pb.DeleteRequest(namespace=namespace, keys=keys), timeout=timeout_s)
+        return response.deleted
+
+    async def stats(self, timeout_s: float) -> ServerStats:
+        return server_stats(await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s))
+
+    async def close(self) -> None:
+        await self._channel.close()

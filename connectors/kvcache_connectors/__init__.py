@@ -1,0 +1,1 @@
+"""Engine plugins that store and fetch KV through kvcache (vLLM, transformers)."""

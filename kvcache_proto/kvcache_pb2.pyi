@@ -1,0 +1,155 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    TIER_UNSPECIFIED: _ClassVar[Tier]
+    TIER_RAM: _ClassVar[Tier]
+    TIER_REDIS: _ClassVar[Tier]
+    TIER_S3: _ClassVar[Tier]
+TIER_UNSPECIFIED: Tier
+TIER_RAM: Tier
+TIER_REDIS: Tier
+TIER_S3: Tier
+
+class LookupRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("prefix_length", "tiers")
+    PREFIX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    prefix_length: int
+    tiers: _containers.RepeatedScalarFieldContainer[Tier]
+    def __init__(self, prefix_length: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
+
+class Block(_message.Message):
+    __slots__ = ("key", "data")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    data: bytes
+    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class PutRequest(_message.Message):
+    __slots__ = ("namespace", "blocks")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    blocks: _containers.RepeatedCompositeFieldContainer[Block]
+    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
+
+class PutResponse(_message.Message):
+    __slots__ = ("stored", "rejected", "bytes_received")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    stored: int
+    rejected: int
+    bytes_received: int
+    def __init__(self, stored: _Optional[int] = ..., rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "prefix_only")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    prefix_only: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix_only: _Optional[bool] = ...) -> None: ...
+
+class GetItem(_message.Message):
+    __slots__ = ("index", "found", "data", "tier")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    FOUND_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    found: bool
+    data: bytes
+    tier: Tier
+    def __init__(self, index: _Optional[int] = ..., found: _Optional[bool] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("items",)
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    items: _containers.RepeatedCompositeFieldContainer[GetItem]
+    def __init__(self, items: _Optional[_Iterable[_Union[GetItem, _Mapping]]] = ...) -> None: ...
+
+class DeleteRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class DeleteResponse(_message.Message):
+    __slots__ = ("deleted",)
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    deleted: int
+    def __init__(self, deleted: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStats(_message.Message):
+    __slots__ = ("name", "tier", "used_bytes", "capacity_bytes", "blocks", "hits", "misses", "puts", "evictions", "rejected", "checksum_failures", "errors", "healthy")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HITS_FIELD_NUMBER: _ClassVar[int]
+    MISSES_FIELD_NUMBER: _ClassVar[int]
+    PUTS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    REJECTED_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    HEALTHY_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tier: Tier
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    puts: int
+    evictions: int
+    rejected: int
+    checksum_failures: int
+    errors: int
+    healthy: bool
+    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ...) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    UPTIME_S_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    PUT_CHECKSUM_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    FAILED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    uptime_s: float
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
+    put_checksum_failures: int
+    failed_requests: int
+    max_block_bytes: int
+    max_keys_per_request: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., put_checksum_failures: _Optional[int] = ..., failed_requests: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,235 @@
+"""The server's configuration: one typed, frozen config, read once at start-up.
+
+Sources, later ones winning: built-in defaults, a TOML file (`--config` or
+KVCACHE_CONFIG), environment variables, command-line flags. Every field has
+one name in each source:
+
+    TOML                      environment                      flag
+    [server] port = 51051     KVCACHE_SERVER_PORT=51051        --set server.port=51051  (or --port)
+    [ram] capacity_bytes      KVCACHE_RAM_CAPACITY_BYTES       --set ram.capacity_bytes=4GiB
+
+Fields ending in `_bytes` accept integers or sizes with a unit ("512MiB",
+"4GiB", "1.5GB"). Unknown sections or fields are errors, so a typo never goes
+silently unapplied.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+DEFAULT_PORT = 51051
+DEFAULT_HOST = "127.0.0.1"
+
+_GiB = 1 << 30
+_MiB = 1 << 20
+
+
+class ConfigError(ValueError):
+    """A configuration value that is missing, malformed or out of range."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSection:
+    """Network and process settings."""
+
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT  # 0 picks a free port (printed at start-up)
+    shutdown_grace_s: float = 5.0
+    log_level: str = "info"
+    log_json: bool = False
+    max_concurrent_rpcs: int = 1024
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("server.shutdown_grace_s must be >= 0")
+        if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
+            raise ConfigError(f"server.log_level {self.log_level!r} is not a log level")
+        if self.max_concurrent_rpcs <= 0:
+            raise ConfigError("server.max_concurrent_rpcs must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class RamSection:
+    """The host-RAM tier."""
+
+    capacity_bytes: int = _GiB
+
+    def validate(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ConfigError("ram.capacity_bytes must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class LimitsSection:
+    """Bounds on what a client may send (each also bounds server memory per request)."""
+
+    max_block_bytes: int = 64 * _MiB
+    max_keys_per_request: int = 65536
+    # Target size of one streamed Get message; larger blocks travel one per message.
+    stream_message_bytes: int = 4 * _MiB
+
+    def validate(self) -> None:
+        if self.max_block_bytes <= 0:
+            raise ConfigError("limits.max_block_bytes must be positive")
+        if self.max_keys_per_request <= 0:
+            raise ConfigError("limits.max_keys_per_request must be positive")
+        if self.stream_message_bytes <= 0:
+            raise ConfigError("limits.stream_message_bytes must be positive")
+
+    @property
+    def max_message_bytes(self) -> int:
+        """The gRPC message limit: one block or one batch of keys, plus framing."""
+        return max(self.max_block_bytes, self.stream_message_bytes, 24 * self.max_keys_per_request) + _MiB
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything the server reads at start-up."""
+
+    server: ServerSection = field(default_factory=ServerSection)
+    ram: RamSection = field(default_factory=RamSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+
+    def validate(self) -> ServerConfig:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        if self.limits.max_block_bytes > self.ram.capacity_bytes:
+            raise ConfigError(
+                f"limits.max_block_bytes ({self.limits.max_block_bytes}) exceeds ram.capacity_bytes "
+                f"({self.ram.capacity_bytes}): such blocks could never be stored"
+            )
+        return self
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {
+    "b": 1,
+    "kb": 10**3,
+    "mb": 10**6,
+    "gb": 10**9,
+    "tb": 10**12,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+
+
+def parse_size(value: str | int) -> int:
+    """'4GiB' -> 4294967296; ints pass through."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ConfigError(f"{value!r} is not a size (e.g. 1048576, '512MiB', '4GiB')")
+    number, unit = m.groups()
+    return int(float(number) * _UNITS[(unit or "b").lower()])
+
+
+def _coerce(section: str, name: str, kind: type, value: Any) -> Any:
+    where = f"{section}.{name}"
+    try:
+        if name.endswith("_bytes"):
+            return parse_size(value)
+        if kind is bool:
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text in {"1", "true", "yes", "on"}:
+                return True
+            if text in {"0", "false", "no", "off"}:
+                return False
+            raise ConfigError(f"{where}: {value!r} is not a boolean")
+        if kind is int:
+            if isinstance(value, bool):
+                raise ConfigError(f"{where}: {value!r} is not an integer")
+            return int(value)
+        if kind is float:
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"{where}: {value!r} is not a valid {kind.__name__}") from None
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _apply(config: ServerConfig, updates: Mapping[str, Mapping[str, Any]], source: str) -> ServerConfig:
+    sections = {f.name: f for f in dataclasses.fields(config)}
+    changes: dict[str, Any] = {}
+    for section_name, values in updates.items():
+        if section_name not in sections:
+            raise ConfigError(f"{source}: unknown section [{section_name}]; known: {sorted(sections)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{source}: [{section_name}] must be a table")
+        current = changes.get(section_name, getattr(config, section_name))
+        fields = {f.name: f for f in dataclasses.fields(current)}
+        kwargs = {}
+        for name, value in values.items():
+            if name not in fields:
+                raise ConfigError(f"{source}: unknown field {section_name}.{name}; known: {sorted(fields)}")
+            kwargs[name] = _coerce(section_name, name, _TYPES[str(fields[name].type)], value)
+        changes[section_name] = dataclasses.replace(current, **kwargs)
+    return dataclasses.replace(config, **changes)
+
+
+def _from_env(config: ServerConfig, env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    updates: dict[str, dict[str, str]] = {}
+    for f in dataclasses.fields(config):
+        for sub in dataclasses.fields(getattr(config, f.name)):
+            var = f"KVCACHE_{f.name}_{sub.name}".upper()
+            if var in env:
+                updates.setdefault(f.name, {})[sub.name] = env[var]
+    return updates
+
+
+def parse_assignment(text: str) -> tuple[str, str, str]:
+    """'section.field=value' -> (section, field, value)."""
+    key, sep, value = text.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not section or not name:
+        raise ConfigError(f"--set expects section.field=value, got {text!r}")
+    return section, name, value
+
+
+def load_config(
+    *,
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> ServerConfig:
+    """Builds the validated config from defaults, a TOML file, the environment and overrides.
+
+    Args:
+        path: A TOML file; when None, KVCACHE_CONFIG from `env` names one, if set.
+        env: Environment variables (os.environ in production).
+        overrides: {section: {field: value}} from command-line flags.
+
+    Raises:
+        ConfigError: for any unknown or invalid setting, naming it.
+    """
+    env = env or {}
+    config = ServerConfig()
+    path = path or env.get("KVCACHE_CONFIG")
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        config = _apply(config, data, str(path))
+    config = _apply(config, _from_env(config, env), "environment")
+    if overrides:
+        config = _apply(config, overrides, "command line")
+    return config.validate()

@@ -1,0 +1,205 @@
+"""The kvcache.v1.KVCache gRPC service: request validation and status codes, nothing else.
+
+Each handler checks what the client sent, answers a precise status for what
+is wrong (see proto/kvcache/v1/kvcache.proto), and hands valid work to the
+TierStack. Block bytes are taken from the request message once and stored as
+that same bytes object; on reads the stored object goes into the reply as is.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import NoReturn
+
+import grpc
+from kvcache_client.errors import ChecksumMismatch, UnknownFormatVersion
+from kvcache_client.format import BlockFormatError, Compression, verify_block
+from kvcache_client.keys import KEY_BYTES
+
+from kvcache_proto import kvcache_pb2 as pb
+from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+from kvcache_server.config import LimitsSection
+from kvcache_server.stack import TierStack
+
+log = logging.getLogger(__name__)
+
+MAX_NAMESPACE_BYTES = 128
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+
+
+class _Counters:
+    def __init__(self) -> None:
+        self.failed_requests = 0
+        self.put_checksum_failures = 0
+
+
+class KVCacheService(pb_grpc.KVCacheServicer):
+    """Validates requests and forwards them to the tier stack."""
+
+    def __init__(self, stack: TierStack, limits: LimitsSection, *, version: str) -> None:
+        self._stack = stack
+        self._limits = limits
+        self._version = version
+        self._started = time.monotonic()
+        self._counters = _Counters()
+
+    # -- validation ---------------------------------------------------------------------------
+
+    async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+        self._counters.failed_requests += 1
+        await context.abort(code, message)
+        raise AssertionError("unreachable: context.abort raises")
+
+    async def _namespace(self, context: grpc.aio.ServicerContext, namespace: str) -> str:
+        if not namespace:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace is required")
+        if (
+            len(namespace) > MAX_NAMESPACE_BYTES
+            or not namespace.isascii()
+            or not namespace.isprintable()
+            or (" " in namespace)
+        ):
+            await self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"namespace must be 1..{MAX_NAMESPACE_BYTES} printable ASCII characters without spaces",
+            )
+        # One shared str per namespace (interned strings are freed with their last reference):
+        # index entries then point at one object instead of one copy per request.
+        return sys.intern(namespace)
+
+    async def _keys(self, context: grpc.aio.ServicerContext, keys: Sequence[bytes]) -> list[bytes]:
+        if not keys:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "keys must not be empty")
+        if len(keys) > self._limits.max_keys_per_request:
+            await self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(keys)} keys exceed max_keys_per_request={self._limits.max_keys_per_request}",
+            )
+        out = list(keys)
+        for i, key in enumerate(out):
+            if len(key) != KEY_BYTES:
+                await self._abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"keys[{i}] is {len(key)} bytes; a chunk key is {KEY_BYTES} bytes",
+                )
+        return out
+
+    async def _block(self, context: grpc.aio.ServicerContext, index: int, key: bytes, data: bytes) -> None:
+        where = f"block {index}"
+        if len(key) != KEY_BYTES:
+            await self._abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: key is {len(key)} bytes, expected {KEY_BYTES}"
+            )
+        if len(data) > self._limits.max_block_bytes:
+            await self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{where}: {len(data)} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
+            )
+        try:
+            header = verify_block(data)
+        except ChecksumMismatch as exc:
+            self._counters.put_checksum_failures += 1
+            await self._abort(context, grpc.StatusCode.DATA_LOSS, f"{where}: {exc}")
+        except UnknownFormatVersion as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
+        except BlockFormatError as exc:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: malformed block: {exc}")
+        if header.compression is not Compression.NONE:
+            await self._abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: clients must send uncompressed blocks"
+            )
+
+    # -- RPCs ---------------------------------------------------------------------------------
+
+    async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
+        namespace = await self._namespace(context, request.namespace)
+        keys = await self._keys(context, request.keys)
+        tiers = await self._stack.lookup(namespace, keys)
+        return pb.LookupResponse(prefix_length=len(tiers), tiers=[int(t) for t in tiers])
+
+    async def Put(
+        self, request_iterator: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
+        namespace: str | None = None
+        index = stored = rejected = received = 0
+        async for message in request_iterator:
+            if namespace is None:
+                namespace = await self._namespace(context, message.namespace)
+            elif message.namespace and message.namespace != namespace:
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
+            items: list[tuple[bytes, bytes]] = []
+            for block in message.blocks:
+                key, data = block.key, block.data  # each access copies out of the message: once only
+                await self._block(context, index, key, data)
+                items.append((key, data))
+                received += len(data)
+                index += 1
+            # Commit this message's blocks (all verified) before reading the next message.
+            for kept in await self._stack.put(namespace, items):
+                stored += kept
+                rejected += not kept
+        if namespace is None or index == 0:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
+        return pb.PutResponse(stored=stored, rejected=rejected, bytes_received=received)
+
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+        namespace = await self._namespace(context, request.namespace)
+        keys = await self._keys(context, request.keys)
+        found = await self._stack.get(namespace, keys)
+        budget = self._limits.stream_message_bytes
+        items: list[pb.GetItem] = []
+        size = 0
+        for i, hit in enumerate(found):
+            if hit is None:
+                items.append(pb.GetItem(index=i, found=False))
+            else:
+                if items and size + len(hit.data) > budget:
+                    yield pb.GetResponse(items=items)
+                    items, size = [], 0
+                items.append(pb.GetItem(index=i, found=True, data=hit.data, tier=int(hit.tier)))
+                size += len(hit.data)
+            if hit is None and request.prefix_only:
+                break
+        if items:
+            yield pb.GetResponse(items=items)
+
+    async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
+        namespace = await self._namespace(context, request.namespace)
+        keys = await self._keys(context, request.keys)
+        return pb.DeleteResponse(deleted=await self._stack.delete(namespace, keys))
+
+    async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        tiers = [
+            pb.TierStats(
+                name=s.name,
+                tier=int(s.kind),
+                used_bytes=s.used_bytes,
+                capacity_bytes=s.capacity_bytes,
+                blocks=s.blocks,
+                hits=s.hits,
+                misses=s.misses,
+                puts=s.puts,
+                evictions=s.evictions,
+                rejected=s.rejected,
+                checksum_failures=s.checksum_failures,
+                errors=s.errors,
+                healthy=s.healthy,
+            )
+            for s in self._stack.stats()
+        ]
+        return pb.StatsResponse(
+            version=self._version,
+            uptime_s=time.monotonic() - self._started,
+            tiers=tiers,
+            put_checksum_failures=self._counters.put_checksum_failures,
+            failed_requests=self._counters.failed_requests,
+            max_block_bytes=self._limits.max_block_bytes,
+            max_keys_per_request=self._limits.max_keys_per_request,
+        )

@@ -1,0 +1,1 @@
+"""Storage tiers: the contract (base) and its implementations."""

@@ -1,0 +1,103 @@
+"""The contract every storage tier implements.
+
+Who calls what:
+    The tier stack (kvcache_server.stack) is the only caller. It runs on the
+    server's asyncio event loop and calls the async methods below; a tier that
+    does blocking I/O (S3 through boto3) moves it to threads itself, so the
+    loop never blocks. Tiers must be safe when several requests are in flight
+    at once (interleaved coroutines, and threads where the tier uses them).
+
+What a tier stores:
+    Whole blocks (header + payload, docs/format.md) as opaque bytes, under
+    (namespace, 16-byte key). A tier never splits a block and never returns
+    part of one. Which bytes it stores is up to it (a lower tier may compress),
+    but `get_many` returns exactly the block bytes that `put_many` was given,
+    or None.
+
+Misses and failures:
+    A missing block is None, never an exception. A tier whose backend fails
+    raises TierError; the stack turns that into a miss and counts it.
+
+Batched calls are the real methods: one call per request, never one per key.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+class TierKind(enum.IntEnum):
+    """Matches kvcache.v1.Tier on the wire."""
+
+    RAM = 1
+    REDIS = 2
+    S3 = 3
+
+
+class TierError(Exception):
+    """A tier's backend failed (connection refused, timeout, ...). The stack counts it as a miss."""
+
+
+@dataclass(slots=True)
+class TierStats:
+    """A snapshot of one tier's counters (monotonic since start, except gauges)."""
+
+    name: str
+    kind: TierKind
+    used_bytes: int = 0  # gauge
+    capacity_bytes: int = 0  # 0: no cap of its own
+    blocks: int = 0  # gauge
+    hits: int = 0
+    misses: int = 0
+    puts: int = 0
+    evictions: int = 0
+    rejected: int = 0
+    checksum_failures: int = 0
+    errors: int = 0
+    healthy: bool = True
+
+
+class Tier(ABC):
+    """A store of whole blocks keyed by (namespace, key)."""
+
+    name: str
+    kind: TierKind
+
+    @abstractmethod
+    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        """The stored block for each key, or None where absent. Same order as `keys`."""
+
+    @abstractmethod
+    async def put_many(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        """Stores (key, block) pairs; returns, per item, whether it is now stored.
+
+        An item may be refused (False) when it can never fit; that is not an error.
+        Storing a key that exists replaces it (content addressing makes the bytes equal).
+        """
+
+    @abstractmethod
+    async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Removes the keys; returns how many were stored."""
+
+    @abstractmethod
+    def stats(self) -> TierStats:
+        """A snapshot of this tier's counters."""
+
+    async def contains_many(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        """Presence of each key. Tiers override this with a cheaper batched check."""
+        return [block is not None for block in await self.get_many(namespace, keys)]
+
+    async def prefix_length(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """How many leading keys are present."""
+        n = 0
+        for present in await self.contains_many(namespace, keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, no-op by default
+        """Releases connections and threads. Called once at shutdown."""
