@@ -15,10 +15,10 @@ from collections.abc import AsyncIterator, Sequence
 from typing import NoReturn
 
 import grpc
+
 from kvcache_client.errors import ChecksumMismatch, UnknownFormatVersion
 from kvcache_client.format import BlockFormatError, Compression, verify_block
 from kvcache_client.keys import KEY_BYTES
-
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.config import LimitsSection

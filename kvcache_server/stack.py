@@ -18,7 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcache_client.format import BlockFormatError, verify_block
-
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
 
 log = logging.getLogger(__name__)

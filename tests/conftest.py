@@ -1,0 +1,74 @@
+"""Shared fixtures: a real kvcache server on a free port, run in a background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from kvcache_client.format import encode_block
+from kvcache_server.app import RunningServer, create_server
+from kvcache_server.config import load_config
+
+IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+
+
+class ServerThread:
+    """A kvcache server on its own event loop in a daemon thread (port 0)."""
+
+    def __init__(self, overrides: dict[str, dict[str, Any]]) -> None:
+        merged = {"server": {"host": "127.0.0.1", "port": 0, "shutdown_grace_s": 0.5}}
+        for section, values in overrides.items():
+            merged.setdefault(section, {}).update(values)
+        self.config = load_config(env={}, overrides=merged)
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="kvcache-server", daemon=True)
+        self._thread.start()
+        self.running: RunningServer = self.call(create_server(self.config))
+
+    def call(self, coro: Any, timeout_s: float = 30.0) -> Any:
+        """Runs a coroutine on the server's loop and waits for it."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    @property
+    def target(self) -> str:
+        return self.running.target
+
+    @property
+    def stack(self):
+        return self.running.stack
+
+    def stop(self) -> None:
+        self.call(self.running.stop(0.5))
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
+
+
+@pytest.fixture
+def make_server() -> Iterator[Callable[..., ServerThread]]:
+    """Factory: make_server(ram={"capacity_bytes": ...}, limits={...}) -> a started ServerThread."""
+    started: list[ServerThread] = []
+
+    def factory(**overrides: dict[str, Any]) -> ServerThread:
+        server = ServerThread(overrides)
+        started.append(server)
+        return server
+
+    yield factory
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def server(make_server: Callable[..., ServerThread]) -> ServerThread:
+    return make_server(ram={"capacity_bytes": 256 << 20})
+
+
+def raw_block(payload: bytes) -> bytes:
+    """A valid opaque block holding `payload`."""
+    return encode_block(payload, dtype="uint8", shape=(len(payload),))
