@@ -66,7 +66,10 @@ async def create_server(config: ServerConfig) -> RunningServer:
         server,
     )
     address = f"{config.server.host}:{config.server.port}"
-    port = server.add_insecure_port(address)
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:  # grpc raises RuntimeError when no address could be bound
+        raise OSError(f"cannot bind {address}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot bind {address}")
     await server.start()
@@ -87,12 +90,13 @@ def describe(running: RunningServer) -> str:
 
 async def serve(config: ServerConfig) -> None:
     """Runs until SIGTERM or SIGINT, then shuts down gracefully."""
-    running = await create_server(config)
-    print(describe(running), flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    running = await create_server(config)
+    # Printed once the server takes calls and signals are handled: a supervisor may act on it at once.
+    print(describe(running), flush=True)
     await stop.wait()
     log.info("shutting down (grace %.1fs)", config.server.shutdown_grace_s)
     await running.stop()

@@ -101,11 +101,6 @@ class ServerConfig:
     def validate(self) -> ServerConfig:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
-        if self.limits.max_block_bytes > self.ram.capacity_bytes:
-            raise ConfigError(
-                f"limits.max_block_bytes ({self.limits.max_block_bytes}) exceeds ram.capacity_bytes "
-                f"({self.ram.capacity_bytes}): such blocks could never be stored"
-            )
         return self
 
 
