@@ -1,0 +1,48 @@
+# kvcache: the two commands a new machine needs, and a few for developers.
+#   make serve   install the server and start it (RAM only, 127.0.0.1:51051)
+#   make test    install everything the tests need and run the whole suite (what CI runs)
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+PIP    := $(BIN)/python -m pip
+# The CPU build of torch: installed before the project so nothing pulls a multi-GB CUDA build.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: serve test lint proto bench install-server install-test system-deps clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+install-server: $(BIN)/python
+	$(PIP) install --quiet -e .
+
+serve: install-server
+	$(BIN)/kvcache-server $(ARGS)
+
+system-deps:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (Debian package)"; \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+install-test: $(BIN)/python system-deps
+	$(PIP) install --quiet "$(TORCH_CPU)"
+	$(PIP) install --quiet -e ".[torch,test,dev]"
+
+test: install-test
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(BIN)/python
+	$(BIN)/ruff check . && $(BIN)/ruff format --check .
+
+proto: $(BIN)/python
+	$(BIN)/python scripts/gen_proto.py
+
+bench: install-test
+	$(BIN)/python bench/bench_throughput.py $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,136 @@
+"""The block format: round trips for every dtype, and every way a header can be wrong."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+import torch
+
+from kvcache_client.errors import BlockFormatError, ChecksumMismatch, UnknownFormatVersion
+from kvcache_client.format import (
+    FIXED_HEADER_BYTES,
+    Compression,
+    DType,
+    Layout,
+    decode_block,
+    encode_block,
+    parse_header,
+    verify_block,
+)
+from kvcache_client.tensors import block_to_tensor, tensor_to_block
+
+pytestmark = pytest.mark.timeout(60)
+
+DTYPES = [torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.float64]
+DTYPES += [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    g = torch.Generator().manual_seed(7)
+    if dtype in (torch.uint8, torch.int8):
+        return torch.randint(-100 if dtype == torch.int8 else 0, 100, shape, generator=g, dtype=dtype)
+    return (torch.randn(shape, generator=g) * 4).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("shape", "layout"),
+    [
+        ((2, 2, 4, 16, 8), Layout.CANONICAL),
+        ((2, 2, 4, 3, 8), Layout.CANONICAL),
+        ((3, 5, 64), Layout.MLA),
+        ((7,), Layout.RAW),
+        ((0, 2, 1, 1, 1), Layout.CANONICAL),
+    ],
+)
+def test_tensor_round_trip_is_bitwise(dtype: torch.dtype, shape: tuple[int, ...], layout: Layout) -> None:
+    t = sample(dtype, shape)
+    block = tensor_to_block(t, layout)
+    header = verify_block(block)
+    assert header.dtype is DType.from_name(str(dtype))
+    assert header.layout is layout and header.shape == shape and header.compression is Compression.NONE
+    assert header.raw_len == t.numel() * t.element_size() == len(block) - header.header_len
+    back = block_to_tensor(block)
+    assert back.dtype == dtype and tuple(back.shape) == shape
+    assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))  # bitwise, NaNs included
+
+
+def test_non_contiguous_tensor_is_encoded_in_logical_order() -> None:
+    t = torch.arange(2 * 2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 2, 5, 4, 3).transpose(2, 4)
+    assert not t.is_contiguous()
+    assert torch.equal(block_to_tensor(tensor_to_block(t)), t)
+
+
+def test_payload_view_does_not_copy() -> None:
+    block = encode_block(b"abcdefgh", dtype="uint8", shape=(8,))
+    header, payload = decode_block(block)
+    assert payload.obj is block and bytes(payload) == b"abcdefgh" and header.header_len == 48
+
+
+def test_header_is_little_endian_and_documented_size() -> None:
+    block = encode_block(bytes(12), dtype="float32", shape=(3,))
+    assert block[:4] == b"KVCB"
+    assert struct.unpack_from("<HH", block, 4) == (1, FIXED_HEADER_BYTES + 8)
+    assert struct.unpack_from("<QQ", block, 16) == (12, 12)
+    assert struct.unpack_from("<Q", block, 40) == (3,)
+
+
+def corrupt(block: bytes, offset: int, value: int | None = None) -> bytes:
+    b = bytearray(block)
+    b[offset] = (b[offset] ^ 0x01) if value is None else value
+    return bytes(b)
+
+
+BLOCK = encode_block(bytes(range(64)), dtype="float16", shape=(2, 16), layout=Layout.RAW)
+
+
+@pytest.mark.parametrize(
+    ("data", "error", "fragment"),
+    [
+        (BLOCK[:10], BlockFormatError, "shorter than the 40-byte header"),
+        (b"XXXX" + BLOCK[4:], BlockFormatError, "bad magic"),
+        (corrupt(BLOCK, 4, 2), UnknownFormatVersion, "unknown block format version 2"),
+        (corrupt(BLOCK, 6, 41), BlockFormatError, "header_len"),
+        (corrupt(BLOCK, 8, 99), BlockFormatError, "unknown code"),
+        (corrupt(BLOCK, 9, 9), BlockFormatError, "unknown code"),
+        (corrupt(BLOCK, 10, 7), BlockFormatError, "unknown code"),
+        (corrupt(BLOCK, 11, 9), BlockFormatError, "ndim 9 exceeds"),
+        (corrupt(BLOCK, 12, 1), BlockFormatError, "reserved"),
+        (BLOCK[:-2], BlockFormatError, "payload bytes"),
+        (corrupt(BLOCK, 24, 66), BlockFormatError, "raw_len"),
+        (corrupt(BLOCK, 48, 3), BlockFormatError, "does not match shape"),
+        (corrupt(BLOCK, 9, 1), BlockFormatError, "canonical layout needs"),
+        (corrupt(BLOCK, 9, 2), BlockFormatError, "MLA layout needs"),
+        (corrupt(BLOCK, len(BLOCK) - 1), ChecksumMismatch, "checksum mismatch"),
+        (corrupt(BLOCK, 32), ChecksumMismatch, "checksum mismatch"),
+        (corrupt(BLOCK, 8, 3), ChecksumMismatch, "checksum mismatch"),  # float16 misread as bfloat16
+    ],
+)
+def test_bad_blocks_are_refused(data: bytes, error: type[Exception], fragment: str) -> None:
+    with pytest.raises(error) as info:
+        verify_block(data)
+    assert fragment in str(info.value)
+
+
+def test_shape_flip_that_keeps_sizes_consistent_is_caught_by_the_checksum() -> None:
+    block = encode_block(bytes(64), dtype="uint8", shape=(4, 16))
+    swapped = block[:40] + struct.pack("<QQ", 16, 4) + block[56:]
+    parse_header(swapped)  # structurally fine
+    with pytest.raises(ChecksumMismatch):
+        verify_block(swapped)
+
+
+def test_compressed_blocks_must_be_decompressed_before_verifying() -> None:
+    block = corrupt(BLOCK, 10, Compression.LZ4)
+    with pytest.raises(BlockFormatError, match="compressed"):
+        verify_block(block)
+
+
+def test_encode_refuses_bad_input() -> None:
+    with pytest.raises(BlockFormatError, match="does not hold shape"):
+        encode_block(bytes(10), dtype="float32", shape=(3,))
+    with pytest.raises(BlockFormatError, match="at most 8"):
+        encode_block(bytes(1), dtype="uint8", shape=(1,) * 9)
+    with pytest.raises(ValueError, match="unsupported dtype"):
+        encode_block(bytes(1), dtype="complex64", shape=(1,))
