@@ -14,6 +14,7 @@ restarts, machines and languages. This module never imports torch.
 
 from __future__ import annotations
 
+import operator
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +47,29 @@ def _int_field(value: int) -> bytes:
     return struct.pack("<Q", value)
 
 
+def _check_str(name: str, value: object, *, allow_empty: bool) -> None:
+    if not isinstance(value, str):
+        raise ValueError(f"Namespace.{name} must be a str, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise ValueError(f"Namespace.{name} must not be empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"Namespace.{name} is not encodable as UTF-8 (lone surrogate?)") from None
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise ValueError(f"Namespace.{name} must be an int, got a bool")
+    try:
+        number = operator.index(value)  # int and numpy integers; never floats
+    except TypeError:
+        raise ValueError(f"Namespace.{name} must be an int, got {type(value).__name__}") from None
+    if not minimum <= number < 2**64:
+        raise ValueError(f"Namespace.{name} must be in [{minimum}, 2**64), got {number}")
+    return number
+
+
 @dataclass(frozen=True, slots=True)
 class Namespace:
     """Everything that makes two chunks' KV tensors incompatible.
@@ -67,7 +91,8 @@ class Namespace:
         layout: Canonical layout name (CANONICAL_LAYOUT or MLA_LAYOUT).
         layout_version: Version of that layout.
         extra: Further engine facts that change the KV (LoRA name, pipeline
-            rank, ...), as strings; encoded sorted by key.
+            rank, ...), as a str -> str mapping; stored as sorted (key, value)
+            pairs and encoded in that order.
     """
 
     model_id: str
@@ -82,26 +107,29 @@ class Namespace:
     cache_salt: str = ""
     layout: str = CANONICAL_LAYOUT
     layout_version: int = LAYOUT_VERSION
-    extra: Mapping[str, str] = field(default_factory=dict, hash=False)
+    extra: Mapping[str, str] | tuple[tuple[str, str], ...] = ()
+    _fingerprint: bytes = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
-        if not self.model_id:
-            raise ValueError("Namespace.model_id must not be empty")
-        if not self.kv_dtype:
-            raise ValueError("Namespace.kv_dtype must not be empty")
-        for name in ("chunk_tokens", "num_layers", "num_kv_heads", "head_size", "tp_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"Namespace.{name} must be a positive int, got {value!r}")
-        if not 0 <= self.tp_rank < self.tp_size:
+        for name in ("model_id", "kv_dtype", "layout", "model_revision", "cache_salt"):
+            _check_str(name, getattr(self, name), allow_empty=name in ("model_revision", "cache_salt"))
+        if self.layout not in (CANONICAL_LAYOUT, MLA_LAYOUT):
+            raise ValueError(f"Namespace.layout must be {CANONICAL_LAYOUT!r} or {MLA_LAYOUT!r}, got {self.layout!r}")
+        for name in ("chunk_tokens", "num_layers", "num_kv_heads", "head_size", "tp_size", "tp_rank", "layout_version"):
+            value = _check_int(name, getattr(self, name), minimum=0 if name in ("tp_rank", "layout_version") else 1)
+            object.__setattr__(self, name, value)
+        if self.chunk_tokens > _MAX_TOKEN_ID:
+            raise ValueError(f"Namespace.chunk_tokens must be < 2**32, got {self.chunk_tokens}")
+        if self.tp_rank >= self.tp_size:
             raise ValueError(f"Namespace.tp_rank {self.tp_rank} not in [0, {self.tp_size})")
-        if self.layout_version < 0:
-            raise ValueError("Namespace.layout_version must be >= 0")
-        for k, v in self.extra.items():
-            if not isinstance(k, str) or not isinstance(v, str):
-                raise ValueError("Namespace.extra must map str to str")
-        # Keep a sorted private copy so later changes to the caller's dict cannot change the keys.
-        object.__setattr__(self, "extra", dict(sorted(self.extra.items())))
+        pairs = dict(self.extra.items() if isinstance(self.extra, Mapping) else self.extra)
+        for k, v in pairs.items():
+            _check_str("extra key", k, allow_empty=True)
+            _check_str(f"extra[{k!r}]", v, allow_empty=True)
+        # Sorted pairs in a tuple: immutable, hashable and picklable, so neither the caller's
+        # dict nor anyone holding the namespace can change its keys later.
+        object.__setattr__(self, "extra", tuple(sorted(pairs.items())))
+        object.__setattr__(self, "_fingerprint", xxhash.xxh3_128_digest(self.canonical_bytes()))
 
     def canonical_bytes(self) -> bytes:
         """The exact bytes hashed into the fingerprint (docs/keys.md, "Namespace")."""
@@ -121,15 +149,15 @@ class Namespace:
             _str_field(self.cache_salt),
             _int_field(len(self.extra)),
         ]
-        for k, v in self.extra.items():
+        for k, v in self.extra:
             parts.append(_str_field(k))
             parts.append(_str_field(v))
         return b"".join(parts)
 
     @property
     def fingerprint(self) -> bytes:
-        """16-byte XXH3-128 digest of `canonical_bytes()`."""
-        return xxhash.xxh3_128_digest(self.canonical_bytes())
+        """16-byte XXH3-128 digest of `canonical_bytes()` (computed once, at construction)."""
+        return self._fingerprint
 
     @property
     def name(self) -> str:
@@ -156,19 +184,26 @@ class Namespace:
 
 
 def _token_array(tokens: Sequence[int] | np.ndarray | Iterable[int]) -> np.ndarray:
-    """Token ids as little-endian uint32, refusing ids outside [0, 2**32)."""
+    """Token ids as little-endian uint32, refusing non-integers and ids outside [0, 2**32)."""
     if isinstance(tokens, np.ndarray):
         arr = tokens
+        if arr.dtype == object:
+            arr = _token_array(arr.tolist())
     else:
-        try:
-            arr = np.asarray(tokens if isinstance(tokens, Sequence) else list(tokens), dtype=np.int64)
-        except OverflowError as exc:
-            raise ValueError("token ids must be in [0, 2**32)") from exc
+        items = tokens if isinstance(tokens, Sequence) else list(tokens)
+        if len(items) == 0:
+            return np.empty(0, dtype="<u4")
+        arr = np.asarray(items)
+        if arr.dtype == object:  # ints too large for int64, or mixed types: check one by one
+            for t in items:
+                if isinstance(t, bool) or not isinstance(t, int | np.integer):
+                    raise ValueError(f"token ids must be integers, got {type(t).__name__}")
+            raise ValueError("token ids must be in [0, 2**32)")
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
         return arr.astype("<u4")
-    if arr.dtype.kind not in "iu":
+    if arr.dtype.kind not in "iu":  # floats, bools, strings
         raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
     if int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN_ID:
         raise ValueError("token ids must be in [0, 2**32)")
@@ -182,7 +217,7 @@ def chunk_key(parent: bytes, chunk: Sequence[int] | np.ndarray) -> bytes:
     arr = _token_array(chunk)
     if arr.size == 0:
         raise ValueError("a chunk must hold at least one token")
-    return xxhash.xxh3_128_digest(parent + struct.pack("<I", arr.size) + arr.tobytes())
+    return xxhash.xxh3_128_digest(bytes(parent) + struct.pack("<I", arr.size) + arr.tobytes())
 
 
 def chunk_keys(
@@ -197,7 +232,7 @@ def chunk_keys(
         tokens: The prompt's token ids, each in [0, 2**32).
         namespace: The namespace the KV belongs to; its chunk_tokens sets the chunk size.
         include_partial: Also key the final chunk when it holds fewer than
-            chunk_tokens tokens (its key never equals a full chunk's key).
+            chunk_tokens tokens (its hashed message differs from any full chunk's).
 
     Returns:
         One 16-byte key per chunk: len(tokens) // chunk_tokens keys, plus one
