@@ -13,10 +13,11 @@ from grpc_reflection.v1alpha import reflection
 
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server import __version__
-from kvcache_server.config import ServerConfig
+from kvcache_server.config import LowerTierSection, ServerConfig
 from kvcache_server.service import SERVICE_NAME, KVCacheService
-from kvcache_server.stack import TierStack
-from kvcache_server.tiers.ram import RamTier
+from kvcache_server.stack import LowerTierPolicy, QueueFull, TierStack, WriteMode
+from kvcache_server.tiers.base import Tier
+from kvcache_server.tiers.codec import CompressionMode
 
 log = logging.getLogger(__name__)
 
@@ -35,15 +36,64 @@ class RunningServer:
     def target(self) -> str:
         return f"{self.config.server.host}:{self.port}"
 
-    async def stop(self, grace_s: float | None = None) -> None:
-        """Stops taking calls, lets running ones finish within the grace period, closes tiers."""
+    async def stop(self, grace_s: float | None = None, drain_deadline_s: float | None = None) -> int:
+        """Stops taking calls, lets running ones finish, drains write-behind queues, closes tiers.
+
+        Returns:
+            Queued writes that could not be written within the drain deadline.
+        """
+        c = self.config.server
         await self.health.enter_graceful_shutdown()
-        await self.server.stop(self.config.server.shutdown_grace_s if grace_s is None else grace_s)
-        await self.stack.close()
+        await self.server.stop(c.shutdown_grace_s if grace_s is None else grace_s)
+        return await self.stack.close(c.drain_deadline_s if drain_deadline_s is None else drain_deadline_s)
+
+
+def _policy(section: LowerTierSection) -> LowerTierPolicy:
+    return LowerTierPolicy(
+        write_mode=WriteMode(section.write_mode),
+        compression=CompressionMode(section.compression),
+        promote=section.promote,
+        timeout_s=section.timeout_s,
+        queue_max_bytes=section.queue_max_bytes,
+        queue_full=QueueFull(section.queue_full),
+        breaker_failures=section.breaker_failures,
+        breaker_reset_s=section.breaker_reset_s,
+    )
 
 
 def build_stack(config: ServerConfig) -> TierStack:
-    return TierStack([RamTier(config.ram.capacity_bytes)])
+    """RAM, then Redis and S3 where enabled; tier modules are imported only when used."""
+    lower: list[tuple[Tier, LowerTierPolicy]] = []
+    r = config.redis
+    if r.enabled:
+        from kvcache_server.tiers.redis import RedisTier
+
+        tier = RedisTier(
+            r.url,
+            key_prefix=r.key_prefix,
+            ttl_s=r.ttl_s,
+            timeout_s=r.timeout_s,
+            password=r.password,
+            tls_ca_file=r.tls_ca_file,
+            max_connections=r.max_connections,
+        )
+        lower.append((tier, _policy(r)))
+    s3 = config.s3
+    if s3.enabled:
+        from kvcache_server.tiers.s3 import S3Tier
+
+        tier = S3Tier(
+            s3.bucket,
+            prefix=s3.prefix,
+            endpoint_url=s3.endpoint_url,
+            region=s3.region,
+            path_style=s3.path_style,
+            max_concurrency=s3.max_concurrency,
+            timeout_s=s3.timeout_s,
+            create_bucket=s3.create_bucket,
+        )
+        lower.append((tier, _policy(s3)))
+    return TierStack(config.ram.capacity_bytes, lower, demote_on_evict=config.ram.demote_on_evict)
 
 
 async def create_server(config: ServerConfig) -> RunningServer:
@@ -58,6 +108,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
         maximum_concurrent_rpcs=config.server.max_concurrent_rpcs,
     )
     stack = build_stack(config)
+    await stack.start()
     pb_grpc.add_KVCacheServicer_to_server(KVCacheService(stack, config.limits, version=__version__), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -81,10 +132,14 @@ async def create_server(config: ServerConfig) -> RunningServer:
 def describe(running: RunningServer) -> str:
     """The one start-up line: what is served where."""
     c = running.config
+    tiers = [f"ram {c.ram.capacity_bytes / (1 << 30):.2f} GiB"]
+    if c.redis.enabled:
+        tiers.append(f"redis {c.redis.url.split('@')[-1]} ({c.redis.write_mode})")
+    if c.s3.enabled:
+        tiers.append(f"s3 {c.s3.bucket}/{c.s3.prefix} ({c.s3.write_mode})")
     return (
         f"kvcache-server {__version__} serving {SERVICE_NAME} on {c.server.host}:{running.port} "
-        f"(tiers: ram {c.ram.capacity_bytes / (1 << 30):.2f} GiB; "
-        f"max block {c.limits.max_block_bytes / (1 << 20):.0f} MiB)"
+        f"(tiers: {', '.join(tiers)}; max block {c.limits.max_block_bytes / (1 << 20):.0f} MiB)"
     )
 
 
@@ -99,5 +154,8 @@ async def serve(config: ServerConfig) -> None:
     print(describe(running), flush=True)
     await stop.wait()
     log.info("shutting down (grace %.1fs)", config.server.shutdown_grace_s)
-    await running.stop()
-    log.info("stopped")
+    dropped = await running.stop()
+    if dropped:
+        log.warning("stopped; %d queued writes to lower tiers were dropped at the drain deadline", dropped)
+    else:
+        log.info("stopped; all queued writes drained")

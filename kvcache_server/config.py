@@ -40,7 +40,8 @@ class ServerSection:
 
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT  # 0 picks a free port (printed at start-up)
-    shutdown_grace_s: float = 5.0
+    shutdown_grace_s: float = 5.0  # in-flight RPCs may finish within this after SIGTERM
+    drain_deadline_s: float = 10.0  # then write-behind queues may drain within this
     log_level: str = "info"
     log_json: bool = False
     max_concurrent_rpcs: int = 1024
@@ -48,8 +49,8 @@ class ServerSection:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
-        if self.shutdown_grace_s < 0:
-            raise ConfigError("server.shutdown_grace_s must be >= 0")
+        if self.shutdown_grace_s < 0 or self.drain_deadline_s < 0:
+            raise ConfigError("server.shutdown_grace_s and server.drain_deadline_s must be >= 0")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
             raise ConfigError(f"server.log_level {self.log_level!r} is not a log level")
         if self.max_concurrent_rpcs <= 0:
@@ -61,10 +62,89 @@ class RamSection:
     """The host-RAM tier."""
 
     capacity_bytes: int = _GiB
+    # A block evicted from RAM is written to the first lower tier unless that tier holds it.
+    demote_on_evict: bool = True
 
     def validate(self) -> None:
         if self.capacity_bytes <= 0:
             raise ConfigError("ram.capacity_bytes must be positive")
+
+
+_WRITE_MODES = ("through", "behind")
+_QUEUE_FULL = ("drop", "sync")
+_COMPRESSION = ("none", "lz4", "shuffle-lz4")
+
+
+@dataclass(frozen=True, slots=True)
+class LowerTierSection:
+    """Settings every lower tier has: how the stack writes to it, reads from it and guards it."""
+
+    enabled: bool = False
+    write_mode: str = "through"  # "through": puts wait for it; "behind": a bounded background queue
+    compression: str = "none"  # "none", "lz4", "shuffle-lz4" (byte-shuffle for 16-bit dtypes, then lz4)
+    promote: bool = True  # copy hits found here into the tiers above
+    timeout_s: float = 2.0  # per call; a call that takes longer is a miss
+    queue_max_bytes: int = 256 * _MiB  # write-behind queue bound
+    queue_full: str = "drop"  # "drop" (counted) or "sync" (write synchronously instead)
+    breaker_failures: int = 3  # consecutive failures that open the circuit breaker
+    breaker_reset_s: float = 2.0  # first back-off before probing again (doubles, capped at 30s)
+
+    def _validate_common(self, name: str) -> None:
+        for field_name, allowed in (
+            ("write_mode", _WRITE_MODES),
+            ("queue_full", _QUEUE_FULL),
+            ("compression", _COMPRESSION),
+        ):
+            value = getattr(self, field_name)
+            if value not in allowed:
+                raise ConfigError(f"{name}.{field_name} must be one of {allowed}, got {value!r}")
+        if self.timeout_s <= 0 or self.breaker_reset_s <= 0:
+            raise ConfigError(f"{name}.timeout_s and {name}.breaker_reset_s must be positive")
+        if self.queue_max_bytes <= 0 or self.breaker_failures < 1:
+            raise ConfigError(f"{name}.queue_max_bytes and {name}.breaker_failures must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class RedisSection(LowerTierSection):
+    """The Redis tier (redis:// or rediss:// for TLS)."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    password: str = ""  # overrides the URL's; prefer KVCACHE_REDIS_PASSWORD to a file
+    tls_ca_file: str = ""
+    key_prefix: str = "kvcache"
+    ttl_s: int = 0  # 0: no expiry (Redis's maxmemory policy still applies)
+    max_connections: int = 32
+    timeout_s: float = 1.0
+
+    def validate(self) -> None:
+        self._validate_common("redis")
+        if not self.url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"redis.url must start with redis://, rediss:// or unix://, got {self.url!r}")
+        if self.ttl_s < 0 or self.max_connections < 1:
+            raise ConfigError("redis.ttl_s must be >= 0 and redis.max_connections >= 1")
+
+
+@dataclass(frozen=True, slots=True)
+class S3Section(LowerTierSection):
+    """The S3 tier (AWS, MinIO or any S3 API). Credentials: boto3's standard chain."""
+
+    bucket: str = ""
+    prefix: str = "kvcache"
+    endpoint_url: str = ""  # e.g. http://minio:9000; empty for AWS
+    region: str = "us-east-1"
+    path_style: bool = False  # true for MinIO and most self-hosted S3
+    create_bucket: bool = False
+    max_concurrency: int = 16
+    timeout_s: float = 10.0
+    write_mode: str = "behind"
+    queue_max_bytes: int = _GiB
+
+    def validate(self) -> None:
+        self._validate_common("s3")
+        if self.enabled and not self.bucket:
+            raise ConfigError("s3.bucket is required when s3.enabled is true")
+        if self.max_concurrency < 1:
+            raise ConfigError("s3.max_concurrency must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +176,8 @@ class ServerConfig:
 
     server: ServerSection = field(default_factory=ServerSection)
     ram: RamSection = field(default_factory=RamSection)
+    redis: RedisSection = field(default_factory=RedisSection)
+    s3: S3Section = field(default_factory=S3Section)
     limits: LimitsSection = field(default_factory=LimitsSection)
 
     def validate(self) -> ServerConfig:

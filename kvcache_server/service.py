@@ -8,6 +8,7 @@ that same bytes object; on reads the stored object goes into the reply as is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 import time
@@ -23,11 +24,14 @@ from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.config import LimitsSection
 from kvcache_server.stack import TierStack
+from kvcache_server.tiers.base import TierStats
 
 log = logging.getLogger(__name__)
 
 MAX_NAMESPACE_BYTES = 128
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
+# TierStats travels field by field under the same names; `kind` is `tier` on the wire.
+_TIER_STATS_FIELDS = [f for f in dataclasses.fields(TierStats) if f.name != "kind"]
 
 
 class _Counters:
@@ -154,21 +158,23 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         keys = await self._keys(context, request.keys)
         found = await self._stack.get(namespace, keys)
         budget = self._limits.stream_message_bytes
-        items: list[pb.GetItem] = []
+        # items.add(...) copies each block into the reply once; GetItem objects in a list would be
+        # serialised and parsed again on assignment.
+        response = pb.GetResponse()
         size = 0
         for i, hit in enumerate(found):
             if hit is None:
-                items.append(pb.GetItem(index=i, found=False))
-            else:
-                if items and size + len(hit.data) > budget:
-                    yield pb.GetResponse(items=items)
-                    items, size = [], 0
-                items.append(pb.GetItem(index=i, found=True, data=hit.data, tier=int(hit.tier)))
-                size += len(hit.data)
-            if hit is None and request.prefix_only:
-                break
-        if items:
-            yield pb.GetResponse(items=items)
+                response.items.add(index=i, found=False)
+                if request.prefix_only:
+                    break
+                continue
+            if size and size + len(hit.data) > budget:
+                yield response
+                response, size = pb.GetResponse(), 0
+            response.items.add(index=i, found=True, data=hit.data, tier=int(hit.tier))
+            size += len(hit.data)
+        if response.items:
+            yield response
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         namespace = await self._namespace(context, request.namespace)
@@ -177,21 +183,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         tiers = [
-            pb.TierStats(
-                name=s.name,
-                tier=int(s.kind),
-                used_bytes=s.used_bytes,
-                capacity_bytes=s.capacity_bytes,
-                blocks=s.blocks,
-                hits=s.hits,
-                misses=s.misses,
-                puts=s.puts,
-                evictions=s.evictions,
-                rejected=s.rejected,
-                checksum_failures=s.checksum_failures,
-                errors=s.errors,
-                healthy=s.healthy,
-            )
+            pb.TierStats(tier=int(s.kind), **{f.name: getattr(s, f.name) for f in _TIER_STATS_FIELDS})
             for s in self._stack.stats()
         ]
         return pb.StatsResponse(

@@ -1,26 +1,96 @@
-"""The tier stack: the one seam between the RPC front end and storage.
+"""The tier stack: RAM first, then lower tiers (Redis, S3), behind one seam for the RPC layer.
 
-The gRPC service (kvcache_server.service) validates requests and calls only
-this class; the tiers below it know nothing about gRPC. Tiers are ordered
-fastest first (RAM, then Redis, then S3). Reads try them in order; a tier that
-raises TierError is a miss for that call, counted against the tier.
+The gRPC service calls only this class; tiers know nothing of gRPC or of each
+other. Order is fastest first:
 
-Integrity: blocks enter through `put`, after the service verified their
-checksum, and the RAM tier holds them in this process. Blocks read from any
-other tier left this process and are verified again before they are served; a
-block that fails is deleted from that tier, counted, and treated as a miss.
+    get     RAM ──miss──> Redis ──miss──> S3          a hit below is verified, then
+                                                       promoted up (if configured)
+    put     RAM, then each lower tier: synchronously (write-through) or through
+            its bounded write-behind queue (write-behind)
+    evict   a block evicted from RAM is queued for the first lower tier, which
+            writes it unless it already holds it (demotion, if configured)
+    lookup  at most one round trip per tier, only for keys the tiers above lack
+
+Failures: a lower tier that raises TierError or exceeds its timeout is a miss
+for that call, counted; its circuit breaker stops calling it after repeated
+failures and probes it again after a back-off, so a dead backend does not add
+its timeout to every request.
+
+Integrity: the RAM tier holds blocks verified on entry by the service, in this
+process. A block read from any lower tier is decoded (decompressed) and its
+checksum verified before it is served or promoted; a block that fails is
+deleted from that tier, counted, and treated as a miss.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import enum
 import logging
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TypeVar
 
-from kvcache_client.format import BlockFormatError, verify_block
+from kvcache_client.format import BlockFormatError
+from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
+from kvcache_server.tiers.breaker import BreakerState, CircuitBreaker
+from kvcache_server.tiers.ram import RamTier
+from kvcache_server.write_queue import PendingWrite, WriteKind, WriteQueue
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_BATCH_ITEMS = 64
+_BATCH_BYTES = 32 << 20
+
+
+class WriteMode(enum.StrEnum):
+    THROUGH = "through"  # the put waits for this tier
+    BEHIND = "behind"  # the put returns; a background task writes from a bounded queue
+
+
+class QueueFull(enum.StrEnum):
+    DROP = "drop"  # refuse the write-behind (counted); the block stays in the tiers above
+    SYNC = "sync"  # write it synchronously instead (the put waits)
+
+
+@dataclass(frozen=True, slots=True)
+class LowerTierPolicy:
+    """How the stack uses one lower tier."""
+
+    write_mode: WriteMode = WriteMode.THROUGH
+    compression: codec.CompressionMode = codec.CompressionMode.NONE
+    promote: bool = True  # copy hits from this tier into the tiers above it
+    timeout_s: float = 2.0  # per call, on top of the client's own socket timeouts
+    queue_max_bytes: int = 256 << 20
+    queue_full: QueueFull = QueueFull.DROP
+    breaker_failures: int = 3
+    breaker_reset_s: float = 2.0
+
+
+@dataclass(slots=True)
+class _Counters:
+    errors: int = 0
+    timeouts: int = 0
+    checksum_failures: int = 0
+    promotions: int = 0  # blocks copied into this tier from a lower one
+    demotions: int = 0  # blocks written here after RAM evicted them
+    write_errors: int = 0  # write-behind / demotion writes that failed
+    bytes_written: int = 0  # as stored (after compression)
+    bytes_read: int = 0
+
+
+@dataclass(slots=True)
+class _Lower:
+    tier: Tier
+    policy: LowerTierPolicy
+    breaker: CircuitBreaker
+    queue: WriteQueue
+    counters: _Counters = field(default_factory=_Counters)
+    worker: asyncio.Task[None] | None = None
 
 
 @dataclass(slots=True)
@@ -32,39 +102,92 @@ class Found:
 
 
 class TierStack:
-    """Tiers in order, fastest first. The first tier is the in-process RAM tier."""
+    """The RAM tier and the lower tiers in order, fastest first."""
 
-    def __init__(self, tiers: Sequence[Tier]) -> None:
-        if not tiers:
-            raise ValueError("a tier stack needs at least one tier")
-        self._tiers = list(tiers)
-        self._errors: dict[str, int] = {t.name: 0 for t in self._tiers}
-        self._checksum_failures: dict[str, int] = {t.name: 0 for t in self._tiers}
+    def __init__(
+        self,
+        ram_capacity_bytes: int,
+        lower: Sequence[tuple[Tier, LowerTierPolicy]] = (),
+        *,
+        demote_on_evict: bool = True,
+    ) -> None:
+        self._ram = RamTier(ram_capacity_bytes, on_evict=self._on_ram_evict)
+        self._ram_counters = _Counters()
+        self._lower = [
+            _Lower(
+                tier,
+                policy,
+                CircuitBreaker(policy.breaker_failures, policy.breaker_reset_s),
+                WriteQueue(policy.queue_max_bytes),
+            )
+            for tier, policy in lower
+        ]
+        self._demote = demote_on_evict and bool(self._lower)
+        self._closing = False
+
+    @property
+    def ram(self) -> RamTier:
+        return self._ram
 
     @property
     def tiers(self) -> list[Tier]:
-        return list(self._tiers)
+        return [self._ram, *(lo.tier for lo in self._lower)]
 
-    def _failed(self, tier: Tier, what: str, exc: Exception) -> None:
-        self._errors[tier.name] += 1
-        log.warning("tier %s failed during %s, treating as miss: %s", tier.name, what, exc)
+    async def start(self) -> None:
+        """Starts one write-behind worker per lower tier. Call on the server's event loop."""
+        for lower in self._lower:
+            lower.worker = asyncio.create_task(self._drain_forever(lower), name=f"kvcache-writes-{lower.tier.name}")
+
+    # -- calling a lower tier -----------------------------------------------------------------
+
+    async def _call(self, lower: _Lower, what: str, fn: Callable[..., Awaitable[T]], *args: object) -> T | None:
+        """Runs fn(*args) against a lower tier under its breaker and timeout; None when it failed or was skipped."""
+        if not lower.breaker.allow():
+            return None
+        try:
+            result = await asyncio.wait_for(fn(*args), lower.policy.timeout_s)
+        except TimeoutError:
+            lower.counters.timeouts += 1
+            lower.breaker.failure()
+            log.warning(
+                "tier %s timed out during %s after %.2fs; treating as miss",
+                lower.tier.name,
+                what,
+                lower.policy.timeout_s,
+            )
+            return None
+        except TierError as exc:
+            lower.counters.errors += 1
+            lower.breaker.failure()
+            log.warning("tier %s failed during %s; treating as miss: %s", lower.tier.name, what, exc)
+            return None
+        lower.breaker.success()
+        return result
+
+    async def _write(self, lower: _Lower, namespace: str, items: Sequence[tuple[bytes, bytes]], what: str) -> bool:
+        encoded = [(k, codec.encode(b, lower.policy.compression)) for k, b in items]
+        done = await self._call(lower, what, lower.tier.put_many, namespace, encoded)
+        if done is None:
+            return False
+        lower.counters.bytes_written += sum(len(b) for _, b in encoded)
+        return True
+
+    # -- reads ---------------------------------------------------------------------------------
 
     async def lookup(self, namespace: str, keys: Sequence[bytes]) -> list[TierKind]:
         """The tier of each key in the longest stored prefix (at most one call per tier)."""
-        where: list[TierKind | None] = [None] * len(keys)
-        limit = len(keys)  # keys at or past the first key no tier has cannot extend the prefix
-        for tier in self._tiers:
-            ask = [i for i in range(limit) if where[i] is None]
+        present = self._ram.contains_many_sync(namespace, keys)
+        where: list[TierKind | None] = [TierKind.RAM if p else None for p in present]
+        for lower in self._lower:
+            gap = next((i for i, w in enumerate(where) if w is None), len(keys))
+            # Keys before the first gap are answered; ask this tier about the unresolved rest.
+            ask = [i for i in range(gap, len(keys)) if where[i] is None]
             if not ask:
                 break
-            try:
-                present = await tier.contains_many(namespace, [keys[i] for i in ask])
-            except TierError as exc:
-                self._failed(tier, "lookup", exc)
-                continue
-            for i, hit in zip(ask, present, strict=True):
+            found = await self._call(lower, "lookup", lower.tier.contains_many, namespace, [keys[i] for i in ask])
+            for i, hit in zip(ask, found or [False] * len(ask), strict=True):
                 if hit:
-                    where[i] = tier.kind
+                    where[i] = lower.tier.kind
         prefix: list[TierKind] = []
         for kind in where:
             if kind is None:
@@ -73,70 +196,174 @@ class TierStack:
         return prefix
 
     async def get(self, namespace: str, keys: Sequence[bytes]) -> list[Found | None]:
-        """Each key's block, from the fastest tier that has a valid copy."""
+        """Each key's block from the fastest tier holding a valid copy; lower hits are promoted."""
         out: list[Found | None] = [None] * len(keys)
-        missing = list(range(len(keys)))
-        for depth, tier in enumerate(self._tiers):
+        missing: list[int] = []
+        for i, block in enumerate(self._ram.get_many_sync(namespace, keys)):
+            if block is None:
+                missing.append(i)
+            else:
+                out[i] = Found(block, TierKind.RAM)
+        for depth, lower in enumerate(self._lower):
             if not missing:
                 break
-            try:
-                blocks = await tier.get_many(namespace, [keys[i] for i in missing])
-            except TierError as exc:
-                self._failed(tier, "get", exc)
+            stored = await self._call(lower, "get", lower.tier.get_many, namespace, [keys[i] for i in missing])
+            if stored is None:
                 continue
             still: list[int] = []
             corrupt: list[bytes] = []
-            for i, block in zip(missing, blocks, strict=True):
-                if block is None:
+            hits: list[tuple[bytes, bytes]] = []
+            for i, data in zip(missing, stored, strict=True):
+                if data is None:
                     still.append(i)
-                elif depth > 0 and not self._valid(tier, block):
+                    continue
+                lower.counters.bytes_read += len(data)
+                try:
+                    block = codec.decode(data)
+                except BlockFormatError as exc:
+                    lower.counters.checksum_failures += 1
+                    log.error(
+                        "tier %s returned a corrupt block %s/%s, deleting it: %s",
+                        lower.tier.name,
+                        namespace,
+                        keys[i].hex(),
+                        exc,
+                    )
                     corrupt.append(keys[i])
                     still.append(i)
-                else:
-                    out[i] = Found(block, tier.kind)
+                    continue
+                out[i] = Found(block, lower.tier.kind)
+                hits.append((keys[i], block))
             if corrupt:
-                await self._drop(tier, namespace, corrupt)
+                await self._call(lower, "delete of corrupt blocks", lower.tier.delete_many, namespace, corrupt)
+            if hits and lower.policy.promote:
+                self._promote(depth, namespace, hits)
             missing = still
         return out
 
-    def _valid(self, tier: Tier, block: bytes) -> bool:
-        try:
-            verify_block(block)
-        except BlockFormatError as exc:
-            self._checksum_failures[tier.name] += 1
-            log.error("tier %s returned a corrupt block, dropping it: %s", tier.name, exc)
-            return False
-        return True
+    def _promote(self, depth: int, namespace: str, hits: list[tuple[bytes, bytes]]) -> None:
+        """Copies blocks found at lower tier `depth` into RAM and into the lower tiers above it."""
+        kept = self._ram.put_many_sync(namespace, hits)
+        self._ram_counters.promotions += sum(kept)
+        for upper in self._lower[:depth]:
+            for key, block in hits:
+                if upper.queue.offer(PendingWrite(namespace, key, block, WriteKind.PROMOTION)):
+                    upper.counters.promotions += 1
+                else:
+                    upper.queue.dropped += 1
 
-    async def _drop(self, tier: Tier, namespace: str, keys: list[bytes]) -> None:
-        try:
-            await tier.delete_many(namespace, keys)
-        except TierError as exc:
-            self._failed(tier, "delete of corrupt blocks", exc)
+    # -- writes --------------------------------------------------------------------------------
 
     async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        """Stores verified blocks in the first tier; returns per item whether it was kept."""
-        return await self._tiers[0].put_many(namespace, items)
+        """Stores verified blocks; per item, whether some tier holds it (or has it queued)."""
+        kept = self._ram.put_many_sync(namespace, items)
+        for lower in self._lower:
+            if lower.policy.write_mode is WriteMode.THROUGH:
+                ok = await self._write(lower, namespace, items, "put")
+            else:
+                sync: list[tuple[bytes, bytes]] = []
+                for key, block in items:
+                    if not lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.PUT)):
+                        if lower.policy.queue_full is QueueFull.SYNC:
+                            sync.append((key, block))
+                        else:
+                            lower.queue.dropped += 1
+                ok = not sync or await self._write(lower, namespace, sync, "put (queue full)")
+                ok = ok or len(sync) < len(items)
+            if ok:
+                kept = [True] * len(items)
+        return kept
+
+    def _on_ram_evict(self, namespace: str, key: bytes, block: bytes) -> None:
+        if not self._demote or self._closing:
+            return
+        lower = self._lower[0]
+        if not lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.DEMOTION)):
+            lower.queue.dropped += 1
+
+    async def _drain_forever(self, lower: _Lower) -> None:
+        while True:
+            await lower.queue.wait_ready()
+            batch = lower.queue.take(_BATCH_ITEMS, _BATCH_BYTES)
+            if not batch:
+                continue
+            try:
+                await self._write_batch(lower, batch)
+            finally:
+                lower.queue.done()
+
+    async def _write_batch(self, lower: _Lower, batch: list[PendingWrite]) -> None:
+        by_ns: dict[str, list[PendingWrite]] = {}
+        for w in batch:
+            by_ns.setdefault(w.namespace, []).append(w)
+        for namespace, writes in by_ns.items():
+            demotions = [w for w in writes if w.kind is WriteKind.DEMOTION]
+            if demotions:
+                keys = [w.key for w in demotions]
+                held = await self._call(lower, "demotion check", lower.tier.contains_many, namespace, keys)
+                skip = {w.key for w, h in zip(demotions, held or [], strict=False) if h}
+                writes = [w for w in writes if w.key not in skip]
+            if not writes:
+                continue
+            if await self._write(lower, namespace, [(w.key, w.block) for w in writes], "write-behind"):
+                lower.counters.demotions += sum(w.kind is WriteKind.DEMOTION for w in writes)
+            else:
+                lower.counters.write_errors += len(writes)
 
     async def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
-        """Removes keys from every tier; returns the most any one tier removed."""
-        deleted = 0
-        for tier in self._tiers:
-            try:
-                deleted = max(deleted, await tier.delete_many(namespace, keys))
-            except TierError as exc:
-                self._failed(tier, "delete", exc)
+        """Removes keys from every tier (and their pending writes); returns the most any tier removed."""
+        deleted = self._ram.delete_many_sync(namespace, keys)
+        for lower in self._lower:
+            lower.queue.discard(namespace, list(keys))
+            n = await self._call(lower, "delete", lower.tier.delete_many, namespace, keys)
+            deleted = max(deleted, n or 0)
         return deleted
 
+    # -- lifecycle and stats -------------------------------------------------------------------
+
+    async def close(self, drain_deadline_s: float = 10.0) -> int:
+        """Drains write-behind queues within the deadline, then closes tiers; returns writes dropped."""
+        self._closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + drain_deadline_s
+        dropped = 0
+        for lower in self._lower:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(lower.queue.wait_idle(), max(0.0, deadline - loop.time()))
+            if lower.worker is not None:
+                lower.worker.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await lower.worker
+            pending = lower.queue.abandon()
+            if pending:
+                log.warning(
+                    "shutdown: dropped %d queued writes to tier %s (drain deadline %.1fs)",
+                    pending,
+                    lower.tier.name,
+                    drain_deadline_s,
+                )
+            dropped += pending
+        for tier in self.tiers:
+            try:
+                await tier.close()
+            except TierError as exc:
+                log.warning("closing tier %s: %s", tier.name, exc)
+        return dropped
+
     def stats(self) -> list[TierStats]:
-        out = []
-        for tier in self._tiers:
-            s = tier.stats()
-            s.errors += self._errors[tier.name]
-            s.checksum_failures += self._checksum_failures[tier.name]
+        ram = self._ram.stats()
+        ram.promotions = self._ram_counters.promotions
+        out = [ram]
+        for lower in self._lower:
+            s = lower.tier.stats()
+            c = lower.counters
+            s.errors += c.errors + c.timeouts
+            s.checksum_failures += c.checksum_failures
+            s.promotions, s.demotions, s.write_errors = c.promotions, c.demotions, c.write_errors
+            s.queue_depth, s.queue_bytes, s.queue_dropped = len(lower.queue), lower.queue.bytes, lower.queue.dropped
+            s.breaker = lower.breaker.state.name.lower()
+            s.skipped = lower.breaker.skipped
+            s.bytes_written, s.bytes_read = c.bytes_written, c.bytes_read
+            s.healthy = lower.breaker.state is BreakerState.CLOSED
             out.append(s)
         return out
-
-    async def close(self) -> None:
-        for tier in self._tiers:
-            await tier.close()

@@ -13,8 +13,11 @@ import pytest
 from kvcache_client.format import encode_block
 from kvcache_server.app import RunningServer, create_server
 from kvcache_server.config import load_config
+from tests.backends import S3_ENV, RedisProcess, S3Process
 
-IN_CI = os.environ.get("CI", "").lower() in {"1", "true", "yes"}
+# boto3's standard credential chain reads these; moto accepts any credentials.
+for _name, _value in S3_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 
 class ServerThread:
@@ -67,6 +70,20 @@ def make_server() -> Iterator[Callable[..., ServerThread]]:
 @pytest.fixture
 def server(make_server: Callable[..., ServerThread]) -> ServerThread:
     return make_server(ram={"capacity_bytes": 256 << 20})
+
+
+@pytest.fixture
+def redis_server() -> Iterator[RedisProcess]:
+    proc = RedisProcess()
+    yield proc
+    proc.stop()
+
+
+@pytest.fixture
+def s3_server() -> Iterator[S3Process]:
+    proc = S3Process()
+    yield proc
+    proc.stop()
 
 
 def raw_block(payload: bytes) -> bytes:

@@ -311,9 +311,15 @@ def test_keys_do_not_depend_on_pythonhashseed() -> None:
         )
         outputs.append(proc.stdout.split())
     ns = Namespace(
-        model_id="m/\u65e5\u672c", kv_dtype="bfloat16", chunk_tokens=4, num_layers=2, num_kv_heads=2, head_size=8,
-        cache_salt="s", extra={"b": "2", "a": "1", "c": "3"},
-    )  # fmt: skip
+        model_id="m/\u65e5\u672c",
+        kv_dtype="bfloat16",
+        chunk_tokens=4,
+        num_layers=2,
+        num_kv_heads=2,
+        head_size=8,
+        cache_salt="s",
+        extra={"b": "2", "a": "1", "c": "3"},
+    )
     expected = [ns.name, *hexes(chunk_keys(list(range(100, 111)), ns))]
     assert len(expected) == 4
     assert outputs[0] == outputs[1] == expected

@@ -14,7 +14,7 @@ clients map, retry and time out.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import grpc
@@ -59,7 +59,7 @@ class PutResult:
 
 @dataclass(frozen=True, slots=True)
 class TierInfo:
-    """One tier's counters, as reported by Stats."""
+    """One tier's counters, as reported by Stats (field meanings: kvcache.v1.TierStats)."""
 
     name: str
     used_bytes: int
@@ -73,6 +73,19 @@ class TierInfo:
     checksum_failures: int
     errors: int
     healthy: bool
+    promotions: int = 0
+    demotions: int = 0
+    write_errors: int = 0
+    queue_depth: int = 0
+    queue_bytes: int = 0
+    queue_dropped: int = 0
+    breaker: str = "closed"
+    skipped: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+_TIER_INFO_FIELDS = [f.name for f in fields(TierInfo)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,18 +153,20 @@ class AsyncTransport(Protocol):
 def put_requests(
     namespace: str, items: Sequence[tuple[bytes, bytes]], message_bytes: int = DEFAULT_MESSAGE_BYTES
 ) -> Iterator[pb.PutRequest]:
-    """Packs blocks into PutRequest messages of about `message_bytes` each (the namespace in the first)."""
-    batch: list[pb.Block] = []
+    """Packs blocks into PutRequest messages of about `message_bytes` each (the namespace in the first).
+
+    Blocks are added with `blocks.add(...)`, which copies the bytes into the message once; building
+    Block messages first and passing a list would serialise and re-parse every block (two more copies).
+    """
+    request = pb.PutRequest(namespace=namespace)
     size = 0
-    first = True
     for key, data in items:
-        if batch and size + len(data) > message_bytes:
-            yield pb.PutRequest(namespace=namespace if first else "", blocks=batch)
-            first, batch, size = False, [], 0
-        batch.append(pb.Block(key=key, data=data))
+        if size and size + len(data) > message_bytes:
+            yield request
+            request, size = pb.PutRequest(), 0
+        request.blocks.add(key=key, data=data)
         size += len(data)
-    if batch or first:
-        yield pb.PutRequest(namespace=namespace if first else "", blocks=batch)
+    yield request
 
 
 def lookup_result(response: pb.LookupResponse) -> LookupResult:
@@ -184,23 +199,7 @@ def server_stats(r: pb.StatsResponse) -> ServerStats:
         failed_requests=r.failed_requests,
         max_block_bytes=r.max_block_bytes,
         max_keys_per_request=r.max_keys_per_request,
-        tiers=tuple(
-            TierInfo(
-                name=t.name,
-                used_bytes=t.used_bytes,
-                capacity_bytes=t.capacity_bytes,
-                blocks=t.blocks,
-                hits=t.hits,
-                misses=t.misses,
-                puts=t.puts,
-                evictions=t.evictions,
-                rejected=t.rejected,
-                checksum_failures=t.checksum_failures,
-                errors=t.errors,
-                healthy=t.healthy,
-            )
-            for t in r.tiers
-        ),
+        tiers=tuple(TierInfo(**{name: getattr(t, name) for name in _TIER_INFO_FIELDS}) for t in r.tiers),
     )
 
 

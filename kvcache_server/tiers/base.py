@@ -58,6 +58,17 @@ class TierStats:
     checksum_failures: int = 0
     errors: int = 0
     healthy: bool = True
+    # Filled in by the stack for lower tiers (and promotions for RAM):
+    promotions: int = 0
+    demotions: int = 0
+    write_errors: int = 0
+    queue_depth: int = 0  # gauge
+    queue_bytes: int = 0  # gauge
+    queue_dropped: int = 0
+    breaker: str = "closed"  # gauge: closed, open, half_open
+    skipped: int = 0  # calls not attempted because the breaker was open
+    bytes_written: int = 0  # as stored, after compression
+    bytes_read: int = 0
 
 
 class Tier(ABC):

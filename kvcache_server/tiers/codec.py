@@ -1,0 +1,106 @@
+"""Per-tier block compression: LZ4, optionally after a byte-shuffle for multi-byte dtypes.
+
+A tier that stores bytes remotely (Redis over a network, S3) may trade CPU for
+bytes. The stored form is still a block: the header's `compression` and
+`payload_len` change, while `raw_len` and the checksum keep describing the
+uncompressed payload, so `decode` verifies end to end.
+
+    encoded payload = LZ4(payload)                         compression = LZ4
+    encoded payload = LZ4(shuffle(payload, itemsize))      compression = SHUFFLE_LZ4
+
+shuffle(p, n) regroups bytes by their position within an n-byte element: all
+first bytes, then all second bytes, ... (the transpose of p viewed as
+[elements, n]). For 16-bit KV the exponent-carrying high bytes end up together,
+which is what lets LZ4 find repeats. A block is stored compressed only when
+that makes it smaller.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import lz4.block
+import numpy as np
+
+from kvcache_client.format import BlockFormatError, Compression, parse_header, verify_block
+
+
+class CompressionMode(enum.StrEnum):
+    """Config values of a tier's `compression` setting."""
+
+    NONE = "none"
+    LZ4 = "lz4"
+    SHUFFLE_LZ4 = "shuffle-lz4"
+
+
+def _shuffle(payload: memoryview, itemsize: int) -> bytes:
+    if itemsize == 1:
+        return bytes(payload)
+    return np.frombuffer(payload, dtype=np.uint8).reshape(-1, itemsize).T.tobytes()
+
+
+def _unshuffle(data: bytes, itemsize: int) -> bytes:
+    if itemsize == 1:
+        return data
+    return np.frombuffer(data, dtype=np.uint8).reshape(itemsize, -1).T.tobytes()
+
+
+def encode(block: bytes, mode: CompressionMode) -> bytes:
+    """The form of a verified, uncompressed block to store in a tier with `mode`."""
+    if mode is CompressionMode.NONE:
+        return block
+    header = parse_header(block)
+    payload = memoryview(block)[header.header_len :]
+    if mode is CompressionMode.SHUFFLE_LZ4 and header.dtype.itemsize > 1:
+        code, packed = (
+            Compression.SHUFFLE_LZ4,
+            lz4.block.compress(_shuffle(payload, header.dtype.itemsize), store_size=False),
+        )
+    else:
+        code, packed = Compression.LZ4, lz4.block.compress(payload, store_size=False)
+    if len(packed) >= len(payload):
+        return block  # never store a block compressed when that does not make it smaller
+    stored = type(header)(
+        dtype=header.dtype,
+        layout=header.layout,
+        compression=code,
+        shape=header.shape,
+        payload_len=len(packed),
+        raw_len=header.raw_len,
+        checksum=header.checksum,
+    )
+    return b"".join((stored.pack(), packed))
+
+
+def decode(stored: bytes) -> bytes:
+    """The verified, uncompressed block from a tier's stored bytes.
+
+    Raises:
+        BlockFormatError (ChecksumMismatch included): the stored bytes are not a
+            valid block, do not decompress, or fail the checksum.
+    """
+    header = parse_header(stored)
+    if header.compression is Compression.NONE:
+        verify_block(stored)
+        return stored
+    packed = memoryview(stored)[header.header_len :]
+    try:
+        raw = lz4.block.decompress(packed, uncompressed_size=header.raw_len)
+    except lz4.block.LZ4BlockError as exc:
+        raise BlockFormatError(f"compressed payload does not decompress: {exc}") from None
+    if len(raw) != header.raw_len:
+        raise BlockFormatError(f"decompressed {len(raw)} bytes, header says {header.raw_len}")
+    if header.compression is Compression.SHUFFLE_LZ4:
+        raw = _unshuffle(raw, header.dtype.itemsize)
+    plain = type(header)(
+        dtype=header.dtype,
+        layout=header.layout,
+        compression=Compression.NONE,
+        shape=header.shape,
+        payload_len=header.raw_len,
+        raw_len=header.raw_len,
+        checksum=header.checksum,
+    )
+    block = b"".join((plain.pack(), raw))
+    verify_block(block)
+    return block

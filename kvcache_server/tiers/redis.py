@@ -1,0 +1,124 @@
+"""The Redis tier: one value per block, one round trip per batch, via redis-py's asyncio client.
+
+Layout in Redis: the key `<key_prefix>/<namespace>/<chunk key hex>` holds the
+whole block (header and payload, possibly compressed by the stack) as one
+string value, written with SET (and EX when a TTL is set). Readers never see a
+header without its payload: a SET is atomic.
+
+Round trips: a batch get is one MGET; a presence check for a whole prompt is
+one pipelined round trip of EXISTS commands (not one round trip per key); a
+batch put is one pipeline of SETs; a delete is one DEL of all keys.
+
+Redis may drop any value at any time (maxmemory eviction, TTL expiry, a
+FLUSHALL by an operator): that is a miss, nothing else.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import Sequence
+from typing import Any
+
+from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
+
+try:
+    import redis.asyncio as aioredis
+    from redis.exceptions import RedisError
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError("the Redis tier needs redis-py: pip install 'kvcache[redis]'") from exc
+
+
+class RedisTier(Tier):
+    """Blocks in Redis (or Valkey, or anything speaking the Redis protocol)."""
+
+    name = "redis"
+    kind = TierKind.REDIS
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        key_prefix: str = "kvcache",
+        ttl_s: int = 0,
+        timeout_s: float = 1.0,
+        password: str = "",
+        tls_ca_file: str = "",
+        max_connections: int = 32,
+    ) -> None:
+        """Connects lazily to `url` ("redis://host:port/db" or "rediss://" for TLS).
+
+        Args:
+            url: Redis URL; a password may be given in it or in `password`.
+            key_prefix: Prefix of every key, so several deployments can share a Redis.
+            ttl_s: Expire blocks after this many seconds; 0 keeps them until Redis evicts them.
+            timeout_s: Socket connect and read timeout of each command.
+            password: Overrides the URL's password when set.
+            tls_ca_file: CA bundle to verify the server with, for rediss:// URLs.
+            max_connections: Connection pool size.
+        """
+        kwargs: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "max_connections": max_connections,
+            "retry_on_timeout": False,
+        }
+        if password:
+            kwargs["password"] = password
+        if url.startswith("rediss://"):
+            kwargs["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+            if tls_ca_file:
+                kwargs["ssl_ca_certs"] = tls_ca_file
+        self._client = aioredis.Redis.from_url(url, **kwargs)
+        self._prefix = key_prefix
+        self._ttl_s = ttl_s
+        self._url_for_logs = url.split("@")[-1]
+        self._stats = TierStats(name=self.name, kind=self.kind)
+
+    def _key(self, namespace: str, key: bytes) -> str:
+        return f"{self._prefix}/{namespace}/{key.hex()}"
+
+    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        try:
+            values = await self._client.mget([self._key(namespace, k) for k in keys])
+        except RedisError as exc:
+            raise TierError(f"redis MGET on {self._url_for_logs}: {exc}") from exc
+        for v in values:
+            if v is None:
+                self._stats.misses += 1
+            else:
+                self._stats.hits += 1
+        return list(values)
+
+    async def contains_many(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.exists(self._key(namespace, k))
+                counts = await pipe.execute()
+        except RedisError as exc:
+            raise TierError(f"redis EXISTS pipeline on {self._url_for_logs}: {exc}") from exc
+        return [bool(c) for c in counts]
+
+    async def put_many(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        try:
+            async with self._client.pipeline(transaction=False) as pipe:
+                for k, block in items:
+                    pipe.set(self._key(namespace, k), block, ex=self._ttl_s or None)
+                await pipe.execute()
+        except RedisError as exc:
+            raise TierError(f"redis SET pipeline on {self._url_for_logs}: {exc}") from exc
+        self._stats.puts += len(items)
+        return [True] * len(items)
+
+    async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
+        try:
+            return int(await self._client.delete(*[self._key(namespace, k) for k in keys]))
+        except RedisError as exc:
+            raise TierError(f"redis DEL on {self._url_for_logs}: {exc}") from exc
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        return TierStats(name=s.name, kind=s.kind, hits=s.hits, misses=s.misses, puts=s.puts)
+
+    async def close(self) -> None:
+        await self._client.aclose()
