@@ -29,7 +29,7 @@ system-deps:
 
 install-test: $(BIN)/python system-deps
 	$(PIP) install --quiet "$(TORCH_CPU)"
-	$(PIP) install --quiet -e ".[torch,transformers,test,dev]"
+	$(PIP) install --quiet -e ".[server,torch,transformers,test,dev]"
 
 test: install-test
 	$(BIN)/ruff check .
