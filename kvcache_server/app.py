@@ -11,10 +11,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server import __version__
 from kvcache_server.config import LowerTierSection, ServerConfig
-from kvcache_server.service import SERVICE_NAME, KVCacheService
+from kvcache_server.service import SERVICE_NAME, KVCacheService, add_to_server
 from kvcache_server.stack import LowerTierPolicy, QueueFull, TierStack, WriteMode
 from kvcache_server.tiers.base import Tier
 from kvcache_server.tiers.codec import CompressionMode
@@ -109,7 +108,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
     )
     stack = build_stack(config)
     await stack.start()
-    pb_grpc.add_KVCacheServicer_to_server(KVCacheService(stack, config.limits, version=__version__), server)
+    add_to_server(KVCacheService(stack, config.limits, version=__version__), server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

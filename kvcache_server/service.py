@@ -17,6 +17,7 @@ from typing import NoReturn
 
 import grpc
 
+from kvcache_client.blockwire import PutMessage, decode_put_request, encode_get_response
 from kvcache_client.errors import ChecksumMismatch, UnknownFormatVersion
 from kvcache_client.format import BlockFormatError, Compression, verify_block
 from kvcache_client.keys import KEY_BYTES
@@ -38,6 +39,10 @@ class _Counters:
     def __init__(self) -> None:
         self.failed_requests = 0
         self.put_checksum_failures = 0
+
+
+GetReply = list[tuple[int, bool, bytes, int]]
+"""One streamed Get message: (index, found, block, tier) per item, encoded by blockwire."""
 
 
 class KVCacheService(pb_grpc.KVCacheServicer):
@@ -129,52 +134,49 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return pb.LookupResponse(prefix_length=len(tiers), tiers=[int(t) for t in tiers])
 
     async def Put(
-        self, request_iterator: AsyncIterator[pb.PutRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[PutMessage], context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
         namespace: str | None = None
         index = stored = rejected = received = 0
         async for message in request_iterator:
+            if message.error:
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, message.error)
             if namespace is None:
                 namespace = await self._namespace(context, message.namespace)
             elif message.namespace and message.namespace != namespace:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
-            items: list[tuple[bytes, bytes]] = []
-            for block in message.blocks:
-                key, data = block.key, block.data  # each access copies out of the message: once only
+            for key, data in message.blocks:
                 await self._block(context, index, key, data)
-                items.append((key, data))
                 received += len(data)
                 index += 1
             # Commit this message's blocks (all verified) before reading the next message.
-            for kept in await self._stack.put(namespace, items):
+            for kept in await self._stack.put(namespace, message.blocks):
                 stored += kept
                 rejected += not kept
         if namespace is None or index == 0:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
         return pb.PutResponse(stored=stored, rejected=rejected, bytes_received=received)
 
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GetResponse]:
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[GetReply]:
         namespace = await self._namespace(context, request.namespace)
         keys = await self._keys(context, request.keys)
         found = await self._stack.get(namespace, keys)
         budget = self._limits.stream_message_bytes
-        # items.add(...) copies each block into the reply once; GetItem objects in a list would be
-        # serialised and parsed again on assignment.
-        response = pb.GetResponse()
+        items: GetReply = []
         size = 0
         for i, hit in enumerate(found):
             if hit is None:
-                response.items.add(index=i, found=False)
+                items.append((i, False, b"", 0))
                 if request.prefix_only:
                     break
                 continue
             if size and size + len(hit.data) > budget:
-                yield response
-                response, size = pb.GetResponse(), 0
-            response.items.add(index=i, found=True, data=hit.data, tier=int(hit.tier))
+                yield items
+                items, size = [], 0
+            items.append((i, True, hit.data, int(hit.tier)))
             size += len(hit.data)
-        if response.items:
-            yield response
+        if items:
+            yield items
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         namespace = await self._namespace(context, request.namespace)
@@ -195,3 +197,22 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             max_block_bytes=self._limits.max_block_bytes,
             max_keys_per_request=self._limits.max_keys_per_request,
         )
+
+
+def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
+    """Registers the service. Put and Get use the blockwire codec (same wire format as the
+    generated code, fewer copies of block bytes); the small RPCs use the generated classes."""
+    handlers = {
+        "Lookup": grpc.unary_unary_rpc_method_handler(
+            service.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString
+        ),
+        "Put": grpc.stream_unary_rpc_method_handler(service.Put, decode_put_request, pb.PutResponse.SerializeToString),
+        "Get": grpc.unary_stream_rpc_method_handler(service.Get, pb.GetRequest.FromString, encode_get_response),
+        "Delete": grpc.unary_unary_rpc_method_handler(
+            service.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString
+        ),
+        "Stats": grpc.unary_unary_rpc_method_handler(
+            service.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString
+        ),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -120,8 +120,11 @@ class AsyncKVCacheClient:
         *,
         prefix_only: bool = False,
         timeout_s: float | None = None,
-    ) -> list[bytes | None]:
-        """Each key's verified block, or None. With prefix_only, stops at the first miss."""
+    ) -> list[memoryview | None]:
+        """Each key's verified block, or None. With prefix_only, stops at the first miss.
+
+        Blocks are read-only memoryviews into the received messages: no copy is made on the way in.
+        """
         if not keys:
             return []
         ns = namespace_name(namespace)

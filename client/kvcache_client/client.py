@@ -58,9 +58,9 @@ def namespace_name(namespace: NamespaceLike) -> str:
     return namespace.name if isinstance(namespace, _keys.Namespace) else namespace
 
 
-def verified(fetched: list[Fetched | None], on_corrupt: Callable[[], None]) -> list[bytes | None]:
+def verified(fetched: list[Fetched | None], on_corrupt: Callable[[], None]) -> list[memoryview | None]:
     """Blocks that pass their checksum; corrupt ones become misses."""
-    out: list[bytes | None] = []
+    out: list[memoryview | None] = []
     for item in fetched:
         if item is None:
             out.append(None)
@@ -73,7 +73,7 @@ def verified(fetched: list[Fetched | None], on_corrupt: Callable[[], None]) -> l
             on_corrupt()
             out.append(None)
             continue
-        out.append(data)
+        out.append(memoryview(data))
     return out
 
 
@@ -170,8 +170,11 @@ class KVCacheClient:
         *,
         prefix_only: bool = False,
         timeout_s: float | None = None,
-    ) -> list[bytes | None]:
-        """Each key's verified block, or None. With prefix_only, stops at the first miss."""
+    ) -> list[memoryview | None]:
+        """Each key's verified block, or None. With prefix_only, stops at the first miss.
+
+        Blocks are read-only memoryviews into the received messages: no copy is made on the way in.
+        """
         if not keys:
             return []
         ns = namespace_name(namespace)

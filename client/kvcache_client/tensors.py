@@ -36,7 +36,7 @@ def tensor_to_block(tensor: torch.Tensor, layout: Layout = Layout.CANONICAL) -> 
     return encode_block(memoryview(raw), dtype=block_dtype(t.dtype), shape=tuple(t.shape), layout=layout)
 
 
-def block_to_tensor(data: bytes, *, verify: bool = True) -> torch.Tensor:
+def block_to_tensor(data: bytes | memoryview, *, verify: bool = True) -> torch.Tensor:
     """Decodes a block into a CPU tensor that views `data`'s payload without a copy.
 
     The tensor shares memory with `data`: treat it as read-only (clone it, or

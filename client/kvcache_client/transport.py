@@ -19,6 +19,7 @@ from typing import Protocol
 
 import grpc
 
+from kvcache_client.blockwire import Buffer, GetItem, decode_get_response, encode_put_request
 from kvcache_client.errors import KVCacheError
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
@@ -107,8 +108,8 @@ class ServerStats:
         raise KeyError(name)
 
 
-Fetched = tuple[bytes, str]
-"""A block as received and the name of the tier that served it."""
+Fetched = tuple[memoryview | bytes, str]
+"""A block as received (a view into the received message) and the name of the tier that served it."""
 
 
 class Transport(Protocol):
@@ -116,7 +117,7 @@ class Transport(Protocol):
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult: ...
 
-    def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], timeout_s: float) -> PutResult: ...
+    def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult: ...
 
     def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
@@ -134,7 +135,7 @@ class AsyncTransport(Protocol):
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult: ...
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], timeout_s: float) -> PutResult: ...
+    async def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult: ...
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
@@ -150,23 +151,23 @@ class AsyncTransport(Protocol):
 # -- message building and parsing, shared by both gRPC transports ---------------------------------
 
 
-def put_requests(
-    namespace: str, items: Sequence[tuple[bytes, bytes]], message_bytes: int = DEFAULT_MESSAGE_BYTES
-) -> Iterator[pb.PutRequest]:
-    """Packs blocks into PutRequest messages of about `message_bytes` each (the namespace in the first).
+def put_messages(
+    namespace: str, items: Sequence[tuple[bytes, Buffer]], message_bytes: int = DEFAULT_MESSAGE_BYTES
+) -> Iterator[bytes]:
+    """Encoded PutRequest messages of about `message_bytes` each (the namespace in the first).
 
-    Blocks are added with `blocks.add(...)`, which copies the bytes into the message once; building
-    Block messages first and passing a list would serialise and re-parse every block (two more copies).
+    Encoded with blockwire: each block's bytes are copied once, into the message.
     """
-    request = pb.PutRequest(namespace=namespace)
+    batch: list[tuple[bytes, Buffer]] = []
     size = 0
+    first = True
     for key, data in items:
-        if size and size + len(data) > message_bytes:
-            yield request
-            request, size = pb.PutRequest(), 0
-        request.blocks.add(key=key, data=data)
+        if batch and size + len(data) > message_bytes:
+            yield encode_put_request(namespace if first else "", batch)
+            first, batch, size = False, [], 0
+        batch.append((key, data))
         size += len(data)
-    yield request
+    yield encode_put_request(namespace if first else "", batch)
 
 
 def lookup_result(response: pb.LookupResponse) -> LookupResult:
@@ -178,13 +179,13 @@ def put_result(response: pb.PutResponse) -> PutResult:
 
 
 class GetCollector:
-    """Gathers streamed GetItems into a list indexed like the request's keys."""
+    """Gathers streamed GetResponse items into a list indexed like the request's keys."""
 
     def __init__(self, n: int) -> None:
         self.out: list[Fetched | None] = [None] * n
 
-    def add(self, response: pb.GetResponse) -> None:
-        for item in response.items:
+    def add(self, items: list[GetItem]) -> None:
+        for item in items:
             if item.index >= len(self.out):
                 raise KVCacheError(f"server sent item index {item.index} for {len(self.out)} keys")
             if item.found:
@@ -213,25 +214,36 @@ def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
 # -- gRPC transports ---------------------------------------------------------------------------
 
 
+_PUT = "/kvcache.v1.KVCache/Put"
+_GET = "/kvcache.v1.KVCache/Get"
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
 class GrpcTransport:
     """Blocking gRPC transport over one channel."""
 
     def __init__(self, channel: grpc.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
         self._channel = channel
         self._stub = pb_grpc.KVCacheStub(channel)
+        # Put and Get carry block bytes: blockwire instead of the generated classes (same wire format).
+        self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
+        self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
         self._message_bytes = message_bytes
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         return lookup_result(self._stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=timeout_s))
 
-    def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], timeout_s: float) -> PutResult:
-        return put_result(self._stub.Put(put_requests(namespace, items, self._message_bytes), timeout=timeout_s))
+    def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult:
+        return put_result(self._put(put_messages(namespace, items, self._message_bytes), timeout=timeout_s))
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
         collector = GetCollector(len(keys))
         request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
-        for response in self._stub.Get(request, timeout=timeout_s):
-            collector.add(response)
+        for items in self._get(request, timeout=timeout_s):
+            collector.add(items)
         return collector.out
 
     def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
@@ -244,7 +256,7 @@ class GrpcTransport:
         self._channel.close()
 
 
-async def _aiter(requests: Iterable[pb.PutRequest]) -> AsyncIterator[pb.PutRequest]:
+async def _aiter(requests: Iterable[bytes]) -> AsyncIterator[bytes]:
     for request in requests:
         yield request
 
@@ -255,23 +267,25 @@ class AsyncGrpcTransport:
     def __init__(self, channel: grpc.aio.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
         self._channel = channel
         self._stub = pb_grpc.KVCacheStub(channel)
+        self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
+        self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
         self._message_bytes = message_bytes
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         request = pb.LookupRequest(namespace=namespace, keys=keys)
         return lookup_result(await self._stub.Lookup(request, timeout=timeout_s))
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], timeout_s: float) -> PutResult:
-        requests = _aiter(put_requests(namespace, items, self._message_bytes))
-        return put_result(await self._stub.Put(requests, timeout=timeout_s))
+    async def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult:
+        messages = _aiter(put_messages(namespace, items, self._message_bytes))
+        return put_result(await self._put(messages, timeout=timeout_s))
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
     ) -> list[Fetched | None]:
         collector = GetCollector(len(keys))
         request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
-        async for response in self._stub.Get(request, timeout=timeout_s):
-            collector.add(response)
+        async for items in self._get(request, timeout=timeout_s):
+            collector.add(items)
         return collector.out
 
     async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
