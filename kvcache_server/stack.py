@@ -255,23 +255,25 @@ class TierStack:
     # -- writes --------------------------------------------------------------------------------
 
     async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        """Stores verified blocks; per item, whether some tier holds it (or has it queued)."""
+        """Stores verified blocks; per item, whether some tier now holds it or has it queued."""
         kept = self._ram.put_many_sync(namespace, items)
         for lower in self._lower:
             if lower.policy.write_mode is WriteMode.THROUGH:
-                ok = await self._write(lower, namespace, items, "put")
-            else:
-                sync: list[tuple[bytes, bytes]] = []
-                for key, block in items:
-                    if not lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.PUT)):
-                        if lower.policy.queue_full is QueueFull.SYNC:
-                            sync.append((key, block))
-                        else:
-                            lower.queue.dropped += 1
-                ok = not sync or await self._write(lower, namespace, sync, "put (queue full)")
-                ok = ok or len(sync) < len(items)
-            if ok:
-                kept = [True] * len(items)
+                if await self._write(lower, namespace, items, "put"):
+                    kept = [True] * len(items)
+                continue
+            overflow: list[int] = []
+            for i, (key, block) in enumerate(items):
+                if lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.PUT)):
+                    kept[i] = True
+                else:
+                    overflow.append(i)
+            if overflow and lower.policy.queue_full is QueueFull.SYNC:
+                if await self._write(lower, namespace, [items[i] for i in overflow], "put (queue full)"):
+                    for i in overflow:
+                        kept[i] = True
+            elif overflow:
+                lower.queue.dropped += len(overflow)
         return kept
 
     def _on_ram_evict(self, namespace: str, key: bytes, block: bytes) -> None:

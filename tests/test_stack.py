@@ -314,3 +314,16 @@ def test_concurrent_clients_across_all_tiers(make_server, redis_server: RedisPro
         assert_intact(client, [k for k, _ in pool])
         stats = client.stats()
         assert all(t.checksum_failures == 0 for t in stats.tiers)
+
+
+def test_queue_full_sync_policy_writes_instead_of_dropping(make_server, s3_server: S3Process) -> None:  # noqa: ANN001
+    server: ServerThread = make_server(
+        s3=s3_cfg(s3_server, write_mode="behind", queue_max_bytes=64 << 10, queue_full="sync")
+    )
+    data = blocks(30, size=16 << 10)  # 480 KiB through a 64 KiB queue
+    with KVCacheClient(server.target) as client:
+        for start in range(0, 30, 10):
+            assert client.put_many(NS, data[start : start + 10]).stored == 10
+        wait_for(lambda: tier(client, "s3").queue_depth == 0, timeout_s=30, what="queue drain")
+        assert tier(client, "s3").queue_dropped == 0
+    assert {f"kvcache/{NS}/{k.hex()}" for k, _ in data} <= s3_names(s3_server)
