@@ -59,6 +59,11 @@ class KVCacheStub:
                 request_serializer=kvcache_dot_v1_dot_kvcache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.WatchEvents = channel.unary_stream(
+                '/kvcache.v1.KVCache/WatchEvents',
+                request_serializer=kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.KVEvent.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -107,6 +112,16 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchEvents(self, request, context):
+        """Streams which chunk keys were stored in or removed from which tier, as
+        they happen (docs/events.md). Each subscriber has a bounded buffer on the
+        server; a subscriber that falls behind is cut off with RESOURCE_EXHAUSTED
+        and should reconnect and resynchronise. The stream never ends otherwise.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -134,6 +149,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.StatsRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_kvcache__pb2.StatsResponse.SerializeToString,
+            ),
+            'WatchEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchEvents,
+                    request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_kvcache__pb2.KVEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -271,6 +291,33 @@ class KVCache:
             '/kvcache.v1.KVCache/Stats',
             kvcache_dot_v1_dot_kvcache__pb2.StatsRequest.SerializeToString,
             kvcache_dot_v1_dot_kvcache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/kvcache.v1.KVCache/WatchEvents',
+            kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
+            kvcache_dot_v1_dot_kvcache__pb2.KVEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from dataclasses import dataclass
@@ -13,6 +14,10 @@ from grpc_reflection.v1alpha import reflection
 
 from kvcache_server import __version__
 from kvcache_server.config import LowerTierSection, ServerConfig
+from kvcache_server.events import EventHub
+from kvcache_server.interceptor import RequestContextInterceptor
+from kvcache_server.metrics import Metrics
+from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.service import SERVICE_NAME, KVCacheService, add_to_server
 from kvcache_server.stack import LowerTierPolicy, QueueFull, TierStack, WriteMode
 from kvcache_server.tiers.base import Tier
@@ -30,6 +35,9 @@ class RunningServer:
     stack: TierStack
     health: health.aio.HealthServicer
     config: ServerConfig
+    metrics: Metrics | None = None
+    metrics_port: int = 0
+    health_task: asyncio.Task[None] | None = None
 
     @property
     def target(self) -> str:
@@ -42,9 +50,16 @@ class RunningServer:
             Queued writes that could not be written within the drain deadline.
         """
         c = self.config.server
+        if self.health_task is not None:
+            self.health_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self.health_task
         await self.health.enter_graceful_shutdown()
         await self.server.stop(c.shutdown_grace_s if grace_s is None else grace_s)
-        return await self.stack.close(c.drain_deadline_s if drain_deadline_s is None else drain_deadline_s)
+        dropped = await self.stack.close(c.drain_deadline_s if drain_deadline_s is None else drain_deadline_s)
+        if self.metrics is not None:
+            self.metrics.close()
+        return dropped
 
 
 def _policy(section: LowerTierSection) -> LowerTierPolicy:
@@ -60,7 +75,7 @@ def _policy(section: LowerTierSection) -> LowerTierPolicy:
     )
 
 
-def build_stack(config: ServerConfig) -> TierStack:
+def build_stack(config: ServerConfig, observer: Observer | None = None) -> TierStack:
     """RAM, then Redis and S3 where enabled; tier modules are imported only when used."""
     lower: list[tuple[Tier, LowerTierPolicy]] = []
     r = config.redis
@@ -92,13 +107,40 @@ def build_stack(config: ServerConfig) -> TierStack:
             create_bucket=s3.create_bucket,
         )
         lower.append((tier, _policy(s3)))
-    return TierStack(config.ram.capacity_bytes, lower, demote_on_evict=config.ram.demote_on_evict)
+    events = EventHub(max_subscribers=config.events.max_subscribers, buffer_events=config.events.buffer_events)
+    return TierStack(
+        config.ram.capacity_bytes, lower, demote_on_evict=config.ram.demote_on_evict, events=events, observer=observer
+    )
+
+
+async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ("", SERVICE_NAME):
+        await servicer.set(name, status)
+
+
+async def _watch_health(
+    config: ServerConfig, stack: TierStack, servicer: health.aio.HealthServicer, serving: bool
+) -> None:
+    """SERVING only while every required tier is usable; probes lower tiers even without traffic."""
+    while True:
+        await stack.probe()
+        down = [name for name in config.health.required if not stack.healthy(name)]
+        now = not down
+        if now != serving:
+            await _set_health(servicer, now)
+            log.warning("health: %s", "SERVING" if now else f"NOT_SERVING (required tiers down: {down})")
+            serving = now
+        await asyncio.sleep(config.health.check_interval_s)
 
 
 async def create_server(config: ServerConfig) -> RunningServer:
     """Builds, binds and starts the server; port 0 in the config picks a free port."""
     max_message = config.limits.max_message_bytes
+    metrics = Metrics() if config.metrics.enabled else None
+    observer: Observer = metrics or NullObserver()
     server = grpc.aio.server(
+        interceptors=[RequestContextInterceptor(observer)],
         options=[
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
@@ -106,9 +148,10 @@ async def create_server(config: ServerConfig) -> RunningServer:
         ],
         maximum_concurrent_rpcs=config.server.max_concurrent_rpcs,
     )
-    stack = build_stack(config)
+    stack = build_stack(config, observer)
     await stack.start()
-    add_to_server(KVCacheService(stack, config.limits, version=__version__), server)
+    service = KVCacheService(stack, config.limits, version=__version__, observer=observer)
+    add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -122,10 +165,30 @@ async def create_server(config: ServerConfig) -> RunningServer:
         raise OSError(f"cannot bind {address}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot bind {address}")
+    metrics_port = 0
+    if metrics is not None:
+        metrics.attach(stack, stack.events, service.counters)
+        try:
+            metrics_port = metrics.serve(config.metrics.host, config.metrics.port)
+        except OSError as exc:
+            raise OSError(f"cannot bind metrics on {config.metrics.host}:{config.metrics.port}: {exc}") from None
     await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    return RunningServer(server=server, port=port, stack=stack, health=health_servicer, config=config)
+    running = RunningServer(
+        server=server,
+        port=port,
+        stack=stack,
+        health=health_servicer,
+        config=config,
+        metrics=metrics,
+        metrics_port=metrics_port,
+    )
+    # Without required tiers the server can serve at once; with them, only after a probe found them up.
+    serving = not config.health.required
+    await _set_health(health_servicer, serving)
+    running.health_task = asyncio.create_task(
+        _watch_health(config, stack, health_servicer, serving), name="kvcache-health"
+    )
+    return running
 
 
 def describe(running: RunningServer) -> str:
@@ -136,9 +199,10 @@ def describe(running: RunningServer) -> str:
         tiers.append(f"redis {c.redis.url.split('@')[-1]} ({c.redis.write_mode})")
     if c.s3.enabled:
         tiers.append(f"s3 {c.s3.bucket}/{c.s3.prefix} ({c.s3.write_mode})")
+    metrics = f"; metrics http://{c.metrics.host}:{running.metrics_port}/metrics" if running.metrics else ""
     return (
         f"kvcache-server {__version__} serving {SERVICE_NAME} on {c.server.host}:{running.port} "
-        f"(tiers: {', '.join(tiers)}; max block {c.limits.max_block_bytes / (1 << 20):.0f} MiB)"
+        f"(tiers: {', '.join(tiers)}; max block {c.limits.max_block_bytes / (1 << 20):.0f} MiB{metrics})"
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any
 
 from kvcache_server.app import serve
 from kvcache_server.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, load_config, parse_assignment
+from kvcache_server.interceptor import RequestIdFilter
 
 
 class _JsonFormatter(logging.Formatter):
@@ -20,6 +21,7 @@ class _JsonFormatter(logging.Formatter):
             "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S"),
             "level": record.levelname.lower(),
             "logger": record.name,
+            "request_id": getattr(record, "request_id", "-"),
             "msg": record.getMessage(),
         }
         if record.exc_info:
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if config.server.log_json:
         handler.setFormatter(_JsonFormatter())
     else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    handler.addFilter(RequestIdFilter())
     logging.basicConfig(level=config.server.log_level.upper(), handlers=[handler])
     try:
         asyncio.run(serve(config))

@@ -171,6 +171,51 @@ class LimitsSection:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsSection:
+    """Prometheus metrics on their own HTTP port (docs/metrics.md)."""
+
+    enabled: bool = False
+    host: str = DEFAULT_HOST
+    port: int = 9400  # 0 picks a free port
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"metrics.port must be in [0, 65535], got {self.port}")
+
+
+@dataclass(frozen=True, slots=True)
+class HealthSection:
+    """What grpc.health.v1 reports (docs/deployment.md)."""
+
+    # Comma-separated lower tiers ("redis", "s3") without which the server reports NOT_SERVING.
+    required_tiers: str = ""
+    check_interval_s: float = 1.0
+
+    @property
+    def required(self) -> tuple[str, ...]:
+        return tuple(t.strip() for t in self.required_tiers.split(",") if t.strip())
+
+    def validate(self) -> None:
+        unknown = set(self.required) - {"redis", "s3"}
+        if unknown:
+            raise ConfigError(f"health.required_tiers: unknown tiers {sorted(unknown)} (known: redis, s3)")
+        if self.check_interval_s <= 0:
+            raise ConfigError("health.check_interval_s must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class EventsSection:
+    """KV-event subscribers (docs/events.md)."""
+
+    max_subscribers: int = 64
+    buffer_events: int = 10_000  # per subscriber; a subscriber further behind is cut off
+
+    def validate(self) -> None:
+        if self.max_subscribers < 1 or self.buffer_events < 1:
+            raise ConfigError("events.max_subscribers and events.buffer_events must be positive")
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """Everything the server reads at start-up."""
 
@@ -179,10 +224,16 @@ class ServerConfig:
     redis: RedisSection = field(default_factory=RedisSection)
     s3: S3Section = field(default_factory=S3Section)
     limits: LimitsSection = field(default_factory=LimitsSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    health: HealthSection = field(default_factory=HealthSection)
+    events: EventsSection = field(default_factory=EventsSection)
 
     def validate(self) -> ServerConfig:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate()
+        for name in self.health.required:
+            if not getattr(self, name).enabled:
+                raise ConfigError(f"health.required_tiers names {name}, but {name}.enabled is false")
         return self
 
 

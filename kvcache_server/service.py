@@ -24,6 +24,8 @@ from kvcache_client.keys import KEY_BYTES
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.config import LimitsSection
+from kvcache_server.events import SubscriberOverflow
+from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.stack import TierStack
 from kvcache_server.tiers.base import TierStats
 
@@ -48,12 +50,22 @@ GetReply = list[tuple[int, bool, bytes, int]]
 class KVCacheService(pb_grpc.KVCacheServicer):
     """Validates requests and forwards them to the tier stack."""
 
-    def __init__(self, stack: TierStack, limits: LimitsSection, *, version: str) -> None:
+    def __init__(
+        self, stack: TierStack, limits: LimitsSection, *, version: str, observer: Observer | None = None
+    ) -> None:
         self._stack = stack
+        self._observer = observer or NullObserver()
         self._limits = limits
         self._version = version
         self._started = time.monotonic()
         self._counters = _Counters()
+
+    def counters(self) -> dict[str, int]:
+        """Service-level counters, for metrics."""
+        return {
+            "failed_requests": self._counters.failed_requests,
+            "put_checksum_failures": self._counters.put_checksum_failures,
+        }
 
     # -- validation ---------------------------------------------------------------------------
 
@@ -131,6 +143,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         namespace = await self._namespace(context, request.namespace)
         keys = await self._keys(context, request.keys)
         tiers = await self._stack.lookup(namespace, keys)
+        self._observer.lookup(namespace, len(keys), len(tiers))
         return pb.LookupResponse(prefix_length=len(tiers), tiers=[int(t) for t in tiers])
 
     async def Put(
@@ -183,6 +196,37 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         keys = await self._keys(context, request.keys)
         return pb.DeleteResponse(deleted=await self._stack.delete(namespace, keys))
 
+    async def WatchEvents(
+        self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.KVEvent]:
+        hub = self._stack.events
+        if request.namespace:
+            await self._namespace(context, request.namespace)
+        sub = hub.subscribe(request.namespace)
+        if sub is None:
+            await self._abort(
+                context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many event subscribers (max {hub.max_subscribers})"
+            )
+        try:
+            while True:
+                try:
+                    batch = await sub.next_batch()
+                except SubscriberOverflow as exc:
+                    await self._abort(
+                        context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}: dropped; reconnect and resync"
+                    )
+                for event in batch:
+                    yield pb.KVEvent(
+                        sequence=event.sequence,
+                        timestamp_s=event.timestamp_s,
+                        kind=int(event.kind),
+                        tier=int(event.tier),
+                        namespace=event.namespace,
+                        keys=event.keys,
+                    )
+        finally:
+            hub.unsubscribe(sub)
+
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
         tiers = [
             pb.TierStats(tier=int(s.kind), **{f.name: getattr(s, f.name) for f in _TIER_STATS_FIELDS})
@@ -213,6 +257,9 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
         ),
         "Stats": grpc.unary_unary_rpc_method_handler(
             service.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString
+        ),
+        "WatchEvents": grpc.unary_stream_rpc_method_handler(
+            service.WatchEvents, pb.WatchEventsRequest.FromString, pb.KVEvent.SerializeToString
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

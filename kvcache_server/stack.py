@@ -28,11 +28,14 @@ import asyncio
 import contextlib
 import enum
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvcache_client.format import BlockFormatError
+from kvcache_server.events import EventHub, EventKind
+from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
 from kvcache_server.tiers.breaker import BreakerState, CircuitBreaker
@@ -110,7 +113,11 @@ class TierStack:
         lower: Sequence[tuple[Tier, LowerTierPolicy]] = (),
         *,
         demote_on_evict: bool = True,
+        events: EventHub | None = None,
+        observer: Observer | None = None,
     ) -> None:
+        self.events = events or EventHub()
+        self._observer = observer or NullObserver()
         self._ram = RamTier(ram_capacity_bytes, on_evict=self._on_ram_evict)
         self._ram_counters = _Counters()
         self._lower = [
@@ -140,29 +147,32 @@ class TierStack:
 
     # -- calling a lower tier -----------------------------------------------------------------
 
-    async def _call(self, lower: _Lower, what: str, fn: Callable[..., Awaitable[T]], *args: object) -> T | None:
+    async def _call(self, lower: _Lower, op: str, fn: Callable[..., Awaitable[T]], *args: object) -> T | None:
         """Runs fn(*args) against a lower tier under its breaker and timeout; None when it failed or was skipped."""
         if not lower.breaker.allow():
             return None
+        name = lower.tier.name
+        start = time.perf_counter()
         try:
             result = await asyncio.wait_for(fn(*args), lower.policy.timeout_s)
         except TimeoutError:
+            self._observer.tier_op(name, op, time.perf_counter() - start, False)
             lower.counters.timeouts += 1
             lower.breaker.failure()
-            log.warning(
-                "tier %s timed out during %s after %.2fs; treating as miss",
-                lower.tier.name,
-                what,
-                lower.policy.timeout_s,
-            )
+            log.warning("tier %s timed out during %s after %.2fs; treating as miss", name, op, lower.policy.timeout_s)
             return None
         except TierError as exc:
+            self._observer.tier_op(name, op, time.perf_counter() - start, False)
             lower.counters.errors += 1
             lower.breaker.failure()
-            log.warning("tier %s failed during %s; treating as miss: %s", lower.tier.name, what, exc)
+            log.warning("tier %s failed during %s; treating as miss: %s", name, op, exc)
             return None
+        self._observer.tier_op(name, op, time.perf_counter() - start, True)
         lower.breaker.success()
         return result
+
+    def _ram_op(self, op: str, start: float) -> None:
+        self._observer.tier_op(self._ram.name, op, time.perf_counter() - start, True)
 
     async def _write(self, lower: _Lower, namespace: str, items: Sequence[tuple[bytes, bytes]], what: str) -> bool:
         encoded = [(k, codec.encode(b, lower.policy.compression)) for k, b in items]
@@ -170,13 +180,16 @@ class TierStack:
         if done is None:
             return False
         lower.counters.bytes_written += sum(len(b) for _, b in encoded)
+        self.events.publish(EventKind.STORED, lower.tier.kind, namespace, [k for k, _ in items])
         return True
 
     # -- reads ---------------------------------------------------------------------------------
 
     async def lookup(self, namespace: str, keys: Sequence[bytes]) -> list[TierKind]:
         """The tier of each key in the longest stored prefix (at most one call per tier)."""
+        start = time.perf_counter()
         present = self._ram.contains_many_sync(namespace, keys)
+        self._ram_op("lookup", start)
         where: list[TierKind | None] = [TierKind.RAM if p else None for p in present]
         for lower in self._lower:
             gap = next((i for i, w in enumerate(where) if w is None), len(keys))
@@ -199,11 +212,14 @@ class TierStack:
         """Each key's block from the fastest tier holding a valid copy; lower hits are promoted."""
         out: list[Found | None] = [None] * len(keys)
         missing: list[int] = []
+        start = time.perf_counter()
         for i, block in enumerate(self._ram.get_many_sync(namespace, keys)):
             if block is None:
                 missing.append(i)
             else:
                 out[i] = Found(block, TierKind.RAM)
+                self._ram_counters.bytes_read += len(block)
+        self._ram_op("get", start)
         for depth, lower in enumerate(self._lower):
             if not missing:
                 break
@@ -234,8 +250,11 @@ class TierStack:
                     continue
                 out[i] = Found(block, lower.tier.kind)
                 hits.append((keys[i], block))
-            if corrupt:
-                await self._call(lower, "delete of corrupt blocks", lower.tier.delete_many, namespace, corrupt)
+            if (
+                corrupt
+                and await self._call(lower, "delete_corrupt", lower.tier.delete_many, namespace, corrupt) is not None
+            ):
+                self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, corrupt)
             if hits and lower.policy.promote:
                 self._promote(depth, namespace, hits)
             missing = still
@@ -245,6 +264,9 @@ class TierStack:
         """Copies blocks found at lower tier `depth` into RAM and into the lower tiers above it."""
         kept = self._ram.put_many_sync(namespace, hits)
         self._ram_counters.promotions += sum(kept)
+        self.events.publish(
+            EventKind.STORED, TierKind.RAM, namespace, [k for (k, _), ok in zip(hits, kept, strict=True) if ok]
+        )
         for upper in self._lower[:depth]:
             for key, block in hits:
                 if upper.queue.offer(PendingWrite(namespace, key, block, WriteKind.PROMOTION)):
@@ -256,7 +278,13 @@ class TierStack:
 
     async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
         """Stores verified blocks; per item, whether some tier now holds it or has it queued."""
+        start = time.perf_counter()
         kept = self._ram.put_many_sync(namespace, items)
+        self._ram_op("put", start)
+        self._ram_counters.bytes_written += sum(len(b) for (_, b), ok in zip(items, kept, strict=True) if ok)
+        self.events.publish(
+            EventKind.STORED, TierKind.RAM, namespace, [k for (k, _), ok in zip(items, kept, strict=True) if ok]
+        )
         for lower in self._lower:
             if lower.policy.write_mode is WriteMode.THROUGH:
                 if await self._write(lower, namespace, items, "put"):
@@ -269,7 +297,7 @@ class TierStack:
                 else:
                     overflow.append(i)
             if overflow and lower.policy.queue_full is QueueFull.SYNC:
-                if await self._write(lower, namespace, [items[i] for i in overflow], "put (queue full)"):
+                if await self._write(lower, namespace, [items[i] for i in overflow], "put_overflow"):
                     for i in overflow:
                         kept[i] = True
             elif overflow:
@@ -277,6 +305,7 @@ class TierStack:
         return kept
 
     def _on_ram_evict(self, namespace: str, key: bytes, block: bytes) -> None:
+        self.events.publish(EventKind.REMOVED, TierKind.RAM, namespace, [key])
         if not self._demote or self._closing:
             return
         lower = self._lower[0]
@@ -302,24 +331,40 @@ class TierStack:
             demotions = [w for w in writes if w.kind is WriteKind.DEMOTION]
             if demotions:
                 keys = [w.key for w in demotions]
-                held = await self._call(lower, "demotion check", lower.tier.contains_many, namespace, keys)
+                held = await self._call(lower, "demotion_check", lower.tier.contains_many, namespace, keys)
                 skip = {w.key for w, h in zip(demotions, held or [], strict=False) if h}
                 writes = [w for w in writes if w.key not in skip]
             if not writes:
                 continue
-            if await self._write(lower, namespace, [(w.key, w.block) for w in writes], "write-behind"):
+            if await self._write(lower, namespace, [(w.key, w.block) for w in writes], "write_behind"):
                 lower.counters.demotions += sum(w.kind is WriteKind.DEMOTION for w in writes)
             else:
                 lower.counters.write_errors += len(writes)
 
     async def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
         """Removes keys from every tier (and their pending writes); returns the most any tier removed."""
-        deleted = self._ram.delete_many_sync(namespace, keys)
+        held = [k for k, here in zip(keys, self._ram.contains_many_sync(namespace, keys), strict=True) if here]
+        deleted = self._ram.delete_many_sync(namespace, held)
+        self.events.publish(EventKind.REMOVED, TierKind.RAM, namespace, held)
         for lower in self._lower:
             lower.queue.discard(namespace, list(keys))
             n = await self._call(lower, "delete", lower.tier.delete_many, namespace, keys)
-            deleted = max(deleted, n or 0)
+            if n is not None:
+                deleted = max(deleted, n)
+                self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, keys)
         return deleted
+
+    async def probe(self) -> None:
+        """Calls each lower tier whose breaker allows it, so health follows a backend even without traffic."""
+        for lower in self._lower:
+            await self._call(lower, "probe", lower.tier.contains_many, "_probe", [bytes(16)])
+
+    def healthy(self, tier_name: str) -> bool:
+        """Whether a lower tier is usable (its circuit breaker is closed)."""
+        for lower in self._lower:
+            if lower.tier.name == tier_name:
+                return lower.breaker.state is BreakerState.CLOSED
+        raise KeyError(tier_name)
 
     # -- lifecycle and stats -------------------------------------------------------------------
 
@@ -355,6 +400,7 @@ class TierStack:
     def stats(self) -> list[TierStats]:
         ram = self._ram.stats()
         ram.promotions = self._ram_counters.promotions
+        ram.bytes_read, ram.bytes_written = self._ram_counters.bytes_read, self._ram_counters.bytes_written
         out = [ram]
         for lower in self._lower:
             s = lower.tier.stats()

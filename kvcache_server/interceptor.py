@@ -1,0 +1,118 @@
+"""Per-RPC context: a request id for the logs, and the RPC's status and duration for metrics.
+
+The request id is the caller's `x-request-id` metadata when present (so a trace
+can follow a request from an engine into kvcache), else a fresh random one. It
+is echoed back in the response's initial metadata and set in a context
+variable that the logging filter adds to every record logged while the RPC
+runs. Logs never carry block bytes or token ids: handlers log keys' hex at most.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+from kvcache_server.observe import Observer
+
+REQUEST_ID_HEADER = "x-request-id"
+request_id: contextvars.ContextVar[str] = contextvars.ContextVar("kvcache_request_id", default="-")
+_VALID_ID = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` to every log record (\"-\" outside an RPC)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id.get()
+        return True
+
+
+def _incoming_id(details: grpc.HandlerCallDetails) -> str:
+    for key, value in details.invocation_metadata or ():
+        if key == REQUEST_ID_HEADER and isinstance(value, str) and _VALID_ID.match(value):
+            return value
+    return uuid.uuid4().hex[:16]
+
+
+def _code(context: grpc.aio.ServicerContext) -> str:
+    code = context.code()
+    if code is None:
+        return "OK"
+    return code.name if isinstance(code, grpc.StatusCode) else str(code)
+
+
+class RequestContextInterceptor(grpc.aio.ServerInterceptor):
+    """Sets the request id and reports every RPC's status code and duration to the observer."""
+
+    def __init__(self, observer: Observer) -> None:
+        self._observer = observer
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method.rsplit("/", 1)[-1]
+        rid = _incoming_id(details)
+        observer = self._observer
+
+        def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+            async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+                request_id.set(rid)
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
+                start = time.perf_counter()
+                code = "UNKNOWN"
+                try:
+                    result = await behavior(request_or_iterator, context)
+                    code = _code(context)
+                    return result
+                except grpc.aio.AbortError:
+                    code = _code(context)
+                    raise
+                except (asyncio.CancelledError, GeneratorExit):
+                    code = "CANCELLED"
+                    raise
+                finally:
+                    observer.rpc(method, code, time.perf_counter() - start)
+
+            return wrapped
+
+        def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+            async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                request_id.set(rid)
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
+                start = time.perf_counter()
+                code = "UNKNOWN"
+                try:
+                    async for response in behavior(request_or_iterator, context):
+                        yield response
+                    code = _code(context)
+                except grpc.aio.AbortError:
+                    code = _code(context)
+                    raise
+                except (asyncio.CancelledError, GeneratorExit):
+                    code = "CANCELLED"
+                    raise
+                finally:
+                    observer.rpc(method, code, time.perf_counter() - start)
+
+            return wrapped
+
+        if handler.unary_unary:
+            return handler._replace(unary_unary=unary(handler.unary_unary))
+        if handler.stream_unary:
+            return handler._replace(stream_unary=unary(handler.stream_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=streaming(handler.unary_stream))
+        return handler._replace(stream_stream=streaming(handler.stream_stream))

@@ -1,0 +1,259 @@
+"""Metrics, health, KV events and request ids, against real servers."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvcache_client import InvalidRequest, KVCacheClient
+from kvcache_proto import kvcache_pb2 as pb
+from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+from tests.backends import RedisProcess, free_port, wait_for
+from tests.conftest import ServerThread, raw_block
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "obs"
+
+
+def scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def metric(samples: dict, name: str, **labels: str) -> float:
+    return samples.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def test_metrics_move_by_the_right_amounts(make_server) -> None:
+    server: ServerThread = make_server(metrics={"enabled": True, "port": 0})
+    port = server.running.metrics_port
+    assert port > 0
+    keys = [os.urandom(16) for _ in range(5)]
+    blocks = [raw_block(os.urandom(1000 + i)) for i in range(5)]
+    before = scrape(port)
+    with KVCacheClient(server.target) as client:
+        client.put_many(NS, list(zip(keys, blocks, strict=True)))
+        assert client.lookup(NS, [*keys, os.urandom(16), keys[0]]).prefix_length == 5
+        got = client.get_many(NS, [*keys, os.urandom(16)])
+        assert sum(g is not None for g in got) == 5
+        assert client.delete(NS, keys[:2]) == 2
+        with pytest.raises(InvalidRequest):
+            client.lookup(NS, [b"short"])
+    after = scrape(port)
+
+    def delta(name: str, **labels: str) -> float:
+        return metric(after, name, **labels) - metric(before, name, **labels)
+
+    for method in ("Put", "Lookup", "Get", "Delete"):
+        assert delta("kvcache_requests_total", method=method, code="OK") == 1, method
+    assert delta("kvcache_requests_total", method="Lookup", code="INVALID_ARGUMENT") == 1
+    assert delta("kvcache_tier_puts_total", tier="ram") == 5
+    assert delta("kvcache_tier_hits_total", tier="ram") == 5
+    assert delta("kvcache_tier_misses_total", tier="ram") == 1
+    assert delta("kvcache_tier_bytes_read_bytes_total", tier="ram") == sum(len(b) for b in blocks)
+    assert delta("kvcache_tier_bytes_written_bytes_total", tier="ram") == sum(len(b) for b in blocks)
+    assert metric(after, "kvcache_tier_blocks", tier="ram") == 3
+    ram = server.stack.ram.stats()
+    assert metric(after, "kvcache_tier_used_bytes", tier="ram") == ram.used_bytes
+    assert metric(after, "kvcache_tier_capacity_bytes", tier="ram") == ram.capacity_bytes
+    assert delta("kvcache_lookup_hit_chunks_count") == 1 and delta("kvcache_lookup_hit_chunks_sum") == 5
+    # Hit ratio per namespace is derivable: hit keys / keys asked.
+    assert delta("kvcache_namespace_lookup_keys_total", namespace=NS) == 7
+    assert delta("kvcache_namespace_lookup_hit_keys_total", namespace=NS) == 5
+    assert delta("kvcache_tier_operation_duration_seconds_count", tier="ram", op="get", ok="true") == 1
+    assert delta("kvcache_request_duration_seconds_count", method="Put") == 1
+
+
+def test_metrics_cover_lower_tiers(make_server, redis_server: RedisProcess) -> None:
+    server: ServerThread = make_server(
+        metrics={"enabled": True, "port": 0},
+        redis={"enabled": True, "url": redis_server.url, "timeout_s": 0.5, "breaker_failures": 1},
+    )
+    with KVCacheClient(server.target) as client:
+        client.put_many(NS, [(os.urandom(16), raw_block(b"x" * 100))])
+        redis_server.kill()
+        client.put_many(NS, [(os.urandom(16), raw_block(b"y" * 100))])
+    samples = scrape(server.running.metrics_port)
+    assert metric(samples, "kvcache_tier_puts_total", tier="redis") == 1
+    assert metric(samples, "kvcache_tier_errors_total", tier="redis") >= 1
+    assert metric(samples, "kvcache_tier_breaker_state", tier="redis") == 1
+    assert metric(samples, "kvcache_tier_healthy", tier="redis") == 0
+    assert metric(samples, "kvcache_tier_operation_duration_seconds_count", tier="redis", op="put", ok="false") >= 1
+
+
+def health_status(target: str) -> int:
+    with grpc.insecure_channel(target) as channel:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5).status
+
+
+def test_health_follows_a_required_tier(make_server, redis_server: RedisProcess) -> None:
+    redis = {"enabled": True, "url": redis_server.url, "timeout_s": 0.3, "breaker_failures": 1, "breaker_reset_s": 0.1}
+    server: ServerThread = make_server(redis=redis, health={"required_tiers": "redis", "check_interval_s": 0.1})
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    wait_for(lambda: health_status(server.target) == serving, what="SERVING")
+    redis_server.kill()  # no traffic: the health probe notices
+    wait_for(lambda: health_status(server.target) == not_serving, what="NOT_SERVING")
+    with KVCacheClient(server.target) as client:  # still answers from RAM
+        assert client.put_many(NS, [(os.urandom(16), raw_block(b"z"))]).stored == 1
+        assert not client.stats().tier("redis").healthy
+    redis_server.start()
+    wait_for(lambda: health_status(server.target) == serving, what="SERVING again")
+
+
+def test_optional_tier_down_keeps_serving(make_server) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    server: ServerThread = make_server(
+        redis={"enabled": True, "url": dead, "timeout_s": 0.2, "breaker_failures": 1},
+        health={"check_interval_s": 0.1},
+    )
+    wait_for(lambda: not server.stack.healthy("redis"), what="breaker open")
+    assert health_status(server.target) == health_pb2.HealthCheckResponse.SERVING
+
+
+class Watcher:
+    """Reads a WatchEvents stream in a thread into a queue."""
+
+    def __init__(self, target: str, namespace: str = "", options: list | None = None) -> None:
+        self.channel = grpc.insecure_channel(target, options=options or [])
+        self.stream = pb_grpc.KVCacheStub(self.channel).WatchEvents(pb.WatchEventsRequest(namespace=namespace))
+        self.events: queue.Queue[pb.KVEvent | grpc.RpcError] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> Watcher:
+        self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            for event in self.stream:
+                self.events.put(event)
+        except grpc.RpcError as exc:
+            self.events.put(exc)
+
+    def take(self, n: int) -> list[tuple[str, str, str, list[bytes]]]:
+        out = []
+        for _ in range(n):
+            e = self.events.get(timeout=10)
+            assert not isinstance(e, grpc.RpcError), e
+            out.append((pb.KVEvent.Kind.Name(e.kind), pb.Tier.Name(e.tier), e.namespace, list(e.keys)))
+        return out
+
+    def close(self) -> None:
+        self.stream.cancel()
+        self.channel.close()
+
+
+def test_events_report_exactly_the_stores_and_removals(make_server) -> None:
+    cost = 100 + 48 + 384  # a 100-byte payload block plus index overhead
+    server: ServerThread = make_server(ram={"capacity_bytes": 3 * cost})
+    everything = Watcher(server.target).start()
+    only_b = Watcher(server.target, namespace="b").start()
+    wait_for(lambda: server.stack.events.subscribers == 2, what="subscribers")
+    k = [bytes([i]) * 16 for i in range(5)]
+    with KVCacheClient(server.target) as client:
+        client.put_many("a", [(k[0], raw_block(b"0" * 100)), (k[1], raw_block(b"1" * 100))])
+        client.delete("a", [k[1], k[4]])  # k[4] was never stored: not reported
+        client.put_many("b", [(k[2], raw_block(b"2" * 100)), (k[3], raw_block(b"3" * 100))])
+        client.put_many("b", [(k[4], raw_block(b"4" * 100))])  # RAM holds 3: evicts the oldest, k[0] of "a"
+    assert everything.take(5) == [
+        ("STORED", "TIER_RAM", "a", [k[0], k[1]]),
+        ("REMOVED", "TIER_RAM", "a", [k[1]]),
+        ("STORED", "TIER_RAM", "b", [k[2], k[3]]),
+        ("REMOVED", "TIER_RAM", "a", [k[0]]),
+        ("STORED", "TIER_RAM", "b", [k[4]]),
+    ]
+    assert only_b.take(2) == [("STORED", "TIER_RAM", "b", [k[2], k[3]]), ("STORED", "TIER_RAM", "b", [k[4]])]
+    assert everything.events.empty() and only_b.events.empty()
+    everything.close()
+    only_b.close()
+
+
+def test_stalled_subscriber_is_dropped_and_never_slows_puts(make_server) -> None:
+    server: ServerThread = make_server(events={"buffer_events": 10})
+    # A subscriber that never reads; no BDP probing, so the HTTP/2 window stays small and fills up.
+    stalled = Watcher(server.target, options=[("grpc.http2.bdp_probe", 0)])
+    wait_for(lambda: server.stack.events.subscribers == 1, what="subscriber")
+    small = raw_block(b"")
+    with KVCacheClient(server.target) as client:
+        for _ in range(300):  # each put: one event naming 400 keys (~7 KB on the wire)
+            assert client.put_many("s", [(os.urandom(16), small) for _ in range(400)]).stored == 400
+    wait_for(
+        lambda: server.stack.events.subscribers == 0 or next(iter(server.stack.events._subscribers)).overflowed,
+        what="overflow",
+    )
+    stalled.start()  # now read: whatever was in flight, then the status
+    while True:
+        item = stalled.events.get(timeout=20)
+        if isinstance(item, grpc.RpcError):
+            break
+    assert item.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "fell more than 10 events behind" in item.details()
+    wait_for(lambda: server.stack.events.dropped_subscribers == 1, what="drop counted")
+    stalled.close()
+
+
+def test_too_many_subscribers(make_server) -> None:
+    server: ServerThread = make_server(events={"max_subscribers": 1})
+    first = Watcher(server.target).start()
+    wait_for(lambda: server.stack.events.subscribers == 1, what="subscriber")
+    second = Watcher(server.target).start()
+    err = second.events.get(timeout=10)
+    assert isinstance(err, grpc.RpcError) and err.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    first.close()
+    second.close()
+
+
+def test_request_ids_in_metadata_and_json_logs() -> None:
+    dead_redis = f"redis://127.0.0.1:{free_port()}/0"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvcache_server",
+            "--port",
+            "0",
+            "--log-json",
+            "--set",
+            "redis.enabled=true",
+            "--set",
+            f"redis.url={dead_redis}",
+            "--set",
+            "redis.timeout_s=0.2",
+            "--set",
+            "health.check_interval_s=60",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        target = proc.stdout.readline().split(" on ")[1].split()[0]  # type: ignore[union-attr]
+        with grpc.insecure_channel(target) as channel:
+            call = pb_grpc.KVCacheStub(channel).Lookup.with_call(
+                pb.LookupRequest(namespace=NS, keys=[os.urandom(16)]),
+                metadata=(("x-request-id", "req-abc123"),),
+                timeout=10,
+            )
+            _, rpc = call
+            assert ("x-request-id", "req-abc123") in tuple(rpc.initial_metadata())
+    finally:
+        proc.terminate()
+        _, stderr = proc.communicate(timeout=15)
+    records = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
+    failures = [r for r in records if "tier redis failed during lookup" in r["msg"]]
+    assert failures and failures[0]["request_id"] == "req-abc123" and failures[0]["level"] == "warning"
