@@ -316,7 +316,7 @@ def test_concurrent_clients_across_all_tiers(make_server, redis_server: RedisPro
         assert all(t.checksum_failures == 0 for t in stats.tiers)
 
 
-def test_queue_full_sync_policy_writes_instead_of_dropping(make_server, s3_server: S3Process) -> None:  # noqa: ANN001
+def test_queue_full_sync_policy_writes_instead_of_dropping(make_server, s3_server: S3Process) -> None:
     server: ServerThread = make_server(
         s3=s3_cfg(s3_server, write_mode="behind", queue_max_bytes=64 << 10, queue_full="sync")
     )
