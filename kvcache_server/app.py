@@ -7,13 +7,15 @@ import contextlib
 import logging
 import signal
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvcache_server import __version__
-from kvcache_server.config import LowerTierSection, ServerConfig
+from kvcache_server.auth import Authenticator, TokenStore
+from kvcache_server.config import LowerTierSection, ServerConfig, TlsSection, is_loopback
 from kvcache_server.events import EventHub
 from kvcache_server.interceptor import RequestContextInterceptor
 from kvcache_server.metrics import Metrics
@@ -75,7 +77,7 @@ def _policy(section: LowerTierSection) -> LowerTierPolicy:
     )
 
 
-def build_stack(config: ServerConfig, observer: Observer | None = None) -> TierStack:
+def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: TokenStore | None = None) -> TierStack:
     """RAM, then Redis and S3 where enabled; tier modules are imported only when used."""
     lower: list[tuple[Tier, LowerTierPolicy]] = []
     r = config.redis
@@ -109,7 +111,12 @@ def build_stack(config: ServerConfig, observer: Observer | None = None) -> TierS
         lower.append((tier, _policy(s3)))
     events = EventHub(max_subscribers=config.events.max_subscribers, buffer_events=config.events.buffer_events)
     return TierStack(
-        config.ram.capacity_bytes, lower, demote_on_evict=config.ram.demote_on_evict, events=events, observer=observer
+        config.ram.capacity_bytes,
+        lower,
+        demote_on_evict=config.ram.demote_on_evict,
+        events=events,
+        observer=observer,
+        ram_quota_of=(lambda tenant: tokens.limits(tenant).ram_quota_bytes) if tokens else None,
     )
 
 
@@ -136,21 +143,27 @@ async def _watch_health(
 
 async def create_server(config: ServerConfig) -> RunningServer:
     """Builds, binds and starts the server; port 0 in the config picks a free port."""
-    max_message = config.limits.max_message_bytes
+    limits = config.limits
+    max_message = limits.max_message_bytes
+    tokens = TokenStore.load(config.auth.tokens_file) if config.auth.enabled else None
+    if tokens is None and not is_loopback(config.server.host):
+        log.warning("serving %s WITHOUT authentication (auth.allow_unauthenticated)", config.server.host)
     metrics = Metrics() if config.metrics.enabled else None
     observer: Observer = metrics or NullObserver()
     server = grpc.aio.server(
-        interceptors=[RequestContextInterceptor(observer)],
+        interceptors=[RequestContextInterceptor(observer, Authenticator(tokens) if tokens else None)],
         options=[
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
+            ("grpc.max_metadata_size", limits.max_metadata_bytes),
+            ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
         ],
         maximum_concurrent_rpcs=config.server.max_concurrent_rpcs,
     )
-    stack = build_stack(config, observer)
+    stack = build_stack(config, observer, tokens)
     await stack.start()
-    service = KVCacheService(stack, config.limits, version=__version__, observer=observer)
+    service = KVCacheService(stack, limits, version=__version__, observer=observer)
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -160,7 +173,10 @@ async def create_server(config: ServerConfig) -> RunningServer:
     )
     address = f"{config.server.host}:{config.server.port}"
     try:
-        port = server.add_insecure_port(address)
+        if config.tls.enabled:
+            port = server.add_secure_port(address, _server_credentials(config.tls))
+        else:
+            port = server.add_insecure_port(address)
     except RuntimeError as exc:  # grpc raises RuntimeError when no address could be bound
         raise OSError(f"cannot bind {address}: {exc}") from None
     if port == 0:
@@ -169,7 +185,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
     if metrics is not None:
         metrics.attach(stack, stack.events, service.counters)
         try:
-            metrics_port = metrics.serve(config.metrics.host, config.metrics.port)
+            metrics_port = metrics.serve(config.metrics.host, config.metrics.port, config.tls)
         except OSError as exc:
             raise OSError(f"cannot bind metrics on {config.metrics.host}:{config.metrics.port}: {exc}") from None
     await server.start()
@@ -191,6 +207,15 @@ async def create_server(config: ServerConfig) -> RunningServer:
     return running
 
 
+def _server_credentials(tls: TlsSection) -> grpc.ServerCredentials:
+    client_ca = Path(tls.client_ca_file).read_bytes() if tls.client_ca_file else None
+    return grpc.ssl_server_credentials(
+        [(Path(tls.key_file).read_bytes(), Path(tls.cert_file).read_bytes())],
+        root_certificates=client_ca,
+        require_client_auth=client_ca is not None,
+    )
+
+
 def describe(running: RunningServer) -> str:
     """The one start-up line: what is served where."""
     c = running.config
@@ -199,10 +224,13 @@ def describe(running: RunningServer) -> str:
         tiers.append(f"redis {c.redis.url.split('@')[-1]} ({c.redis.write_mode})")
     if c.s3.enabled:
         tiers.append(f"s3 {c.s3.bucket}/{c.s3.prefix} ({c.s3.write_mode})")
-    metrics = f"; metrics http://{c.metrics.host}:{running.metrics_port}/metrics" if running.metrics else ""
+    scheme = "https" if c.tls.enabled else "http"
+    metrics = f"; metrics {scheme}://{c.metrics.host}:{running.metrics_port}/metrics" if running.metrics else ""
+    security = ("tls" if not c.tls.client_ca_file else "mtls") if c.tls.enabled else "plaintext"
+    security += ", auth" if c.auth.enabled else ", no auth"
     return (
         f"kvcache-server {__version__} serving {SERVICE_NAME} on {c.server.host}:{running.port} "
-        f"(tiers: {', '.join(tiers)}; max block {c.limits.max_block_bytes / (1 << 20):.0f} MiB{metrics})"
+        f"(tiers: {', '.join(tiers)}; max block {c.limits.max_block_bytes / (1 << 20):.0f} MiB; {security}{metrics})"
     )
 
 

@@ -16,6 +16,7 @@ silently unapplied.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import re
 import tomllib
 from collections.abc import Mapping
@@ -155,14 +156,25 @@ class LimitsSection:
     max_keys_per_request: int = 65536
     # Target size of one streamed Get message; larger blocks travel one per message.
     stream_message_bytes: int = 4 * _MiB
+    # One Put stream: at most this many blocks and bytes (a client cannot stream forever).
+    max_put_stream_blocks: int = 262_144
+    max_put_stream_bytes: int = 16 * _GiB
+    # gRPC metadata per call, and concurrent calls (HTTP/2 streams) per connection.
+    max_metadata_bytes: int = 16 * 1024
+    max_concurrent_streams: int = 256
 
     def validate(self) -> None:
-        if self.max_block_bytes <= 0:
-            raise ConfigError("limits.max_block_bytes must be positive")
-        if self.max_keys_per_request <= 0:
-            raise ConfigError("limits.max_keys_per_request must be positive")
-        if self.stream_message_bytes <= 0:
-            raise ConfigError("limits.stream_message_bytes must be positive")
+        for name in (
+            "max_block_bytes",
+            "max_keys_per_request",
+            "stream_message_bytes",
+            "max_put_stream_blocks",
+            "max_put_stream_bytes",
+            "max_metadata_bytes",
+            "max_concurrent_streams",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"limits.{name} must be positive")
 
     @property
     def max_message_bytes(self) -> int:
@@ -216,6 +228,52 @@ class EventsSection:
 
 
 @dataclass(frozen=True, slots=True)
+class AuthSection:
+    """API tokens, tenants, quotas (docs/security.md)."""
+
+    enabled: bool = False
+    tokens_file: str = ""  # TOML of token hashes, tenants and their limits
+    # Serving without auth is allowed only on a loopback address unless this is set (a warning is logged).
+    allow_unauthenticated: bool = False
+
+    def validate(self) -> None:
+        if self.enabled and not self.tokens_file:
+            raise ConfigError("auth.enabled needs auth.tokens_file")
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSection:
+    """TLS on the gRPC and metrics ports; mTLS when client_ca_file is set."""
+
+    cert_file: str = ""
+    key_file: str = ""
+    client_ca_file: str = ""  # clients must present a certificate signed by this CA
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+    def validate(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ConfigError("tls.cert_file and tls.key_file go together")
+        if self.client_ca_file and not self.cert_file:
+            raise ConfigError("tls.client_ca_file (mTLS) needs tls.cert_file and tls.key_file")
+        for name in ("cert_file", "key_file", "client_ca_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                raise ConfigError(f"tls.{name}: {path} is not a readable file")
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True, slots=True)
 class ServerConfig:
     """Everything the server reads at start-up."""
 
@@ -227,6 +285,8 @@ class ServerConfig:
     metrics: MetricsSection = field(default_factory=MetricsSection)
     health: HealthSection = field(default_factory=HealthSection)
     events: EventsSection = field(default_factory=EventsSection)
+    auth: AuthSection = field(default_factory=AuthSection)
+    tls: TlsSection = field(default_factory=TlsSection)
 
     def validate(self) -> ServerConfig:
         for f in dataclasses.fields(self):
@@ -234,6 +294,11 @@ class ServerConfig:
         for name in self.health.required:
             if not getattr(self, name).enabled:
                 raise ConfigError(f"health.required_tiers names {name}, but {name}.enabled is false")
+        if not self.auth.enabled and not self.auth.allow_unauthenticated and not is_loopback(self.server.host):
+            raise ConfigError(
+                f"refusing to serve {self.server.host} without authentication: enable [auth] (docs/security.md), "
+                "or set auth.allow_unauthenticated = true if the network itself is trusted"
+            )
         return self
 
 

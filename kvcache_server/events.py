@@ -54,8 +54,9 @@ class SubscriberOverflow(Exception):
 class Subscription:
     """One subscriber's bounded buffer. Read with `next_batch()` from the subscriber's own task."""
 
-    namespace: str  # "" for all namespaces
+    namespace: str  # "" for all namespaces (under `prefix`)
     max_events: int
+    prefix: str = ""  # only namespaces starting with this (a tenant's "tenant:" scope)
     _buffer: deque[KVEvent] = field(default_factory=deque)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
     overflowed: bool = False
@@ -100,11 +101,11 @@ class EventHub:
     def subscribers(self) -> int:
         return len(self._subscribers)
 
-    def subscribe(self, namespace: str = "") -> Subscription | None:
+    def subscribe(self, namespace: str = "", prefix: str = "") -> Subscription | None:
         """A new subscription, or None when max_subscribers are already connected."""
         if len(self._subscribers) >= self.max_subscribers:
             return None
-        sub = Subscription(namespace=namespace, max_events=self.buffer_events)
+        sub = Subscription(namespace=namespace, max_events=self.buffer_events, prefix=prefix)
         self._subscribers.add(sub)
         return sub
 
@@ -120,5 +121,5 @@ class EventHub:
         event = KVEvent(next(self._sequence), time.time(), kind, tier, namespace, tuple(keys))
         self.published += 1
         for sub in self._subscribers:
-            if not sub.namespace or sub.namespace == namespace:
+            if (sub.namespace == namespace) if sub.namespace else namespace.startswith(sub.prefix):
                 sub._offer(event)

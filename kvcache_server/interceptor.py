@@ -20,7 +20,11 @@ from typing import Any
 
 import grpc
 
+from kvcache_server.auth import Authenticator, AuthError, current_principal
 from kvcache_server.observe import Observer
+
+log = logging.getLogger(__name__)
+KVCACHE_SERVICE = "kvcache.v1.KVCache"
 
 REQUEST_ID_HEADER = "x-request-id"
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("kvcache_request_id", default="-")
@@ -50,10 +54,12 @@ def _code(context: grpc.aio.ServicerContext) -> str:
 
 
 class RequestContextInterceptor(grpc.aio.ServerInterceptor):
-    """Sets the request id and reports every RPC's status code and duration to the observer."""
+    """Per call: the request id, authentication (KVCache methods only; health and reflection
+    stay open), and the status code and duration reported to the observer."""
 
-    def __init__(self, observer: Observer) -> None:
+    def __init__(self, observer: Observer, authenticator: Authenticator | None = None) -> None:
         self._observer = observer
+        self._auth = authenticator
 
     async def intercept_service(
         self,
@@ -63,17 +69,30 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None:
             return handler
-        method = details.method.rsplit("/", 1)[-1]
+        service, _, method = details.method.lstrip("/").rpartition("/")
         rid = _incoming_id(details)
         observer = self._observer
+        auth = self._auth if service == KVCACHE_SERVICE else None
+        metadata = {k: v for k, v in details.invocation_metadata or () if isinstance(v, str)}
+
+        async def admit(context: grpc.aio.ServicerContext) -> None:
+            """Sets the call's context; aborts the call when its credentials do not admit it."""
+            request_id.set(rid)
+            await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
+            if auth is None:
+                return
+            try:
+                current_principal.set(auth.check(method, metadata))
+            except AuthError as exc:
+                log.info("refused %s: %s", method, exc)
+                await context.abort(grpc.StatusCode[exc.code_name], str(exc))
 
         def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-                request_id.set(rid)
-                await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
                 start = time.perf_counter()
                 code = "UNKNOWN"
                 try:
+                    await admit(context)
                     result = await behavior(request_or_iterator, context)
                     code = _code(context)
                     return result
@@ -90,11 +109,10 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
 
         def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
             async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                request_id.set(rid)
-                await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
                 start = time.perf_counter()
                 code = "UNKNOWN"
                 try:
+                    await admit(context)
                     async for response in behavior(request_or_iterator, context):
                         yield response
                     code = _code(context)

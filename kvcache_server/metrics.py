@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvcache_server.config import TlsSection
 from kvcache_server.events import EventHub
 from kvcache_server.stack import TierStack
 from kvcache_server.tiers.base import TierStats
@@ -172,9 +173,18 @@ class Metrics:
 
     # -- HTTP -----------------------------------------------------------------------------------
 
-    def serve(self, host: str, port: int) -> int:
-        """Starts the /metrics HTTP server in a daemon thread; returns the bound port."""
-        server, thread = start_http_server(port, addr=host, registry=self.registry)
+    def serve(self, host: str, port: int, tls: TlsSection | None = None) -> int:
+        """Starts the /metrics HTTP(S) server in a daemon thread; returns the bound port.
+
+        With TLS configured the metrics port uses the same certificate, and requires client
+        certificates when the gRPC port does (mTLS).
+        """
+        kwargs: dict[str, object] = {}
+        if tls is not None and tls.enabled:
+            kwargs = {"certfile": tls.cert_file, "keyfile": tls.key_file}
+            if tls.client_ca_file:
+                kwargs |= {"client_cafile": tls.client_ca_file, "client_auth_required": True}
+        server, thread = start_http_server(port, addr=host, registry=self.registry, **kwargs)  # type: ignore[arg-type]
         self._http = (server, thread)
         return int(server.server_port)  # type: ignore[attr-defined]
 

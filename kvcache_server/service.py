@@ -23,6 +23,7 @@ from kvcache_client.format import BlockFormatError, Compression, verify_block
 from kvcache_client.keys import KEY_BYTES
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+from kvcache_server.auth import current_principal
 from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow
 from kvcache_server.observe import NullObserver, Observer
@@ -151,9 +152,22 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     ) -> pb.PutResponse:
         namespace: str | None = None
         index = stored = rejected = received = 0
+        limits = self._limits
         async for message in request_iterator:
             if message.error:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, message.error)
+            if index + len(message.blocks) > limits.max_put_stream_blocks:
+                await self._abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Put stream exceeds max_put_stream_blocks={limits.max_put_stream_blocks}; split it",
+                )
+            if received + sum(len(d) for _, d in message.blocks) > limits.max_put_stream_bytes:
+                await self._abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Put stream exceeds max_put_stream_bytes={limits.max_put_stream_bytes}; split it",
+                )
             if namespace is None:
                 namespace = await self._namespace(context, message.namespace)
             elif message.namespace and message.namespace != namespace:
@@ -200,9 +214,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KVEvent]:
         hub = self._stack.events
-        if request.namespace:
-            await self._namespace(context, request.namespace)
-        sub = hub.subscribe(request.namespace)
+        namespace = await self._namespace(context, request.namespace) if request.namespace else ""
+        principal = current_principal.get()
+        scope = f"{principal.tenant}:" if principal is not None else ""
+        sub = hub.subscribe(namespace, prefix=scope)
         if sub is None:
             await self._abort(
                 context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many event subscribers (max {hub.max_subscribers})"
@@ -221,7 +236,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         timestamp_s=event.timestamp_s,
                         kind=int(event.kind),
                         tier=int(event.tier),
-                        namespace=event.namespace,
+                        namespace=event.namespace.removeprefix(scope),
                         keys=event.keys,
                     )
         finally:

@@ -115,10 +115,11 @@ class TierStack:
         demote_on_evict: bool = True,
         events: EventHub | None = None,
         observer: Observer | None = None,
+        ram_quota_of: Callable[[str], int] | None = None,
     ) -> None:
         self.events = events or EventHub()
         self._observer = observer or NullObserver()
-        self._ram = RamTier(ram_capacity_bytes, on_evict=self._on_ram_evict)
+        self._ram = RamTier(ram_capacity_bytes, on_evict=self._on_ram_evict, quota_of=ram_quota_of)
         self._ram_counters = _Counters()
         self._lower = [
             _Lower(

@@ -107,7 +107,9 @@ def test_port_in_use_exits_1() -> None:
 
 def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
-    path.write_text('[server]\nport = 7000\nhost = "0.0.0.0"\n[ram]\ncapacity_bytes = 1000000\n')
+    path.write_text(
+        '[server]\nport = 7000\nhost = "0.0.0.0"\n[ram]\ncapacity_bytes = 1000000\n[auth]\nallow_unauthenticated = true\n'
+    )
     assert load_config(env={}).server.port == DEFAULT_PORT
     assert load_config(path=path, env={}).server.port == 7000
     cfg = load_config(path=path, env={"KVCACHE_SERVER_PORT": "7001"}, overrides={"ram": {"capacity_bytes": "2MiB"}})
@@ -127,6 +129,10 @@ def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
         ({"overrides": {"server": {"log_level": "loud"}}}, "not a log level"),
         ({"env": {"KVCACHE_SERVER_LOG_JSON": "maybe"}}, "not a boolean"),
         ({"path": "/nonexistent/kvcache.toml"}, "cannot read config file"),
+        ({"overrides": {"server": {"host": "0.0.0.0"}}}, "refusing to serve 0.0.0.0 without authentication"),
+        ({"overrides": {"auth": {"enabled": True}}}, "auth.enabled needs auth.tokens_file"),
+        ({"overrides": {"tls": {"cert_file": "/nonexistent.pem", "key_file": "/k"}}}, "is not a readable file"),
+        ({"overrides": {"tls": {"cert_file": "/etc/hostname"}}}, "go together"),
     ],
 )
 def test_invalid_settings_are_named(kwargs: dict, fragment: str) -> None:

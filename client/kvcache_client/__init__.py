@@ -5,6 +5,7 @@ Importing this package never imports torch; the tensor helpers load it on first 
 
 from kvcache_client.aio import AsyncKVCacheClient
 from kvcache_client.client import KVCacheClient, LookupResult, PutResult
+from kvcache_client.connection import TLSConfig
 from kvcache_client.errors import (
     BlockFormatError,
     ChecksumMismatch,
@@ -41,6 +42,7 @@ __all__ = [
     "RPCError",
     "ResourceExhausted",
     "RetryPolicy",
+    "TLSConfig",
     "Unauthenticated",
     "Unavailable",
     "UnknownFormatVersion",

@@ -19,6 +19,7 @@ from kvcache_client.client import (
     namespace_name,
     verified,
 )
+from kvcache_client.connection import TLSConfig, auth_metadata, make_aio_channel
 from kvcache_client.errors import DeadlineExceeded, from_rpc_error
 from kvcache_client.format import Layout
 from kvcache_client.retry import RetryPolicy
@@ -28,7 +29,6 @@ from kvcache_client.transport import (
     LookupResult,
     PutResult,
     ServerStats,
-    channel_options,
 )
 
 if TYPE_CHECKING:
@@ -49,6 +49,8 @@ class AsyncKVCacheClient:
         timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        token: str | None = None,
+        tls: TLSConfig | bool = False,
         transport: AsyncTransport | None = None,
     ) -> None:
         """See KVCacheClient.__init__; the channel is a grpc.aio channel."""
@@ -58,7 +60,7 @@ class AsyncKVCacheClient:
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._transport: AsyncTransport = transport or AsyncGrpcTransport(
-            grpc.aio.insecure_channel(target, options=channel_options(max_message_bytes))
+            make_aio_channel(target, tls=tls, max_message_bytes=max_message_bytes), metadata=auth_metadata(token)
         )
         self.corrupt_blocks = 0
 

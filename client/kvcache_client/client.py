@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.connection import TLSConfig, auth_metadata, make_channel
 from kvcache_client.errors import BlockFormatError, DeadlineExceeded, from_rpc_error
 from kvcache_client.format import Layout, verify_block
 from kvcache_client.retry import RetryPolicy
@@ -36,7 +37,6 @@ from kvcache_client.transport import (
     PutResult,
     ServerStats,
     Transport,
-    channel_options,
 )
 
 if TYPE_CHECKING:
@@ -87,6 +87,8 @@ class KVCacheClient:
         timeout_s: float = 30.0,
         retry: RetryPolicy | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        token: str | None = None,
+        tls: TLSConfig | bool = False,
         transport: Transport | None = None,
     ) -> None:
         """Connects lazily to `target` ("host:port").
@@ -96,6 +98,8 @@ class KVCacheClient:
             timeout_s: Default deadline of each call, all retries included.
             retry: Retry policy; the default retries UNAVAILABLE three times.
             max_message_bytes: gRPC message limit of this client (bounds one block).
+            token: API token; defaults to the KVCACHE_TOKEN environment variable.
+            tls: True (verify against the system roots) or a TLSConfig; False for plaintext.
             transport: Replaces the gRPC transport (tests, other data paths).
         """
         if timeout_s <= 0:
@@ -104,7 +108,7 @@ class KVCacheClient:
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._transport: Transport = transport or GrpcTransport(
-            grpc.insecure_channel(target, options=channel_options(max_message_bytes))
+            make_channel(target, tls=tls, max_message_bytes=max_message_bytes), metadata=auth_metadata(token)
         )
         self.corrupt_blocks = 0
 

@@ -108,6 +108,9 @@ class ServerStats:
         raise KeyError(name)
 
 
+Metadata = Sequence[tuple[str, str]]
+"""gRPC metadata sent with every call (the authorization header)."""
+
 Fetched = tuple[memoryview | bytes, str]
 """A block as received (a view into the received message) and the name of the tier that served it."""
 
@@ -204,7 +207,7 @@ def server_stats(r: pb.StatsResponse) -> ServerStats:
     )
 
 
-def channel_options(max_message_bytes: int) -> list[tuple[str, int]]:
+def channel_options(max_message_bytes: int) -> list[tuple[str, int | str]]:
     return [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -225,8 +228,11 @@ def _identity(data: bytes) -> bytes:
 class GrpcTransport:
     """Blocking gRPC transport over one channel."""
 
-    def __init__(self, channel: grpc.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
+    def __init__(
+        self, channel: grpc.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES, metadata: Metadata = ()
+    ) -> None:
         self._channel = channel
+        self._md = tuple(metadata)
         self._stub = pb_grpc.KVCacheStub(channel)
         # Put and Get carry block bytes: blockwire instead of the generated classes (same wire format).
         self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
@@ -234,23 +240,29 @@ class GrpcTransport:
         self._message_bytes = message_bytes
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
-        return lookup_result(self._stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=timeout_s))
+        return lookup_result(
+            self._stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=timeout_s, metadata=self._md)
+        )
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult:
-        return put_result(self._put(put_messages(namespace, items, self._message_bytes), timeout=timeout_s))
+        return put_result(
+            self._put(put_messages(namespace, items, self._message_bytes), timeout=timeout_s, metadata=self._md)
+        )
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
         collector = GetCollector(len(keys))
         request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
-        for items in self._get(request, timeout=timeout_s):
+        for items in self._get(request, timeout=timeout_s, metadata=self._md):
             collector.add(items)
         return collector.out
 
     def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
-        return self._stub.Delete(pb.DeleteRequest(namespace=namespace, keys=keys), timeout=timeout_s).deleted
+        return self._stub.Delete(
+            pb.DeleteRequest(namespace=namespace, keys=keys), timeout=timeout_s, metadata=self._md
+        ).deleted
 
     def stats(self, timeout_s: float) -> ServerStats:
-        return server_stats(self._stub.Stats(pb.StatsRequest(), timeout=timeout_s))
+        return server_stats(self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md))
 
     def close(self) -> None:
         self._channel.close()
@@ -264,8 +276,11 @@ async def _aiter(requests: Iterable[bytes]) -> AsyncIterator[bytes]:
 class AsyncGrpcTransport:
     """asyncio gRPC transport over one grpc.aio channel."""
 
-    def __init__(self, channel: grpc.aio.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES) -> None:
+    def __init__(
+        self, channel: grpc.aio.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES, metadata: Metadata = ()
+    ) -> None:
         self._channel = channel
+        self._md = tuple(metadata)
         self._stub = pb_grpc.KVCacheStub(channel)
         self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
         self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
@@ -273,27 +288,29 @@ class AsyncGrpcTransport:
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         request = pb.LookupRequest(namespace=namespace, keys=keys)
-        return lookup_result(await self._stub.Lookup(request, timeout=timeout_s))
+        return lookup_result(await self._stub.Lookup(request, timeout=timeout_s, metadata=self._md))
 
     async def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult:
         messages = _aiter(put_messages(namespace, items, self._message_bytes))
-        return put_result(await self._put(messages, timeout=timeout_s))
+        return put_result(await self._put(messages, timeout=timeout_s, metadata=self._md))
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
     ) -> list[Fetched | None]:
         collector = GetCollector(len(keys))
         request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
-        async for items in self._get(request, timeout=timeout_s):
+        async for items in self._get(request, timeout=timeout_s, metadata=self._md):
             collector.add(items)
         return collector.out
 
     async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
-        response = await self._stub.Delete(pb.DeleteRequest(namespace=namespace, keys=keys), timeout=timeout_s)
+        response = await self._stub.Delete(
+            pb.DeleteRequest(namespace=namespace, keys=keys), timeout=timeout_s, metadata=self._md
+        )
         return response.deleted
 
     async def stats(self, timeout_s: float) -> ServerStats:
-        return server_stats(await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s))
+        return server_stats(await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md))
 
     async def close(self) -> None:
         await self._channel.close()

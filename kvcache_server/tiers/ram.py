@@ -64,8 +64,38 @@ class LRUPolicy:
         return next(iter(self._order))
 
 
+def tenant_of(namespace: str) -> str:
+    """The partition of a namespace: the tenant the server scoped it with ("tenant:ns"), or "" without auth."""
+    tenant, sep, _ = namespace.partition(":")
+    return tenant if sep else ""
+
+
+class _Partition:
+    """One tenant's share of the tier: its own eviction order and byte count."""
+
+    __slots__ = ("policy", "quota", "used")
+
+    def __init__(self, policy: EvictionPolicy, quota: int) -> None:
+        self.policy = policy
+        self.quota = quota  # 0: no share of its own
+        self.used = 0
+
+    def overage(self) -> int:
+        """How far the partition is over its share; a partition without one is over by all it holds."""
+        return self.used - self.quota if self.quota else self.used
+
+
 class RamTier(Tier):
-    """Blocks in this process's memory, under a hard byte cap."""
+    """Blocks in this process's memory, under a hard byte cap, partitioned by tenant.
+
+    Eviction, when an entry of tenant T needs room:
+      1. while T is over its own quota (if it has one), evict T's least recently used;
+      2. while the tier is over capacity, evict the least recently used entry of the
+         tenant furthest over its quota (tenants without a quota count as over by all
+         they hold).
+    So with quotas that sum to at most the capacity, one tenant's flood only ever
+    evicts its own blocks. Without auth there is one partition and this is plain LRU.
+    """
 
     name = "ram"
     kind = TierKind.RAM
@@ -74,13 +104,16 @@ class RamTier(Tier):
         self,
         capacity_bytes: int,
         *,
-        policy: EvictionPolicy | None = None,
+        policy_factory: Callable[[], EvictionPolicy] = LRUPolicy,
         on_evict: EvictCallback | None = None,
+        quota_of: Callable[[str], int] | None = None,
     ) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._capacity = capacity_bytes
-        self._policy: EvictionPolicy = policy or LRUPolicy()
+        self._policy_factory = policy_factory
+        self._quota_of = quota_of or (lambda tenant: 0)
+        self._partitions: dict[str, _Partition] = {}
         self._on_evict = on_evict
         self._blocks: dict[EntryKey, bytes] = {}
         self._used = 0
@@ -95,9 +128,21 @@ class RamTier(Tier):
     def used_bytes(self) -> int:
         return self._used
 
+    def tenant_used_bytes(self, tenant: str) -> int:
+        part = self._partitions.get(tenant)
+        return part.used if part else 0
+
+    def _partition(self, namespace: str) -> _Partition:
+        tenant = tenant_of(namespace)
+        part = self._partitions.get(tenant)
+        if part is None:
+            part = self._partitions[tenant] = _Partition(self._policy_factory(), self._quota_of(tenant))
+        return part
+
     def get_many_sync(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
         out: list[bytes | None] = []
         with self._lock:
+            part = self._partition(namespace)
             for key in keys:
                 entry = (namespace, key)
                 block = self._blocks.get(entry)
@@ -105,7 +150,7 @@ class RamTier(Tier):
                     self._stats.misses += 1
                 else:
                     self._stats.hits += 1
-                    self._policy.accessed(entry)
+                    part.policy.accessed(entry)
                 out.append(block)
         return out
 
@@ -117,32 +162,45 @@ class RamTier(Tier):
         stored: list[bool] = []
         evicted: list[tuple[str, bytes, bytes]] = []
         with self._lock:
+            part = self._partition(namespace)
             for key, block in items:
-                stored.append(self._put_locked((namespace, key), block, evicted))
+                stored.append(self._put_locked(part, (namespace, key), block, evicted))
         if self._on_evict is not None:
             # Outside the lock: the callback may be slow or re-enter the tier.
             for ns, key, block in evicted:
                 self._on_evict(ns, key, block)
         return stored
 
-    def _put_locked(self, entry: EntryKey, block: bytes, evicted: list[tuple[str, bytes, bytes]]) -> bool:
+    def _evict_from(self, part: _Partition, evicted: list[tuple[str, bytes, bytes]]) -> None:
+        victim = part.policy.victim()
+        block = self._blocks.pop(victim)  # type: ignore[call-overload]
+        part.policy.removed(victim)
         cost = self.entry_cost(block)
-        if cost > self._capacity:
+        part.used -= cost
+        self._used -= cost
+        self._stats.evictions += 1
+        evicted.append((victim[0], victim[1], block))  # type: ignore[index]
+
+    def _put_locked(
+        self, part: _Partition, entry: EntryKey, block: bytes, evicted: list[tuple[str, bytes, bytes]]
+    ) -> bool:
+        cost = self.entry_cost(block)
+        if cost > self._capacity or (part.quota and cost > part.quota):
             self._stats.rejected += 1
             return False
         old = self._blocks.pop(entry, None)
         if old is not None:
+            part.used -= self.entry_cost(old)
             self._used -= self.entry_cost(old)
-            self._policy.removed(entry)
+            part.policy.removed(entry)
+        while part.quota and part.used + cost > part.quota:
+            self._evict_from(part, evicted)
         while self._used + cost > self._capacity:
-            victim = self._policy.victim()
-            victim_block = self._blocks.pop(victim)  # type: ignore[call-overload]
-            self._policy.removed(victim)
-            self._used -= self.entry_cost(victim_block)
-            self._stats.evictions += 1
-            evicted.append((victim[0], victim[1], victim_block))  # type: ignore[index]
+            worst = max((p for p in self._partitions.values() if p.used), key=_Partition.overage)
+            self._evict_from(worst, evicted)
         self._blocks[entry] = block
-        self._policy.inserted(entry)
+        part.policy.inserted(entry)
+        part.used += cost
         self._used += cost
         self._stats.puts += 1
         return True
@@ -150,11 +208,13 @@ class RamTier(Tier):
     def delete_many_sync(self, namespace: str, keys: Sequence[bytes]) -> int:
         deleted = 0
         with self._lock:
+            part = self._partition(namespace)
             for key in keys:
                 entry = (namespace, key)
                 block = self._blocks.pop(entry, None)
                 if block is not None:
-                    self._policy.removed(entry)
+                    part.policy.removed(entry)
+                    part.used -= self.entry_cost(block)
                     self._used -= self.entry_cost(block)
                     deleted += 1
         return deleted
