@@ -156,6 +156,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
             ("grpc.max_metadata_size", limits.max_metadata_bytes),
+            ("grpc.absolute_max_metadata_size", limits.max_metadata_bytes),
             ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
         ],

@@ -12,10 +12,11 @@ import dataclasses
 import logging
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import NoReturn
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from kvcache_client.blockwire import PutMessage, decode_put_request, encode_get_response
 from kvcache_client.errors import ChecksumMismatch, UnknownFormatVersion
@@ -76,22 +77,30 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         raise AssertionError("unreachable: context.abort raises")
 
     async def _namespace(self, context: grpc.aio.ServicerContext, namespace: str) -> str:
+        """The validated namespace, scoped by the caller's tenant: "<tenant>:<namespace>" with auth on.
+
+        Every tier stores the scoped name, so tenants with identical namespaces and keys never
+        meet: another tenant's blocks are not hidden, they are looked for in another place.
+        """
         if not namespace:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace is required")
         if (
             len(namespace) > MAX_NAMESPACE_BYTES
             or not namespace.isascii()
             or not namespace.isprintable()
-            or (" " in namespace)
+            or " " in namespace
+            or ":" in namespace
         ):
             await self._abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"namespace must be 1..{MAX_NAMESPACE_BYTES} printable ASCII characters without spaces",
+                f"namespace must be 1..{MAX_NAMESPACE_BYTES} printable ASCII characters without spaces or ':'",
             )
+        principal = current_principal.get()
+        scoped = f"{principal.tenant}:{namespace}" if principal is not None else namespace
         # One shared str per namespace (interned strings are freed with their last reference):
         # index entries then point at one object instead of one copy per request.
-        return sys.intern(namespace)
+        return sys.intern(scoped)
 
     async def _keys(self, context: grpc.aio.ServicerContext, keys: Sequence[bytes]) -> list[bytes]:
         if not keys:
@@ -150,7 +159,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     async def Put(
         self, request_iterator: AsyncIterator[PutMessage], context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
-        namespace: str | None = None
+        namespace: str | None = None  # scoped
+        first_namespace = ""  # as the client sent it
         index = stored = rejected = received = 0
         limits = self._limits
         async for message in request_iterator:
@@ -170,7 +180,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 )
             if namespace is None:
                 namespace = await self._namespace(context, message.namespace)
-            elif message.namespace and message.namespace != namespace:
+                first_namespace = message.namespace
+            elif message.namespace and message.namespace != first_namespace:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
             for key, data in message.blocks:
                 await self._block(context, index, key, data)
@@ -258,23 +269,56 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         )
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Malformed:
+    error: str
+
+
+def _parser(message: type) -> Callable[[bytes], object]:
+    """The message's parser, returning _Malformed instead of raising: gRPC would answer a raising
+    deserializer with INTERNAL, and malformed input deserves INVALID_ARGUMENT."""
+
+    def parse(data: bytes) -> object:
+        try:
+            return message.FromString(data)
+        except DecodeError as exc:
+            return _Malformed(f"malformed {message.__name__}: {exc}")
+
+    return parse
+
+
+def _unary(behavior: Callable[..., Awaitable[object]]) -> Callable[..., Awaitable[object]]:
+    async def checked(request: object, context: grpc.aio.ServicerContext) -> object:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        return await behavior(request, context)
+
+    return checked
+
+
+def _streaming(behavior: Callable[..., AsyncIterator[object]]) -> Callable[..., AsyncIterator[object]]:
+    async def checked(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        async for response in behavior(request, context):
+            yield response
+
+    return checked
+
+
 def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
     """Registers the service. Put and Get use the blockwire codec (same wire format as the
-    generated code, fewer copies of block bytes); the small RPCs use the generated classes."""
+    generated code, fewer copies of block bytes); the small RPCs use the generated classes.
+    No parser raises: malformed requests are answered INVALID_ARGUMENT."""
+    unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
     handlers = {
-        "Lookup": grpc.unary_unary_rpc_method_handler(
-            service.Lookup, pb.LookupRequest.FromString, pb.LookupResponse.SerializeToString
-        ),
+        "Lookup": unary(_unary(service.Lookup), _parser(pb.LookupRequest), pb.LookupResponse.SerializeToString),
         "Put": grpc.stream_unary_rpc_method_handler(service.Put, decode_put_request, pb.PutResponse.SerializeToString),
-        "Get": grpc.unary_stream_rpc_method_handler(service.Get, pb.GetRequest.FromString, encode_get_response),
-        "Delete": grpc.unary_unary_rpc_method_handler(
-            service.Delete, pb.DeleteRequest.FromString, pb.DeleteResponse.SerializeToString
-        ),
-        "Stats": grpc.unary_unary_rpc_method_handler(
-            service.Stats, pb.StatsRequest.FromString, pb.StatsResponse.SerializeToString
-        ),
-        "WatchEvents": grpc.unary_stream_rpc_method_handler(
-            service.WatchEvents, pb.WatchEventsRequest.FromString, pb.KVEvent.SerializeToString
+        "Get": stream(_streaming(service.Get), _parser(pb.GetRequest), encode_get_response),
+        "Delete": unary(_unary(service.Delete), _parser(pb.DeleteRequest), pb.DeleteResponse.SerializeToString),
+        "Stats": unary(_unary(service.Stats), _parser(pb.StatsRequest), pb.StatsResponse.SerializeToString),
+        "WatchEvents": stream(
+            _streaming(service.WatchEvents), _parser(pb.WatchEventsRequest), pb.KVEvent.SerializeToString
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

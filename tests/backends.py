@@ -170,3 +170,78 @@ class S3Process:
 
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def make_certs(tmp: Path) -> dict[str, Path]:
+    """Test PKI made with the openssl CLI: a CA, a server certificate for 127.0.0.1 and localhost,
+    a client certificate from the same CA, and a client certificate from an unrelated CA."""
+    openssl = require_binary("openssl")
+
+    def sh(*args: str) -> None:
+        subprocess.run([openssl, *args], cwd=tmp, check=True, capture_output=True)
+
+    def ca(name: str) -> None:
+        sh(
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-days",
+            "1",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.crt",
+            "-subj",
+            f"/CN={name}",
+        )
+
+    def leaf(name: str, signer: str, san: str) -> None:
+        sh(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            f"{name}.csr",
+            "-subj",
+            f"/CN={name}",
+        )
+        (tmp / f"{name}.cnf").write_text(f"subjectAltName={san}\n")
+        sh(
+            "x509",
+            "-req",
+            "-in",
+            f"{name}.csr",
+            "-CA",
+            f"{signer}.crt",
+            "-CAkey",
+            f"{signer}.key",
+            "-CAcreateserial",
+            "-days",
+            "1",
+            "-out",
+            f"{name}.crt",
+            "-extfile",
+            f"{name}.cnf",
+        )
+
+    ca("ca")
+    ca("rogue-ca")
+    leaf("server", "ca", "IP:127.0.0.1,DNS:localhost")
+    leaf("client", "ca", "DNS:kvcache-client")
+    leaf("rogue-client", "rogue-ca", "DNS:kvcache-client")
+    names = [
+        "ca.crt",
+        "rogue-ca.crt",
+        "server.crt",
+        "server.key",
+        "client.crt",
+        "client.key",
+        "rogue-client.crt",
+        "rogue-client.key",
+    ]
+    return {name: tmp / name for name in names}

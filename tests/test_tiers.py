@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -12,7 +11,7 @@ import pytest
 from kvcache_server.tiers.base import TierError
 from kvcache_server.tiers.redis import RedisTier
 from kvcache_server.tiers.s3 import S3Tier
-from tests.backends import RedisProcess, S3Process, free_port, require_binary
+from tests.backends import RedisProcess, S3Process, free_port, make_certs
 from tests.conftest import raw_block
 
 pytestmark = pytest.mark.timeout(120)
@@ -63,50 +62,6 @@ def test_redis_tier_with_password(make_server) -> None:
             run(RedisTier(proc.url).get_many(NS, [b"k" * 16]))
     finally:
         proc.stop()
-
-
-def make_certs(tmp: Path) -> dict[str, Path]:
-    """A CA and a server certificate for 127.0.0.1, made with the openssl CLI."""
-    openssl = require_binary("openssl")
-
-    def sh(*args: str) -> None:
-        subprocess.run([openssl, *args], cwd=tmp, check=True, capture_output=True)
-
-    sh(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "1",
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.crt",
-        "-subj",
-        "/CN=kvcache-test-ca",
-    )
-    sh("req", "-newkey", "rsa:2048", "-nodes", "-keyout", "server.key", "-out", "server.csr", "-subj", "/CN=127.0.0.1")
-    (tmp / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1\n")
-    sh(
-        "x509",
-        "-req",
-        "-in",
-        "server.csr",
-        "-CA",
-        "ca.crt",
-        "-CAkey",
-        "ca.key",
-        "-CAcreateserial",
-        "-days",
-        "1",
-        "-out",
-        "server.crt",
-        "-extfile",
-        "ext.cnf",
-    )
-    return {name: tmp / f"{name}" for name in ("ca.crt", "server.crt", "server.key")}
 
 
 def test_redis_tier_over_tls(tmp_path: Path) -> None:
