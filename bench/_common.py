@@ -1,0 +1,240 @@
+"""Shared helpers of the benchmarks: subprocess servers that always get cleaned up, and a timing loop."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import selectors
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+MB = 1e6  # throughput units are decimal: MB/s = 10^6 bytes/s, GB/s = 10^9 bytes/s
+GB = 1e9
+MiB = 1 << 20
+KiB = 1 << 10
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (small race, fine for a benchmark)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server in a child process: started, its port read from its first stdout line, stopped for sure.
+
+    stderr goes to a temporary file (shown when start-up fails); stdout is drained by a thread after
+    the first line so the child never blocks on a full pipe.
+    """
+
+    def __init__(
+        self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None
+    ) -> None:
+        self.name = name
+        self.argv = list(argv)
+        self.env = env
+        self.cwd = cwd
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.first_line = ""
+        # Lives as long as the child; closed in stop().
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
+
+    def start(self, port_pattern: str | None, timeout_s: float = 30.0) -> int | None:
+        """Starts the child; with `port_pattern` (a regex with one group), waits for the first stdout line
+        and returns the port parsed from it."""
+        self.proc = subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, env=self.env, cwd=self.cwd
+        )
+        if port_pattern is None:
+            self._drain()
+            return None
+        line = self._read_line(timeout_s)
+        self.first_line = line
+        self._drain()
+        m = re.search(port_pattern, line)
+        if not m:
+            raise RuntimeError(f"{self.name}: cannot parse a port from its first line {line!r}{self._stderr_tail()}")
+        return int(m.group(1))
+
+    def _read_line(self, timeout_s: float) -> str:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        buf = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            while b"\n" not in buf:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise RuntimeError(f"{self.name}: no start-up line within {timeout_s:.0f}s{self._stderr_tail()}")
+                if not sel.select(remaining):
+                    continue
+                chunk = os.read(self.proc.stdout.fileno(), 4096)
+                if not chunk:
+                    raise RuntimeError(
+                        f"{self.name}: exited (rc={self.proc.poll()}) before its start-up line{self._stderr_tail()}"
+                    )
+                buf += chunk
+        return buf.split(b"\n", 1)[0].decode(errors="replace")
+
+    def _drain(self) -> None:
+        stdout = self.proc.stdout if self.proc else None
+        if stdout is None:
+            return
+
+        def run() -> None:
+            try:
+                while os.read(stdout.fileno(), 65536):
+                    pass
+            except OSError:
+                pass
+
+        threading.Thread(target=run, name=f"drain-{self.name}", daemon=True).start()
+
+    def _stderr_tail(self, n: int = 2000) -> str:
+        try:
+            self._stderr.seek(0)
+            text = self._stderr.read().decode(errors="replace")
+        except (OSError, ValueError):
+            return ""
+        return f"\n--- {self.name} stderr ---\n{text[-n:]}" if text.strip() else ""
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 5.0) -> None:
+        """SIGTERM, wait up to `grace_s`, then SIGKILL. Safe to call twice."""
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        if proc is not None and proc.stdout is not None:
+            proc.stdout.close()
+        self._stderr.close()
+
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def exit_on_sigterm() -> None:
+    """Turns SIGTERM into SystemExit so `finally` blocks (and the servers' cleanup) run."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
+@dataclass
+class Measurement:
+    """One timed operation: throughput over `nbytes` per call, median over the iterations."""
+
+    system: str
+    workload: str
+    op: str
+    nbytes: int
+    iters: int
+    times_s: list[float] = field(repr=False)
+
+    @property
+    def median_s(self) -> float:
+        return statistics.median(self.times_s)
+
+    @property
+    def mb_s(self) -> float:
+        return self.nbytes / self.median_s / MB
+
+    @property
+    def gb_s(self) -> float:
+        return self.nbytes / self.median_s / GB
+
+    def add(self, other: Measurement) -> None:
+        """Pools another round's calls of the same system, workload and operation into this one."""
+        self.times_s.extend(other.times_s)
+        self.iters = len(self.times_s)
+
+    def spread(self) -> tuple[float, float]:
+        """(min, max) throughput in MB/s over the iterations."""
+        return self.nbytes / max(self.times_s) / MB, self.nbytes / min(self.times_s) / MB
+
+    def to_json(self) -> dict[str, object]:
+        d = asdict(self)
+        lo, hi = self.spread()
+        d.update(median_s=self.median_s, mb_s=self.mb_s, gb_s=self.gb_s, min_mb_s=lo, max_mb_s=hi)
+        return d
+
+
+@dataclass(frozen=True)
+class TimingPlan:
+    """Each measurement: `warmup` untimed calls, then calls until both `min_time_s` and `min_iters`
+    are reached (or `max_iters`, or `max_time_s` once `min_iters` is reached)."""
+
+    min_time_s: float = 1.5
+    min_iters: int = 5
+    max_iters: int = 500
+    max_time_s: float = 6.0
+    warmup: int = 1
+
+    def per_round(self, rounds: int) -> TimingPlan:
+        """The share of one of `rounds` interleaved rounds (each round warms up again)."""
+        return TimingPlan(
+            min_time_s=self.min_time_s / rounds,
+            min_iters=max(1, math.ceil(self.min_iters / rounds)),
+            max_iters=max(1, math.ceil(self.max_iters / rounds)),
+            max_time_s=self.max_time_s / rounds,
+            warmup=self.warmup,
+        )
+
+
+def measure(
+    system: str, workload: str, op: str, nbytes: int, fn: Callable[[], object], plan: TimingPlan
+) -> Measurement:
+    for _ in range(plan.warmup):
+        fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while True:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+        elapsed = time.perf_counter() - start
+        n = len(times)
+        if n >= plan.max_iters:
+            break
+        if n >= plan.min_iters and (elapsed >= plan.min_time_s or elapsed >= plan.max_time_s):
+            break
+    return Measurement(system, workload, op, nbytes, len(times), times)
+
+
+def memcpy_gb_s(nbytes: int = 16 * MiB, min_time_s: float = 0.5) -> float:
+    """Median GB/s of copying `nbytes` between two bytearrays (slice assignment, one memcpy)."""
+    src = bytearray(os.urandom(nbytes))
+    dst = bytearray(nbytes)
+    dst[:] = src  # warm up (page faults)
+    times: list[float] = []
+    start = time.perf_counter()
+    while time.perf_counter() - start < min_time_s or len(times) < 5:
+        t0 = time.perf_counter()
+        dst[:] = src
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times) / GB
+
+
+def python_cmd(*args: str) -> list[str]:
+    return [sys.executable, *args]
