@@ -87,43 +87,37 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
                 log.info("refused %s: %s", method, exc)
                 await context.abort(grpc.StatusCode[exc.code_name], str(exc))
 
+        class Call:
+            """Admits the call on entry; reports its status code and duration on exit."""
+
+            def __init__(self, context: grpc.aio.ServicerContext) -> None:
+                self.context = context
+
+            async def __aenter__(self) -> None:
+                self.start = time.perf_counter()
+                await admit(self.context)
+
+            async def __aexit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
+                if exc_type is None or issubclass(exc_type, grpc.aio.AbortError):
+                    code = _code(self.context)
+                elif issubclass(exc_type, asyncio.CancelledError | GeneratorExit):
+                    code = "CANCELLED"
+                else:
+                    code = "UNKNOWN"
+                observer.rpc(method, code, time.perf_counter() - self.start)
+
         def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-                start = time.perf_counter()
-                code = "UNKNOWN"
-                try:
-                    await admit(context)
-                    result = await behavior(request_or_iterator, context)
-                    code = _code(context)
-                    return result
-                except grpc.aio.AbortError:
-                    code = _code(context)
-                    raise
-                except (asyncio.CancelledError, GeneratorExit):
-                    code = "CANCELLED"
-                    raise
-                finally:
-                    observer.rpc(method, code, time.perf_counter() - start)
+                async with Call(context):
+                    return await behavior(request_or_iterator, context)
 
             return wrapped
 
         def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
             async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                start = time.perf_counter()
-                code = "UNKNOWN"
-                try:
-                    await admit(context)
+                async with Call(context):
                     async for response in behavior(request_or_iterator, context):
                         yield response
-                    code = _code(context)
-                except grpc.aio.AbortError:
-                    code = _code(context)
-                    raise
-                except (asyncio.CancelledError, GeneratorExit):
-                    code = "CANCELLED"
-                    raise
-                finally:
-                    observer.rpc(method, code, time.perf_counter() - start)
 
             return wrapped
 
