@@ -115,7 +115,8 @@ class RedisSection(LowerTierSection):
     key_prefix: str = "kvcache"
     ttl_s: int = 0  # 0: no expiry (Redis's maxmemory policy still applies)
     max_connections: int = 32
-    timeout_s: float = 1.0
+    # Per call; it must exceed the time to move the largest batch (128 MiB takes ~0.5-1 s here).
+    timeout_s: float = 5.0
 
     def validate(self) -> None:
         self._validate_common("redis")
