@@ -5,7 +5,7 @@ whole block (header and payload, possibly compressed by the stack) as one
 string value, written with SET (and EX when a TTL is set). Readers never see a
 header without its payload: a SET is atomic.
 
-Round trips: a batch get is one MGET; a presence check for a whole prompt is
+Round trips: a batch get is one pipeline of GETs; a presence check for a whole prompt is
 one pipelined round trip of EXISTS commands (not one round trip per key); a
 batch put is one pipeline of SETs; a delete is one DEL of all keys.
 
@@ -79,9 +79,14 @@ class RedisTier(Tier):
 
     async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
         try:
-            values = await self._client.mget([self._key(namespace, k) for k in keys])
+            # Pipelined GETs, one round trip: for MiB-sized values they parse faster than one MGET
+            # (whose single reply grows the read buffer by the whole batch), measured with hiredis.
+            async with self._client.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.get(self._key(namespace, k))
+                values = await pipe.execute()
         except RedisError as exc:
-            raise TierError(f"redis MGET on {self._url_for_logs}: {exc}") from exc
+            raise TierError(f"redis GET pipeline on {self._url_for_logs}: {exc}") from exc
         for v in values:
             if v is None:
                 self._stats.misses += 1
