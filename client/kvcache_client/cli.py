@@ -6,7 +6,8 @@
     kvcache bench                                  put and get throughput and latency
     kvcache health                                 grpc.health.v1 Check, for probes
 
-Global options (--target, --timeout, --json) go before or after the command. The exit codes
+Global options (--target, --timeout, --json, the TLS options) go before or after the command; the
+API token comes from KVCACHE_TOKEN, as for the SDK. The exit codes
 (EXIT_CODES below) are part of the interface: scripts and container health checks rely on them.
 Expected failures print one line, `kvcache: <message>`, on stderr; never a traceback.
 """
@@ -16,11 +17,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -28,14 +30,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvcache_client._cli import inputs
 from kvcache_client._cli.bench import BenchPlan, Progress, run_bench
 from kvcache_client._cli.inputs import MISS, NOT_SERVING, OK, REJECTED, UNREACHABLE, USAGE, CliError
+from kvcache_client._cli.options import (
+    DEFAULT_TIMEOUT_S,
+    TARGET_ENV,
+    Parser,
+    arg_type,
+    global_options,
+    key_value,
+    tls_options,
+)
 from kvcache_client._cli.render import hit_ratio, human_bytes, lookup_text, stats_text, table
-from kvcache_client.client import DEFAULT_TARGET, KVCacheClient
+from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, KVCacheClient
+from kvcache_client.connection import TOKEN_ENV, TLSConfig, make_channel
 from kvcache_client.errors import DeadlineExceeded, KVCacheError, RPCError, Unavailable, from_rpc_error
-from kvcache_client.format import FIXED_HEADER_BYTES, BlockFormatError, decode_block, encode_block, verify_block
+from kvcache_client.format import BlockFormatError, decode_block, encode_block, verify_block
 from kvcache_client.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace, chunk_keys
-
-TARGET_ENV = "KVCACHE_TARGET"
-DEFAULT_TIMEOUT_S = 10.0
 
 EXIT_CODES = f"""\
 exit codes:
@@ -44,8 +53,13 @@ exit codes:
      found no stored prefix, bench could not read back every block it put
   {USAGE}  usage error: bad arguments, or an input file that cannot be read or parsed
   {UNREACHABLE}  server unreachable: no connection, or no answer within --timeout
-  {REJECTED}  the server refused or failed the request (invalid, corrupt, too large, ...)
+  {REJECTED}  the server refused or failed the request (invalid, corrupt, too large, no or
+     wrong token, ...)
   {NOT_SERVING}  health: the server or --service is not serving
+
+environment:
+  {TARGET_ENV}  the server, when --target is not given
+  {TOKEN_ENV}   API token sent with every call (servers with [auth]; health needs none)
 """
 
 
@@ -56,9 +70,10 @@ class Context:
     target: str
     timeout_s: float
     json_output: bool
+    tls: TLSConfig | bool = False
 
     def client(self) -> KVCacheClient:
-        return KVCacheClient(self.target, timeout_s=self.timeout_s)
+        return KVCacheClient(self.target, timeout_s=self.timeout_s, tls=self.tls)
 
     def emit(self, text: str, data: Any) -> None:
         """Prints `text` for people, or `data` as JSON with --json."""
@@ -216,19 +231,11 @@ def cmd_delete(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_bench(ctx: Context, args: argparse.Namespace) -> int:
-    if args.blocks < 1 or args.batch < 1 or args.block_bytes < 1 or args.seconds < 0:
-        raise CliError("bench: --blocks, --batch and --block-bytes must be positive, --seconds >= 0")
+    if args.blocks < 1 or args.batch < 1 or args.block_bytes < 1 or not 0 <= args.seconds < math.inf:
+        raise CliError("bench: --blocks, --batch and --block-bytes must be positive, --seconds finite and >= 0")
     plan = BenchPlan(args.block_bytes, args.blocks, min(args.batch, args.blocks), args.seconds)
     show = sys.stderr.isatty() if args.progress is None else args.progress
     with ctx.client() as client:
-        stats = client.stats()
-        block_len = FIXED_HEADER_BYTES + 8 + plan.block_bytes  # a one-dimensional uint8 block
-        if block_len > stats.max_block_bytes:
-            raise CliError(
-                f"blocks of {block_len:,} bytes (header included) exceed the server's max_block_bytes "
-                f"({stats.max_block_bytes:,})",
-                REJECTED,
-            )
         namespace, put, get = run_bench(client, plan, Progress(sys.stderr, show), keep=args.keep)
     header = ["", "calls", "blocks", "MB/s", "p50 ms", "p99 ms"]
     rows = [
@@ -263,7 +270,7 @@ def cmd_bench(ctx: Context, args: argparse.Namespace) -> int:
 
 
 def cmd_health(ctx: Context, args: argparse.Namespace) -> int:
-    with grpc.insecure_channel(ctx.target) as channel:
+    with make_channel(ctx.target, tls=ctx.tls, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         try:
             reply = stub.Check(health_pb2.HealthCheckRequest(service=args.service), timeout=ctx.timeout_s)
@@ -279,74 +286,19 @@ def cmd_health(ctx: Context, args: argparse.Namespace) -> int:
 # -- argument parsing ------------------------------------------------------------------------------
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but its errors reach main() as CliError: one line, exit code USAGE."""
-
-    def error(self, message: str) -> NoReturn:
-        raise CliError(f"{message} (see '{self.prog} --help')")
-
-
-def _arg(parse: Callable[[str], Any]) -> Callable[[str], Any]:
-    """An argparse `type` from an inputs parser: its CliError becomes argparse's own error."""
-
-    def convert(text: str) -> Any:
-        try:
-            return parse(text)
-        except CliError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    convert.__name__ = parse.__name__
-    return convert
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise CliError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise CliError(f"{text!r} must be positive")
-    return value
-
-
-def _pair(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep:
-        raise CliError(f"{text!r} is not KEY=VALUE")
-    return key, value
-
-
-def _global_options(suppress: bool) -> argparse.ArgumentParser:
-    """--target, --timeout, --json: accepted before the command and after it."""
-    p = argparse.ArgumentParser(add_help=False)
-    default: dict[str, Any] = {"default": argparse.SUPPRESS} if suppress else {}
-    p.add_argument(
-        "--target", metavar="HOST:PORT", help=f"the server (default ${TARGET_ENV} or {DEFAULT_TARGET})", **default
-    )
-    p.add_argument(
-        "--timeout",
-        type=_arg(_positive_float),
-        metavar="SECONDS",
-        help=f"deadline of each call, retries included (default {DEFAULT_TIMEOUT_S:g})",
-        **default,
-    )
-    p.add_argument("--json", action="store_true", help="print machine-readable JSON on stdout", **default)
-    return p
-
-
 def build_parser() -> argparse.ArgumentParser:
-    globals_ = _global_options(suppress=True)
+    globals_ = global_options()
     fmt = argparse.RawDescriptionHelpFormatter
-    parser = _Parser(
+    parser = Parser(
         prog="kvcache",
         description="Inspect and exercise a kvcache server.",
         epilog=EXIT_CODES,
         formatter_class=fmt,
-        parents=[_global_options(suppress=True)],
+        parents=[globals_],
     )
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=Parser)
 
-    def command(name: str, func: Callable[[Context, argparse.Namespace], int], help_: str) -> _Parser:
+    def command(name: str, func: Callable[[Context, argparse.Namespace], int], help_: str) -> Parser:
         p = sub.add_parser(
             name, help=help_, description=help_, epilog=EXIT_CODES, formatter_class=fmt, parents=[globals_]
         )
@@ -369,7 +321,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--cache-salt", default="")
     model.add_argument("--layout", choices=[CANONICAL_LAYOUT, MLA_LAYOUT], default=CANONICAL_LAYOUT)
     model.add_argument(
-        "--extra", type=_arg(_pair), action="append", default=[], metavar="KEY=VALUE", help="namespace extra field"
+        "--extra",
+        type=arg_type(key_value),
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="namespace extra field",
     )
     model.add_argument(
         "--tokens-file",
@@ -382,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
     raw.add_argument("--keys-file", metavar="FILE", help="hex keys, a JSON list or separated words; - reads stdin")
     p.add_argument("--require-hit", action="store_true", help=f"exit {MISS} when no prefix is stored")
 
-    key = _arg(inputs.parse_key)
+    key = arg_type(inputs.parse_key)
     p = command("put", cmd_put, "store one block from a file")
     p.add_argument("--namespace", required=True, metavar="NAME")
     p.add_argument("--key", required=True, type=key, metavar="HEX", help="the chunk key, 32 hex digits")
@@ -402,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("bench", cmd_bench, "put then get random blocks; MB/s and latency per call")
     p.add_argument(
         "--block-bytes",
-        type=_arg(inputs.parse_size),
+        type=arg_type(inputs.parse_size),
         default=16 << 20,
         metavar="SIZE",
         help="payload per block (default 16MiB)",
@@ -447,6 +404,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         target=getattr(args, "target", None) or os.environ.get(TARGET_ENV) or DEFAULT_TARGET,
         timeout_s=getattr(args, "timeout", DEFAULT_TIMEOUT_S),
         json_output=getattr(args, "json", False),
+        tls=tls_options(args),
     )
     try:
         return args.func(ctx, args)
@@ -466,7 +424,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         _fail(str(exc))
         return exc.code
     except RPCError as exc:
-        _fail(f"the server refused the request: {exc.code.name}: {exc.details}")
+        hint = f" (set {TOKEN_ENV} to an API token)" if exc.code == grpc.StatusCode.UNAUTHENTICATED else ""
+        _fail(f"the server refused the request: {exc.code.name}: {exc.details}{hint}")
         return REJECTED
     except KVCacheError as exc:
         _fail(f"unexpected answer from the server: {exc}")

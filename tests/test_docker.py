@@ -1,0 +1,305 @@
+"""docker/: the image and the compose deployment agree with each other, with the server and with the connector.
+
+No Docker engine is needed (none runs here): docker-compose.yml is parsed with PyYAML, the Dockerfiles'
+JSON-form instructions are read as JSON, the TOML files go through the server's own load_config, and the
+image's ENTRYPOINT + CMD and its HEALTHCHECK command are run directly on this machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+import pytest
+import yaml
+
+from kvcache_server.config import ConfigError, ServerConfig, load_config
+
+pytestmark = pytest.mark.timeout(60)
+
+REPO = Path(__file__).resolve().parent.parent
+DOCKER = REPO / "docker"
+COMPOSE_CONFIG = DOCKER / "kvcache.toml"
+IMAGE_CONFIG_PATH = "/etc/kvcache/kvcache.toml"
+_VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+
+
+# -- reading the files -----------------------------------------------------------------------------
+
+
+def interpolate(value: str) -> str:
+    """Compose's ${VAR:-default} with no VAR set: the values the files ship with."""
+    return _VARIABLE.sub(lambda m: m.group(2) or "", value)
+
+
+def compose() -> dict[str, Any]:
+    return yaml.safe_load((DOCKER / "docker-compose.yml").read_text())
+
+
+def service(name: str) -> dict[str, Any]:
+    return compose()["services"][name]
+
+
+def instructions(dockerfile: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", dockerfile.read_text())
+    out = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line and not line.startswith("#"):
+            word, _, rest = line.partition(" ")
+            out.append((word.upper(), rest.strip()))
+    return out
+
+
+def one(dockerfile: Path, instruction: str) -> str:
+    found = [args for word, args in instructions(dockerfile) if word == instruction]
+    assert len(found) == 1, f"{dockerfile.name}: expected one {instruction}, found {found}"
+    return found[0]
+
+
+def published(svc: dict[str, Any]) -> dict[int, tuple[str, int]]:
+    """Container port -> (host address, host port) from short-syntax "ADDR:HOST:CONTAINER" entries."""
+    out = {}
+    for entry in svc["ports"]:
+        address, host_port, container_port = interpolate(entry).split(":")
+        out[int(container_port)] = (address, int(host_port))
+    return out
+
+
+def config() -> ServerConfig:
+    return load_config(path=COMPOSE_CONFIG, env={})
+
+
+def kv_transfer_config(worker: dict[str, Any]) -> dict[str, Any]:
+    command = worker["command"]
+    return json.loads(command[command.index("--kv-transfer-config") + 1])
+
+
+# -- the compose deployment ------------------------------------------------------------------------
+
+
+def test_services() -> None:
+    assert set(compose()["services"]) == {"kvcache", "redis", "minio", "minio-init", "vllm-prefill", "vllm-decode"}
+
+
+def test_kvcache_service_config_ports_and_mount() -> None:
+    cfg = config()
+    kvcache = service("kvcache")
+    assert kvcache["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
+    assert (DOCKER / ".." / kvcache["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile"
+    assert (cfg.server.host, cfg.metrics.enabled, cfg.metrics.host) == ("0.0.0.0", True, "0.0.0.0")
+    assert published(kvcache) == {
+        cfg.server.port: ("127.0.0.1", cfg.server.port),
+        cfg.metrics.port: ("127.0.0.1", cfg.metrics.port),
+    }
+    assert (cfg.server.port, cfg.metrics.port) == (51051, 9400)
+    assert kvcache["volumes"] == [f"./kvcache.toml:{IMAGE_CONFIG_PATH}:ro"]
+    assert json.loads(one(DOCKER / "Dockerfile", "CMD")) == ["--config", IMAGE_CONFIG_PATH]
+    assert kvcache["depends_on"] == {
+        "redis": {"condition": "service_healthy"},
+        "minio": {"condition": "service_healthy"},
+        "minio-init": {"condition": "service_completed_successfully"},
+    }
+
+
+def test_stop_grace_period_covers_the_shutdown() -> None:
+    cfg = config()
+    grace = service("kvcache")["stop_grace_period"]
+    assert re.fullmatch(r"\d+s", grace)
+    assert int(grace[:-1]) > cfg.server.shutdown_grace_s + cfg.server.drain_deadline_s
+
+
+def test_redis_tier_points_at_the_redis_service() -> None:
+    cfg = config()
+    url = urlparse(cfg.redis.url)
+    assert cfg.redis.enabled
+    assert (url.scheme, url.hostname, url.port) == ("redis", "redis", 6379)
+    redis = service("redis")
+    assert redis["image"] == "redis:7"
+    command = [interpolate(word) for word in redis["command"]]
+    assert command[0] == "redis-server" and "--port" not in command  # so it listens on 6379
+    options = dict(zip(command[1::2], command[2::2], strict=True))
+    assert options == {"--save": "", "--appendonly": "no", "--maxmemory": "4gb", "--maxmemory-policy": "allkeys-lru"}
+
+
+def test_s3_tier_points_at_minio_and_the_bucket_minio_init_creates() -> None:
+    cfg = config()
+    endpoint = urlparse(cfg.s3.endpoint_url)
+    assert (cfg.s3.enabled, cfg.s3.path_style, cfg.s3.write_mode) == (True, True, "behind")
+    assert (endpoint.scheme, endpoint.hostname, endpoint.port) == ("http", "minio", 9000)
+    minio = service("minio")
+    assert minio["command"] == ["server", "/data", "--console-address", ":9001"]  # API on the default 9000
+    init = service("minio-init")
+    assert init["image"].startswith("minio/mc:")
+    assert init["depends_on"] == {"minio": {"condition": "service_healthy"}}
+    script = " ".join(init["command"])
+    assert "mc alias set local http://minio:9000 " in script
+    assert re.findall(r"mc mb --ignore-existing local/(\S+)", script) == [cfg.s3.bucket]
+
+
+def test_kvcache_uses_the_minio_credentials() -> None:
+    minio_env = service("minio")["environment"]
+    assert service("minio-init")["environment"] == minio_env
+    env = service("kvcache")["environment"]
+    assert env["AWS_ACCESS_KEY_ID"] == minio_env["MINIO_ROOT_USER"]
+    assert env["AWS_SECRET_ACCESS_KEY"] == minio_env["MINIO_ROOT_PASSWORD"]
+    assert len(interpolate(minio_env["MINIO_ROOT_PASSWORD"])) >= 8  # MinIO refuses shorter root passwords
+
+
+def test_vllm_workers_share_kv_through_the_kvcache_service() -> None:
+    cfg = config()
+    roles = {}
+    for name in ("vllm-prefill", "vllm-decode"):
+        worker = service(name)
+        transfer = kv_transfer_config(worker)
+        roles[name] = transfer.pop("kv_role")
+        assert transfer == {
+            "kv_connector": "KVCacheConnector",
+            "kv_connector_module_path": "kvcache_connectors.vllm",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"target": f"kvcache:{cfg.server.port}"},
+        }
+        assert importlib.util.find_spec(transfer["kv_connector_module_path"]) is not None
+        assert worker["entrypoint"] == ["vllm", "serve"]
+        assert interpolate(worker["command"][0]) == "/models/model"
+        assert interpolate(worker["volumes"][0]) == "./models:/models:ro"
+        assert worker["depends_on"] == {"kvcache": {"condition": "service_healthy"}}
+        assert worker["build"] == {"context": "..", "dockerfile": "docker/vllm.Dockerfile"}
+        (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+        assert (device["driver"], device["capabilities"]) == ("nvidia", ["gpu"])
+    assert roles == {"vllm-prefill": "kv_producer", "vllm-decode": "kv_consumer"}
+    gpus = [
+        interpolate(service(n)["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"][0]) for n in roles
+    ]
+    assert gpus == ["0", "1"]
+    assert sorted(published(service(n))[8000][1] for n in roles) == [8100, 8200]
+
+
+def test_the_connector_accepts_the_extra_config() -> None:
+    connector_config = pytest.importorskip("kvcache_connectors.vllm.config")
+    for name in ("vllm-prefill", "vllm-decode"):
+        extra = kv_transfer_config(service(name))["kv_connector_extra_config"]
+        parsed = connector_config.KVCacheConnectorConfig.from_extra_config(extra, block_size=16)
+        assert parsed.target == f"kvcache:{config().server.port}"
+
+
+def test_vllm_image_adds_exactly_the_sdk_dependencies() -> None:
+    dockerfile = DOCKER / "vllm.Dockerfile"
+    assert one(dockerfile, "FROM") == "vllm/vllm-openai:v0.33.0"
+    run = one(dockerfile, "RUN")
+    assert "pip install --no-deps /tmp/kvcache " in run
+    installed = {word for word in shlex.split(run) if re.match(r"^[a-z][a-z0-9_-]*[<>=]", word)}
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert installed == set(project["dependencies"])
+
+
+# -- the image -------------------------------------------------------------------------------------
+
+
+def test_server_image_definition() -> None:
+    dockerfile = DOCKER / "Dockerfile"
+    assert one(dockerfile, "FROM") == "python:3.11-slim"
+    assert 'pip install "/src[server]"' in " ".join(args for word, args in instructions(dockerfile) if word == "RUN")
+    assert json.loads(one(dockerfile, "ENTRYPOINT")) == ["kvcache-server"]
+    cfg = config()
+    assert set(map(int, one(dockerfile, "EXPOSE").split())) == {cfg.server.port, cfg.metrics.port}
+    user = one(dockerfile, "USER")
+    assert user not in {"root", "0"} and not user.startswith(("root:", "0:"))
+    (useradd,) = [args for word, args in instructions(dockerfile) if word == "RUN" and args.startswith("useradd ")]
+    assert "--system" in useradd.split() and useradd.endswith(f" {user}")
+    word_order = [word for word, _ in instructions(dockerfile)]
+    assert word_order.index("USER") < word_order.index("ENTRYPOINT")
+
+
+def test_healthcheck_runs_the_cli_health_command() -> None:
+    healthcheck = one(DOCKER / "Dockerfile", "HEALTHCHECK")
+    options, _, command = healthcheck.partition(" CMD ")
+    assert re.findall(r"--(\w+(?:-\w+)?)=", options) == ["interval", "timeout", "start-period", "retries"]
+    argv = json.loads(command)
+    assert argv[0] == "kvcache" and argv[-1] == "health"
+    env = one(DOCKER / "Dockerfile", "ENV")
+    assert f"KVCACHE_TARGET=127.0.0.1:{config().server.port}" in env.split()
+
+
+def test_image_config_refuses_open_serving_without_opt_in() -> None:
+    """docker/standalone.toml, baked into the image: RAM only, same ports, no silent unauthenticated serving."""
+    path = DOCKER / "standalone.toml"
+    copies = [args for word, args in instructions(DOCKER / "Dockerfile") if word == "COPY"]
+    assert f"docker/standalone.toml {IMAGE_CONFIG_PATH}" in copies
+    with pytest.raises(ConfigError) as info:
+        load_config(path=path, env={})
+    assert "without authentication" in str(info.value)
+    cfg = load_config(path=path, env={"KVCACHE_AUTH_ALLOW_UNAUTHENTICATED": "true"})
+    assert (cfg.redis.enabled, cfg.s3.enabled, cfg.server.port, cfg.metrics.port) == (False, False, 51051, 9400)
+
+
+def test_every_package_is_installed_by_the_image() -> None:
+    """The image installs the project non-editable: a package missing from pyproject is missing there."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    roots = {name: REPO / path for name, path in setuptools["package-dir"].items()}
+    roots.update({name: REPO / name for name in ("kvcache_server", "kvcache_proto")})
+    found = set()
+    for name, root in roots.items():
+        for init in root.rglob("__init__.py"):
+            relative = init.parent.relative_to(root)
+            found.add(".".join([name, *relative.parts]))
+    assert found - set(setuptools["packages"]) == set()
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["kvcache-server"] == "kvcache_server.cli:main"
+    assert scripts["kvcache"] == "kvcache_client.cli:main"  # the HEALTHCHECK's command
+
+
+def _exe(name: str, module: str) -> list[str]:
+    path = shutil.which(name) or shutil.which(name, path=str(Path(sys.executable).parent))
+    return [path] if path else [sys.executable, "-m", module]
+
+
+def test_image_command_serves_and_passes_its_healthcheck() -> None:
+    """The image's ENTRYPOINT + CMD with the compose config, Redis/S3/metrics off and a free loopback port."""
+    dockerfile = DOCKER / "Dockerfile"
+    entrypoint = json.loads(one(dockerfile, "ENTRYPOINT"))
+    cmd = [str(COMPOSE_CONFIG) if arg == IMAGE_CONFIG_PATH else arg for arg in json.loads(one(dockerfile, "CMD"))]
+    overrides = ["--set", "redis.enabled=false", "--set", "s3.enabled=false", "--set", "metrics.enabled=false"]
+    argv = (
+        _exe(entrypoint[0], "kvcache_server")
+        + entrypoint[1:]
+        + cmd
+        + overrides
+        + ["--host", "127.0.0.1", "--port", "0"]
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVCACHE_")}
+    server = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = server.stdout.readline()  # type: ignore[union-attr]
+        # The RAM size is docker/kvcache.toml's: the command read the compose config.
+        match = re.search(r" on (127\.0\.0\.1:\d+) \(tiers: ram 8\.00 GiB;", line)
+        assert match, line
+        healthcheck = json.loads(one(dockerfile, "HEALTHCHECK").partition(" CMD ")[2])
+        probe = subprocess.run(
+            _exe(healthcheck[0], "kvcache_client.cli") + healthcheck[1:],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            env={**env, "KVCACHE_TARGET": match.group(1)},
+        )
+        assert (probe.returncode, probe.stdout, probe.stderr) == (0, "SERVING\n", "")
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            assert server.wait(timeout=20) == 0
+        finally:
+            if server.poll() is None:
+                server.kill()
+    assert "Traceback" not in server.stderr.read()  # type: ignore[union-attr]
