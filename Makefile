@@ -30,6 +30,8 @@ system-deps:
 install-test: $(BIN)/python system-deps
 	$(PIP) install --quiet "$(TORCH_CPU)"
 	$(PIP) install --quiet -e ".[server,torch,transformers,test,dev]"
+	# vllm==0.33.0 for tests/vllm, without its CUDA dependency tree (a no-op when already there)
+	TORCH_CPU="$(TORCH_CPU)" scripts/install_vllm_cpu.sh $(VENV)
 
 test: install-test
 	$(BIN)/ruff check .
