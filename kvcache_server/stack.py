@@ -33,12 +33,12 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from kvcache_client.breaker import BreakerState, CircuitBreaker
 from kvcache_client.format import BlockFormatError
 from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
-from kvcache_server.tiers.breaker import BreakerState, CircuitBreaker
 from kvcache_server.tiers.ram import RamTier
 from kvcache_server.write_queue import PendingWrite, WriteKind, WriteQueue
 

@@ -108,7 +108,8 @@ def test_port_in_use_exits_1() -> None:
 def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
     path = tmp_path / "c.toml"
     path.write_text(
-        '[server]\nport = 7000\nhost = "0.0.0.0"\n[ram]\ncapacity_bytes = 1000000\n[auth]\nallow_unauthenticated = true\n'
+        '[server]\nport = 7000\nhost = "0.0.0.0"\n[ram]\ncapacity_bytes = 1000000\n'
+        "[auth]\nallow_unauthenticated = true\n"
     )
     assert load_config(env={}).server.port == DEFAULT_PORT
     assert load_config(path=path, env={}).server.port == 7000

@@ -4,7 +4,9 @@
     OPEN   --(reset_s elapsed: one probe call allowed)--> HALF_OPEN
     HALF_OPEN --success--> CLOSED        HALF_OPEN --failure--> OPEN (back-off doubles, capped)
 
-While OPEN, calls are not attempted: the tier is a miss (counted as skipped).
+While OPEN, calls are not attempted: the server's lower tiers treat that as a miss (counted as
+skipped), the vLLM connector as a miss or a failed load. Shared by both, which is why it lives in
+the SDK package (it imports nothing but the standard library).
 """
 
 from __future__ import annotations
@@ -62,7 +64,14 @@ class CircuitBreaker:
         self._reset_s = self._base_reset_s
         self.state = BreakerState.CLOSED
 
-    def failure(self) -> None:
+    @property
+    def cooldown_s(self) -> float:
+        """The current back-off before the next probe."""
+        return self._reset_s
+
+    def failure(self) -> bool:
+        """Records a failed call; True when this failure opened a closed breaker (log it once)."""
+        was_closed = self.state is BreakerState.CLOSED
         self._failures += 1
         if self.state is BreakerState.HALF_OPEN:
             self._reset_s = min(self._max_reset_s, self._reset_s * 2)
@@ -70,6 +79,7 @@ class CircuitBreaker:
         elif self.state is BreakerState.CLOSED and self._failures >= self._threshold:
             self._open()
         self._probing = False
+        return was_closed and self.state is BreakerState.OPEN
 
     def _open(self) -> None:
         self.state = BreakerState.OPEN

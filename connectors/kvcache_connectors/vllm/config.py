@@ -1,0 +1,155 @@
+"""The connector's settings: `kv_connector_extra_config` parsed once into a frozen dataclass.
+
+    --kv-transfer-config '{"kv_connector": "KVCacheConnector",
+                           "kv_connector_module_path": "kvcache_connectors.vllm",
+                           "kv_role": "kv_both",
+                           "kv_connector_extra_config": {"target": "10.0.0.5:51051", "chunk_tokens": 256}}'
+
+Every key is optional; an unknown key, a wrong type or a value out of range is a
+ValueError that names the key, raised when vLLM builds the connector (at start-up),
+never later in the serving path. docs/vllm.md lists the keys with their defaults.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvcache_client.client import DEFAULT_TARGET
+
+DEFAULT_CHUNK_TOKENS = 256
+"""Target chunk size; the default chunk is the smallest multiple of vLLM's block size at least this large."""
+
+RESERVED_EXTRA_PREFIX = "vllm."
+"""Namespace `extra` keys the connector sets itself (LoRA name, multimodal inputs, cache dtype, quantization)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheConnectorConfig:
+    """Settings of one vLLM instance's connector (the scheduler and every worker parse the same dict).
+
+    Attributes:
+        target: The kvcache server, "host:port" (any gRPC target string).
+        lookup_timeout_s: Deadline of the scheduler's Lookup of a prompt. The scheduler
+            never retries: a late or failed lookup is a miss.
+        transfer_timeout_s: Deadline of a worker's Get (loads) or Put (saves) of one step.
+        breaker_cooldown_s: After a failed call, the process stops calling the server for
+            this long (lookups are misses, loads fail fast, saves are dropped), then probes
+            it with one call; so a dead server costs one timeout per cooldown, not one per request.
+        chunk_tokens: Tokens per stored chunk, a multiple of vLLM's block size. Part of the
+            namespace: instances that share KV must use the same value.
+        model_id: Model identity in the namespace; None takes vLLM's `--model` (set it when
+            instances load the same checkpoint from different paths).
+        model_revision: Checkpoint revision in the namespace; None takes vLLM's `--revision` or "".
+        namespace_extra: Further (key, value) facts that must separate KV, e.g. a deployment tag.
+        save_partial_chunks: Also store a prompt's final chunk when it holds fewer than
+            chunk_tokens tokens. A P/D decode instance needs it to skip the whole prompt;
+            an offloading instance can turn it off to spend no storage on tails that only an
+            identical prompt can reuse.
+    """
+
+    target: str = DEFAULT_TARGET
+    lookup_timeout_s: float = 0.5
+    transfer_timeout_s: float = 30.0
+    breaker_cooldown_s: float = 5.0
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    model_id: str | None = None
+    model_revision: str | None = None
+    namespace_extra: tuple[tuple[str, str], ...] = ()
+    save_partial_chunks: bool = True
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], *, block_size: int) -> KVCacheConnectorConfig:
+        """Parses `kv_connector_extra_config`.
+
+        Args:
+            extra: The dict given to vLLM.
+            block_size: vLLM's KV block size (tokens); chunk_tokens must be a multiple of it.
+
+        Raises:
+            ValueError: an unknown key, or a value of the wrong type or out of range.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(f"kv_connector_extra_config: unknown key(s) {unknown}; known keys: {sorted(known)}")
+        chunk_tokens = _positive_int(extra, "chunk_tokens", default_chunk_tokens(block_size))
+        if chunk_tokens % block_size:
+            raise ValueError(
+                f"kv_connector_extra_config['chunk_tokens'] = {chunk_tokens} must be a multiple of "
+                f"vLLM's block size {block_size}"
+            )
+        return cls(
+            target=_string(extra, "target", DEFAULT_TARGET, allow_empty=False),
+            lookup_timeout_s=_positive_float(extra, "lookup_timeout_s", 0.5),
+            transfer_timeout_s=_positive_float(extra, "transfer_timeout_s", 30.0),
+            breaker_cooldown_s=_positive_float(extra, "breaker_cooldown_s", 5.0),
+            chunk_tokens=chunk_tokens,
+            model_id=_optional_string(extra, "model_id", allow_empty=False),
+            model_revision=_optional_string(extra, "model_revision", allow_empty=True),
+            namespace_extra=_string_map(extra, "namespace_extra"),
+            save_partial_chunks=_bool(extra, "save_partial_chunks", True),
+        )
+
+
+def default_chunk_tokens(block_size: int) -> int:
+    """The smallest multiple of block_size that is at least DEFAULT_CHUNK_TOKENS."""
+    return block_size * math.ceil(DEFAULT_CHUNK_TOKENS / block_size)
+
+
+def _where(key: str) -> str:
+    return f"kv_connector_extra_config[{key!r}]"
+
+
+def _string(extra: Mapping[str, Any], key: str, default: str, *, allow_empty: bool) -> str:
+    value = extra.get(key, default)
+    if not isinstance(value, str):
+        raise ValueError(f"{_where(key)} must be a string, got {type(value).__name__}")
+    if not value and not allow_empty:
+        raise ValueError(f"{_where(key)} must not be empty")
+    return value
+
+
+def _optional_string(extra: Mapping[str, Any], key: str, *, allow_empty: bool) -> str | None:
+    if extra.get(key) is None:
+        return None
+    return _string(extra, key, "", allow_empty=allow_empty)
+
+
+def _positive_float(extra: Mapping[str, Any], key: str, default: float) -> float:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{_where(key)} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{_where(key)} must be a positive number of seconds, got {value}")
+    return float(value)
+
+
+def _positive_int(extra: Mapping[str, Any], key: str, default: int) -> int:
+    value = extra.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{_where(key)} must be an integer, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{_where(key)} must be positive, got {value}")
+    return value
+
+
+def _bool(extra: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = extra.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{_where(key)} must be true or false, got {value!r}")
+    return value
+
+
+def _string_map(extra: Mapping[str, Any], key: str) -> tuple[tuple[str, str], ...]:
+    value = extra.get(key, {})
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{_where(key)} must be an object of strings, got {type(value).__name__}")
+    for k, v in value.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise ValueError(f"{_where(key)} must map strings to strings, got {k!r}: {v!r}")
+        if k.startswith(RESERVED_EXTRA_PREFIX):
+            raise ValueError(f"{_where(key)} key {k!r}: keys starting with {RESERVED_EXTRA_PREFIX!r} are reserved")
+    return tuple(sorted(value.items()))

@@ -1,0 +1,220 @@
+"""KVCacheConnector: vLLM's KV-connector (v1) contract, served by a kvcache server.
+
+vLLM builds one instance per process from `--kv-transfer-config`
+(`"kv_connector": "KVCacheConnector", "kv_connector_module_path": "kvcache_connectors.vllm"`)
+and calls the hooks below. Scheduler-side hooks run in the EngineCore process, on
+the scheduler's thread; worker-side hooks run in every worker (one per TP rank),
+on the model runner's thread. Each role's work lives in its own module
+(scheduler.py, worker.py); this class parses the configuration once and routes.
+
+Scheduler process (role SCHEDULER), per step, in this order:
+    get_num_new_matched_tokens(request, num_computed_tokens)
+        One Lookup per shard of the prompt's chunk keys; returns the tokens beyond vLLM's
+        block-aligned local hit that every shard can load, synchronously (never async).
+        Never the whole sequence: a full hit loads all tokens but the last.
+    update_state_after_alloc(request, blocks, num_external_tokens)
+        Plans the request's load into its blocks; starts tracking what it has to save.
+    build_connector_meta(scheduler_output) -> KVCacheConnectorMetadata
+        The step's loads, plus saves of every chunk whose last token this step computes.
+    update_connector_output(connector_output)
+        Blocks that failed to load: their chunks are saved again once recomputed.
+    request_finished(request, block_ids) -> (False, None)
+        Forgets the request; blocks are freed at once (saves finished within their step).
+    get_kv_connector_stats()
+        Lookup counters since the last call.
+
+Worker processes (role WORKER):
+    register_kv_caches(kv_caches)               once, at start-up: detects the paged layout
+    start_load_kv(forward_context)              before the forward pass: fetch, check, scatter
+    wait_for_layer_load(layer_name)             nothing to wait for: loads are done
+    save_kv_layer(layer_name, kv_layer, ...)    nothing: saves are gathered in wait_for_save
+    wait_for_save()                             after the forward pass: gather, copy to host, put
+    get_block_ids_with_load_errors()            blocks whose chunk was missing, corrupt or wrong
+    get_kv_connector_stats()                    load and save counters since the last call
+    shutdown()                                  closes the channel
+
+Both: build_kv_connector_stats(data) rebuilds the stats vLLM ships between processes;
+requires_kv_delivery is False (a best-effort cache: a dropped save is a later miss).
+
+Roles: kv_producer saves, kv_consumer loads, kv_both does both. Failures never stop
+the engine: an unreachable or slow server makes lookups misses, loads fail (vLLM
+recomputes with kv_load_failure_policy="recompute") and saves are dropped, all
+counted, with a circuit breaker so the server's timeout is paid once per cooldown.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from kvcache_client.breaker import CircuitBreaker
+from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
+from kvcache_client.retry import NO_RETRY
+from kvcache_client.transport import GrpcTransport, channel_options
+from kvcache_connectors.vllm.config import KVCacheConnectorConfig
+from kvcache_connectors.vllm.metadata import KVCacheConnectorMetadata
+from kvcache_connectors.vllm.namespaces import KVFacts
+from kvcache_connectors.vllm.scheduler import SchedulerSide
+from kvcache_connectors.vllm.stats import KVCacheConnectorStats
+from kvcache_connectors.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+def connect(config: KVCacheConnectorConfig) -> KVCacheClient:
+    """A client that never retries, on a channel that reconnects at the breaker's pace.
+
+    gRPC backs off reconnecting to an unreachable server by up to 120 s by default, and
+    fails calls at once meanwhile; capping the back-off at breaker_cooldown_s means the
+    breaker's probe after a restart of the server finds the channel connecting again.
+    """
+    backoff_ms = max(1, round(config.breaker_cooldown_s * 1000))
+    options = [
+        *channel_options(DEFAULT_MAX_MESSAGE_BYTES),
+        ("grpc.initial_reconnect_backoff_ms", backoff_ms),
+        ("grpc.min_reconnect_backoff_ms", backoff_ms),
+        ("grpc.max_reconnect_backoff_ms", backoff_ms),
+    ]
+    transport = GrpcTransport(grpc.insecure_channel(config.target, options=options))
+    return KVCacheClient(config.target, timeout_s=config.transfer_timeout_s, retry=NO_RETRY, transport=transport)
+
+
+class KVCacheConnector(KVConnectorBase_V1):
+    """A vLLM KV connector that loads prompt prefixes from, and saves them to, a kvcache server."""
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        """Parses kv_connector_extra_config and builds this role's half.
+
+        Raises:
+            ValueError: a bad configuration key, or a model or parallel setup the connector
+                cannot serve (see KVCacheConnectorConfig and KVFacts.from_vllm).
+        """
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = self._kv_transfer_config
+        # The KV-cache manager's block size is its spec's (a backend may have changed --block-size).
+        groups = kv_cache_config.kv_cache_groups
+        block_size = groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
+        config = KVCacheConnectorConfig.from_extra_config(transfer.kv_connector_extra_config, block_size=block_size)
+        facts = KVFacts.from_vllm(vllm_config, kv_cache_config, config)
+        self._config = config
+        self._client = connect(config)
+        cooldown = config.breaker_cooldown_s
+        breaker = CircuitBreaker(failure_threshold=1, reset_s=cooldown, max_reset_s=cooldown)
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role is KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(
+                facts,
+                self._client,
+                breaker,
+                lookup_timeout_s=config.lookup_timeout_s,
+                load=transfer.is_kv_consumer,
+                save=transfer.is_kv_producer,
+                save_partial_chunks=config.save_partial_chunks,
+            )
+        else:
+            tp_rank = vllm_config.parallel_config.rank % facts.tp_size
+            self._worker = WorkerSide(
+                facts, self._client, breaker, tp_rank=tp_rank, transfer_timeout_s=config.transfer_timeout_s
+            )
+
+    @property
+    def config(self) -> KVCacheConnectorConfig:
+        """The parsed kv_connector_extra_config."""
+        return self._config
+
+    @property
+    def open_requests(self) -> int:
+        """Requests the scheduler side holds state for (0 when idle; 0 on a worker)."""
+        return 0 if self._scheduler is None else self._scheduler.open_requests
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def _worker_side(self) -> WorkerSide:
+        if self._worker is None:
+            raise RuntimeError("a worker-side hook was called on the scheduler-side KVCacheConnector")
+        return self._worker
+
+    def _metadata(self) -> KVCacheConnectorMetadata:
+        meta = self._get_connector_metadata()
+        if not isinstance(meta, KVCacheConnectorMetadata):
+            raise TypeError(f"KVCacheConnector got metadata of type {type(meta).__name__}")
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker_side().register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._metadata()
+        self._worker_side().start_load_kv(meta.loads, meta.settled_load_failures)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Loads are complete when start_load_kv returns, so no layer waits."""
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
+    ) -> None:
+        """Saves are gathered in wait_for_save (see worker.py for why), so a layer hands nothing over."""
+
+    def wait_for_save(self) -> None:
+        if self.has_connector_metadata():
+            self._worker_side().wait_for_save(self._metadata().saves)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker_side().take_load_errors()
+
+    def shutdown(self) -> None:
+        self._client.close()
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    def _scheduler_side(self) -> SchedulerSide:
+        if self._scheduler is None:
+            raise RuntimeError("a scheduler-side hook was called on a worker-side KVCacheConnector")
+        return self._scheduler
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler_side().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler_side().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler_side().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler_side().update_connector_output(connector_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler_side().request_finished(request)
+        return False, None
+
+    # -- stats (both) --------------------------------------------------------------------------
+
+    def get_kv_connector_stats(self) -> KVCacheConnectorStats | None:
+        side = self._scheduler if self._scheduler is not None else self._worker_side()
+        data = side.counters.drain()
+        return None if data is None else KVCacheConnectorStats(data=data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVCacheConnectorStats:
+        return KVCacheConnectorStats(data=dict(data or {}))

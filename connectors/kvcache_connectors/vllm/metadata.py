@@ -1,0 +1,81 @@
+"""What the scheduler tells the workers each step: which chunks to load into and save from which blocks.
+
+The scheduler-side connector builds one `KVCacheConnectorMetadata` per step; vLLM
+ships it to every worker with the step's SchedulerOutput. It is self-contained (a
+worker keeps no per-request state between steps) and carries each chunk's key in
+every shard's namespace, so a worker needs only its shard index to act on it.
+
+    request tokens  0 ............................................ L-1
+    chunks          |  chunk 0  |  chunk 1  |  chunk 2  | tail |
+    blocks          |b0|b1|b2|b3|b4|b5|b6|b7|b8|b9|..
+    a ChunkRef      index=1, tokens [start, end) within [1*C, 1*C + num_tokens)
+
+Token t of the request lives in block block_ids[t // block_size] at offset t % block_size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One stored chunk and the part of it to move.
+
+    Attributes:
+        index: Chunk number within the prompt; the chunk covers tokens from index * chunk_tokens.
+        keys: The chunk's key in each shard's namespace (indexed by shard).
+        num_tokens: Tokens the stored chunk holds: chunk_tokens, or fewer for a prompt's tail.
+        start: First token to move (absolute position in the request).
+        end: One past the last token to move.
+    """
+
+    index: int
+    keys: tuple[bytes, ...]
+    num_tokens: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class RequestTransfer:
+    """The chunks of one request to move this step.
+
+    Attributes:
+        request_id: vLLM's request id.
+        namespaces: The request's namespace name in each shard (indexed by shard).
+        block_ids: The request's block ids (its only KV-cache group), at least up to the last token moved.
+        chunks: In token order, without gaps.
+    """
+
+    request_id: str
+    namespaces: tuple[str, ...]
+    block_ids: tuple[int, ...]
+    chunks: tuple[ChunkRef, ...]
+
+    @property
+    def start(self) -> int:
+        return self.chunks[0].start
+
+    @property
+    def end(self) -> int:
+        return self.chunks[-1].end
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheConnectorMetadata(KVConnectorMetadata):
+    """One step's work for every worker.
+
+    Attributes:
+        loads: Chunks to fetch and scatter into blocks before the forward pass.
+        saves: Chunks whose tokens are all computed by the end of this step: gathered
+            from blocks and stored after the forward pass.
+        settled_load_failures: Block ids whose failed loads the scheduler has processed since
+            the last step: vLLM recomputes them from here on, so saves from them are sound again.
+    """
+
+    loads: tuple[RequestTransfer, ...] = ()
+    saves: tuple[RequestTransfer, ...] = ()
+    settled_load_failures: tuple[int, ...] = ()

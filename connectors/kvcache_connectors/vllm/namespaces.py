@@ -1,0 +1,188 @@
+"""Which kvcache namespace a vLLM instance's KV goes under, per tensor-parallel shard.
+
+A namespace (docs/keys.md) fingerprints everything that makes two chunks' KV
+incompatible. The facts come from vLLM's configs and the KV-cache spec that the
+scheduler and every worker receive alike, so both processes derive the same
+namespaces without talking to each other and without PYTHONHASHSEED:
+
+    model_id, model_revision      --model / --revision (or the model_id / model_revision keys)
+    kv_dtype                      the KV-cache spec's dtype ("bfloat16", ...)
+    layout                        kvcache.canonical, or kvcache.mla for latent (MLA) caches
+    chunk_tokens                  the chunk_tokens key
+    num_layers                    layers of the (single) KV-cache group
+    num_kv_heads, head_size       of one shard (the spec is per worker)
+    tp_size, tp_rank              shards and this shard's index (see below)
+    cache_salt                    the request's cache_salt
+    extra                         namespace_extra, plus vllm.* facts: --kv-cache-dtype when not
+                                  "auto", --quantization, the request's LoRA and multimodal inputs
+
+Tensor parallelism: each TP rank holds its own heads and stores them under its own
+namespace. Ranks that hold identical KV (vLLM's `kv_tp_replicas`: MLA's latent cache
+on every rank, or GQA heads replicated when there are fewer KV heads than ranks) form
+one shard: the namespace's tp_size is the number of distinct shards, only the first
+rank of a shard saves, and every rank of it loads. The scheduler looks a prompt up in
+every shard's namespace and takes the shortest stored prefix, so a hit is one that
+every rank can load.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVQuantMode, MLAAttentionSpec
+
+from kvcache_client.format import DType
+from kvcache_client.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace
+from kvcache_connectors.vllm.config import KVCacheConnectorConfig
+
+Extra = tuple[tuple[str, str], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class KVFacts:
+    """The engine facts that fingerprint KV, and how TP ranks map onto shards.
+
+    Attributes:
+        model_id: Model identity.
+        model_revision: Checkpoint revision, "" when unknown.
+        kv_dtype: Name of the KV-cache element type, e.g. "bfloat16".
+        torch_dtype: The same as a torch dtype (what the paged cache tensors hold).
+        mla: Whether the cache holds MLA latents ([tokens, head_size] per layer) rather than K and V.
+        chunk_tokens: Tokens per chunk.
+        block_size: vLLM's block size (tokens per paged block).
+        layer_names: Attention layers in chunk order (index l of a chunk is layer_names[l]).
+        num_kv_heads: KV heads of one shard (1 for MLA).
+        head_size: Size of one head (of the latent vector for MLA).
+        tp_size: vLLM's tensor-parallel size.
+        tp_replicas: Consecutive TP ranks that hold identical KV.
+        extra: Instance-wide namespace extras (namespace_extra and vllm.* facts).
+    """
+
+    model_id: str
+    model_revision: str
+    kv_dtype: str
+    torch_dtype: torch.dtype
+    mla: bool
+    chunk_tokens: int
+    block_size: int
+    layer_names: tuple[str, ...]
+    num_kv_heads: int
+    head_size: int
+    tp_size: int
+    tp_replicas: int
+    extra: Extra
+
+    @classmethod
+    def from_vllm(
+        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVCacheConnectorConfig
+    ) -> KVFacts:
+        """Reads the facts from vLLM's configs.
+
+        Raises:
+            ValueError: a setup the connector cannot serve correctly (several KV-cache
+                groups, quantized KV with scales, pipeline or context parallelism, ...).
+        """
+        parallel = vllm_config.parallel_config
+        for name, size in (
+            ("pipeline_parallel_size", parallel.pipeline_parallel_size),
+            ("decode_context_parallel_size", parallel.decode_context_parallel_size),
+            ("prefill_context_parallel_size", parallel.prefill_context_parallel_size),
+        ):
+            if size != 1:
+                raise ValueError(f"KVCacheConnector supports tensor parallelism only; {name} is {size}")
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1:
+            raise ValueError(
+                f"KVCacheConnector needs exactly one KV-cache group, got {len(groups)} "
+                "(hybrid models with several attention types are not supported)"
+            )
+        spec = groups[0].kv_cache_spec
+        if not isinstance(spec, FullAttentionSpec):
+            raise ValueError(f"KVCacheConnector supports attention KV caches only, got {type(spec).__name__}")
+        mla = isinstance(spec, MLAAttentionSpec)
+        # Per-tensor fp8 stores plain fp8 values (the scale is a fixed model fact, and the cache
+        # dtype is in the namespace); every other mode keeps scales or packed codes beside the values.
+        if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+            raise ValueError(f"KVCacheConnector does not support KV quantization mode {spec.kv_quant_mode.name}")
+        if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+            raise ValueError("KVCacheConnector does not support packed or compressed KV pages")
+        if not mla and spec.head_size_v != spec.head_size:
+            raise ValueError(
+                f"KVCacheConnector needs equal K and V head sizes, got {spec.head_size} and {spec.head_size_v}"
+            )
+        kv_dtype = str(spec.dtype).removeprefix("torch.")
+        DType.from_name(kv_dtype)  # raises ValueError for a dtype the block format cannot hold
+        replicas = kv_cache_config.kv_tp_replicas
+        if parallel.tensor_parallel_size % replicas:
+            raise ValueError(
+                f"kv_tp_replicas {replicas} does not divide tensor_parallel_size {parallel.tensor_parallel_size}"
+            )
+        model = vllm_config.model_config
+        extra = dict(config.namespace_extra)
+        if vllm_config.cache_config.cache_dtype != "auto":
+            extra["vllm.cache_dtype"] = str(vllm_config.cache_config.cache_dtype)
+        if model.quantization:
+            extra["vllm.quantization"] = str(model.quantization)
+        return cls(
+            model_id=config.model_id or model.model,
+            model_revision=config.model_revision if config.model_revision is not None else (model.revision or ""),
+            kv_dtype=kv_dtype,
+            torch_dtype=spec.dtype,
+            mla=mla,
+            chunk_tokens=config.chunk_tokens,
+            block_size=spec.block_size,
+            layer_names=tuple(groups[0].layer_names),
+            num_kv_heads=spec.num_kv_heads,
+            head_size=spec.head_size,
+            tp_size=parallel.tensor_parallel_size,
+            tp_replicas=replicas,
+            extra=tuple(sorted(extra.items())),
+        )
+
+    @property
+    def num_shards(self) -> int:
+        """Distinct KV shards across the TP ranks (the namespaces' tp_size)."""
+        return self.tp_size // self.tp_replicas
+
+    def shard_of(self, tp_rank: int) -> int:
+        """The shard (namespace tp_rank) whose KV this TP rank holds."""
+        return tp_rank // self.tp_replicas
+
+    def is_writer(self, tp_rank: int) -> bool:
+        """Whether this TP rank saves its shard (the first rank of each replica group does)."""
+        return tp_rank % self.tp_replicas == 0
+
+    def namespaces(self, cache_salt: str = "", request_extra: Extra = ()) -> tuple[Namespace, ...]:
+        """One namespace per shard, for requests with this salt and these request facts."""
+        return _namespaces(self, cache_salt, request_extra)
+
+    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
+        """Shape of a stored chunk of num_tokens tokens (kvcache.canonical or kvcache.mla)."""
+        if self.mla:
+            return (len(self.layer_names), num_tokens, self.head_size)
+        return (len(self.layer_names), 2, self.num_kv_heads, num_tokens, self.head_size)
+
+
+@functools.lru_cache(maxsize=1024)
+def _namespaces(facts: KVFacts, cache_salt: str, request_extra: Extra) -> tuple[Namespace, ...]:
+    # Cached: a namespace hashes its ~200 canonical bytes, and most requests share a few salts.
+    return tuple(
+        Namespace(
+            model_id=facts.model_id,
+            model_revision=facts.model_revision,
+            kv_dtype=facts.kv_dtype,
+            layout=MLA_LAYOUT if facts.mla else CANONICAL_LAYOUT,
+            chunk_tokens=facts.chunk_tokens,
+            num_layers=len(facts.layer_names),
+            num_kv_heads=facts.num_kv_heads,
+            head_size=facts.head_size,
+            tp_size=facts.num_shards,
+            tp_rank=shard,
+            cache_salt=cache_salt,
+            extra=dict(facts.extra + request_extra),
+        )
+        for shard in range(facts.num_shards)
+    )

@@ -1,0 +1,396 @@
+"""Builders for the vLLM connector tests: real vLLM 0.33 objects on CPU, a fake model, an engine loop.
+
+`Engine` is one vLLM instance without a model: vLLM's real Scheduler (which builds
+the scheduler-side connector through kv_connector_module_path), a worker-side
+connector built by vLLM's KVConnectorFactory, and CPU KV caches allocated by vLLM's
+own allocate_kv_cache. Each step replays the model runner's connector calls in
+vLLM's order (kv_connector_model_runner_mixin._get_kv_connector_output) around a
+fake forward pass that writes, for every computed token, KV that is a deterministic
+function of the token's whole prefix: two prompts sharing a prefix share its KV,
+and a value loaded into the wrong slot can never match by accident.
+
+The fake model writes and reads the paged tensors with its own per-token indexing
+(`write_token` / `read_token`), independent of the connector's layout code.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+from vllm import SamplingParams
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config.parallel import ParallelConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.utils.hashing import sha256
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import (
+    AttentionSpec,
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVCacheTensor,
+)
+from vllm.v1.kv_cache_layout import KVCacheLayout
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request
+from vllm.v1.structured_output import StructuredOutputManager
+from vllm.v1.worker.utils import allocate_kv_cache
+
+from kvcache_client.keys import Namespace
+from kvcache_connectors.vllm import KVCacheConnector, KVCacheConnectorStats
+
+BLOCK = 16
+NUM_LAYERS = 2
+KV_HEADS = 2  # the tiny model's KV heads (all of them at TP=1)
+HEAD = 16  # hidden 64 / 4 attention heads
+EOS = 2
+LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
+CHUNK = 32  # chunk_tokens in most tests: two vLLM blocks
+SAMPLED = 901  # the token the fake model samples
+
+
+def write_model_dir(path: Path) -> str:
+    """A model directory holding only the config.json of a tiny Llama (enough for ModelConfig offline)."""
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": 1000,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "torch_dtype": "float16",
+        "bos_token_id": 1,
+        "eos_token_id": EOS,
+        "tie_word_embeddings": False,
+    }
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def make_vllm_config(
+    model_dir: str,
+    *,
+    role: str = "kv_both",
+    extra: dict[str, Any] | None = None,
+    tp_size: int = 1,
+    rank: int = 0,
+    policy: str = "recompute",
+    max_num_batched_tokens: int = 64,
+) -> VllmConfig:
+    """A VllmConfig for the tiny model with KVCacheConnector loaded through kv_connector_module_path."""
+    model_config = ModelConfig(
+        model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=2048, seed=0
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=8,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=2048,
+        is_encoder_decoder=False,
+        enable_chunked_prefill=True,
+    )
+    cache_config = CacheConfig(block_size=BLOCK, enable_prefix_caching=True)
+    cache_config.kv_cache_layout = "LBNHC"  # the engine resolves this before building connectors
+    transfer = KVTransferConfig(
+        kv_connector="KVCacheConnector",
+        kv_connector_module_path="kvcache_connectors.vllm",
+        kv_role=role,
+        kv_load_failure_policy=policy,
+        kv_connector_extra_config={"chunk_tokens": CHUNK, **(extra or {})},
+    )
+    config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        parallel_config=ParallelConfig(tensor_parallel_size=tp_size),
+        kv_transfer_config=transfer,
+        device_config=DeviceConfig("cpu"),
+    )
+    config.parallel_config.rank = rank  # what vLLM's worker sets in each worker process
+    return config
+
+
+def attention_spec(num_kv_heads: int = KV_HEADS, head_size: int = HEAD) -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BLOCK, num_kv_heads=num_kv_heads, head_size=head_size, dtype=torch.float16)
+
+
+def make_kv_cache_config(
+    num_blocks: int, spec: AttentionSpec | None = None, layout: KVCacheLayout = KVCacheLayout.LBNHC
+) -> KVCacheConfig:
+    """One KV-cache group over LAYER_NAMES, with backing tensors placed as vLLM plans them for `layout`."""
+    spec = spec or attention_spec()
+    page = spec.page_size_bytes
+    n = len(LAYER_NAMES)
+    if layout.is_layer_compact:
+        tensor = KVCacheTensor(
+            size=page * num_blocks * n, layers=list(LAYER_NAMES), layer_stride=page * num_blocks, block_stride=page
+        )
+    else:
+        tensor = KVCacheTensor(
+            size=page * num_blocks * n, layers=list(LAYER_NAMES), layer_stride=page, block_stride=page * n
+        )
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=[tensor],
+        kv_cache_groups=[KVCacheGroupSpec(list(LAYER_NAMES), spec)],
+        kv_cache_layout=layout.name,
+    )
+
+
+def allocate_caches(
+    kv_cache_config: KVCacheConfig, layout: KVCacheLayout, kernel_block_size: int = BLOCK
+) -> dict[str, torch.Tensor]:
+    """Per-layer paged tensors exactly as vLLM 0.33's model runner allocates and views them."""
+    return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, [kernel_block_size])
+
+
+def make_worker(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVCacheConnector:
+    connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
+    assert isinstance(connector, KVCacheConnector)
+    return connector
+
+
+def expected_namespace(
+    model_dir: str,
+    *,
+    cache_salt: str = "",
+    tp_size: int = 1,
+    tp_rank: int = 0,
+    num_kv_heads: int = KV_HEADS,
+    chunk_tokens: int = CHUNK,
+) -> Namespace:
+    """The namespace docs/vllm.md promises for the tiny model, spelled out field by field."""
+    return Namespace(
+        model_id=model_dir,
+        kv_dtype="float16",
+        chunk_tokens=chunk_tokens,
+        num_layers=NUM_LAYERS,
+        num_kv_heads=num_kv_heads,
+        head_size=HEAD,
+        tp_size=tp_size,
+        tp_rank=tp_rank,
+        cache_salt=cache_salt,
+    )
+
+
+# -- the fake model ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=65536)
+def token_kv(prefix: tuple[int, ...], num_kv_heads: int = KV_HEADS) -> torch.Tensor:
+    """KV of the last token of `prefix`: [layers, 2, heads, head_size] float16, a function of the whole prefix."""
+    seed = xxhash.xxh3_64_intdigest(np.asarray(prefix, dtype="<u4").tobytes())
+    generator = torch.Generator().manual_seed(seed & (2**63 - 1))
+    return torch.randn(NUM_LAYERS, 2, num_kv_heads, HEAD, generator=generator).to(torch.float16)
+
+
+def prompt_kv(tokens: Sequence[int], start: int, end: int) -> torch.Tensor:
+    """Canonical KV [layers, 2, heads, end - start, head_size] of tokens[start:end] of a prompt."""
+    return torch.stack([token_kv(tuple(tokens[: p + 1])) for p in range(start, end)], dim=3)
+
+
+def write_token(cache: torch.Tensor, block: int, offset: int, kv: torch.Tensor) -> None:
+    """kv [2, H, D] into a vLLM 0.33 packed tensor [blocks, H, block_size, 2 * D] (K first, then V)."""
+    cache[block, :, offset, :HEAD] = kv[0]
+    cache[block, :, offset, HEAD:] = kv[1]
+
+
+def read_token(cache: torch.Tensor, block: int, offset: int) -> torch.Tensor:
+    return torch.stack([cache[block, :, offset, :HEAD], cache[block, :, offset, HEAD:]])
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+# -- the engine --------------------------------------------------------------------------------
+
+
+@dataclass
+class StepRecord:
+    output: SchedulerOutput
+    invalid_block_ids: set[int]
+    computed: dict[str, range]  # request id -> positions the fake model computed
+    block_ids: dict[str, list[int]]  # request id -> its blocks during the step
+
+
+@dataclass
+class Engine:
+    """One vLLM instance: the real Scheduler, one worker-side connector per TP rank with its CPU
+    caches (rank r holds KV heads r*h .. r*h+h-1), and a fake model.
+
+    Build it with `make_engine`; `configs[r]` is rank r's VllmConfig (configs[0] builds the scheduler).
+    """
+
+    configs: Sequence[VllmConfig]
+    num_blocks: int = 64
+    scheduler: Scheduler = field(init=False)
+    workers: list[KVCacheConnector] = field(init=False)
+    caches: list[dict[str, torch.Tensor]] = field(init=False)
+    steps: list[StepRecord] = field(default_factory=list)
+    stats: KVCacheConnectorStats = field(default_factory=KVCacheConnectorStats)
+    requests: dict[str, Request] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        heads = KV_HEADS // len(self.configs)
+        kv_cache_config = make_kv_cache_config(self.num_blocks, attention_spec(num_kv_heads=heads))
+        for config in self.configs:
+            config.cache_config.num_gpu_blocks = self.num_blocks
+        self.scheduler = Scheduler(
+            vllm_config=self.configs[0],
+            kv_cache_config=kv_cache_config,
+            structured_output_manager=StructuredOutputManager(self.configs[0]),
+            block_size=BLOCK,
+            log_stats=True,
+        )
+        self.workers = [make_worker(config, kv_cache_config) for config in self.configs]
+        self.caches = [allocate_caches(kv_cache_config, KVCacheLayout.LBNHC) for _ in self.configs]
+        for worker, caches in zip(self.workers, self.caches, strict=True):
+            worker.register_kv_caches(caches)
+
+    @property
+    def heads_per_rank(self) -> int:
+        return KV_HEADS // len(self.configs)
+
+    @property
+    def connector(self) -> KVCacheConnector:
+        """The scheduler-side connector vLLM built."""
+        connector = self.scheduler.connector
+        assert isinstance(connector, KVCacheConnector)
+        return connector
+
+    def add(self, request_id: str, tokens: Sequence[int], *, cache_salt: str | None = None) -> Request:
+        params = SamplingParams(max_tokens=1)
+        params.update_from_generation_config({}, EOS)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=list(tokens),
+            sampling_params=params,
+            pooling_params=None,
+            cache_salt=cache_salt,
+            block_hasher=get_request_block_hasher(BLOCK, sha256),
+        )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        return request
+
+    def step(self) -> StepRecord:
+        """One engine step: every worker's connector calls in vLLM's order, outputs aggregated as vLLM does."""
+        out = self.scheduler.schedule()
+        for worker in self.workers:
+            worker.bind_connector_metadata(out.kv_connector_metadata)
+            if out.has_sync_kv_loads:
+                worker.start_load_kv(None)
+        computed, block_ids = self._forward(out)
+        invalid: set[int] = set()
+        worker_stats = KVCacheConnectorStats()
+        for worker in self.workers:
+            if not out.has_sync_kv_loads:
+                worker.start_load_kv(None)
+            worker.wait_for_save()
+            invalid |= worker.get_block_ids_with_load_errors()
+            stats = worker.get_kv_connector_stats()
+            if stats is not None:
+                worker_stats.aggregate(stats)
+            worker.clear_connector_metadata()
+        kv_output = KVConnectorOutput(
+            invalid_block_ids=invalid, kv_connector_stats=None if worker_stats.is_empty() else worker_stats
+        )
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = [[SAMPLED] if computed[r].stop >= self.requests[r].num_tokens else [] for r in req_ids]
+        runner_output = ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=kv_output,
+        )
+        for engine_output in self.scheduler.update_from_output(out, runner_output).values():
+            stats = engine_output.scheduler_stats
+            if stats is not None and stats.kv_connector_stats:
+                self.stats.aggregate(KVCacheConnector.build_kv_connector_stats(stats.kv_connector_stats))
+        record = StepRecord(out, invalid, computed, block_ids)
+        self.steps.append(record)
+        return record
+
+    def run(self, max_steps: int = 40) -> list[StepRecord]:
+        """Steps until every request finished; returns this run's steps."""
+        first = len(self.steps)
+        for _ in range(max_steps):
+            if not self.scheduler.has_unfinished_requests():
+                break
+            self.step()
+        assert not self.scheduler.has_unfinished_requests(), "requests still running after max_steps"
+        assert self.connector.open_requests == 0, "the connector kept state of finished requests"
+        return self.steps[first:]
+
+    def _forward(self, out: SchedulerOutput) -> tuple[dict[str, range], dict[str, list[int]]]:
+        """Writes the fake model's KV for every token the step computes; returns the positions and blocks."""
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        computed: dict[str, range] = {}
+        blocks: dict[str, list[int]] = {}
+        h = self.heads_per_rank
+        for request_id, count in out.num_scheduled_tokens.items():
+            tokens = list(self.requests[request_id].all_token_ids)
+            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+            blocks[request_id] = list(block_ids)
+            positions = range(starts[request_id], starts[request_id] + count)
+            for p in positions:
+                kv = token_kv(tuple(tokens[: p + 1]))
+                for rank, caches in enumerate(self.caches):
+                    heads = kv[:, :, rank * h : rank * h + h]
+                    for layer, name in enumerate(LAYER_NAMES):
+                        write_token(caches[name], block_ids[p // BLOCK], p % BLOCK, heads[layer])
+            computed[request_id] = positions
+        for worker, caches in zip(self.workers, self.caches, strict=True):
+            for name in LAYER_NAMES:  # the per-layer hooks, as the attention layers call them
+                worker.wait_for_layer_load(name)
+                worker.save_kv_layer(name, caches[name], None)
+        return computed, blocks
+
+    def computed_positions(self, request_id: str) -> list[int]:
+        """Every position the fake model computed for the request, over all steps."""
+        return [p for step in self.steps for p in step.computed.get(request_id, ())]
+
+    def last_block_ids(self, request_id: str) -> list[int]:
+        """The request's blocks in the last step that scheduled it (still holding its KV after it finished)."""
+        return next(step.block_ids[request_id] for step in reversed(self.steps) if request_id in step.block_ids)
+
+    def paged_kv(self, request_id: str, start: int, end: int, rank: int = 0) -> torch.Tensor:
+        """Canonical KV [layers, 2, heads of the rank, end - start, head_size] of a request, from the paged caches."""
+        block_ids = self.last_block_ids(request_id)
+        caches = self.caches[rank]
+        return torch.stack(
+            [
+                torch.stack([read_token(caches[name], block_ids[p // BLOCK], p % BLOCK) for name in LAYER_NAMES])
+                for p in range(start, end)
+            ],
+            dim=3,
+        )
+
+    def expected_kv(self, request_id: str, start: int, end: int, rank: int = 0) -> torch.Tensor:
+        """What the fake model computes for those tokens, for that rank's heads."""
+        h = self.heads_per_rank
+        return prompt_kv(self.requests[request_id].prompt_token_ids, start, end)[:, :, rank * h : rank * h + h]
+
+
+def make_engine(model_dir: str, *, tp_size: int = 1, num_blocks: int = 64, **config: Any) -> Engine:
+    """An Engine whose ranks share one configuration (make_vllm_config's keywords)."""
+    configs = [make_vllm_config(model_dir, tp_size=tp_size, rank=rank, **config) for rank in range(tp_size)]
+    return Engine(configs, num_blocks=num_blocks)
