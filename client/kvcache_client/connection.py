@@ -11,6 +11,7 @@ mTLS give the client's own certificate and key.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -65,9 +66,15 @@ def _options(max_message_bytes: int, tls: TLSConfig | None) -> list[tuple[str, i
     return options
 
 
-def make_channel(target: str, *, tls: TLSConfig | bool, max_message_bytes: int) -> grpc.Channel:
+def make_channel(
+    target: str,
+    *,
+    tls: TLSConfig | bool,
+    max_message_bytes: int,
+    extra_options: Sequence[tuple[str, int | str]] = (),
+) -> grpc.Channel:
     config = TLSConfig() if tls is True else tls or None
-    options = _options(max_message_bytes, config)
+    options = [*_options(max_message_bytes, config), *extra_options]
     if config is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, config.credentials(), options=options)

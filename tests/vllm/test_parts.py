@@ -79,8 +79,15 @@ def test_every_key_is_parsed() -> None:
         "model_revision": "",
         "namespace_extra": {"deployment": "blue", "a": "b"},
         "save_partial_chunks": False,
+        "token_env": "MY_KVCACHE_TOKEN",
+        "token": "kvc_inline",
+        "tls": True,
+        "tls_ca_file": "/etc/kvcache/ca.crt",
+        "tls_cert_file": "/etc/kvcache/client.crt",
+        "tls_key_file": "/etc/kvcache/client.key",
     }
     config = KVCacheConnectorConfig.from_extra_config(extra, block_size=16)
+    assert "kvc_inline" not in repr(config)
     assert config.namespace_extra == (("a", "b"), ("deployment", "blue"))
     assert (config.transfer_timeout_s, config.chunk_tokens, config.model_revision) == (10.0, 64, "")
     assert dataclasses.asdict(config).keys() == extra.keys()
@@ -109,6 +116,28 @@ def test_every_key_is_parsed() -> None:
 def test_bad_values_are_refused_naming_the_key(extra: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         KVCacheConnectorConfig.from_extra_config(extra, block_size=16)
+
+
+def test_the_connector_presents_its_token(make_server, tmp_path, monkeypatch) -> None:
+    from kvcache_client import Unauthenticated
+    from kvcache_connectors.vllm.connector import connect
+    from kvcache_server.auth import token_digest
+
+    tokens = tmp_path / "tokens.toml"
+    digest = token_digest("kvc_vllm").hex()
+    tokens.write_text(f'[[tokens]]\ntenant = "llm"\nsha256 = "{digest}"\nrights = ["read", "write"]\n')
+    server = make_server(auth={"enabled": True, "tokens_file": str(tokens)})
+    key = [bytes(16)]
+    monkeypatch.delenv("KVCACHE_TOKEN", raising=False)
+    with pytest.raises(Unauthenticated):
+        connect(KVCacheConnectorConfig.from_extra_config({"target": server.target}, block_size=16)).lookup("n", key)
+    inline = {"target": server.target, "token": "kvc_vllm"}
+    assert connect(KVCacheConnectorConfig.from_extra_config(inline, block_size=16)).lookup("n", key).prefix_length == 0
+    monkeypatch.setenv("VLLM_KV_TOKEN", "kvc_vllm")
+    from_env = {"target": server.target, "token_env": "VLLM_KV_TOKEN"}
+    assert (
+        connect(KVCacheConnectorConfig.from_extra_config(from_env, block_size=16)).lookup("n", key).prefix_length == 0
+    )
 
 
 def test_vllm_refuses_to_start_with_a_bad_config(model_dir: str) -> None:

@@ -13,11 +13,13 @@ never later in the serving path. docs/vllm.md lists the keys with their defaults
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvcache_client.client import DEFAULT_TARGET
+from kvcache_client.connection import TLSConfig
 
 DEFAULT_CHUNK_TOKENS = 256
 """Target chunk size; the default chunk is the smallest multiple of vLLM's block size at least this large."""
@@ -48,6 +50,11 @@ class KVCacheConnectorConfig:
             chunk_tokens tokens. A P/D decode instance needs it to skip the whole prompt;
             an offloading instance can turn it off to spend no storage on tails that only an
             identical prompt can reuse.
+        token_env: Environment variable holding the API token (default KVCACHE_TOKEN); keeps the
+            token out of the command line, where --kv-transfer-config is visible to every user.
+        token: The API token itself, when an environment variable is not an option.
+        tls: Connect with TLS, verifying the server against tls_ca_file or the system roots.
+        tls_ca_file, tls_cert_file, tls_key_file: CA bundle; client certificate and key for mTLS.
     """
 
     target: str = DEFAULT_TARGET
@@ -59,6 +66,20 @@ class KVCacheConnectorConfig:
     model_revision: str | None = None
     namespace_extra: tuple[tuple[str, str], ...] = ()
     save_partial_chunks: bool = True
+    token_env: str = "KVCACHE_TOKEN"
+    token: str | None = field(default=None, repr=False)
+    tls: bool = False
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+
+    def tls_config(self) -> TLSConfig | bool:
+        if not self.tls:
+            return False
+        return TLSConfig(ca_file=self.tls_ca_file, cert_file=self.tls_cert_file, key_file=self.tls_key_file)
+
+    def api_token(self) -> str | None:
+        return self.token if self.token is not None else os.environ.get(self.token_env) or None
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any], *, block_size: int) -> KVCacheConnectorConfig:
@@ -91,6 +112,12 @@ class KVCacheConnectorConfig:
             model_revision=_optional_string(extra, "model_revision", allow_empty=True),
             namespace_extra=_string_map(extra, "namespace_extra"),
             save_partial_chunks=_bool(extra, "save_partial_chunks", True),
+            token_env=_string(extra, "token_env", "KVCACHE_TOKEN", allow_empty=False),
+            token=_optional_string(extra, "token", allow_empty=False),
+            tls=_bool(extra, "tls", False),
+            tls_ca_file=_optional_string(extra, "tls_ca_file", allow_empty=False),
+            tls_cert_file=_optional_string(extra, "tls_cert_file", allow_empty=False),
+            tls_key_file=_optional_string(extra, "tls_key_file", allow_empty=False),
         )
 
 

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -56,8 +55,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvcache_client.breaker import CircuitBreaker
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
+from kvcache_client.connection import auth_metadata, make_channel
 from kvcache_client.retry import NO_RETRY
-from kvcache_client.transport import GrpcTransport, channel_options
+from kvcache_client.transport import GrpcTransport
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
 from kvcache_connectors.vllm.metadata import KVCacheConnectorMetadata
 from kvcache_connectors.vllm.namespaces import KVFacts
@@ -84,13 +84,15 @@ def connect(config: KVCacheConnectorConfig) -> KVCacheClient:
     breaker's probe after a restart of the server finds the channel connecting again.
     """
     backoff_ms = max(1, round(config.breaker_cooldown_s * 1000))
-    options = [
-        *channel_options(DEFAULT_MAX_MESSAGE_BYTES),
+    reconnect = [
         ("grpc.initial_reconnect_backoff_ms", backoff_ms),
         ("grpc.min_reconnect_backoff_ms", backoff_ms),
         ("grpc.max_reconnect_backoff_ms", backoff_ms),
     ]
-    transport = GrpcTransport(grpc.insecure_channel(config.target, options=options))
+    channel = make_channel(
+        config.target, tls=config.tls_config(), max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, extra_options=reconnect
+    )
+    transport = GrpcTransport(channel, metadata=auth_metadata(config.api_token()))
     return KVCacheClient(config.target, timeout_s=config.transfer_timeout_s, retry=NO_RETRY, transport=transport)
 
 
