@@ -4,18 +4,15 @@ from __future__ import annotations
 
 import math
 import os
-import re
-import selectors
 import signal
 import socket
 import statistics
-import subprocess
 import sys
-import tempfile
-import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+
+from kvcache_server.launcher import ChildServer
 
 MB = 1e6  # throughput units are decimal: MB/s = 10^6 bytes/s, GB/s = 10^9 bytes/s
 GB = 1e9
@@ -30,106 +27,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """A server in a child process: started, its port read from its first stdout line, stopped for sure.
-
-    stderr goes to a temporary file (shown when start-up fails); stdout is drained by a thread after
-    the first line so the child never blocks on a full pipe.
-    """
-
-    def __init__(
-        self, name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, cwd: str | None = None
-    ) -> None:
-        self.name = name
-        self.argv = list(argv)
-        self.env = env
-        self.cwd = cwd
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.first_line = ""
-        # Lives as long as the child; closed in stop().
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
+class ServerProcess(ChildServer):
+    """A server in a child process (kvcache_server.launcher.ChildServer) whose port comes from its first line."""
 
     def start(self, port_pattern: str | None, timeout_s: float = 30.0) -> int | None:
-        """Starts the child; with `port_pattern` (a regex with one group), waits for the first stdout line
-        and returns the port parsed from it."""
-        self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, env=self.env, cwd=self.cwd
-        )
-        if port_pattern is None:
-            self._drain()
-            return None
-        line = self._read_line(timeout_s)
-        self.first_line = line
-        self._drain()
-        m = re.search(port_pattern, line)
-        if not m:
-            raise RuntimeError(f"{self.name}: cannot parse a port from its first line {line!r}{self._stderr_tail()}")
-        return int(m.group(1))
-
-    def _read_line(self, timeout_s: float) -> str:
-        assert self.proc is not None and self.proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        buf = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while b"\n" not in buf:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise RuntimeError(f"{self.name}: no start-up line within {timeout_s:.0f}s{self._stderr_tail()}")
-                if not sel.select(remaining):
-                    continue
-                chunk = os.read(self.proc.stdout.fileno(), 4096)
-                if not chunk:
-                    raise RuntimeError(
-                        f"{self.name}: exited (rc={self.proc.poll()}) before its start-up line{self._stderr_tail()}"
-                    )
-                buf += chunk
-        return buf.split(b"\n", 1)[0].decode(errors="replace")
-
-    def _drain(self) -> None:
-        stdout = self.proc.stdout if self.proc else None
-        if stdout is None:
-            return
-
-        def run() -> None:
-            try:
-                while os.read(stdout.fileno(), 65536):
-                    pass
-            except OSError:
-                pass
-
-        threading.Thread(target=run, name=f"drain-{self.name}", daemon=True).start()
-
-    def _stderr_tail(self, n: int = 2000) -> str:
-        try:
-            self._stderr.seek(0)
-            text = self._stderr.read().decode(errors="replace")
-        except (OSError, ValueError):
-            return ""
-        return f"\n--- {self.name} stderr ---\n{text[-n:]}" if text.strip() else ""
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def stop(self, grace_s: float = 5.0) -> None:
-        """SIGTERM, wait up to `grace_s`, then SIGKILL. Safe to call twice."""
-        proc = self.proc
-        if proc is not None and proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
-        if proc is not None and proc.stdout is not None:
-            proc.stdout.close()
-        self._stderr.close()
+        """Starts the child; with `port_pattern` (a regex with one group), returns the port parsed from
+        its first stdout line."""
+        match = self.launch(port_pattern, timeout_s)
+        return int(match.group(1)) if match else None
 
     def __enter__(self) -> ServerProcess:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def exit_on_sigterm() -> None:

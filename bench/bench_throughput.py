@@ -293,7 +293,7 @@ def start_redis(redis_server: str) -> tuple[ServerProcess, int, redis.Redis]:
                 break
             except redis.ConnectionError:
                 if not proc.alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"redis-server did not come up on port {port}{proc._stderr_tail()}") from None
+                    raise RuntimeError(f"redis-server did not come up on port {port}{proc.stderr_tail()}") from None
                 time.sleep(0.05)
     except BaseException:
         proc.stop()
@@ -552,7 +552,7 @@ def run(args: argparse.Namespace) -> int:
                     )
         for proc in servers:
             if not proc.alive():
-                raise RuntimeError(f"{proc.name} exited during the run{proc._stderr_tail()}")
+                raise RuntimeError(f"{proc.name} exited during the run{proc.stderr_tail()}")
     finally:
         for close in reversed(closers):
             try:

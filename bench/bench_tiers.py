@@ -142,9 +142,9 @@ def wait_until(check: Callable[[], bool], proc: ServerProcess, what: str, timeou
     deadline = time.monotonic() + timeout_s
     while not check():
         if not proc.alive():
-            raise RuntimeError(f"{what} exited during start-up{proc._stderr_tail()}")
+            raise RuntimeError(f"{what} exited during start-up{proc.stderr_tail()}")
         if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} did not come up within {timeout_s:.0f}s{proc._stderr_tail()}")
+            raise RuntimeError(f"{what} did not come up within {timeout_s:.0f}s{proc.stderr_tail()}")
         time.sleep(0.05)
 
 
@@ -608,7 +608,7 @@ def run(args: argparse.Namespace) -> int:
             checks.append(message)
         for proc in servers:
             if not proc.alive():
-                raise RuntimeError(f"{proc.name} exited during the run{proc._stderr_tail()}")
+                raise RuntimeError(f"{proc.name} exited during the run{proc.stderr_tail()}")
     finally:
         for close in reversed(closers):
             try:

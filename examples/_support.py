@@ -1,7 +1,7 @@
 """What the transformers examples, their tests and bench/bench_ttft.py share.
 
-- `KVCacheServerProcess`: `python -m kvcache_server --port 0` in a child process, its address read from
-  the first line it prints, stopped with SIGTERM for sure.
+- `KVCacheServerProcess`: `python -m kvcache_server --port 0` in a child process (kvcache_server.launcher),
+  its address read from the first line it prints, stopped with SIGTERM for sure.
 - `random_prompt`: fixed-seed token ids, standing in for a tokenizer's output.
 - `greedy`: a forward pass over the tokens a cache does not hold, then greedy decoding; it reports the
   time to the first token and that token's logits, which `model.generate` does not expose cheaply.
@@ -12,133 +12,35 @@ This module imports no sibling module, so it loads both as `_support` (scripts i
 
 from __future__ import annotations
 
-import os
-import re
-import selectors
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
 import time
 from dataclasses import dataclass, field
-from types import TracebackType
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from kvcache_server.launcher import LocalKVCacheServer
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel
     from transformers.cache_utils import Cache
 
-# "kvcache-server 0.1.0 serving kvcache.v1.KVCache on 127.0.0.1:PORT (tiers: ...)"
-_SERVING = re.compile(r" serving \S+ on (\S+):(\d+)(?: |$)")
 
-
-class ServerStartError(RuntimeError):
-    """The server child exited or printed no address line in time; the message ends with its stderr."""
-
-
-class KVCacheServerProcess:
-    """A kvcache server in a child process on a free port; a context manager.
-
-    The child's stdout is read for the start-up line, then drained by a thread so the child never
-    blocks on a full pipe; its stderr goes to a temporary file that start-up errors quote.
-    """
+class KVCacheServerProcess(LocalKVCacheServer):
+    """A kvcache server in a child process on a free port (kvcache_server.launcher); a context manager."""
 
     def __init__(
         self, *, ram_capacity: str = "1GiB", max_block_bytes: str = "64MiB", start_timeout_s: float = 60.0
     ) -> None:
-        self.argv = [
-            sys.executable,
-            "-m",
-            "kvcache_server",
-            "--port",
-            "0",
+        super().__init__(
             "--ram-capacity",
             ram_capacity,
             "--max-block-bytes",
             max_block_bytes,
             "--log-level",
             "warning",
-        ]
-        self.start_timeout_s = start_timeout_s
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.target = ""
-        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the child; closed in stop)
-
-    def start(self) -> str:
-        """Starts the child and returns its address, "host:port", once it takes calls."""
-        self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr, start_new_session=True
+            start_timeout_s=start_timeout_s,
         )
-        try:
-            line = self._first_line()
-            match = _SERVING.search(line)
-            if match is None:
-                raise ServerStartError(f"no address in the server's first line {line!r}{self._stderr_tail()}")
-        except BaseException:
-            self.stop()
-            raise
-        threading.Thread(target=self._drain, name="kvcache-server-stdout", daemon=True).start()
-        self.target = f"{match.group(1)}:{match.group(2)}"
-        return self.target
-
-    def _first_line(self) -> str:
-        assert self.proc is not None and self.proc.stdout is not None
-        deadline = time.monotonic() + self.start_timeout_s
-        buf = b""
-        with selectors.DefaultSelector() as sel:
-            sel.register(self.proc.stdout, selectors.EVENT_READ)
-            while b"\n" not in buf:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise ServerStartError(f"no start-up line within {self.start_timeout_s:.0f}s{self._stderr_tail()}")
-                if not sel.select(remaining):
-                    continue
-                data = os.read(self.proc.stdout.fileno(), 4096)
-                if not data:
-                    code = self.proc.wait()
-                    raise ServerStartError(f"the server exited with {code} before serving{self._stderr_tail()}")
-                buf += data
-        return buf.split(b"\n", 1)[0].decode(errors="replace")
-
-    def _drain(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        while self.proc.stdout.read(65536):
-            pass
-
-    def _stderr_tail(self) -> str:
-        self._stderr.seek(0)
-        text = self._stderr.read()[-2000:].decode(errors="replace").strip()
-        return f"\nserver stderr:\n{text}" if text else ""
-
-    def stop(self, timeout_s: float = 10.0) -> int | None:
-        """SIGTERM, then SIGKILL after `timeout_s`; returns the exit status (None if never started)."""
-        proc, self.proc = self.proc, None
-        if proc is None:
-            return None
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if proc.stdout is not None:
-            proc.stdout.close()
-        self._stderr.close()
-        return proc.returncode
-
-    def __enter__(self) -> KVCacheServerProcess:
-        self.start()
-        return self
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        self.stop()
 
 
 def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:
