@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import grpc
 import pytest
 from hypothesis import given, settings
@@ -63,3 +65,18 @@ def test_server_answers_malformed_put_with_invalid_argument(server: ServerThread
             put(iter([b"\x12\xff\xff\xff\xff\x0f"]), timeout=5)
         assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "malformed PutRequest" in info.value.details()
+
+
+def test_large_blocks_are_kept_as_views_and_charged_their_whole_message() -> None:
+    from kvcache_client.blockwire import block_cost
+    from kvcache_server.tiers.ram import ENTRY_OVERHEAD_BYTES, RamTier
+
+    big, small = os.urandom(100_000), [os.urandom(1000) for _ in range(3)]
+    message = encode_put_request("ns", [(b"k" * 16, big)])
+    ((_key, data),) = decode_put_request(message).blocks
+    # One large block: a view into the received message, no copy, charged the whole message.
+    assert isinstance(data, memoryview) and data.obj is message and bytes(data) == big
+    assert block_cost(data) == len(message) and RamTier.entry_cost(data) == len(message) + ENTRY_OVERHEAD_BYTES
+    # Packed small blocks are copied out, so one kept block never pins its neighbours.
+    packed = decode_put_request(encode_put_request("ns", [(bytes([i]) * 16, b) for i, b in enumerate(small)]))
+    assert [type(d) for _, d in packed.blocks] == [bytes] * 3 and [d for _, d in packed.blocks] == small

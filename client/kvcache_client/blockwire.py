@@ -115,10 +115,14 @@ def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, Buffer]]) -
 
 @dataclass(slots=True)
 class PutMessage:
-    """A decoded PutRequest. `error` is set (and the rest empty) when the bytes did not parse."""
+    """A decoded PutRequest. `error` is set (and the rest empty) when the bytes did not parse.
+
+    A block's data is bytes, or a read-only memoryview into the message when the block is at
+    least half of it (see _decode_block); `block_cost` gives the bytes either one keeps alive.
+    """
 
     namespace: str = ""
-    blocks: list[tuple[bytes, bytes]] = field(default_factory=list)
+    blocks: list[tuple[bytes, Buffer]] = field(default_factory=list)
     error: str = ""
 
 
@@ -141,16 +145,28 @@ def decode_put_request(data: bytes) -> PutMessage:
     return msg
 
 
-def _decode_block(buf: memoryview, pos: int, end: int) -> tuple[bytes, bytes]:
-    key = data = b""
+def _decode_block(buf: memoryview, pos: int, end: int) -> tuple[bytes, Buffer]:
+    key: bytes = b""
+    data: Buffer = b""
     for number, wire_type, value in _fields(buf, pos, end):
         if number == 1:
             _expect(wire_type, 2, "Block.key")
             key = bytes(buf[value[0] : value[1]])
         elif number == 2:
             _expect(wire_type, 2, "Block.data")
-            data = bytes(buf[value[0] : value[1]])  # the server keeps this exact-size copy
+            start, stop = value
+            # A block that is most of its message (a large block travels alone) is kept as a view:
+            # no copy, and pinning the message costs only its few framing bytes. Smaller blocks are
+            # copied out so that a kept block never pins its neighbours.
+            data = buf[start:stop] if 2 * (stop - start) >= len(buf) else bytes(buf[start:stop])
     return key, data
+
+
+def block_cost(data: Buffer) -> int:
+    """Bytes a block keeps alive: its length, or for a view the whole buffer it views."""
+    if isinstance(data, memoryview):
+        return len(data.obj)  # type: ignore[arg-type]
+    return len(data)
 
 
 # -- GetResponse -----------------------------------------------------------------------------------

@@ -20,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
+from kvcache_client.blockwire import block_cost
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
 
 ENTRY_OVERHEAD_BYTES = 384
@@ -121,8 +122,9 @@ class RamTier(Tier):
         self._stats = TierStats(name=self.name, kind=self.kind, capacity_bytes=capacity_bytes)
 
     @staticmethod
-    def entry_cost(block: bytes) -> int:
-        return len(block) + ENTRY_OVERHEAD_BYTES
+    def entry_cost(block: bytes | memoryview) -> int:
+        # A memoryview block (a large block kept in its received message) keeps that message alive.
+        return block_cost(block) + ENTRY_OVERHEAD_BYTES
 
     @property
     def used_bytes(self) -> int:

@@ -111,8 +111,9 @@ class S3Tier(Tier):
             raise
         return True
 
-    def _put(self, name: str, block: bytes) -> None:
-        self._client.put_object(Bucket=self._bucket, Key=name, Body=block)
+    def _put(self, name: str, block: bytes | memoryview) -> None:
+        # botocore wants bytes (it hashes and may retry the body); a view of a received message is copied here.
+        self._client.put_object(Bucket=self._bucket, Key=name, Body=bytes(block))
 
     def _delete(self, names: list[str]) -> None:
         for start in range(0, len(names), 1000):  # DeleteObjects takes at most 1000 keys
