@@ -47,7 +47,36 @@ def wait_for(check, timeout_s: float = 15.0, what: str = "backend") -> None:
     raise TimeoutError(f"{what} did not come up within {timeout_s}s")
 
 
-class RedisProcess:
+class _Backend:
+    """A backend child process that tests can pause (SIGSTOP), resume, kill and restart on its port."""
+
+    proc: subprocess.Popen[bytes] | None = None
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+class RedisProcess(_Backend):
     """redis-server with no persistence, on a fixed port so it can be killed and restarted."""
 
     def __init__(self, *extra_args: str, port: int | None = None) -> None:
@@ -93,30 +122,8 @@ class RedisProcess:
 
         return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
 
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait(10)
 
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-
-
-class S3Process:
+class S3Process(_Backend):
     """moto's standalone S3 API server over HTTP (the same boto3 code path as production)."""
 
     def __init__(self, port: int | None = None) -> None:
@@ -152,21 +159,8 @@ class S3Process:
             "s3", endpoint_url=self.endpoint, region_name="us-east-1", config=Config(s3={"addressing_style": "path"})
         )
 
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGCONT)
-            self.proc.kill()
-            self.proc.wait(10)
-
-    stop = kill
+    def stop(self) -> None:
+        self.kill()  # moto keeps nothing worth a graceful exit
 
 
 S3_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
