@@ -80,3 +80,18 @@ def test_large_blocks_are_kept_as_views_and_charged_their_whole_message() -> Non
     # Packed small blocks are copied out, so one kept block never pins its neighbours.
     packed = decode_put_request(encode_put_request("ns", [(bytes([i]) * 16, b) for i, b in enumerate(small)]))
     assert [type(d) for _, d in packed.blocks] == [bytes] * 3 and [d for _, d in packed.blocks] == small
+
+
+def test_block_parts_encode_exactly_like_the_joined_block(server: ServerThread) -> None:
+    from kvcache_client import KVCacheClient
+    from kvcache_client.format import encode_block, encode_block_parts
+
+    payload = os.urandom(5000)
+    parts = encode_block_parts(payload, dtype="float16", shape=(50, 50))
+    whole = encode_block(payload, dtype="float16", shape=(50, 50))
+    assert b"".join(parts) == whole and parts[1] is payload  # the payload is not copied
+    key = b"p" * 16
+    assert encode_put_request("ns", [(key, parts)]) == encode_put_request("ns", [(key, whole)])
+    with KVCacheClient(server.target) as client:
+        assert client.put_many("ns", [(key, parts)]).stored == 1
+        assert bytes(client.get_many("ns", [key])[0]) == whole  # type: ignore[arg-type]

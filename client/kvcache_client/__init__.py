@@ -20,7 +20,7 @@ from kvcache_client.errors import (
     Unavailable,
     UnknownFormatVersion,
 )
-from kvcache_client.format import DType, Layout, decode_block, encode_block
+from kvcache_client.format import DType, Layout, decode_block, encode_block, encode_block_parts
 from kvcache_client.keys import Namespace, chunk_keys
 from kvcache_client.retry import RetryPolicy
 
@@ -49,4 +49,5 @@ __all__ = [
     "chunk_keys",
     "decode_block",
     "encode_block",
+    "encode_block_parts",
 ]

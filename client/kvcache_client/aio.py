@@ -12,6 +12,7 @@ import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.blockwire import BlockData
 from kvcache_client.client import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
@@ -107,9 +108,10 @@ class AsyncKVCacheClient:
         return await self._call(timeout_s, lambda t: self._transport.lookup(ns, keys, t))
 
     async def put_many(
-        self, namespace: NamespaceLike, items: Sequence[tuple[bytes, bytes]], *, timeout_s: float | None = None
+        self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], *, timeout_s: float | None = None
     ) -> PutResult:
-        """Stores (key, block) pairs, blocks built with kvcache_client.format.encode_block."""
+        """Stores (key, block) pairs: blocks from format.encode_block, or (header, payload) parts from
+        format.encode_block_parts (the payload is then copied once, straight into the message)."""
         if not items:
             return PutResult(0, 0, 0)
         ns = namespace_name(namespace)
@@ -153,12 +155,12 @@ class AsyncKVCacheClient:
         layout: Layout = Layout.CANONICAL,
         timeout_s: float | None = None,
     ) -> PutResult:
-        """Stores one tensor per key (CPU tensors go to the wire with a single copy)."""
-        from kvcache_client.tensors import tensor_to_block
+        """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message."""
+        from kvcache_client.tensors import tensor_block_parts
 
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
-        items = [(k, tensor_to_block(t, layout)) for k, t in zip(keys, tensors, strict=True)]
+        items = [(k, tensor_block_parts(t, layout)) for k, t in zip(keys, tensors, strict=True)]
         return await self.put_many(namespace, items, timeout_s=timeout_s)
 
     async def get_tensors(

@@ -98,17 +98,27 @@ def _expect(wire_type: int, wanted: int, what: str) -> None:
 # -- PutRequest ------------------------------------------------------------------------------------
 
 
-def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, Buffer]]) -> bytes:
-    """Serialises a PutRequest; each block's bytes are copied once, into the result."""
+BlockData = Buffer | tuple[Buffer, ...]
+"""A block as one buffer, or as parts to be concatenated (e.g. header and payload view)."""
+
+
+def data_len(data: BlockData) -> int:
+    return sum(len(p) for p in data) if isinstance(data, tuple) else len(data)
+
+
+def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, BlockData]]) -> bytes:
+    """Serialises a PutRequest; each block's bytes (or parts) are copied once, into the result."""
     parts: list[Buffer] = []
     if namespace:
         ns = namespace.encode("utf-8")
         parts += (b"\x0a", _varint(len(ns)), ns)
     for key, data in blocks:
-        n = len(data)
+        n = data_len(data)
         inner = (b"\x0a" + _varint(len(key)) + key if key else b"") + (b"\x12" + _varint(n) if n else b"")
         parts += (b"\x12", _varint(len(inner) + n), inner)
-        if n:
+        if isinstance(data, tuple):
+            parts += data
+        elif n:
             parts.append(data)
     return b"".join(parts)
 

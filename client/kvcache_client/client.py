@@ -26,6 +26,7 @@ import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.blockwire import BlockData
 from kvcache_client.connection import TLSConfig, auth_metadata, make_channel
 from kvcache_client.errors import BlockFormatError, DeadlineExceeded, from_rpc_error
 from kvcache_client.format import Layout, verify_block
@@ -159,9 +160,10 @@ class KVCacheClient:
         return self._call(timeout_s, lambda t: self._transport.lookup(ns, keys, t))
 
     def put_many(
-        self, namespace: NamespaceLike, items: Sequence[tuple[bytes, bytes]], *, timeout_s: float | None = None
+        self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], *, timeout_s: float | None = None
     ) -> PutResult:
-        """Stores (key, block) pairs, blocks built with kvcache_client.format.encode_block."""
+        """Stores (key, block) pairs: blocks from format.encode_block, or (header, payload) parts from
+        format.encode_block_parts (the payload is then copied once, straight into the message)."""
         if not items:
             return PutResult(0, 0, 0)
         ns = namespace_name(namespace)
@@ -205,16 +207,13 @@ class KVCacheClient:
         layout: Layout = Layout.CANONICAL,
         timeout_s: float | None = None,
     ) -> PutResult:
-        """Stores one tensor per key (CPU tensors go to the wire with a single copy)."""
-        from kvcache_client.tensors import tensor_to_block
+        """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message."""
+        from kvcache_client.tensors import tensor_block_parts
 
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
-        return self.put_many(
-            namespace,
-            [(k, tensor_to_block(t, layout)) for k, t in zip(keys, tensors, strict=True)],
-            timeout_s=timeout_s,
-        )
+        items = [(k, tensor_block_parts(t, layout)) for k, t in zip(keys, tensors, strict=True)]
+        return self.put_many(namespace, items, timeout_s=timeout_s)
 
     def get_tensors(
         self,

@@ -159,17 +159,21 @@ def _check_shape(layout: Layout, shape: Sequence[int]) -> None:
         raise BlockFormatError(f"MLA layout needs shape [layers, tokens, head_size], got {tuple(shape)}")
 
 
-def encode_block(
+BlockParts = tuple[bytes, "bytes | memoryview"]
+"""A block not yet joined: (header, payload view). Sent as is, its payload is copied once, into the message."""
+
+
+def encode_block_parts(
     payload: bytes | bytearray | memoryview,
     *,
     dtype: DType | str,
     shape: Sequence[int],
     layout: Layout = Layout.RAW,
-) -> bytes:
-    """Builds a block (header + payload) from raw payload bytes.
+) -> BlockParts:
+    """The header of a block for `payload`, and the payload itself, without copying it.
 
-    The payload is copied exactly once, into the returned bytes, which is the
-    object handed to gRPC.
+    `KVCacheClient.put_many` takes parts as well as whole blocks: the payload is then
+    copied once, straight into the gRPC message. Keep `payload` unchanged until the put returns.
 
     Raises:
         BlockFormatError: the shape and dtype disagree with the payload length,
@@ -192,7 +196,22 @@ def encode_block(
         raw_len=raw_len,
         checksum=compute_checksum(dt, layout, shape, view),
     )
-    return b"".join((header.pack(), view))
+    return header.pack(), view
+
+
+def encode_block(
+    payload: bytes | bytearray | memoryview,
+    *,
+    dtype: DType | str,
+    shape: Sequence[int],
+    layout: Layout = Layout.RAW,
+) -> bytes:
+    """Builds a block (header + payload) as one bytes object; the payload is copied once.
+
+    Raises:
+        BlockFormatError: see encode_block_parts.
+    """
+    return b"".join(encode_block_parts(payload, dtype=dtype, shape=shape, layout=layout))
 
 
 def parse_header(data: bytes | memoryview) -> BlockHeader:

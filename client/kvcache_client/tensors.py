@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from kvcache_client.format import DType, Layout, decode_block, encode_block
+from kvcache_client.format import BlockParts, DType, Layout, decode_block, encode_block_parts
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:
@@ -25,15 +25,23 @@ def block_dtype(dtype: torch.dtype) -> DType:
     return DType.from_name(str(dtype))
 
 
-def tensor_to_block(tensor: torch.Tensor, layout: Layout = Layout.CANONICAL) -> bytes:
-    """Encodes a tensor as a block. A contiguous CPU tensor is read in place: the only copy
-    is the one into the returned bytes object, which is what gRPC sends."""
+def tensor_block_parts(tensor: torch.Tensor, layout: Layout = Layout.CANONICAL) -> BlockParts:
+    """A tensor as block parts (header, payload view), reading a contiguous CPU tensor in place.
+
+    KVCacheClient.put_many sends parts with one copy of the payload, into the gRPC message.
+    The view shares the tensor's memory: do not modify the tensor until the put returns.
+    """
     t = tensor.detach()
     if t.device.type != "cpu":
         t = t.cpu()
     t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-    return encode_block(memoryview(raw), dtype=block_dtype(t.dtype), shape=tuple(t.shape), layout=layout)
+    return encode_block_parts(memoryview(raw), dtype=block_dtype(t.dtype), shape=tuple(t.shape), layout=layout)
+
+
+def tensor_to_block(tensor: torch.Tensor, layout: Layout = Layout.CANONICAL) -> bytes:
+    """Encodes a tensor as one block (bytes); its payload is copied once."""
+    return b"".join(tensor_block_parts(tensor, layout))
 
 
 def block_to_tensor(data: bytes | memoryview, *, verify: bool = True) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Protocol
 
 import grpc
 
-from kvcache_client.blockwire import Buffer, GetItem, decode_get_response, encode_put_request
+from kvcache_client.blockwire import BlockData, GetItem, data_len, decode_get_response, encode_put_request
 from kvcache_client.errors import KVCacheError
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
@@ -120,7 +120,7 @@ class Transport(Protocol):
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult: ...
 
-    def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult: ...
+    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult: ...
 
     def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
@@ -138,7 +138,7 @@ class AsyncTransport(Protocol):
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult: ...
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult: ...
+    async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult: ...
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
@@ -155,21 +155,22 @@ class AsyncTransport(Protocol):
 
 
 def put_messages(
-    namespace: str, items: Sequence[tuple[bytes, Buffer]], message_bytes: int = DEFAULT_MESSAGE_BYTES
+    namespace: str, items: Sequence[tuple[bytes, BlockData]], message_bytes: int = DEFAULT_MESSAGE_BYTES
 ) -> Iterator[bytes]:
     """Encoded PutRequest messages of about `message_bytes` each (the namespace in the first).
 
     Encoded with blockwire: each block's bytes are copied once, into the message.
     """
-    batch: list[tuple[bytes, Buffer]] = []
+    batch: list[tuple[bytes, BlockData]] = []
     size = 0
     first = True
     for key, data in items:
-        if batch and size + len(data) > message_bytes:
+        n = data_len(data)
+        if batch and size + n > message_bytes:
             yield encode_put_request(namespace if first else "", batch)
             first, batch, size = False, [], 0
         batch.append((key, data))
-        size += len(data)
+        size += n
     yield encode_put_request(namespace if first else "", batch)
 
 
@@ -244,7 +245,7 @@ class GrpcTransport:
             self._stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=timeout_s, metadata=self._md)
         )
 
-    def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult:
+    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
         return put_result(
             self._put(put_messages(namespace, items, self._message_bytes), timeout=timeout_s, metadata=self._md)
         )
@@ -290,7 +291,7 @@ class AsyncGrpcTransport:
         request = pb.LookupRequest(namespace=namespace, keys=keys)
         return lookup_result(await self._stub.Lookup(request, timeout=timeout_s, metadata=self._md))
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, Buffer]], timeout_s: float) -> PutResult:
+    async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
         messages = _aiter(put_messages(namespace, items, self._message_bytes))
         return put_result(await self._put(messages, timeout=timeout_s, metadata=self._md))
 

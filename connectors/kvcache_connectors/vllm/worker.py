@@ -32,11 +32,12 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from kvcache_client.blockwire import BlockData
 from kvcache_client.breaker import BreakerState, CircuitBreaker
 from kvcache_client.client import KVCacheClient
 from kvcache_client.errors import KVCacheError
 from kvcache_client.format import DType, Layout, decode_block
-from kvcache_client.tensors import block_to_tensor, tensor_to_block
+from kvcache_client.tensors import block_to_tensor, tensor_block_parts
 from kvcache_connectors.vllm.layout import PagedLayout, detect_layout, token_slots
 from kvcache_connectors.vllm.metadata import ChunkRef, RequestTransfer
 from kvcache_connectors.vllm.namespaces import KVFacts
@@ -215,13 +216,13 @@ class WorkerSide:
             return
         started = time.perf_counter()
         staged = self._gather(good)
-        items: dict[str, list[tuple[bytes, bytes]]] = {}
+        items: dict[str, list[tuple[bytes, BlockData]]] = {}
         position = 0
         for transfer in good:
             namespace = items.setdefault(transfer.namespaces[self._shard], [])
             for chunk in transfer.chunks:
                 tensor = staged.narrow(self._token_dim, position, chunk.end - chunk.start)
-                namespace.append((chunk.keys[self._shard], tensor_to_block(tensor, self._block_layout)))
+                namespace.append((chunk.keys[self._shard], tensor_block_parts(tensor, self._block_layout)))
                 position += chunk.end - chunk.start
         for namespace, blocks in items.items():
             if self._breaker.state is BreakerState.OPEN:  # a put of this step failed already
