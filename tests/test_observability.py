@@ -54,6 +54,13 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
         assert client.delete(NS, keys[:2]) == 2
         with pytest.raises(InvalidRequest):
             client.lookup(NS, [b"short"])
+    # An aborted call's status reaches the client before the server's interceptor records it.
+    wait_for(
+        lambda: metric(scrape(port), "kvcache_requests_total", method="Lookup", code="INVALID_ARGUMENT")
+        > metric(before, "kvcache_requests_total", method="Lookup", code="INVALID_ARGUMENT"),
+        timeout_s=5,
+        what="the refused call's metric",
+    )
     after = scrape(port)
 
     def delta(name: str, **labels: str) -> float:
