@@ -256,11 +256,7 @@ def start_kvcache() -> tuple[ServerProcess, int]:
     proc = ServerProcess(
         "kvcache-server", python_cmd("-m", "kvcache_server", "--port", "0", *SERVER_ARGS), cwd=str(REPO)
     )
-    try:
-        port = proc.start(r"serving \S+ on [^\s:]+:(\d+)")
-    except BaseException:
-        proc.stop()
-        raise
+    port = proc.start(r"serving \S+ on [^\s:]+:(\d+)")  # a failed start stops the child itself
     assert port is not None
     return proc, port
 
@@ -270,11 +266,7 @@ def start_echo(max_message_bytes: int) -> tuple[ServerProcess, int]:
         str(REPO / "bench" / "echo_server.py"), "--port", "0", "--max-message-bytes", str(max_message_bytes)
     )
     proc = ServerProcess("echo-server", argv, cwd=str(REPO))
-    try:
-        port = proc.start(r"serving on [^\s:]+:(\d+)")
-    except BaseException:
-        proc.stop()
-        raise
+    port = proc.start(r"serving on [^\s:]+:(\d+)")  # a failed start stops the child itself
     assert port is not None
     return proc, port
 

@@ -282,10 +282,9 @@ class TierStack:
         start = time.perf_counter()
         kept = self._ram.put_many_sync(namespace, items)
         self._ram_op("put", start)
-        self._ram_counters.bytes_written += sum(len(b) for (_, b), ok in zip(items, kept, strict=True) if ok)
-        self.events.publish(
-            EventKind.STORED, TierKind.RAM, namespace, [k for (k, _), ok in zip(items, kept, strict=True) if ok]
-        )
+        in_ram = [(k, b) for (k, b), ok in zip(items, kept, strict=True) if ok]
+        self._ram_counters.bytes_written += sum(len(b) for _, b in in_ram)
+        self.events.publish(EventKind.STORED, TierKind.RAM, namespace, [k for k, _ in in_ram])
         for lower in self._lower:
             if lower.policy.write_mode is WriteMode.THROUGH:
                 if await self._write(lower, namespace, items, "put"):
