@@ -59,6 +59,11 @@ class KVCacheStub:
                 request_serializer=kvcache_dot_v1_dot_kvcache__pb2.StatsRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.Info = channel.unary_unary(
+                '/kvcache.v1.KVCache/Info',
+                request_serializer=kvcache_dot_v1_dot_kvcache__pb2.InfoRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.InfoResponse.FromString,
+                _registered_method=True)
         self.WatchEvents = channel.unary_stream(
                 '/kvcache.v1.KVCache/WatchEvents',
                 request_serializer=kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
@@ -112,6 +117,14 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Info(self, request, context):
+        """What this server accepts: limits and its shared-memory directory. Any
+        authenticated caller may ask (no right needed); clients call it once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def WatchEvents(self, request, context):
         """Streams which chunk keys were stored in or removed from which tier, as
         they happen (docs/events.md). Each subscriber has a bounded buffer on the
@@ -149,6 +162,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.StatsRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_kvcache__pb2.StatsResponse.SerializeToString,
+            ),
+            'Info': grpc.unary_unary_rpc_method_handler(
+                    servicer.Info,
+                    request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.InfoRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_kvcache__pb2.InfoResponse.SerializeToString,
             ),
             'WatchEvents': grpc.unary_stream_rpc_method_handler(
                     servicer.WatchEvents,
@@ -291,6 +309,33 @@ class KVCache:
             '/kvcache.v1.KVCache/Stats',
             kvcache_dot_v1_dot_kvcache__pb2.StatsRequest.SerializeToString,
             kvcache_dot_v1_dot_kvcache__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Info(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/Info',
+            kvcache_dot_v1_dot_kvcache__pb2.InfoRequest.SerializeToString,
+            kvcache_dot_v1_dot_kvcache__pb2.InfoResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,12 +15,14 @@ from grpc_reflection.v1alpha import reflection
 
 from kvcache_server import __version__
 from kvcache_server.auth import Authenticator, TokenStore
-from kvcache_server.config import LowerTierSection, ServerConfig, TlsSection, is_loopback
+from kvcache_server.config import LowerTierSection, ServerConfig, ShmSection, TlsSection, is_loopback
 from kvcache_server.events import EventHub
 from kvcache_server.interceptor import RequestContextInterceptor
 from kvcache_server.metrics import Metrics
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.service import SERVICE_NAME, KVCacheService, add_to_server
+from kvcache_server.shm import ShmDirectory
+from kvcache_server.shm import default_dir as shm_default_dir
 from kvcache_server.stack import LowerTierPolicy, QueueFull, TierStack, WriteMode
 from kvcache_server.tiers.base import Tier
 from kvcache_server.tiers.codec import CompressionMode
@@ -40,6 +42,8 @@ class RunningServer:
     metrics: Metrics | None = None
     metrics_port: int = 0
     health_task: asyncio.Task[None] | None = None
+    shm: ShmDirectory | None = None
+    shm_task: asyncio.Task[None] | None = None
 
     @property
     def target(self) -> str:
@@ -52,15 +56,18 @@ class RunningServer:
             Queued writes that could not be written within the drain deadline.
         """
         c = self.config.server
-        if self.health_task is not None:
-            self.health_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.health_task
+        for task in (self.health_task, self.shm_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         await self.health.enter_graceful_shutdown()
         await self.server.stop(c.shutdown_grace_s if grace_s is None else grace_s)
         dropped = await self.stack.close(c.drain_deadline_s if drain_deadline_s is None else drain_deadline_s)
         if self.metrics is not None:
             self.metrics.close()
+        if self.shm is not None:
+            self.shm.close()
         return dropped
 
 
@@ -164,7 +171,8 @@ async def create_server(config: ServerConfig) -> RunningServer:
     )
     stack = build_stack(config, observer, tokens)
     await stack.start()
-    service = KVCacheService(stack, limits, version=__version__, observer=observer)
+    shm = _open_shm(config.shm)
+    service = KVCacheService(stack, limits, version=__version__, observer=observer, shm=shm)
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -198,7 +206,10 @@ async def create_server(config: ServerConfig) -> RunningServer:
         config=config,
         metrics=metrics,
         metrics_port=metrics_port,
+        shm=shm,
     )
+    if shm is not None:
+        running.shm_task = asyncio.create_task(_sweep_shm(shm, config.shm.stale_after_s), name="kvcache-shm-sweep")
     # Without required tiers the server can serve at once; with them, only after a probe found them up.
     serving = not config.health.required
     await _set_health(health_servicer, serving)
@@ -206,6 +217,24 @@ async def create_server(config: ServerConfig) -> RunningServer:
         _watch_health(config, stack, health_servicer, serving), name="kvcache-health"
     )
     return running
+
+
+def _open_shm(section: ShmSection) -> ShmDirectory | None:
+    """The shared-memory directory, or None (disabled, or unusable: logged, the server serves without it)."""
+    if not section.enabled:
+        return None
+    path = section.dir or shm_default_dir()
+    try:
+        return ShmDirectory.open(path)
+    except OSError as exc:
+        log.warning("shared-memory path off: %s", exc)
+        return None
+
+
+async def _sweep_shm(shm: ShmDirectory, stale_after_s: float) -> None:
+    while True:
+        await asyncio.to_thread(shm.sweep, stale_after_s)
+        await asyncio.sleep(min(60.0, stale_after_s / 2))
 
 
 def _server_credentials(tls: TlsSection) -> grpc.ServerCredentials:
@@ -229,6 +258,7 @@ def describe(running: RunningServer) -> str:
     metrics = f"; metrics {scheme}://{c.metrics.host}:{running.metrics_port}/metrics" if running.metrics else ""
     security = ("tls" if not c.tls.client_ca_file else "mtls") if c.tls.enabled else "plaintext"
     security += ", auth" if c.auth.enabled else ", no auth"
+    security += f"; shm {running.shm.path}" if running.shm is not None else ""
     return (
         f"kvcache-server {__version__} serving {SERVICE_NAME} on {c.server.host}:{running.port} "
         f"(tiers: {', '.join(tiers)}; max block {c.limits.max_block_bytes / (1 << 20):.0f} MiB; {security}{metrics})"

@@ -265,6 +265,21 @@ class TlsSection:
                 raise ConfigError(f"tls.{name}: {path} is not a readable file")
 
 
+@dataclass(frozen=True, slots=True)
+class ShmSection:
+    """The same-host shared-memory data path (docs/shm.md)."""
+
+    enabled: bool = True
+    # Owner-only directory (created 0700) for segments; "" means /dev/shm/kvcache-<uid>.
+    dir: str = ""
+    # Segments older than this are left over from clients that died mid-call, and removed.
+    stale_after_s: float = 600.0
+
+    def validate(self) -> None:
+        if self.stale_after_s <= 0:
+            raise ConfigError("shm.stale_after_s must be positive")
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -288,6 +303,7 @@ class ServerConfig:
     events: EventsSection = field(default_factory=EventsSection)
     auth: AuthSection = field(default_factory=AuthSection)
     tls: TlsSection = field(default_factory=TlsSection)
+    shm: ShmSection = field(default_factory=ShmSection)
 
     def validate(self) -> ServerConfig:
         for f in dataclasses.fields(self):

@@ -8,8 +8,10 @@ that same bytes object; on reads the stored object goes into the reply as is.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
+import os
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -18,7 +20,7 @@ from typing import NoReturn
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvcache_client.blockwire import PutMessage, decode_put_request, encode_get_response
+from kvcache_client.blockwire import PutMessage, ShmRange, data_len, decode_put_request, encode_get_response
 from kvcache_client.errors import ChecksumMismatch, UnknownFormatVersion
 from kvcache_client.format import BlockFormatError, Compression, verify_block
 from kvcache_client.keys import KEY_BYTES
@@ -28,6 +30,7 @@ from kvcache_server.auth import current_principal
 from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow
 from kvcache_server.observe import NullObserver, Observer
+from kvcache_server.shm import ShmDirectory, ShmError, align, read_range, write_range
 from kvcache_server.stack import TierStack
 from kvcache_server.tiers.base import TierStats
 
@@ -43,19 +46,34 @@ class _Counters:
     def __init__(self) -> None:
         self.failed_requests = 0
         self.put_checksum_failures = 0
+        self.shm_bytes_received = 0
+        self.shm_bytes_sent = 0
 
 
-GetReply = list[tuple[int, bool, bytes, int]]
-"""One streamed Get message: (index, found, block, tier) per item, encoded by blockwire."""
+GetReply = list[tuple[int, bool, bytes | memoryview | ShmRange, int]]
+"""One streamed Get message: (index, found, block or its place in the shm segment, tier) per item."""
+
+_OFFLOAD_BYTES = 256 << 10
+"""Segment reads and writes at least this large run in a worker thread, off the event loop."""
+
+_SHM_ITEM_BYTES = 96
+"""What a Get item sent as a ShmRange counts against stream_message_bytes."""
 
 
 class KVCacheService(pb_grpc.KVCacheServicer):
     """Validates requests and forwards them to the tier stack."""
 
     def __init__(
-        self, stack: TierStack, limits: LimitsSection, *, version: str, observer: Observer | None = None
+        self,
+        stack: TierStack,
+        limits: LimitsSection,
+        *,
+        version: str,
+        observer: Observer | None = None,
+        shm: ShmDirectory | None = None,
     ) -> None:
         self._stack = stack
+        self._shm = shm
         self._observer = observer or NullObserver()
         self._limits = limits
         self._version = version
@@ -67,6 +85,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return {
             "failed_requests": self._counters.failed_requests,
             "put_checksum_failures": self._counters.put_checksum_failures,
+            "shm_bytes_received": self._counters.shm_bytes_received,
+            "shm_bytes_sent": self._counters.shm_bytes_sent,
         }
 
     # -- validation ---------------------------------------------------------------------------
@@ -159,6 +179,19 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     async def Put(
         self, request_iterator: AsyncIterator[PutMessage], context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
+        segments: dict[str, tuple[int, int]] = {}  # open shm segments: name -> (fd, size)
+        try:
+            return await self._put(request_iterator, context, segments)
+        finally:
+            for fd, _ in segments.values():
+                os.close(fd)
+
+    async def _put(
+        self,
+        request_iterator: AsyncIterator[PutMessage],
+        context: grpc.aio.ServicerContext,
+        segments: dict[str, tuple[int, int]],
+    ) -> pb.PutResponse:
         namespace: str | None = None  # scoped
         first_namespace = ""  # as the client sent it
         index = stored = rejected = received = 0
@@ -172,7 +205,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"Put stream exceeds max_put_stream_blocks={limits.max_put_stream_blocks}; split it",
                 )
-            if received + sum(len(d) for _, d in message.blocks) > limits.max_put_stream_bytes:
+            if received + sum(data_len(d) for _, d in message.blocks) > limits.max_put_stream_bytes:
                 await self._abort(
                     context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -183,23 +216,91 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 first_namespace = message.namespace
             elif message.namespace and message.namespace != first_namespace:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
-            for key, data in message.blocks:
+            blocks = message.blocks
+            if any(isinstance(d, ShmRange) for _, d in blocks):
+                blocks = await self._read_shm_blocks(context, index, blocks, segments)
+            for key, data in blocks:
                 await self._block(context, index, key, data)
                 received += len(data)
                 index += 1
             # Commit this message's blocks (all verified) before reading the next message.
-            for kept in await self._stack.put(namespace, message.blocks):
+            for kept in await self._stack.put(namespace, blocks):
                 stored += kept
                 rejected += not kept
         if namespace is None or index == 0:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
         return pb.PutResponse(stored=stored, rejected=rejected, bytes_received=received)
 
+    async def _read_shm_blocks(
+        self,
+        context: grpc.aio.ServicerContext,
+        first_index: int,
+        blocks: list[tuple[bytes, bytes | memoryview | ShmRange]],
+        segments: dict[str, tuple[int, int]],
+    ) -> list[tuple[bytes, bytes | memoryview]]:
+        """The message's blocks with every ShmRange replaced by the bytes it names (copied out of the
+        client's segment now: the client may reuse or delete it as soon as the call returns)."""
+        out: list[tuple[bytes, bytes | memoryview]] = []
+        for i, (key, data) in enumerate(blocks):
+            if not isinstance(data, ShmRange):
+                out.append((key, data))
+                continue
+            where = f"block {first_index + i}"
+            if data.length > self._limits.max_block_bytes:
+                await self._abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{where}: {data.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
+                )
+            try:
+                if data.segment not in segments:
+                    segments[data.segment] = self._open_segment(data.segment, writable=False)
+                fd, size = segments[data.segment]
+                args = (fd, size, data.segment, data.offset, data.length)
+                block = (
+                    await asyncio.to_thread(read_range, *args) if data.length >= _OFFLOAD_BYTES else read_range(*args)
+                )
+            except ShmError as exc:
+                await self._abort(context, exc.code, f"{where}: {exc.message}")
+            except OSError as exc:
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: reading shm segment: {exc}")
+            self._counters.shm_bytes_received += len(block)
+            out.append((key, block))
+        return out
+
+    def _open_segment(self, name: str, *, writable: bool) -> tuple[int, int]:
+        if self._shm is None:
+            raise ShmError(
+                grpc.StatusCode.FAILED_PRECONDITION, "this server has no shared-memory path (Info.shm_dir is empty)"
+            )
+        return self._shm.open_segment(name, writable=writable)
+
     async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[GetReply]:
         namespace = await self._namespace(context, request.namespace)
         keys = await self._keys(context, request.keys)
-        found = await self._stack.get(namespace, keys)
+        segment: tuple[int, int] | None = None
+        if request.HasField("shm"):
+            try:
+                segment = self._open_segment(request.shm.segment, writable=True)
+            except ShmError as exc:
+                await self._abort(context, exc.code, exc.message)
+        try:
+            found = await self._stack.get(namespace, keys)
+            async for reply in self._get_replies(found, request, segment):
+                yield reply
+        finally:
+            if segment is not None:
+                os.close(segment[0])
+
+    async def _get_replies(
+        self, found: Sequence[object], request: pb.GetRequest, segment: tuple[int, int] | None
+    ) -> AsyncIterator[GetReply]:
+        """Found blocks in messages of about stream_message_bytes; with a segment, the blocks that fit
+        are written into it (in key order, 64-byte aligned, within its capacity) and only their place
+        is sent."""
         budget = self._limits.stream_message_bytes
+        capacity = request.shm.capacity if segment is not None else 0
+        offset = 0
         items: GetReply = []
         size = 0
         for i, hit in enumerate(found):
@@ -208,11 +309,28 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 if request.prefix_only:
                     break
                 continue
-            if size and size + len(hit.data) > budget:
+            data = hit.data  # type: ignore[attr-defined]
+            n = len(data)
+            sent: bytes | memoryview | ShmRange = data
+            if segment is not None and offset + n <= capacity:
+                try:
+                    if n >= _OFFLOAD_BYTES:
+                        await asyncio.to_thread(write_range, segment[0], data, offset)
+                    else:
+                        write_range(segment[0], data, offset)
+                except OSError as exc:  # tmpfs full, segment gone: this and the rest go inline
+                    log.info("shm segment %s: %s; sending the rest inline", request.shm.segment, exc)
+                    segment = None
+                else:
+                    sent = ShmRange(request.shm.segment, offset, n)
+                    self._counters.shm_bytes_sent += n
+                    offset = align(offset + n)
+            cost = _SHM_ITEM_BYTES if isinstance(sent, ShmRange) else n
+            if size and size + cost > budget:
                 yield items
                 items, size = [], 0
-            items.append((i, True, hit.data, int(hit.tier)))
-            size += len(hit.data)
+            items.append((i, True, sent, int(hit.tier)))  # type: ignore[attr-defined]
+            size += cost
         if items:
             yield items
 
@@ -266,6 +384,16 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             failed_requests=self._counters.failed_requests,
             max_block_bytes=self._limits.max_block_bytes,
             max_keys_per_request=self._limits.max_keys_per_request,
+            shm_bytes_received=self._counters.shm_bytes_received,
+            shm_bytes_sent=self._counters.shm_bytes_sent,
+        )
+
+    async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        return pb.InfoResponse(
+            version=self._version,
+            max_block_bytes=self._limits.max_block_bytes,
+            max_keys_per_request=self._limits.max_keys_per_request,
+            shm_dir=str(self._shm.path) if self._shm is not None else "",
         )
 
 
@@ -317,6 +445,7 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
         "Get": stream(_streaming(service.Get), _parser(pb.GetRequest), encode_get_response),
         "Delete": unary(_unary(service.Delete), _parser(pb.DeleteRequest), pb.DeleteResponse.SerializeToString),
         "Stats": unary(_unary(service.Stats), _parser(pb.StatsRequest), pb.StatsResponse.SerializeToString),
+        "Info": unary(_unary(service.Info), _parser(pb.InfoRequest), pb.InfoResponse.SerializeToString),
         "WatchEvents": stream(
             _streaming(service.WatchEvents), _parser(pb.WatchEventsRequest), pb.KVEvent.SerializeToString
         ),

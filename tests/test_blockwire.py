@@ -9,7 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_client.blockwire import decode_get_response, decode_put_request, encode_get_response, encode_put_request
+from kvcache_client.blockwire import (
+    ShmRange,
+    decode_get_response,
+    decode_put_request,
+    encode_get_response,
+    encode_put_request,
+)
 from kvcache_proto import kvcache_pb2 as pb
 from tests.conftest import ServerThread
 
@@ -40,6 +46,61 @@ def test_get_response_matches_generated_code(items: list[tuple[int, bool, bytes,
     assert ours == generated.SerializeToString()
     decoded = decode_get_response(generated.SerializeToString())
     assert [(x.index, x.found, bytes(x.data), x.tier) for x in decoded] == items
+
+
+shm_ranges = st.builds(ShmRange, st.text(max_size=40), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+
+
+def _pb_range(r: ShmRange) -> pb.ShmRange:
+    return pb.ShmRange(segment=r.segment, offset=r.offset, length=r.length)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    namespaces, st.lists(st.tuples(st.binary(max_size=20), st.one_of(st.binary(max_size=50), shm_ranges)), max_size=6)
+)
+def test_put_request_with_shm_ranges_matches_generated_code(namespace: str, blocks: list) -> None:
+    ours = encode_put_request(namespace, blocks)
+    generated = pb.PutRequest(
+        namespace=namespace,
+        blocks=[
+            pb.Block(key=k, shm=_pb_range(d)) if isinstance(d, ShmRange) else pb.Block(key=k, data=d) for k, d in blocks
+        ],
+    )
+    assert ours == generated.SerializeToString()
+    parsed = decode_put_request(ours)
+    assert (parsed.error, parsed.namespace, parsed.blocks) == ("", namespace, blocks)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2**32 - 1), st.booleans(), st.one_of(st.binary(max_size=50), shm_ranges), st.integers(0, 3)
+        ),
+        max_size=6,
+    )
+)
+def test_get_response_with_shm_ranges_matches_generated_code(items: list) -> None:
+    ours = encode_get_response(items)
+    generated = pb.GetResponse(
+        items=[
+            pb.GetItem(index=i, found=f, tier=t, shm=_pb_range(d))
+            if isinstance(d, ShmRange)
+            else pb.GetItem(index=i, found=f, data=d, tier=t)
+            for i, f, d, t in items
+        ]
+    )
+    assert ours == generated.SerializeToString()
+    decoded = decode_get_response(ours)
+    assert [(x.index, x.found, x.shm if x.shm is not None else bytes(x.data), x.tier) for x in decoded] == items
+
+
+def test_block_with_both_data_and_shm_is_malformed() -> None:
+    message = pb.PutRequest(
+        namespace="ns", blocks=[pb.Block(key=b"k" * 16, data=b"x", shm=pb.ShmRange(segment="s", length=1))]
+    ).SerializeToString()
+    assert "both data and shm" in decode_put_request(message).error
 
 
 def test_unknown_fields_are_skipped() -> None:

@@ -52,6 +52,7 @@ class AsyncKVCacheClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
         tls: TLSConfig | bool = False,
+        shm: bool = True,
         transport: AsyncTransport | None = None,
     ) -> None:
         """See KVCacheClient.__init__; the channel is a grpc.aio channel."""
@@ -61,7 +62,9 @@ class AsyncKVCacheClient:
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._transport: AsyncTransport = transport or AsyncGrpcTransport(
-            make_aio_channel(target, tls=tls, max_message_bytes=max_message_bytes), metadata=auth_metadata(token)
+            make_aio_channel(target, tls=tls, max_message_bytes=max_message_bytes),
+            metadata=auth_metadata(token),
+            shm=shm,
         )
         self.corrupt_blocks = 0
 

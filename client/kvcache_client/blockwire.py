@@ -16,9 +16,10 @@ Unknown fields are skipped, as the generated code does; fields at their
 default value are omitted, as proto3 serialisers do.
 
     PutRequest  { string namespace = 1; repeated Block blocks = 2; }
-    Block       { bytes key = 1; bytes data = 2; }
+    Block       { bytes key = 1; bytes data = 2; ShmRange shm = 3; }
+    ShmRange    { string segment = 1; uint64 offset = 2; uint64 length = 3; }
     GetResponse { repeated GetItem items = 1; }
-    GetItem     { uint32 index = 1; bool found = 2; bytes data = 3; Tier tier = 4; }
+    GetItem     { uint32 index = 1; bool found = 2; bytes data = 3; Tier tier = 4; ShmRange shm = 5; }
 """
 
 from __future__ import annotations
@@ -95,24 +96,72 @@ def _expect(wire_type: int, wanted: int, what: str) -> None:
         raise WireError(f"{what} has wire type {wire_type}, expected {wanted}")
 
 
+# -- ShmRange ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ShmRange:
+    """A block's place in a shared-memory segment (a file in the server's shm directory)."""
+
+    segment: str
+    offset: int
+    length: int
+
+    def encode(self) -> bytes:
+        seg = self.segment.encode("utf-8")
+        return b"".join(
+            (
+                b"\x0a" + _varint(len(seg)) + seg if seg else b"",
+                b"\x10" + _varint(self.offset) if self.offset else b"",
+                b"\x18" + _varint(self.length) if self.length else b"",
+            )
+        )
+
+
+def _decode_shm_range(buf: memoryview, pos: int, end: int) -> ShmRange:
+    segment, offset, length = "", 0, 0
+    for number, wire_type, value in _fields(buf, pos, end):
+        if number == 1:
+            _expect(wire_type, 2, "ShmRange.segment")
+            segment = bytes(buf[value[0] : value[1]]).decode("utf-8")
+        elif number == 2:
+            _expect(wire_type, 0, "ShmRange.offset")
+            offset = value
+        elif number == 3:
+            _expect(wire_type, 0, "ShmRange.length")
+            length = value
+    return ShmRange(segment, offset, length)
+
+
 # -- PutRequest ------------------------------------------------------------------------------------
 
 
 BlockData = Buffer | tuple[Buffer, ...]
 """A block as one buffer, or as parts to be concatenated (e.g. header and payload view)."""
 
+PutData = BlockData | ShmRange
+"""What a PutRequest block carries: the bytes, or where they lie in a shared-memory segment."""
 
-def data_len(data: BlockData) -> int:
+
+def data_len(data: PutData) -> int:
+    """The block's length in bytes (for a ShmRange, the length of its range)."""
+    if isinstance(data, ShmRange):
+        return data.length
     return sum(len(p) for p in data) if isinstance(data, tuple) else len(data)
 
 
-def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, BlockData]]) -> bytes:
+def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, PutData]]) -> bytes:
     """Serialises a PutRequest; each block's bytes (or parts) are copied once, into the result."""
     parts: list[Buffer] = []
     if namespace:
         ns = namespace.encode("utf-8")
         parts += (b"\x0a", _varint(len(ns)), ns)
     for key, data in blocks:
+        if isinstance(data, ShmRange):
+            ref = data.encode()
+            inner = (b"\x0a" + _varint(len(key)) + key if key else b"") + b"\x1a" + _varint(len(ref)) + ref
+            parts += (b"\x12", _varint(len(inner)), inner)
+            continue
         n = data_len(data)
         inner = (b"\x0a" + _varint(len(key)) + key if key else b"") + (b"\x12" + _varint(n) if n else b"")
         parts += (b"\x12", _varint(len(inner) + n), inner)
@@ -132,7 +181,7 @@ class PutMessage:
     """
 
     namespace: str = ""
-    blocks: list[tuple[bytes, Buffer]] = field(default_factory=list)
+    blocks: list[tuple[bytes, Buffer | ShmRange]] = field(default_factory=list)
     error: str = ""
 
 
@@ -155,9 +204,10 @@ def decode_put_request(data: bytes) -> PutMessage:
     return msg
 
 
-def _decode_block(buf: memoryview, pos: int, end: int) -> tuple[bytes, Buffer]:
+def _decode_block(buf: memoryview, pos: int, end: int) -> tuple[bytes, Buffer | ShmRange]:
     key: bytes = b""
     data: Buffer = b""
+    shm: ShmRange | None = None
     for number, wire_type, value in _fields(buf, pos, end):
         if number == 1:
             _expect(wire_type, 2, "Block.key")
@@ -169,6 +219,13 @@ def _decode_block(buf: memoryview, pos: int, end: int) -> tuple[bytes, Buffer]:
             # no copy, and pinning the message costs only its few framing bytes. Smaller blocks are
             # copied out so that a kept block never pins its neighbours.
             data = buf[start:stop] if 2 * (stop - start) >= len(buf) else bytes(buf[start:stop])
+        elif number == 3:
+            _expect(wire_type, 2, "Block.shm")
+            shm = _decode_shm_range(buf, *value)
+    if shm is not None:
+        if len(data):
+            raise WireError("Block sets both data and shm")
+        return key, shm
     return key, data
 
 
@@ -184,18 +241,32 @@ def block_cost(data: Buffer) -> int:
 
 @dataclass(slots=True)
 class GetItem:
-    """One decoded GetResponse item; `data` is a view into the received message (no copy)."""
+    """One decoded GetResponse item; `data` is a view into the received message (no copy), or
+    empty with `shm` set when the block was written into the request's shared-memory segment."""
 
     index: int
     found: bool
     data: memoryview | bytes
     tier: int
+    shm: ShmRange | None = None
 
 
-def encode_get_response(items: Sequence[tuple[int, bool, Buffer, int]]) -> bytes:
-    """Serialises a GetResponse from (index, found, data, tier); block bytes are copied once."""
+def encode_get_response(items: Sequence[tuple[int, bool, Buffer | ShmRange, int]]) -> bytes:
+    """Serialises a GetResponse from (index, found, data or ShmRange, tier); block bytes are copied once."""
     parts: list[Buffer] = []
     for index, found, data, tier in items:
+        if isinstance(data, ShmRange):
+            ref = data.encode()
+            body = b"".join(
+                (
+                    b"\x08" + _varint(index) if index else b"",
+                    b"\x10\x01" if found else b"",
+                    b"\x20" + _varint(tier) if tier else b"",
+                    b"\x2a" + _varint(len(ref)) + ref,
+                )
+            )
+            parts += (b"\x0a", _varint(len(body)), body)
+            continue
         n = len(data)
         head = b"".join(
             (
@@ -238,5 +309,8 @@ def decode_get_response(data: bytes) -> list[GetItem]:
             elif n == 4:
                 _expect(wt, 0, "GetItem.tier")
                 item.tier = v
+            elif n == 5:
+                _expect(wt, 2, "GetItem.shm")
+                item.shm = _decode_shm_range(buf, *v)
         items.append(item)
     return items

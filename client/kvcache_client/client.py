@@ -90,6 +90,7 @@ class KVCacheClient:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         token: str | None = None,
         tls: TLSConfig | bool = False,
+        shm: bool = True,
         transport: Transport | None = None,
     ) -> None:
         """Connects lazily to `target` ("host:port").
@@ -101,6 +102,8 @@ class KVCacheClient:
             max_message_bytes: gRPC message limit of this client (bounds one block).
             token: API token; defaults to the KVCACHE_TOKEN environment variable.
             tls: True (verify against the system roots) or a TLSConfig; False for plaintext.
+            shm: Move block bytes through shared memory when the server is on this host and shares
+                its shm directory (docs/shm.md); False keeps them on gRPC (as KVCACHE_SHM=0 does).
             transport: Replaces the gRPC transport (tests, other data paths).
         """
         if timeout_s <= 0:
@@ -109,7 +112,9 @@ class KVCacheClient:
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._transport: Transport = transport or GrpcTransport(
-            make_channel(target, tls=tls, max_message_bytes=max_message_bytes), metadata=auth_metadata(token)
+            make_channel(target, tls=tls, max_message_bytes=max_message_bytes),
+            metadata=auth_metadata(token),
+            shm=shm,
         )
         self.corrupt_blocks = 0
 

@@ -13,14 +13,24 @@ clients map, retry and time out.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 import grpc
 
-from kvcache_client.blockwire import BlockData, GetItem, data_len, decode_get_response, encode_put_request
+from kvcache_client.blockwire import (
+    BlockData,
+    GetItem,
+    PutData,
+    ShmRange,
+    data_len,
+    decode_get_response,
+    encode_put_request,
+)
 from kvcache_client.errors import KVCacheError
+from kvcache_client.shm import Segment, ShmLink, resolve
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 
@@ -154,18 +164,23 @@ class AsyncTransport(Protocol):
 # -- message building and parsing, shared by both gRPC transports ---------------------------------
 
 
+_SHM_REF_BYTES = 64
+"""What a block sent as a ShmRange adds to a Put message, about."""
+
+
 def put_messages(
-    namespace: str, items: Sequence[tuple[bytes, BlockData]], message_bytes: int = DEFAULT_MESSAGE_BYTES
+    namespace: str, items: Sequence[tuple[bytes, PutData]], message_bytes: int = DEFAULT_MESSAGE_BYTES
 ) -> Iterator[bytes]:
     """Encoded PutRequest messages of about `message_bytes` each (the namespace in the first).
 
-    Encoded with blockwire: each block's bytes are copied once, into the message.
+    Encoded with blockwire: each block's bytes are copied once, into the message (blocks given as
+    ShmRange travel as their few bytes of reference).
     """
-    batch: list[tuple[bytes, BlockData]] = []
+    batch: list[tuple[bytes, PutData]] = []
     size = 0
     first = True
     for key, data in items:
-        n = data_len(data)
+        n = _SHM_REF_BYTES if isinstance(data, ShmRange) else data_len(data)
         if batch and size + n > message_bytes:
             yield encode_put_request(namespace if first else "", batch)
             first, batch, size = False, [], 0
@@ -187,13 +202,61 @@ class GetCollector:
 
     def __init__(self, n: int) -> None:
         self.out: list[Fetched | None] = [None] * n
+        self._in_segment: list[tuple[int, ShmRange, str]] = []
 
     def add(self, items: list[GetItem]) -> None:
         for item in items:
             if item.index >= len(self.out):
                 raise KVCacheError(f"server sent item index {item.index} for {len(self.out)} keys")
             if item.found:
-                self.out[item.index] = (item.data, TIER_NAMES.get(item.tier, "unknown"))
+                tier = TIER_NAMES.get(item.tier, "unknown")
+                if item.shm is not None:
+                    self._in_segment.append((item.index, item.shm, tier))
+                else:
+                    self.out[item.index] = (item.data, tier)
+
+    def resolve(self, segment: Segment | None) -> list[Fetched | None]:
+        """The result, with blocks the server wrote into `segment` as views of its mapping."""
+        if not self._in_segment:
+            return self.out
+        if segment is None:
+            raise KVCacheError("server sent a shared-memory range for a request without a segment")
+        view = segment.map()
+        for index, ref, tier in self._in_segment:
+            if ref.segment != segment.name:
+                raise KVCacheError(f"server named segment {ref.segment!r}, not this request's {segment.name!r}")
+            try:
+                self.out[index] = (resolve(view, ref), tier)
+            except ValueError as exc:
+                raise KVCacheError(str(exc)) from None
+        return self.out
+
+
+def shm_get_request(
+    namespace: str, keys: Sequence[bytes], prefix_only: bool, segment: Segment | None, link: ShmLink
+) -> pb.GetRequest:
+    request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
+    if segment is not None:
+        # The segment is sparse: capacity costs nothing until the server writes.
+        request.shm.segment = segment.name
+        request.shm.capacity = len(keys) * max(link.max_block_bytes, 1)
+    return request
+
+
+def shm_fallback(exc: grpc.RpcError, link: ShmLink) -> bool:
+    """True when an shm call failed because the server cannot reach the segment: the path is
+    switched off and the caller redoes the call inline."""
+    if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    link.off(exc.details() or "the server cannot use shared memory")
+    return True
+
+
+def configure_shm(link: ShmLink, info: pb.InfoResponse | None) -> None:
+    if info is None:
+        link.off("the server has no Info call (it predates the shared-memory path)")
+    else:
+        link.configure(info.shm_dir, info.max_block_bytes)
 
 
 def server_stats(r: pb.StatsResponse) -> ServerStats:
@@ -230,7 +293,12 @@ class GrpcTransport:
     """Blocking gRPC transport over one channel."""
 
     def __init__(
-        self, channel: grpc.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES, metadata: Metadata = ()
+        self,
+        channel: grpc.Channel,
+        *,
+        message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        metadata: Metadata = (),
+        shm: bool = True,
     ) -> None:
         self._channel = channel
         self._md = tuple(metadata)
@@ -239,6 +307,18 @@ class GrpcTransport:
         self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
         self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
         self._message_bytes = message_bytes
+        self.shm = ShmLink(shm)
+
+    def _check_shm(self, timeout_s: float) -> None:
+        if not self.shm.needs_info:
+            return
+        try:
+            info = self._stub.Info(pb.InfoRequest(), timeout=timeout_s, metadata=self._md)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            info = None
+        configure_shm(self.shm, info)
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         return lookup_result(
@@ -246,16 +326,45 @@ class GrpcTransport:
         )
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
-        return put_result(
-            self._put(put_messages(namespace, items, self._message_bytes), timeout=timeout_s, metadata=self._md)
-        )
+        self._check_shm(timeout_s)
+        segment = self.shm.put_segment(sum(data_len(d) for _, d in items))
+        if segment is not None:
+            try:
+                refs = segment.write_blocks(items)
+                try:
+                    return self._send_put(namespace, refs, timeout_s)
+                except grpc.RpcError as exc:
+                    if not shm_fallback(exc, self.shm):
+                        raise
+            finally:
+                self.shm.release(segment)
+        return self._send_put(namespace, items, timeout_s)
+
+    def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
+        messages = put_messages(namespace, items, self._message_bytes)
+        return put_result(self._put(messages, timeout=timeout_s, metadata=self._md))
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
+        self._check_shm(timeout_s)
+        segment = self.shm.get_segment()
+        if segment is not None:
+            try:
+                return self._fetch(namespace, keys, prefix_only, timeout_s, segment)
+            except grpc.RpcError as exc:
+                if not shm_fallback(exc, self.shm):
+                    raise
+            finally:
+                self.shm.release(segment)
+        return self._fetch(namespace, keys, prefix_only, timeout_s, None)
+
+    def _fetch(
+        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float, segment: Segment | None
+    ) -> list[Fetched | None]:
         collector = GetCollector(len(keys))
-        request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
+        request = shm_get_request(namespace, keys, prefix_only, segment, self.shm)
         for items in self._get(request, timeout=timeout_s, metadata=self._md):
             collector.add(items)
-        return collector.out
+        return collector.resolve(segment)
 
     def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
         return self._stub.Delete(
@@ -266,7 +375,12 @@ class GrpcTransport:
         return server_stats(self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md))
 
     def close(self) -> None:
+        self.shm.close()
         self._channel.close()
+
+
+_OFFLOAD_BYTES = 1 << 20
+"""Async puts at least this large copy into their segment in a worker thread."""
 
 
 async def _aiter(requests: Iterable[bytes]) -> AsyncIterator[bytes]:
@@ -278,7 +392,12 @@ class AsyncGrpcTransport:
     """asyncio gRPC transport over one grpc.aio channel."""
 
     def __init__(
-        self, channel: grpc.aio.Channel, *, message_bytes: int = DEFAULT_MESSAGE_BYTES, metadata: Metadata = ()
+        self,
+        channel: grpc.aio.Channel,
+        *,
+        message_bytes: int = DEFAULT_MESSAGE_BYTES,
+        metadata: Metadata = (),
+        shm: bool = True,
     ) -> None:
         self._channel = channel
         self._md = tuple(metadata)
@@ -286,23 +405,68 @@ class AsyncGrpcTransport:
         self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
         self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
         self._message_bytes = message_bytes
+        self.shm = ShmLink(shm)
+
+    async def _check_shm(self, timeout_s: float) -> None:
+        if not self.shm.needs_info:
+            return
+        try:
+            info = await self._stub.Info(pb.InfoRequest(), timeout=timeout_s, metadata=self._md)
+        except grpc.RpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            info = None
+        configure_shm(self.shm, info)
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         request = pb.LookupRequest(namespace=namespace, keys=keys)
         return lookup_result(await self._stub.Lookup(request, timeout=timeout_s, metadata=self._md))
 
     async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+        await self._check_shm(timeout_s)
+        nbytes = sum(data_len(d) for _, d in items)
+        segment = self.shm.put_segment(nbytes)
+        if segment is not None:
+            try:
+                # Copying into the segment drops the GIL: off the event loop when it is large.
+                big = nbytes >= _OFFLOAD_BYTES
+                refs = await asyncio.to_thread(segment.write_blocks, items) if big else segment.write_blocks(items)
+                try:
+                    return await self._send_put(namespace, refs, timeout_s)
+                except grpc.RpcError as exc:
+                    if not shm_fallback(exc, self.shm):
+                        raise
+            finally:
+                self.shm.release(segment)
+        return await self._send_put(namespace, items, timeout_s)
+
+    async def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
         messages = _aiter(put_messages(namespace, items, self._message_bytes))
         return put_result(await self._put(messages, timeout=timeout_s, metadata=self._md))
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
     ) -> list[Fetched | None]:
+        await self._check_shm(timeout_s)
+        segment = self.shm.get_segment()
+        if segment is not None:
+            try:
+                return await self._fetch(namespace, keys, prefix_only, timeout_s, segment)
+            except grpc.RpcError as exc:
+                if not shm_fallback(exc, self.shm):
+                    raise
+            finally:
+                self.shm.release(segment)
+        return await self._fetch(namespace, keys, prefix_only, timeout_s, None)
+
+    async def _fetch(
+        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float, segment: Segment | None
+    ) -> list[Fetched | None]:
         collector = GetCollector(len(keys))
-        request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
+        request = shm_get_request(namespace, keys, prefix_only, segment, self.shm)
         async for items in self._get(request, timeout=timeout_s, metadata=self._md):
             collector.add(items)
-        return collector.out
+        return collector.resolve(segment)
 
     async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
         response = await self._stub.Delete(
@@ -314,4 +478,5 @@ class AsyncGrpcTransport:
         return server_stats(await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md))
 
     async def close(self) -> None:
+        self.shm.close()
         await self._channel.close()

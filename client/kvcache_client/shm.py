@@ -1,0 +1,271 @@
+"""The client's side of the same-host shared-memory data path (docs/shm.md).
+
+When the server runs on the same host and shares its shm directory with this
+process (same user; a shared /dev/shm volume between containers), block bytes
+skip gRPC: a Put writes the blocks into a fresh *segment* (a file in that
+directory, on tmpfs) and sends only where they lie; a Get hands the server a
+fresh segment to write the found blocks into, and returns read-only views of
+its mapping. Lookups and all control stay on gRPC, with auth as usual.
+
+Segments are reused from a per-client pool (so a call writes into memory that
+is already allocated), never by two calls at once, and a segment whose blocks
+a get returned is not reused while the caller holds any of them: a returned
+block stays valid and unchanged for as long as it is referenced. The path switches
+itself on after one Info call finds the server's directory here, and off (the
+call is redone inline) when the server answers that it cannot find a
+segment: the client is then on another host.
+
+Set KVCACHE_SHM=0 in the environment, or pass shm=False to the client, to
+keep every byte on gRPC.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import stat
+import threading
+from collections.abc import Sequence
+
+from kvcache_client.blockwire import BlockData, ShmRange, data_len
+
+log = logging.getLogger(__name__)
+
+SHM_ENV = "KVCACHE_SHM"
+ALIGN = 64
+"""Blocks start at multiples of this in a segment (the server uses the same rule for Get)."""
+
+MIN_PUT_BYTES = 64 << 10
+"""Puts smaller than this stay inline: the shared-memory path saves nothing on them."""
+
+DEFAULT_POOL_BYTES = 1 << 30
+"""Idle segments a client keeps for reuse, in bytes of tmpfs memory."""
+
+
+def env_allows_shm() -> bool:
+    return os.environ.get(SHM_ENV, "").strip().lower() not in {"0", "off", "false", "no"}
+
+
+def _align(offset: int) -> int:
+    return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+class Segment:
+    """A segment file in the shared directory, owned by this client; close() removes it."""
+
+    def __init__(self, directory: str) -> None:
+        self.name = "kvcache-" + secrets.token_hex(16)
+        self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            self.fd = os.open(
+                self.name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dir_fd
+            )
+        except BaseException:
+            os.close(self._dir_fd)
+            raise
+        self._writable: mmap.mmap | None = None  # this client's mapping for puts
+        self._lent: mmap.mmap | None = None  # the mapping whose views the last get returned
+
+    @property
+    def size(self) -> int:
+        return os.fstat(self.fd).st_size if self.fd >= 0 else 0
+
+    def write_blocks(self, items: Sequence[tuple[bytes, BlockData]]) -> list[tuple[bytes, ShmRange]]:
+        """Copies the blocks in, one after another (64-byte aligned); returns where each one lies."""
+        layout: list[tuple[bytes, int, int]] = []
+        end = 0
+        for key, data in items:
+            n = data_len(data)
+            layout.append((key, end, n))
+            end = _align(end + n)
+        if self._writable is None or len(self._writable) < end:
+            if self._writable is not None:
+                self._writable.close()
+            if self.size < end:
+                os.ftruncate(self.fd, end)
+            self._writable = mmap.mmap(self.fd, self.size)
+        out: list[tuple[bytes, ShmRange]] = []
+        for (key, start, n), (_, data) in zip(layout, items, strict=True):
+            pos = start
+            for part in data if isinstance(data, tuple) else (data,):
+                m = len(part)
+                self._writable[pos : pos + m] = part
+                pos += m
+            out.append((key, ShmRange(self.name, start, n)))
+        return out
+
+    def map(self) -> memoryview:
+        """A read-only view of the segment as the server left it (empty if it wrote nothing).
+        The segment is not reused while any view of this mapping is alive."""
+        size = self.size
+        if size == 0:
+            return memoryview(b"")
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._lent = mmap.mmap(self.fd, size, flags=flags, prot=mmap.PROT_READ)
+        return memoryview(self._lent)
+
+    @property
+    def removed(self) -> bool:
+        """The file lost its name (the server's sweep of stale segments), or was closed."""
+        return self.fd < 0 or os.fstat(self.fd).st_nlink == 0
+
+    def reusable(self) -> bool:
+        """True when no block from the last map() is alive and the file still has its name."""
+        if self.removed:
+            return False
+        if self._lent is not None:
+            try:
+                self._lent.close()
+            except BufferError:  # the caller still holds blocks of the last get
+                return False
+            self._lent = None
+        return True
+
+    def close(self) -> None:
+        """Removes the name and closes the file; blocks returned from map() stay valid."""
+        if self.fd < 0:
+            return
+        if self._writable is not None:
+            self._writable.close()
+            self._writable = None
+        try:
+            os.unlink(self.name, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(self.fd)
+            os.close(self._dir_fd)
+            self.fd = -1
+
+
+class SegmentPool:
+    """Segments kept for reuse: a put or get then writes into memory that is already allocated.
+
+    Thread-safe. A segment serves one call at a time; idle segments hold at most `max_bytes`
+    together (the least recently used are removed first).
+    """
+
+    def __init__(self, directory: str, max_bytes: int = DEFAULT_POOL_BYTES) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self._idle: list[Segment] = []  # least recently used first
+        self._lock = threading.Lock()
+
+    def acquire(self) -> Segment:
+        with self._lock:
+            for seg in [s for s in self._idle if s.removed]:
+                self._idle.remove(seg)
+                seg.close()
+            for i in range(len(self._idle) - 1, -1, -1):
+                if self._idle[i].reusable():
+                    return self._idle.pop(i)
+        return Segment(self.directory)
+
+    def release(self, segment: Segment) -> None:
+        with self._lock:
+            self._idle.append(segment)
+            total = sum(s.size for s in self._idle)
+            while total > self.max_bytes and self._idle:
+                oldest = self._idle.pop(0)
+                total -= oldest.size
+                oldest.close()
+
+    @property
+    def idle_bytes(self) -> int:
+        with self._lock:
+            return sum(s.size for s in self._idle)
+
+    def close(self) -> None:
+        with self._lock:
+            for seg in self._idle:
+                seg.close()
+            self._idle = []
+
+
+class ShmLink:
+    """Whether this client moves block bytes through shared memory, and its segment pool.
+
+    States: "unknown" until the first put or get asks the server (Info), then "on" or "off".
+    """
+
+    def __init__(self, enabled: bool = True, pool_bytes: int = DEFAULT_POOL_BYTES) -> None:
+        self.state = "unknown" if enabled and env_allows_shm() else "off"
+        self.directory = ""
+        self.max_block_bytes = 0
+        self.reason = "" if self.state == "unknown" else "disabled by the client"
+        self.pool_bytes = pool_bytes
+        self.pool: SegmentPool | None = None
+
+    @property
+    def needs_info(self) -> bool:
+        return self.state == "unknown"
+
+    @property
+    def on(self) -> bool:
+        return self.state == "on"
+
+    def configure(self, shm_dir: str, max_block_bytes: int) -> None:
+        """Takes the server's Info answer: on when its directory is here and usable by this process."""
+        self.max_block_bytes = max_block_bytes
+        if not shm_dir:
+            self.off("the server has no shared-memory path")
+            return
+        try:
+            st = os.stat(shm_dir)
+        except OSError:
+            self.off(f"{shm_dir} is not visible here (the server is on another host)")
+            return
+        if not stat.S_ISDIR(st.st_mode) or not os.access(shm_dir, os.W_OK | os.X_OK):
+            self.off(f"{shm_dir} is not a directory this process may write to")
+            return
+        self.state, self.directory, self.reason = "on", shm_dir, ""
+        self.pool = SegmentPool(shm_dir, self.pool_bytes)
+        log.debug("shared-memory path on: %s", shm_dir)
+
+    def off(self, reason: str) -> None:
+        if self.state == "on":
+            log.info("shared-memory path off: %s", reason)
+        self.state, self.reason = "off", reason
+        self.close()
+
+    def put_segment(self, nbytes: int) -> Segment | None:
+        """A segment for a put of `nbytes`, or None to send it inline."""
+        if nbytes < MIN_PUT_BYTES:
+            return None
+        return self.get_segment()
+
+    def get_segment(self) -> Segment | None:
+        """A segment for one call, or None to move the bytes inline."""
+        pool = self.pool
+        if not self.on or pool is None:
+            return None
+        try:
+            return pool.acquire()
+        except OSError as exc:
+            self.off(f"cannot create a segment in {self.directory}: {exc}")
+            return None
+
+    def release(self, segment: Segment) -> None:
+        """Gives a segment back after its call (closed instead once the path is off)."""
+        pool = self.pool
+        if self.on and pool is not None:
+            pool.release(segment)
+        else:
+            segment.close()
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+
+def resolve(data: memoryview, ref: ShmRange) -> memoryview:
+    """The view of one block in a mapped Get segment.
+
+    Raises:
+        ValueError: the range is not inside the mapping.
+    """
+    if ref.offset + ref.length > len(data):
+        raise ValueError(f"server named range [{ref.offset}, {ref.offset + ref.length}) of a {len(data)}-byte segment")
+    return data[ref.offset : ref.offset + ref.length]

@@ -1,0 +1,181 @@
+"""The server's side of the same-host shared-memory data path (docs/shm.md).
+
+A client on the same host creates a *segment* (a file in the server's shm
+directory, on tmpfs) and names byte ranges of it in Put and Get instead of
+sending block bytes through gRPC. The server only ever `pread`s and `pwrite`s
+segment files, never maps them, so a client that truncates or deletes its
+segment mid-call causes an error for that call, never a SIGBUS in the server.
+
+Who can use it: the directory is created owner-only (0700), so only processes
+of the server's own user can create, list or open segments in it. A remote
+client cannot create a segment, and cannot learn another client's segment
+name (128 random bits, in a directory it cannot list). The server refuses
+names that are not "kvcache-" + 32 hex digits (no paths), files that are not
+regular files owned by its user, and symlinks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import re
+import stat
+import time
+from pathlib import Path
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+SEGMENT_NAME = re.compile(r"kvcache-[0-9a-f]{32}")
+"""What a segment's file name must look like."""
+
+ALIGN = 64
+"""Blocks the server writes into a Get segment start at multiples of this."""
+
+
+def default_dir() -> str:
+    """/dev/shm/kvcache-<uid>: tmpfs, one directory per user."""
+    return f"/dev/shm/kvcache-{os.geteuid()}"
+
+
+def align(offset: int) -> int:
+    return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+class ShmError(Exception):
+    """A segment reference that cannot be honoured; `code` is the gRPC status to answer."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ShmDirectory:
+    """The owner-only directory that holds segments; opened once at start-up."""
+
+    def __init__(self, path: Path, dir_fd: int) -> None:
+        self.path = path
+        self._dir_fd = dir_fd
+        self._uid = os.geteuid()
+
+    @classmethod
+    def open(cls, path: str) -> ShmDirectory:
+        """Creates `path` (mode 0700) if missing and checks it is a directory that only this user can use.
+
+        Raises:
+            OSError: the directory cannot be created, or is a symlink, not a directory, not owned by
+                this user, or open to group or others.
+        """
+        p = Path(path).absolute()
+        with contextlib.suppress(FileExistsError):
+            p.mkdir(mode=0o700, parents=False)
+        st = os.lstat(p)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise OSError(errno.ENOTDIR, f"{p} is not a directory (symlinks are refused)")
+        if st.st_uid != os.geteuid():
+            raise OSError(errno.EPERM, f"{p} is owned by uid {st.st_uid}, not by this user ({os.geteuid()})")
+        if st.st_mode & 0o077:
+            raise OSError(errno.EPERM, f"{p} has mode {stat.S_IMODE(st.st_mode):o}; it must be 0700")
+        fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        return cls(p, fd)
+
+    def close(self) -> None:
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
+
+    def open_segment(self, name: str, *, writable: bool) -> tuple[int, int]:
+        """Opens a client's segment; returns (fd, size). The caller closes the fd.
+
+        Raises:
+            ShmError: INVALID_ARGUMENT (bad name), FAILED_PRECONDITION (no such segment here: the
+                client is on another host or sees another directory), PERMISSION_DENIED (not a regular
+                file of this user).
+        """
+        if not SEGMENT_NAME.fullmatch(name):
+            raise ShmError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"shm segment {name[:80]!r} is not 'kvcache-' + 32 hex digits"
+            )
+        flags = (os.O_RDWR if writable else os.O_RDONLY) | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        try:
+            fd = os.open(name, flags, dir_fd=self._dir_fd)
+        except FileNotFoundError:
+            raise ShmError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"shm segment {name} not found in {self.path}: the client does not share this server's "
+                "shared-memory directory (another host?); send the bytes inline",
+            ) from None
+        except OSError as exc:  # ELOOP: a symlink; EACCES, ...
+            raise ShmError(grpc.StatusCode.PERMISSION_DENIED, f"shm segment {name}: {exc.strerror}") from None
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != self._uid:
+                raise ShmError(
+                    grpc.StatusCode.PERMISSION_DENIED,
+                    f"shm segment {name} is not a regular file owned by the server's user",
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd, st.st_size
+
+    def sweep(self, older_than_s: float) -> int:
+        """Removes segments not modified for `older_than_s` (left behind by clients that died mid-call)."""
+        removed = 0
+        cutoff = time.time() - older_than_s
+        try:
+            names = os.listdir(self._dir_fd)
+        except OSError as exc:
+            log.warning("cannot list shm directory %s: %s", self.path, exc)
+            return 0
+        for name in names:
+            if not SEGMENT_NAME.fullmatch(name):
+                continue
+            try:
+                st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+                if st.st_mtime < cutoff:
+                    os.unlink(name, dir_fd=self._dir_fd)
+                    removed += 1
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                log.warning("cannot remove stale shm segment %s: %s", name, exc)
+        if removed:
+            log.info("removed %d stale shm segment(s) from %s", removed, self.path)
+        return removed
+
+
+def read_range(fd: int, size: int, name: str, offset: int, length: int) -> bytes:
+    """Reads [offset, offset + length) of a segment of `size` bytes (blocking; os.pread drops the GIL).
+
+    Raises:
+        ShmError: INVALID_ARGUMENT when the range is not inside the segment (also when the
+            segment shrank while being read).
+    """
+    if offset + length > size:
+        raise ShmError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"shm range [{offset}, {offset + length}) runs past the end of segment {name} ({size} bytes)",
+        )
+    data = os.pread(fd, length, offset)
+    if len(data) != length:
+        raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"shm segment {name} shrank while being read")
+    return data
+
+
+def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Writes a block into a client's Get segment (blocking).
+
+    Raises:
+        OSError: the write failed or was short (tmpfs full: ENOSPC); the caller sends the block inline.
+    """
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write to shm segment")
+        view, offset = view[n:], offset + n
