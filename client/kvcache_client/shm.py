@@ -27,6 +27,7 @@ import os
 import secrets
 import stat
 import threading
+import weakref
 from collections.abc import Sequence
 
 from kvcache_client.blockwire import BlockData, ShmRange, data_len
@@ -152,6 +153,8 @@ class SegmentPool:
         self.max_bytes = max_bytes
         self._idle: list[Segment] = []  # least recently used first
         self._lock = threading.Lock()
+        # Idle segments are removed when the pool is collected or the process exits without close().
+        self._finalizer = weakref.finalize(self, _close_segments, self._idle)
 
     def acquire(self) -> Segment:
         with self._lock:
@@ -179,9 +182,13 @@ class SegmentPool:
 
     def close(self) -> None:
         with self._lock:
-            for seg in self._idle:
-                seg.close()
-            self._idle = []
+            _close_segments(self._idle)
+
+
+def _close_segments(segments: list[Segment]) -> None:
+    for seg in segments:
+        seg.close()
+    segments.clear()
 
 
 class ShmLink:
