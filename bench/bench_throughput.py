@@ -13,9 +13,11 @@ Workloads (payload bytes per call; every block has its own random 16-byte key):
 each as put and get.
 
 Systems, every server in its own process, every client synchronous (like KVCacheClient):
-    kvcache SDK   KVCacheClient.put_many / get_many against `python -m kvcache_server`
-                  (blocks from encode_block(payload, dtype="uint8", shape=(n,)); get includes the SDK's
-                  checksum verification, put includes the server's).
+    kvcache SDK   KVCacheClient.put_many / get_many against `python -m kvcache_server`, as a client on
+                  the server's host gets it by default: block bytes through shared memory (docs/shm.md),
+                  control on gRPC. Blocks from encode_block(payload, dtype="uint8", shape=(n,)); get
+                  includes the SDK's checksum verification, put includes the server's.
+    SDK gRPC      the same client with shm=False, as a client on another host: every byte on gRPC.
     gRPC raw      bench/echo_server.py, generic handlers with identity serializers: the raw block bytes
                   are the gRPC messages; no protobuf anywhere. Client-streaming Put, server-streaming Get.
                   Same message sizes as the SDK: 16 MiB blocks one per message; 256 KiB blocks packed
@@ -79,11 +81,11 @@ NAMESPACE = "bench-throughput"
 CALL_TIMEOUT_S = 120.0
 SERVER_ARGS = ("--ram-capacity", "4GiB", "--max-block-bytes", "64MiB")
 
-SDK, RAW, PB, REDIS = "kvcache SDK", "gRPC raw", "gRPC pb", "redis-py"
+SDK, SDKG, RAW, PB, REDIS = "kvcache SDK", "SDK gRPC", "gRPC raw", "gRPC pb", "redis-py"
 RAW1, PB1 = "gRPC raw 1/msg", "gRPC pb 1/msg"
-MAIN_SYSTEMS = (SDK, RAW, PB, REDIS)
-ALL_SYSTEMS = (SDK, RAW, PB, REDIS, RAW1, PB1)
-SHORT_NAMES = {"sdk": SDK, "raw": RAW, "pb": PB, "redis": REDIS, "raw1": RAW1, "pb1": PB1}
+MAIN_SYSTEMS = (SDK, SDKG, RAW, PB, REDIS)
+ALL_SYSTEMS = (SDK, SDKG, RAW, PB, REDIS, RAW1, PB1)
+SHORT_NAMES = {"sdk": SDK, "sdkgrpc": SDKG, "raw": RAW, "pb": PB, "redis": REDIS, "raw1": RAW1, "pb1": PB1}
 
 
 # -- workloads ---------------------------------------------------------------------------------
@@ -163,10 +165,9 @@ class System:
 
 
 class SdkSystem(System):
-    name = SDK
-
-    def __init__(self, client: KVCacheClient) -> None:
+    def __init__(self, client: KVCacheClient, name: str) -> None:
         self.client = client
+        self.name = name
 
     def put(self, wl: Workload) -> None:
         result = self.client.put_many(NAMESPACE, wl.items)
@@ -331,6 +332,7 @@ def build_tables(results: dict[tuple[str, str, str], Measurement], workloads: Se
                     f"{wl.name} {op}",
                     *(fmt_rate(get(s)) for s in MAIN_SYSTEMS),
                     fmt_ratio(sdk, get(RAW)),
+                    fmt_ratio(get(SDKG), get(RAW)),
                     fmt_ratio(sdk, get(PB)),
                     fmt_ratio(sdk, get(REDIS)),
                 ]
@@ -348,7 +350,7 @@ def build_tables(results: dict[tuple[str, str, str], Measurement], workloads: Se
                         fmt_ratio(sdk, get(PB1)),
                     ]
                 )
-    headers = ["workload op (MB/s)", *MAIN_SYSTEMS, "SDK/raw", "SDK/pb", "SDK/redis"]
+    headers = ["workload op (MB/s)", *MAIN_SYSTEMS, "SDK/raw", "SDK gRPC/raw", "SDK/pb", "SDK/redis"]
     text = render_table(headers, main_rows)
     if extra_rows:
         headers2 = [
@@ -484,15 +486,17 @@ def run(args: argparse.Namespace) -> int:
     results: dict[tuple[str, str, str], Measurement] = {}
     try:
         systems: list[System] = []
-        if SDK in args.systems:
+        sdk_wanted = [s for s in (SDK, SDKG) if s in args.systems]
+        if sdk_wanted:
             proc, port = start_kvcache()
             servers.append(proc)
             print(f"  started: {proc.first_line}")
-            client = KVCacheClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S)
-            closers.append(client.close)
-            stats = client.stats()  # connects, and checks the server answers
+            for name in sdk_wanted:
+                client = KVCacheClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S, shm=name == SDK)
+                closers.append(client.close)
+                stats = client.stats()  # connects, and checks the server answers
+                systems.append(SdkSystem(client, name))
             print(f"  kvcache server {stats.version}, max block {stats.max_block_bytes} B")
-            systems.append(SdkSystem(client))
         echo_wanted = [s for s in (RAW, PB, RAW1, PB1) if s in args.systems]
         if echo_wanted:
             proc, port = start_echo(max_message_bytes)
@@ -545,6 +549,13 @@ def run(args: argparse.Namespace) -> int:
         for proc in servers:
             if not proc.alive():
                 raise RuntimeError(f"{proc.name} exited during the run{proc.stderr_tail()}")
+        for system in systems:
+            if isinstance(system, SdkSystem):
+                link = system.client._transport.shm  # type: ignore[attr-defined]
+                print(f"  {system.name}: shared-memory path {link.state}{f' ({link.reason})' if link.reason else ''}")
+        if sdk_wanted:
+            s = systems[0].client.stats()  # type: ignore[attr-defined]
+            print(f"  server: {s.shm_bytes_received:,} B received and {s.shm_bytes_sent:,} B sent through shm")
     finally:
         for close in reversed(closers):
             try:

@@ -239,34 +239,35 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         segments: dict[str, tuple[int, int]],
     ) -> list[tuple[bytes, bytes | memoryview]]:
         """The message's blocks with every ShmRange replaced by the bytes it names (copied out of the
-        client's segment now: the client may reuse or delete it as soon as the call returns)."""
-        out: list[tuple[bytes, bytes | memoryview]] = []
-        for i, (key, data) in enumerate(blocks):
+        client's segment now: the client may reuse it as soon as the call returns). One worker-thread
+        hop for the whole message when it is large."""
+        reads: list[tuple[int, int, int, ShmRange]] = []
+        for i, (_, data) in enumerate(blocks):
             if not isinstance(data, ShmRange):
-                out.append((key, data))
                 continue
-            where = f"block {first_index + i}"
+            where = first_index + i
             if data.length > self._limits.max_block_bytes:
                 await self._abort(
                     context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"{where}: {data.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
+                    f"block {where}: {data.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
                 )
             try:
                 if data.segment not in segments:
                     segments[data.segment] = self._open_segment(data.segment, writable=False)
-                fd, size = segments[data.segment]
-                args = (fd, size, data.segment, data.offset, data.length)
-                block = (
-                    await asyncio.to_thread(read_range, *args) if data.length >= _OFFLOAD_BYTES else read_range(*args)
-                )
             except ShmError as exc:
-                await self._abort(context, exc.code, f"{where}: {exc.message}")
-            except OSError as exc:
-                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: reading shm segment: {exc}")
-            self._counters.shm_bytes_received += len(block)
-            out.append((key, block))
-        return out
+                await self._abort(context, exc.code, f"block {where}: {exc.message}")
+            reads.append((where, *segments[data.segment], data))
+        try:
+            if sum(r[3].length for r in reads) >= _OFFLOAD_BYTES:
+                contents = await asyncio.to_thread(_read_all, reads)
+            else:
+                contents = _read_all(reads)
+        except ShmError as exc:
+            await self._abort(context, exc.code, exc.message)
+        self._counters.shm_bytes_received += sum(len(c) for c in contents)
+        it = iter(contents)
+        return [(key, next(it) if isinstance(data, ShmRange) else data) for key, data in blocks]
 
     def _open_segment(self, name: str, *, writable: bool) -> tuple[int, int]:
         if self._shm is None:
@@ -286,22 +287,27 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 await self._abort(context, exc.code, exc.message)
         try:
             found = await self._stack.get(namespace, keys)
-            async for reply in self._get_replies(found, request, segment):
+            async for reply in self._get_replies(context, found, request, segment):
                 yield reply
         finally:
             if segment is not None:
                 os.close(segment[0])
 
     async def _get_replies(
-        self, found: Sequence[object], request: pb.GetRequest, segment: tuple[int, int] | None
+        self,
+        context: grpc.aio.ServicerContext,
+        found: Sequence[object],
+        request: pb.GetRequest,
+        segment: tuple[int, int] | None,
     ) -> AsyncIterator[GetReply]:
-        """Found blocks in messages of about stream_message_bytes; with a segment, the blocks that fit
-        are written into it (in key order, 64-byte aligned, within its capacity) and only their place
-        is sent."""
+        """Found blocks in messages of about stream_message_bytes. With a segment, the blocks that fit
+        are written into it (in key order, 64-byte aligned, within its capacity; one worker-thread hop
+        per message) and only their place is sent; the rest go inline."""
         budget = self._limits.stream_message_bytes
         capacity = request.shm.capacity if segment is not None else 0
         offset = 0
         items: GetReply = []
+        writes: list[tuple[bytes | memoryview, int]] = []
         size = 0
         for i, hit in enumerate(found):
             if hit is None:
@@ -313,26 +319,41 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             n = len(data)
             sent: bytes | memoryview | ShmRange = data
             if segment is not None and offset + n <= capacity:
-                try:
-                    if n >= _OFFLOAD_BYTES:
-                        await asyncio.to_thread(write_range, segment[0], data, offset)
-                    else:
-                        write_range(segment[0], data, offset)
-                except OSError as exc:  # tmpfs full, segment gone: this and the rest go inline
-                    log.info("shm segment %s: %s; sending the rest inline", request.shm.segment, exc)
-                    segment = None
-                else:
-                    sent = ShmRange(request.shm.segment, offset, n)
-                    self._counters.shm_bytes_sent += n
-                    offset = align(offset + n)
+                writes.append((data, offset))
+                sent = ShmRange(request.shm.segment, offset, n)
+                offset = align(offset + n)
             cost = _SHM_ITEM_BYTES if isinstance(sent, ShmRange) else n
             if size and size + cost > budget:
+                await self._write_segment(context, segment, writes[:-1] if isinstance(sent, ShmRange) else writes)
+                writes = writes[-1:] if isinstance(sent, ShmRange) else []
                 yield items
                 items, size = [], 0
             items.append((i, True, sent, int(hit.tier)))  # type: ignore[attr-defined]
             size += cost
         if items:
+            await self._write_segment(context, segment, writes)
             yield items
+
+    async def _write_segment(
+        self,
+        context: grpc.aio.ServicerContext,
+        segment: tuple[int, int] | None,
+        writes: list[tuple[bytes | memoryview, int]],
+    ) -> None:
+        """Writes the blocks of one reply into the client's segment before the reply names them. A
+        failed write (tmpfs full, segment gone) fails the call with FAILED_PRECONDITION: the client
+        then repeats it inline."""
+        if segment is None or not writes:
+            return
+        nbytes = sum(len(d) for d, _ in writes)
+        try:
+            if nbytes >= _OFFLOAD_BYTES:
+                await asyncio.to_thread(_write_all, segment[0], writes)
+            else:
+                _write_all(segment[0], writes)
+        except OSError as exc:
+            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"cannot write into shm segment: {exc}")
+        self._counters.shm_bytes_sent += nbytes
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         namespace = await self._namespace(context, request.namespace)
@@ -395,6 +416,25 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             max_keys_per_request=self._limits.max_keys_per_request,
             shm_dir=str(self._shm.path) if self._shm is not None else "",
         )
+
+
+def _read_all(reads: Sequence[tuple[int, int, int, ShmRange]]) -> list[bytes]:
+    """Reads (block index, fd, segment size, range) in order (blocking)."""
+    out: list[bytes] = []
+    for where, fd, size, ref in reads:
+        try:
+            out.append(read_range(fd, size, ref.segment, ref.offset, ref.length))
+        except ShmError as exc:
+            raise ShmError(exc.code, f"block {where}: {exc.message}") from None
+        except OSError as exc:
+            raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
+    return out
+
+
+def _write_all(fd: int, writes: Sequence[tuple[bytes | memoryview, int]]) -> None:
+    """Writes (block, offset) pairs into a Get segment (blocking)."""
+    for data, offset in writes:
+        write_range(fd, data, offset)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -97,10 +97,10 @@ class Segment:
             out.append((key, ShmRange(self.name, start, n)))
         return out
 
-    def map(self) -> memoryview:
-        """A read-only view of the segment as the server left it (empty if it wrote nothing).
-        The segment is not reused while any view of this mapping is alive."""
-        size = self.size
+    def map(self, length: int) -> memoryview:
+        """A read-only view of the segment's first `length` bytes (fewer if the file is shorter), as
+        the server left them. The segment is not reused while any view of this mapping is alive."""
+        size = min(length, self.size)
         if size == 0:
             return memoryview(b"")
         flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)

@@ -110,6 +110,8 @@ class ServerStats:
     max_block_bytes: int
     max_keys_per_request: int
     tiers: tuple[TierInfo, ...] = field(default_factory=tuple)
+    shm_bytes_received: int = 0
+    shm_bytes_sent: int = 0
 
     def tier(self, name: str) -> TierInfo:
         for t in self.tiers:
@@ -221,7 +223,7 @@ class GetCollector:
             return self.out
         if segment is None:
             raise KVCacheError("server sent a shared-memory range for a request without a segment")
-        view = segment.map()
+        view = segment.map(max(ref.offset + ref.length for _, ref, _ in self._in_segment))
         for index, ref, tier in self._in_segment:
             if ref.segment != segment.name:
                 raise KVCacheError(f"server named segment {ref.segment!r}, not this request's {segment.name!r}")
@@ -267,6 +269,8 @@ def server_stats(r: pb.StatsResponse) -> ServerStats:
         failed_requests=r.failed_requests,
         max_block_bytes=r.max_block_bytes,
         max_keys_per_request=r.max_keys_per_request,
+        shm_bytes_received=r.shm_bytes_received,
+        shm_bytes_sent=r.shm_bytes_sent,
         tiers=tuple(TierInfo(**{name: getattr(t, name) for name in _TIER_INFO_FIELDS}) for t in r.tiers),
     )
 
