@@ -1,13 +1,17 @@
-"""The Redis tier: one value per block, one round trip per batch, via redis-py's asyncio client.
+"""The Redis tier: one value per block, via redis-py (asyncio client; blocking client for batch reads).
 
 Layout in Redis: the key `<key_prefix>/<namespace>/<chunk key hex>` holds the
 whole block (header and payload, possibly compressed by the stack) as one
 string value, written with SET (and EX when a TTL is set). Readers never see a
 header without its payload: a SET is atomic.
 
-Round trips: a batch get is one pipeline of GETs; a presence check for a whole prompt is
-one pipelined round trip of EXISTS commands (not one round trip per key); a
-batch put is one pipeline of SETs; a delete is one DEL of all keys.
+Round trips: a presence check for a whole prompt is one pipelined round trip
+of EXISTS commands (not one round trip per key); a batch put is one pipeline
+of SETs; a delete is one DEL of all keys. A batch get runs in a worker thread
+on redis-py's blocking client (with hiredis), as pipelines of GET_PIPELINE
+GETs: for MiB-sized values that read about twice as fast as the asyncio
+client's single pipeline (whose reply buffer grows by the whole batch), and
+it keeps the event loop free while the bytes arrive.
 
 Redis may drop any value at any time (maxmemory eviction, TTL expiry, a
 FLUSHALL by an operator): that is a miss, nothing else.
@@ -15,6 +19,7 @@ FLUSHALL by an operator): that is a miss, nothing else.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -22,10 +27,15 @@ from typing import Any
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
 
 try:
+    import redis
     import redis.asyncio as aioredis
     from redis.exceptions import RedisError
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("the Redis tier needs redis-py: pip install 'kvcache[redis]'") from exc
+
+
+GET_PIPELINE = 4
+"""GETs per round trip of a batch get."""
 
 
 class RedisTier(Tier):
@@ -69,6 +79,7 @@ class RedisTier(Tier):
             if tls_ca_file:
                 kwargs["ssl_ca_certs"] = tls_ca_file
         self._client = aioredis.Redis.from_url(url, **kwargs)
+        self._reader = redis.Redis.from_url(url, **kwargs)  # blocking: batch gets, in worker threads
         self._prefix = key_prefix
         self._ttl_s = ttl_s
         self._url_for_logs = url.split("@")[-1]
@@ -78,13 +89,9 @@ class RedisTier(Tier):
         return f"{self._prefix}/{namespace}/{key.hex()}"
 
     async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        names = [self._key(namespace, k) for k in keys]
         try:
-            # Pipelined GETs, one round trip: for MiB-sized values they parse faster than one MGET
-            # (whose single reply grows the read buffer by the whole batch), measured with hiredis.
-            async with self._client.pipeline(transaction=False) as pipe:
-                for k in keys:
-                    pipe.get(self._key(namespace, k))
-                values = await pipe.execute()
+            values = await asyncio.to_thread(self._get_blocking, names)
         except RedisError as exc:
             raise TierError(f"redis GET pipeline on {self._url_for_logs}: {exc}") from exc
         for v in values:
@@ -93,6 +100,15 @@ class RedisTier(Tier):
             else:
                 self._stats.hits += 1
         return list(values)
+
+    def _get_blocking(self, names: list[str]) -> list[bytes | None]:
+        values: list[bytes | None] = []
+        for i in range(0, len(names), GET_PIPELINE):
+            with self._reader.pipeline(transaction=False) as pipe:
+                for name in names[i : i + GET_PIPELINE]:
+                    pipe.get(name)
+                values.extend(pipe.execute())
+        return values
 
     async def contains_many(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         try:
@@ -127,3 +143,4 @@ class RedisTier(Tier):
 
     async def close(self) -> None:
         await self._client.aclose()
+        self._reader.close()
