@@ -93,8 +93,9 @@ class ShmDirectory:
 
         Raises:
             ShmError: INVALID_ARGUMENT (bad name), FAILED_PRECONDITION (no such segment here: the
-                client is on another host or sees another directory), PERMISSION_DENIED (not a regular
-                file of this user).
+                client is on another host or sees another directory; or not a regular file of this
+                user: a symlink, a directory, another user's file). On FAILED_PRECONDITION the SDK
+                repeats the call inline.
         """
         if not SEGMENT_NAME.fullmatch(name):
             raise ShmError(
@@ -109,14 +110,17 @@ class ShmDirectory:
                 f"shm segment {name} not found in {self.path}: the client does not share this server's "
                 "shared-memory directory (another host?); send the bytes inline",
             ) from None
-        except OSError as exc:  # ELOOP: a symlink; EACCES, ...
-            raise ShmError(grpc.StatusCode.PERMISSION_DENIED, f"shm segment {name}: {exc.strerror}") from None
+        except OSError as exc:  # ELOOP: a symlink; EACCES, EISDIR, ...
+            raise ShmError(
+                grpc.StatusCode.FAILED_PRECONDITION, f"shm segment {name} cannot be used: {exc.strerror}"
+            ) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != self._uid:
                 raise ShmError(
-                    grpc.StatusCode.PERMISSION_DENIED,
-                    f"shm segment {name} is not a regular file owned by the server's user",
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"shm segment {name} is not a regular file owned by the server's user (uid {self._uid}); "
+                    "client and server must run as the same user",
                 )
         except BaseException:
             os.close(fd)

@@ -232,11 +232,11 @@ def test_symlinks_and_foreign_files_are_refused(shm_server: ServerThread, shm_di
     name = "kvcache-" + "1" * 32
     (shm_dir / name).symlink_to(target)
     code, _ = _put(shm_server, (os.urandom(16), ShmRange(name, 0, 10)))
-    assert code is grpc.StatusCode.PERMISSION_DENIED
+    assert code is grpc.StatusCode.FAILED_PRECONDITION
     (shm_dir / name).unlink()
     (shm_dir / name).mkdir()
     code, _ = _put(shm_server, (os.urandom(16), ShmRange(name, 0, 10)))
-    assert code is grpc.StatusCode.PERMISSION_DENIED
+    assert code is grpc.StatusCode.FAILED_PRECONDITION
 
 
 def test_segment_named_to_a_server_without_shared_memory(make_server) -> None:
