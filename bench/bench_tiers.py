@@ -25,8 +25,10 @@ miss served by S3 (and would mix S3 reads into the Redis numbers). S3 keeps its 
 
 Workload: one batch of 64 blocks of 2 MiB (encode_block(payload, dtype="uint8", shape=(n,)), random bytes).
     kvcache           KVCacheClient.get_many(ns, 64 keys): one Get RPC; the server reads the tier
-                      (Redis: one MGET; S3: 64 GetObject in its 16-thread pool), verifies every block's
-                      checksum, streams them back; the SDK verifies them again.
+                      (Redis: GETs pipelined 4 per round trip on a worker thread; S3: 64 GetObject in
+                      its 16-thread pool), verifies every block's checksum, and hands them back: the
+                      client runs on the server's host, so by default through shared memory
+                      (docs/shm.md); the SDK verifies them again.
     redis-py          the same values in the same redis-server: (a) 64 sequential GETs (LMCache's Redis
                       path), (b) one MGET. Raw bytes, no checksum.
     boto3             the same objects in moto: 64 sequential GetObject, and the 64 through a
