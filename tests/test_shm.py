@@ -321,6 +321,33 @@ def test_a_client_that_exits_without_close_leaves_no_segments(shm_server: Server
     assert segments(shm_dir) == []
 
 
+def test_a_forked_child_never_uses_or_removes_the_parents_segments(shm_server: ServerThread, shm_dir: Path) -> None:
+    items = blocks(2, 256 << 10)
+    with KVCacheClient(shm_server.target) as client:
+        client.put_many("ns", items)
+        assert client.get_many("ns", [items[0][0]])[0] is not None
+        pool = client._transport.shm.pool
+        parent = set(segments(shm_dir))
+        assert parent  # the parent has idle segments to inherit
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:  # the child: only the pool, no gRPC (a channel does not survive fork)
+            try:
+                seg = pool.acquire()
+                ok = seg.name not in parent and seg.pid == os.getpid()
+                pool.release(seg)
+                pool.close()
+                os.write(write, b"1" if ok else b"0")
+            finally:
+                os._exit(0)
+        os.close(write)
+        assert os.read(read, 1) == b"1"
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert parent <= set(segments(shm_dir))  # the child's close() left the parent's files
+        assert [bytes(b) for b in client.get_many("ns", [k for k, _ in items])] == [b for _, b in items]
+
+
 def test_sweep_removes_only_stale_segments(tmp_path: Path) -> None:
     directory = ShmDirectory.open(str(tmp_path / "s"))
     old, fresh = "kvcache-" + "a" * 32, "kvcache-" + "b" * 32

@@ -58,6 +58,7 @@ class Segment:
 
     def __init__(self, directory: str) -> None:
         self.name = "kvcache-" + secrets.token_hex(16)
+        self.pid = os.getpid()  # the process that owns the name (a forked child only inherits fds)
         self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             self.fd = os.open(
@@ -125,14 +126,16 @@ class Segment:
         return True
 
     def close(self) -> None:
-        """Removes the name and closes the file; blocks returned from map() stay valid."""
+        """Removes the name and closes the file; blocks returned from map() stay valid. In a forked
+        child, only closes its inherited descriptors: the name belongs to the parent."""
         if self.fd < 0:
             return
         if self._writable is not None:
             self._writable.close()
             self._writable = None
         try:
-            os.unlink(self.name, dir_fd=self._dir_fd)
+            if self.pid == os.getpid():
+                os.unlink(self.name, dir_fd=self._dir_fd)
         except FileNotFoundError:
             pass
         finally:
@@ -146,6 +149,10 @@ class SegmentPool:
 
     Thread-safe. A segment serves one call at a time; idle segments hold at most `max_bytes`
     together (the least recently used are removed first).
+
+    Fork-safe: a forked child never uses the segments it inherited (parent and child would write
+    into the same memory at once, and a get could return another call's block); it starts with
+    an empty pool and leaves the parent's files alone.
     """
 
     def __init__(self, directory: str, max_bytes: int = DEFAULT_POOL_BYTES) -> None:
@@ -153,10 +160,20 @@ class SegmentPool:
         self.max_bytes = max_bytes
         self._idle: list[Segment] = []  # least recently used first
         self._lock = threading.Lock()
+        self._pid = os.getpid()
         # Idle segments are removed when the pool is collected or the process exits without close().
         self._finalizer = weakref.finalize(self, _close_segments, self._idle)
 
+    def _after_fork(self) -> None:
+        if self._pid == os.getpid():
+            return
+        # In a forked child: the lock may have been held by a thread that does not exist here.
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        _close_segments(self._idle)  # closes the inherited descriptors, keeps the parent's files
+
     def acquire(self) -> Segment:
+        self._after_fork()
         with self._lock:
             for seg in [s for s in self._idle if s.removed]:
                 self._idle.remove(seg)
@@ -167,6 +184,10 @@ class SegmentPool:
         return Segment(self.directory)
 
     def release(self, segment: Segment) -> None:
+        self._after_fork()
+        if segment.pid != os.getpid():
+            segment.close()
+            return
         with self._lock:
             self._idle.append(segment)
             total = sum(s.size for s in self._idle)
@@ -181,6 +202,7 @@ class SegmentPool:
             return sum(s.size for s in self._idle)
 
     def close(self) -> None:
+        self._after_fork()
         with self._lock:
             _close_segments(self._idle)
 
@@ -204,6 +226,7 @@ class ShmLink:
         self.reason = "" if self.state == "unknown" else "disabled by the client"
         self.pool_bytes = pool_bytes
         self.pool: SegmentPool | None = None
+        self._lock = threading.Lock()
 
     @property
     def needs_info(self) -> bool:
@@ -227,8 +250,10 @@ class ShmLink:
         if not stat.S_ISDIR(st.st_mode) or not os.access(shm_dir, os.W_OK | os.X_OK):
             self.off(f"{shm_dir} is not a directory this process may write to")
             return
-        self.state, self.directory, self.reason = "on", shm_dir, ""
-        self.pool = SegmentPool(shm_dir, self.pool_bytes)
+        with self._lock:  # two threads' first calls may both have asked Info
+            if self.pool is None or self.pool.directory != shm_dir:
+                self.pool = SegmentPool(shm_dir, self.pool_bytes)
+            self.state, self.directory, self.reason = "on", shm_dir, ""
         log.debug("shared-memory path on: %s", shm_dir)
 
     def off(self, reason: str) -> None:

@@ -217,6 +217,11 @@ class GetCollector:
                 else:
                     self.out[item.index] = (item.data, tier)
 
+    @property
+    def segment_bytes(self) -> int:
+        """Bytes of the blocks the server wrote into the request's segment."""
+        return sum(ref.length for _, ref, _ in self._in_segment)
+
     def resolve(self, segment: Segment | None) -> list[Fetched | None]:
         """The result, with blocks the server wrote into `segment` as views of its mapping."""
         if not self._in_segment:
@@ -470,6 +475,8 @@ class AsyncGrpcTransport:
         request = shm_get_request(namespace, keys, prefix_only, segment, self.shm)
         async for items in self._get(request, timeout=timeout_s, metadata=self._md):
             collector.add(items)
+        if collector.segment_bytes >= _OFFLOAD_BYTES:  # mapping (and populating) it is off the event loop
+            return await asyncio.to_thread(collector.resolve, segment)
         return collector.resolve(segment)
 
     async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
