@@ -26,9 +26,12 @@ import mmap
 import os
 import secrets
 import stat
+import sys
 import threading
 import weakref
 from collections.abc import Sequence
+
+import numpy as np
 
 from kvcache_client.blockwire import BlockData, ShmRange, data_len
 
@@ -68,7 +71,10 @@ class Segment:
             os.close(self._dir_fd)
             raise
         self._writable: mmap.mmap | None = None  # this client's mapping for puts
-        self._lent: mmap.mmap | None = None  # the mapping whose views the last get returned
+        # Gets: one read-only mapping kept across calls, seen through a numpy array. Every block a
+        # get returns is a view of that array, so the array's reference count says whether any is
+        # still held (mmap offers no such probe); the mapping is reused, not redone, while it is not.
+        self._array: np.ndarray | None = None
 
     @property
     def size(self) -> int:
@@ -100,13 +106,22 @@ class Segment:
 
     def map(self, length: int) -> memoryview:
         """A read-only view of the segment's first `length` bytes (fewer if the file is shorter), as
-        the server left them. The segment is not reused while any view of this mapping is alive."""
-        size = min(length, self.size)
+        the server left them. Call only on a segment that is not in use (a fresh one, or one that
+        reusable() accepted); it is not reusable again while any view of the result is alive."""
+        file_size = self.size
+        size = min(length, file_size)
         if size == 0:
             return memoryview(b"")
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._lent = mmap.mmap(self.fd, size, flags=flags, prot=mmap.PROT_READ)
-        return memoryview(self._lent)
+        if self._array is None or len(self._array) < size:
+            # Map the whole file: later gets into the same segment reuse the mapping as it is.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mapping = mmap.mmap(self.fd, file_size, flags=flags, prot=mmap.PROT_READ)
+            self._array = np.frombuffer(mapping, dtype=np.uint8)  # the old mapping goes with the old array
+        return memoryview(self._array[:size])
+
+    def _lent(self) -> bool:
+        """True while any view returned by map() is alive (each one holds a reference to the array)."""
+        return self._array is not None and sys.getrefcount(self._array) > 2  # our attribute + the argument
 
     @property
     def removed(self) -> bool:
@@ -114,16 +129,8 @@ class Segment:
         return self.fd < 0 or os.fstat(self.fd).st_nlink == 0
 
     def reusable(self) -> bool:
-        """True when no block from the last map() is alive and the file still has its name."""
-        if self.removed:
-            return False
-        if self._lent is not None:
-            try:
-                self._lent.close()
-            except BufferError:  # the caller still holds blocks of the last get
-                return False
-            self._lent = None
-        return True
+        """True when no block from map() is alive and the file still has its name."""
+        return not self.removed and not self._lent()
 
     def close(self) -> None:
         """Removes the name and closes the file; blocks returned from map() stay valid. In a forked
@@ -133,6 +140,7 @@ class Segment:
         if self._writable is not None:
             self._writable.close()
             self._writable = None
+        self._array = None  # views still held keep the mapping alive
         try:
             if self.pid == os.getpid():
                 os.unlink(self.name, dir_fd=self._dir_fd)
