@@ -171,9 +171,10 @@ def test_cache_salt_separates_prompts_with_equal_tokens(model_dir: str, server) 
     assert bitwise_equal(replica.paged_kv("same-salt", 0, 100), replica.expected_kv("same-salt", 0, 100))
 
 
-def test_prefill_and_decode_instances_hand_over_the_whole_prompt(model_dir: str, server) -> None:
-    prefill = make_engine(model_dir, role="kv_producer", extra={"target": server.target})
-    decode = make_engine(model_dir, role="kv_consumer", extra={"target": server.target})
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "grpc"])
+def test_prefill_and_decode_instances_hand_over_the_whole_prompt(model_dir: str, server, shm: bool) -> None:
+    prefill = make_engine(model_dir, role="kv_producer", extra={"target": server.target, "shm": shm})
+    decode = make_engine(model_dir, role="kv_consumer", extra={"target": server.target, "shm": shm})
     prefill.add("p", PROMPT)
     prefill.run()
     puts_after_prefill = server.stack.ram.stats().puts
@@ -184,6 +185,8 @@ def test_prefill_and_decode_instances_hand_over_the_whole_prompt(model_dir: str,
     assert decode.computed_positions("d") == [99]
     assert bitwise_equal(decode.paged_kv("d", 0, 100), decode.expected_kv("d", 0, 100))
     assert server.stack.ram.stats().puts == puts_after_prefill  # a consumer never saves
+    with KVCacheClient(server.target, shm=False) as client:  # the decode worker's KV came through shm, or not
+        assert (client.stats().shm_bytes_sent > 0) is shm
 
     # A producer never offers hits, even for a prompt it stored itself (only vLLM's local cache).
     prefill.add("p2", PROMPT)

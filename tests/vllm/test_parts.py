@@ -85,9 +85,10 @@ def test_every_key_is_parsed() -> None:
         "tls_ca_file": "/etc/kvcache/ca.crt",
         "tls_cert_file": "/etc/kvcache/client.crt",
         "tls_key_file": "/etc/kvcache/client.key",
+        "shm": False,
     }
     config = KVCacheConnectorConfig.from_extra_config(extra, block_size=16)
-    assert "kvc_inline" not in repr(config)
+    assert "kvc_inline" not in repr(config) and config.shm is False
     assert config.namespace_extra == (("a", "b"), ("deployment", "blue"))
     assert (config.transfer_timeout_s, config.chunk_tokens, config.model_revision) == (10.0, 64, "")
     assert dataclasses.asdict(config).keys() == extra.keys()

@@ -55,6 +55,8 @@ class KVCacheConnectorConfig:
         token: The API token itself, when an environment variable is not an option.
         tls: Connect with TLS, verifying the server against tls_ca_file or the system roots.
         tls_ca_file, tls_cert_file, tls_key_file: CA bundle; client certificate and key for mTLS.
+        shm: Move KV bytes through shared memory when the server runs on this host and shares its
+            shm directory with this process (docs/shm.md); otherwise, or when false, over gRPC.
     """
 
     target: str = DEFAULT_TARGET
@@ -72,6 +74,7 @@ class KVCacheConnectorConfig:
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
+    shm: bool = True
 
     def tls_config(self) -> TLSConfig | bool:
         if not self.tls:
@@ -118,6 +121,7 @@ class KVCacheConnectorConfig:
             tls_ca_file=_optional_string(extra, "tls_ca_file", allow_empty=False),
             tls_cert_file=_optional_string(extra, "tls_cert_file", allow_empty=False),
             tls_key_file=_optional_string(extra, "tls_key_file", allow_empty=False),
+            shm=_bool(extra, "shm", True),
         )
 
 

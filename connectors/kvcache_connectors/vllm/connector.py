@@ -92,7 +92,7 @@ def connect(config: KVCacheConnectorConfig) -> KVCacheClient:
     channel = make_channel(
         config.target, tls=config.tls_config(), max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, extra_options=reconnect
     )
-    transport = GrpcTransport(channel, metadata=auth_metadata(config.api_token()))
+    transport = GrpcTransport(channel, metadata=auth_metadata(config.api_token()), shm=config.shm)
     return KVCacheClient(config.target, timeout_s=config.transfer_timeout_s, retry=NO_RETRY, transport=transport)
 
 
