@@ -112,6 +112,25 @@ def test_held_blocks_stay_valid_while_later_gets_reuse_segments(shm_server: Serv
     assert bytes(held) == a[0][1]  # still valid after close() removed the files
 
 
+def test_tensors_from_shared_memory_can_be_written_without_harm(shm_server: ServerThread) -> None:
+    torch = pytest.importorskip("torch")
+    from kvcache_client.tensors import tensor_to_block
+
+    original = torch.arange(64 * 1024, dtype=torch.float32).reshape(2, 2, 4, 64, 64)
+    key = os.urandom(16)
+    with KVCacheClient(shm_server.target) as client:
+        client.put_many("ns", [(key, tensor_to_block(original))])
+        (t,) = client.get_tensors("ns", [key])
+        assert client._transport.shm.state == "on" and torch.equal(t, original)
+        t.add_(1)  # documented as read-only; must still not crash or reach the server's copy
+        assert torch.equal(t, original + 1)
+        (again,) = client.get_tensors("ns", [key])  # a different segment: t still holds the first
+        assert torch.equal(again, original)
+        del t, again
+        (third,) = client.get_tensors("ns", [key])
+        assert torch.equal(third, original)
+
+
 def test_server_without_shared_memory_serves_inline(make_server) -> None:
     server = make_server(shm={"enabled": False})
     items = blocks(2, 1 << 20)

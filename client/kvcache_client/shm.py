@@ -115,9 +115,12 @@ class Segment:
         if self._array is None or len(self._array) < size:
             # Map the whole file: later gets into the same segment reuse the mapping as it is.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            mapping = mmap.mmap(self.fd, file_size, flags=flags, prot=mmap.PROT_READ)
+            # Writable, although blocks are handed out read-only: a caller who writes into a tensor
+            # made from a block anyway (torch.frombuffer ignores read-only) changes its own copy and
+            # does not crash. The server never writes into a segment while a block of it is held.
+            mapping = mmap.mmap(self.fd, file_size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self._array = np.frombuffer(mapping, dtype=np.uint8)  # the old mapping goes with the old array
-        return memoryview(self._array[:size])
+        return memoryview(self._array[:size]).toreadonly()
 
     def _lent(self) -> bool:
         """True while any view returned by map() is alive (each one holds a reference to the array)."""
