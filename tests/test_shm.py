@@ -317,6 +317,20 @@ def test_pool_keeps_idle_segments_under_its_byte_cap(tmp_path: Path) -> None:
     assert segments(directory) == []
 
 
+def test_pool_replaces_segments_the_server_swept(tmp_path: Path) -> None:
+    directory = tmp_path / "d"
+    directory.mkdir(mode=0o700)
+    pool = SegmentPool(str(directory))
+    seg = pool.acquire()
+    seg.write_blocks([(b"", b"x" * 100)])
+    pool.release(seg)
+    (directory / seg.name).unlink()  # as the server's sweep does to a segment idle for too long
+    fresh = pool.acquire()
+    assert fresh.name != seg.name and (directory / fresh.name).exists() and seg.fd < 0
+    pool.release(fresh)
+    pool.close()
+
+
 def test_a_client_that_exits_without_close_leaves_no_segments(shm_server: ServerThread, shm_dir: Path) -> None:
     script = (
         "import os, sys\n"
