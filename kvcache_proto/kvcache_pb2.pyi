@@ -35,14 +35,18 @@ class LookupResponse(_message.Message):
     def __init__(self, prefix_length: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[Tier, str]]] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("key", "data", "shm")
+    __slots__ = ("key", "data", "shm", "more", "total_length")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_LENGTH_FIELD_NUMBER: _ClassVar[int]
     key: bytes
     data: bytes
     shm: ShmRange
-    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRange, _Mapping]] = ...) -> None: ...
+    more: bool
+    total_length: int
+    def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRange, _Mapping]] = ..., more: _Optional[bool] = ..., total_length: _Optional[int] = ...) -> None: ...
 
 class ShmRange(_message.Message):
     __slots__ = ("segment", "offset", "length")
@@ -73,16 +77,18 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "prefix_only", "shm")
+    __slots__ = ("namespace", "keys", "prefix_only", "shm", "accept_parts")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_PARTS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prefix_only: bool
     shm: ShmTarget
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix_only: _Optional[bool] = ..., shm: _Optional[_Union[ShmTarget, _Mapping]] = ...) -> None: ...
+    accept_parts: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix_only: _Optional[bool] = ..., shm: _Optional[_Union[ShmTarget, _Mapping]] = ..., accept_parts: _Optional[bool] = ...) -> None: ...
 
 class ShmTarget(_message.Message):
     __slots__ = ("segment", "capacity")
@@ -93,18 +99,20 @@ class ShmTarget(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class GetItem(_message.Message):
-    __slots__ = ("index", "found", "data", "tier", "shm")
+    __slots__ = ("index", "found", "data", "tier", "shm", "more")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     index: int
     found: bool
     data: bytes
     tier: Tier
     shm: ShmRange
-    def __init__(self, index: _Optional[int] = ..., found: _Optional[bool] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., shm: _Optional[_Union[ShmRange, _Mapping]] = ...) -> None: ...
+    more: bool
+    def __init__(self, index: _Optional[int] = ..., found: _Optional[bool] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., shm: _Optional[_Union[ShmRange, _Mapping]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("items",)
@@ -207,16 +215,18 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir")
+    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     SHM_DIR_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_PARTS_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_block_bytes: int
     max_keys_per_request: int
     shm_dir: str
-    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ...) -> None: ...
+    block_parts: bool
+    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("namespace",)

@@ -10,11 +10,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcache_client.blockwire import (
+    BlockPart,
+    GetPart,
     ShmRange,
     decode_get_response,
     decode_put_request,
     encode_get_response,
     encode_put_request,
+    split_block,
 )
 from kvcache_proto import kvcache_pb2 as pb
 from tests.conftest import ServerThread
@@ -100,7 +103,7 @@ def test_block_with_both_data_and_shm_is_malformed() -> None:
     message = pb.PutRequest(
         namespace="ns", blocks=[pb.Block(key=b"k" * 16, data=b"x", shm=pb.ShmRange(segment="s", length=1))]
     ).SerializeToString()
-    assert "both data and shm" in decode_put_request(message).error
+    assert "sets shm with data" in decode_put_request(message).error
 
 
 def test_unknown_fields_are_skipped() -> None:
@@ -156,3 +159,61 @@ def test_block_parts_encode_exactly_like_the_joined_block(server: ServerThread) 
     with KVCacheClient(server.target) as client:
         assert client.put_many("ns", [(key, parts)]).stored == 1
         assert bytes(client.get_many("ns", [key])[0]) == whole  # type: ignore[arg-type]
+
+
+parts = st.builds(BlockPart, st.binary(max_size=50), st.booleans(), st.integers(0, 2**64 - 1))
+
+
+@settings(max_examples=200, deadline=None)
+@given(namespaces, st.lists(st.tuples(st.binary(max_size=20), st.one_of(st.binary(max_size=50), parts)), max_size=6))
+def test_put_request_with_parts_matches_generated_code(namespace: str, blocks: list) -> None:
+    ours = encode_put_request(namespace, blocks)
+    generated = pb.PutRequest(
+        namespace=namespace,
+        blocks=[
+            pb.Block(key=k, data=d.data, more=d.more, total_length=d.total_length)
+            if isinstance(d, BlockPart)
+            else pb.Block(key=k, data=d)
+            for k, d in blocks
+        ],
+    )
+    assert ours == generated.SerializeToString()
+    decoded = decode_put_request(ours).blocks
+    for (k, d), (dk, dd) in zip(blocks, decoded, strict=True):
+        assert dk == k
+        if isinstance(d, BlockPart) and (d.more or d.total_length):
+            assert isinstance(dd, BlockPart) and (bytes(dd.data), dd.more, dd.total_length) == (
+                d.data,
+                d.more,
+                d.total_length,
+            )
+        else:
+            assert bytes(dd if not isinstance(dd, BlockPart) else dd.data) == (
+                d.data if isinstance(d, BlockPart) else d
+            )
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=40), min_size=1, max_size=4), st.integers(1, 64))
+def test_split_block_covers_the_block_in_parts_of_at_most_part_bytes(pieces: list[bytes], part_bytes: int) -> None:
+    data = tuple(pieces)
+    whole = b"".join(pieces)
+    split = split_block(data, part_bytes)
+    assert b"".join(b"".join(bytes(x) for x in p.data) for p in split) == whole
+    assert all(sum(len(x) for x in p.data) <= part_bytes for p in split)
+    if len(split) == 1:
+        assert split[0] == BlockPart(split[0].data, False, 0)  # small blocks are not split
+    else:
+        assert split[0].total_length == len(whole) and all(p.total_length == 0 for p in split[1:])
+        assert all(p.more for p in split[:-1]) and not split[-1].more
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2**32 - 1), st.binary(max_size=50), st.booleans(), st.integers(0, 3)), max_size=6)
+)
+def test_get_response_parts_match_generated_code(items: list) -> None:
+    ours = encode_get_response([(i, True, GetPart(d, m), t) for i, d, m, t in items])
+    generated = pb.GetResponse(items=[pb.GetItem(index=i, found=True, data=d, tier=t, more=m) for i, d, m, t in items])
+    assert ours == generated.SerializeToString()
+    assert [(x.index, bytes(x.data), x.more, x.tier) for x in decode_get_response(ours)] == items

@@ -16,10 +16,11 @@ Unknown fields are skipped, as the generated code does; fields at their
 default value are omitted, as proto3 serialisers do.
 
     PutRequest  { string namespace = 1; repeated Block blocks = 2; }
-    Block       { bytes key = 1; bytes data = 2; ShmRange shm = 3; }
+    Block       { bytes key = 1; bytes data = 2; ShmRange shm = 3; bool more = 4; uint64 total_length = 5; }
     ShmRange    { string segment = 1; uint64 offset = 2; uint64 length = 3; }
     GetResponse { repeated GetItem items = 1; }
-    GetItem     { uint32 index = 1; bool found = 2; bytes data = 3; Tier tier = 4; ShmRange shm = 5; }
+    GetItem     { uint32 index = 1; bool found = 2; bytes data = 3; Tier tier = 4; ShmRange shm = 5;
+                  bool more = 6; }
 """
 
 from __future__ import annotations
@@ -139,15 +140,56 @@ def _decode_shm_range(buf: memoryview, pos: int, end: int) -> ShmRange:
 BlockData = Buffer | tuple[Buffer, ...]
 """A block as one buffer, or as parts to be concatenated (e.g. header and payload view)."""
 
-PutData = BlockData | ShmRange
-"""What a PutRequest block carries: the bytes, or where they lie in a shared-memory segment."""
+
+@dataclass(frozen=True, slots=True)
+class BlockPart:
+    """One part of a block sent in parts (Block.more and Block.total_length); see the .proto."""
+
+    data: BlockData
+    more: bool
+    total_length: int = 0
+
+
+PutData = BlockData | ShmRange | BlockPart
+"""What a PutRequest block carries: the bytes, where they lie in a shared-memory segment, or a part."""
 
 
 def data_len(data: PutData) -> int:
-    """The block's length in bytes (for a ShmRange, the length of its range)."""
+    """The bytes a Block carries (for a ShmRange, the length of its range; for a part, its bytes)."""
     if isinstance(data, ShmRange):
         return data.length
+    if isinstance(data, BlockPart):
+        data = data.data
     return sum(len(p) for p in data) if isinstance(data, tuple) else len(data)
+
+
+def split_block(data: BlockData, part_bytes: int) -> list[BlockPart]:
+    """A block as parts of at most `part_bytes` (views, no copy): every part but the last has
+    more=True, and the first carries the total length."""
+    pieces = data if isinstance(data, tuple) else (data,)
+    views = [memoryview(p).cast("B") for p in pieces if len(p)]
+    total = sum(len(v) for v in views)
+    parts: list[BlockPart] = []
+    current: list[memoryview] = []
+    size = 0
+    for v in views:
+        while len(v):
+            take = min(part_bytes - size, len(v))
+            current.append(v[:take])
+            v = v[take:]
+            size += take
+            if size == part_bytes:
+                parts.append(BlockPart(tuple(current), True))
+                current, size = [], 0
+    if current:
+        parts.append(BlockPart(tuple(current), True))
+    if not parts:
+        return [BlockPart(b"", False, 0)]
+    parts[0] = BlockPart(parts[0].data, True, total)
+    parts[-1] = BlockPart(parts[-1].data, False, parts[-1].total_length)
+    if len(parts) == 1:  # a block that fits one part is not sent in parts
+        return [BlockPart(parts[0].data, False, 0)]
+    return parts
 
 
 def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, PutData]]) -> bytes:
@@ -162,13 +204,21 @@ def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, PutData]]) 
             inner = (b"\x0a" + _varint(len(key)) + key if key else b"") + b"\x1a" + _varint(len(ref)) + ref
             parts += (b"\x12", _varint(len(inner)), inner)
             continue
+        tail = b""
+        if isinstance(data, BlockPart):
+            tail = (b"\x20\x01" if data.more else b"") + (
+                b"\x28" + _varint(data.total_length) if data.total_length else b""
+            )
+            data = data.data
         n = data_len(data)
         inner = (b"\x0a" + _varint(len(key)) + key if key else b"") + (b"\x12" + _varint(n) if n else b"")
-        parts += (b"\x12", _varint(len(inner) + n), inner)
+        parts += (b"\x12", _varint(len(inner) + n + len(tail)), inner)
         if isinstance(data, tuple):
             parts += data
         elif n:
             parts.append(data)
+        if tail:
+            parts.append(tail)
     return b"".join(parts)
 
 
@@ -181,7 +231,7 @@ class PutMessage:
     """
 
     namespace: str = ""
-    blocks: list[tuple[bytes, Buffer | ShmRange]] = field(default_factory=list)
+    blocks: list[tuple[bytes, Buffer | ShmRange | BlockPart]] = field(default_factory=list)
     error: str = ""
 
 
@@ -204,10 +254,12 @@ def decode_put_request(data: bytes) -> PutMessage:
     return msg
 
 
-def _decode_block(buf: memoryview, pos: int, end: int) -> tuple[bytes, Buffer | ShmRange]:
+def _decode_block(buf: memoryview, pos: int, end: int) -> tuple[bytes, Buffer | ShmRange | BlockPart]:
     key: bytes = b""
     data: Buffer = b""
     shm: ShmRange | None = None
+    more = False
+    total_length = 0
     for number, wire_type, value in _fields(buf, pos, end):
         if number == 1:
             _expect(wire_type, 2, "Block.key")
@@ -222,10 +274,18 @@ def _decode_block(buf: memoryview, pos: int, end: int) -> tuple[bytes, Buffer | 
         elif number == 3:
             _expect(wire_type, 2, "Block.shm")
             shm = _decode_shm_range(buf, *value)
+        elif number == 4:
+            _expect(wire_type, 0, "Block.more")
+            more = bool(value)
+        elif number == 5:
+            _expect(wire_type, 0, "Block.total_length")
+            total_length = value
     if shm is not None:
-        if len(data):
-            raise WireError("Block sets both data and shm")
+        if len(data) or more or total_length:
+            raise WireError("Block sets shm with data, more or total_length")
         return key, shm
+    if more or total_length:
+        return key, BlockPart(data, more, total_length)
     return key, data
 
 
@@ -249,12 +309,25 @@ class GetItem:
     data: memoryview | bytes
     tier: int
     shm: ShmRange | None = None
+    more: bool = False
 
 
-def encode_get_response(items: Sequence[tuple[int, bool, Buffer | ShmRange, int]]) -> bytes:
-    """Serialises a GetResponse from (index, found, data or ShmRange, tier); block bytes are copied once."""
+@dataclass(frozen=True, slots=True)
+class GetPart:
+    """Data of a GetItem that holds one part of a block (GetItem.more)."""
+
+    data: Buffer
+    more: bool
+
+
+def encode_get_response(items: Sequence[tuple[int, bool, Buffer | ShmRange | GetPart, int]]) -> bytes:
+    """Serialises a GetResponse from (index, found, data or ShmRange or GetPart, tier); block bytes
+    are copied once."""
     parts: list[Buffer] = []
     for index, found, data, tier in items:
+        more = False
+        if isinstance(data, GetPart):
+            data, more = data.data, data.more
         if isinstance(data, ShmRange):
             ref = data.encode()
             body = b"".join(
@@ -274,7 +347,7 @@ def encode_get_response(items: Sequence[tuple[int, bool, Buffer | ShmRange, int]
                 b"\x10\x01" if found else b"",
             )
         )
-        tail = b"\x20" + _varint(tier) if tier else b""
+        tail = (b"\x20" + _varint(tier) if tier else b"") + (b"\x30\x01" if more else b"")
         data_head = b"\x1a" + _varint(n) if n else b""
         parts += (b"\x0a", _varint(len(head) + len(data_head) + n + len(tail)), head, data_head)
         if n:
@@ -312,5 +385,8 @@ def decode_get_response(data: bytes) -> list[GetItem]:
             elif n == 5:
                 _expect(wt, 2, "GetItem.shm")
                 item.shm = _decode_shm_range(buf, *v)
+            elif n == 6:
+                _expect(wt, 0, "GetItem.more")
+                item.more = bool(v)
         items.append(item)
     return items
