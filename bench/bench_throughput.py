@@ -393,7 +393,7 @@ def build_tables(results: dict[tuple[str, str, str], Measurement], workloads: Se
                 [f"{wl.name} {op}", fmt_rate(sdkg), fmt_rate(raw), fmt_rate(raw_parts), fmt_ratio(sdkg, raw_parts)]
             )
     if part_rows:
-        text += "\n\nLarge blocks in 1 MiB messages (how SDK gRPC puts them; its gets send whole blocks) vs whole:\n"
+        text += "\n\nLarge blocks in 1 MiB messages (how SDK gRPC moves them, in parts) vs whole:\n"
         text += render_table(["workload op (MB/s)", SDKG, "raw whole", "raw 1MiB msgs", "SDK gRPC/raw 1MiB"], part_rows)
     return text
 
