@@ -76,6 +76,7 @@ def stub_calls(stub: pb_grpc.KVCacheStub, metadata: tuple) -> dict[str, object]:
         "Put": lambda: stub.Put(iter([put]), metadata=metadata, timeout=5),
         "Delete": lambda: stub.Delete(pb.DeleteRequest(namespace="n", keys=[key]), metadata=metadata, timeout=5),
         "Stats": lambda: stub.Stats(pb.StatsRequest(), metadata=metadata, timeout=5),
+        "Info": lambda: stub.Info(pb.InfoRequest(), metadata=metadata, timeout=5),
         "WatchEvents": lambda: next(iter(stub.WatchEvents(pb.WatchEventsRequest(), metadata=metadata, timeout=0.5))),
     }
 
@@ -91,7 +92,7 @@ def code_of(call) -> grpc.StatusCode:
 @pytest.mark.parametrize(
     ("metadata", "expected"),
     [
-        ((), dict.fromkeys(["Lookup", "Get", "Put", "Delete", "Stats", "WatchEvents"], "UNAUTHENTICATED")),
+        ((), dict.fromkeys(["Lookup", "Get", "Put", "Delete", "Stats", "Info", "WatchEvents"], "UNAUTHENTICATED")),
         ((("authorization", "Bearer wrong"),), dict.fromkeys(["Lookup", "Put", "Stats"], "UNAUTHENTICATED")),
         ((("authorization", "Basic " + TOKENS["a"]),), {"Lookup": "UNAUTHENTICATED"}),
         (
@@ -102,6 +103,7 @@ def code_of(call) -> grpc.StatusCode:
                 "Put": "PERMISSION_DENIED",
                 "Delete": "PERMISSION_DENIED",
                 "Stats": "PERMISSION_DENIED",
+                "Info": "OK",
                 "WatchEvents": "DEADLINE_EXCEEDED",
             },
         ),
@@ -111,7 +113,7 @@ def code_of(call) -> grpc.StatusCode:
         ),
         (
             (("authorization", "Bearer " + TOKENS["ops"]),),
-            {"Stats": "OK", "Lookup": "PERMISSION_DENIED", "Put": "PERMISSION_DENIED"},
+            {"Stats": "OK", "Info": "OK", "Lookup": "PERMISSION_DENIED", "Put": "PERMISSION_DENIED"},
         ),
     ],
     ids=["no-token", "bad-token", "wrong-scheme", "read-only", "read-write", "admin"],
@@ -136,6 +138,25 @@ def test_sdk_takes_a_token_from_argument_or_environment(secured: ServerThread, m
     with KVCacheClient(secured.target) as client:
         assert client.put_many(NS, [(keys[0], raw_block(b"x"))]).stored == 1
         assert client.lookup(NS, keys).prefix_length == 1
+
+
+def test_shared_memory_calls_obey_tokens_and_tenants(secured: ServerThread) -> None:
+    key, block = os.urandom(16), raw_block(os.urandom(1 << 20))  # large enough to put through shm
+    a = KVCacheClient(secured.target, token=TOKENS["a"])
+    reader = KVCacheClient(secured.target, token=TOKENS["a-reader"])
+    b = KVCacheClient(secured.target, token=TOKENS["b"])
+    with a, reader, b:
+        assert a.put_many("n", [(key, block)]).stored == 1
+        with pytest.raises(PermissionDenied):
+            reader.put_many("n", [(os.urandom(16), block)])
+        assert reader._transport.shm.state == "on"  # a refused right is not a reason to leave shm
+        assert bytes(reader.get_many("n", [key])[0]) == block  # same tenant, read right
+        assert b.get_many("n", [key]) == [None]  # another tenant: a miss, through shm as inline
+        assert (a._transport.shm.state, b._transport.shm.state) == ("on", "on")
+    with KVCacheClient(secured.target, token=TOKENS["ops"]) as ops:
+        stats = ops.stats()
+    assert stats.shm_bytes_received == len(block)  # only tenant a's put came in
+    assert stats.shm_bytes_sent == len(block)  # only the reader's hit went out
 
 
 def test_rate_limit_answers_resource_exhausted(secured: ServerThread) -> None:
