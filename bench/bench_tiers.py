@@ -28,7 +28,7 @@ Workload: one batch of 64 blocks of 2 MiB (encode_block(payload, dtype="uint8", 
                       (Redis: GETs pipelined 4 per round trip on a worker thread; S3: 64 GetObject in
                       its 16-thread pool), verifies every block's checksum, and hands them back: the
                       client runs on the server's host, so by default through shared memory
-                      (docs/shm.md); the SDK verifies them again.
+                      (docs/shm.md; --no-shm: over gRPC); the SDK verifies them again.
     redis-py          the same values in the same redis-server: (a) 64 sequential GETs (LMCache's Redis
                       path), (b) one MGET. Raw bytes, no checksum.
     boto3             the same objects in moto: 64 sequential GetObject, and the 64 through a
@@ -436,6 +436,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
     p.add_argument("--moto-server", default="moto_server", help="moto_server executable")
     p.add_argument(
+        "--no-shm",
+        action="store_true",
+        help="kvcache clients with shm=False: every byte over gRPC, as for a client on another host",
+    )
+    p.add_argument(
         "--redis-timeout",
         type=float,
         default=10.0,
@@ -517,7 +522,7 @@ def run(args: argparse.Namespace) -> int:
         )
         clients = {}
         for name, port in ports.items():
-            c = KVCacheClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S)
+            c = KVCacheClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S, shm=not args.no_shm)
             closers.append(c.close)
             clients[name] = c
 
@@ -634,6 +639,8 @@ def run(args: argparse.Namespace) -> int:
         "       With a few tens of batch calls per system, p99 is close to the slowest call; on a shared machine "
         "it mostly measures the noise."
     )
+    path = "gRPC only (--no-shm)" if args.no_shm else "shared memory where the server offers it (same host)"
+    print(f"       kvcache clients moved block bytes by {path}.")
     print(f"\ntotal run time {elapsed:.1f} s")
 
     if args.json:
