@@ -97,6 +97,12 @@ class _StatsCollector(Collector):
             "Blocks refused on Put for failing their checksum",
             value=service["put_checksum_failures"],
         )
+        family = CounterMetricFamily(
+            "kvcache_shm_bytes", "Block bytes moved through shared-memory segments", labels=["direction"]
+        )
+        family.add_metric(["received"], service["shm_bytes_received"])
+        family.add_metric(["sent"], service["shm_bytes_sent"])
+        yield family
         yield GaugeMetricFamily(
             "kvcache_event_subscribers", "Connected KV-event subscribers", value=self._events.subscribers
         )

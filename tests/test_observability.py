@@ -84,6 +84,9 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     assert delta("kvcache_namespace_lookup_hit_keys_total", namespace=NS) == 5
     assert delta("kvcache_tier_operation_duration_seconds_count", tier="ram", op="get", ok="true") == 1
     assert delta("kvcache_request_duration_seconds_count", method="Put") == 1
+    # The client is on the server's host: its get came back through shared memory; its small put did not.
+    assert delta("kvcache_shm_bytes_total", direction="sent") == sum(len(b) for b in blocks)
+    assert delta("kvcache_shm_bytes_total", direction="received") == 0
 
 
 def test_metrics_cover_lower_tiers(make_server, redis_server: RedisProcess) -> None:
