@@ -42,8 +42,13 @@ DEFAULT_MESSAGE_BYTES = 4 << 20
 """Target size of one Put message: small blocks are packed up to it, larger ones go one per message."""
 
 DEFAULT_PART_BYTES = 1 << 20
-"""Blocks larger than this are put in parts of this size, when the server accepts parts: gRPC moved
-16 MiB as sixteen 1 MiB messages in about two thirds of the time of one 16 MiB message here."""
+"""Size of the parts a large block is put in, when the server accepts parts."""
+
+PARTS_ABOVE_BYTES = 4 << 20
+"""Blocks larger than this are put in parts. Measured here: a 16 MiB block put as sixteen 1 MiB
+messages took about two thirds of the time of one 16 MiB message; 2 MiB blocks gained nothing. Gets
+send blocks whole: the client would have to join the parts (one more copy), which cost what the
+smaller messages saved."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,8 +190,9 @@ def put_messages(
     """Encoded PutRequest messages of about `message_bytes` each (the namespace in the first).
 
     Encoded with blockwire: each block's bytes are copied once, into the message (blocks given as
-    ShmRange travel as their few bytes of reference). With `part_bytes`, a block larger than that
-    travels in parts of that size, one message each (Block.more; the server must accept parts).
+    ShmRange travel as their few bytes of reference). With `part_bytes`, a block larger than
+    PARTS_ABOVE_BYTES travels in parts of `part_bytes`, one message each (Block.more; the server must
+    accept parts).
     Messages are built as gRPC asks for them, so building one overlaps sending the one before.
     """
     batch: list[tuple[bytes, PutData]] = []
@@ -194,7 +200,7 @@ def put_messages(
     first = True
     for key, data in items:
         n = _SHM_REF_BYTES if isinstance(data, ShmRange) else data_len(data)
-        if part_bytes and n > part_bytes and not isinstance(data, ShmRange | BlockPart):
+        if part_bytes and n > max(part_bytes, PARTS_ABOVE_BYTES) and not isinstance(data, ShmRange | BlockPart):
             if batch:
                 yield encode_put_request(namespace if first else "", batch)
                 first, batch, size = False, [], 0
@@ -225,26 +231,11 @@ class GetCollector:
     def __init__(self, n: int) -> None:
         self.out: list[Fetched | None] = [None] * n
         self._in_segment: list[tuple[int, ShmRange, str]] = []
-        self._parts: tuple[int, list[memoryview | bytes], str] | None = None  # a block arriving in parts
 
     def add(self, items: list[GetItem]) -> None:
         for item in items:
             if item.index >= len(self.out):
                 raise KVCacheError(f"server sent item index {item.index} for {len(self.out)} keys")
-            if self._parts is not None:
-                index, chunks, tier = self._parts
-                if item.index != index or not item.found or item.shm is not None:
-                    raise KVCacheError(f"server interrupted block {index}, sent in parts, with another item")
-                chunks.append(item.data)
-                if not item.more:  # the last part: one copy joins them
-                    self.out[index] = (b"".join(chunks), tier)
-                    self._parts = None
-                continue
-            if item.more:
-                if not item.found or item.shm is not None:
-                    raise KVCacheError(f"server sent a part of block {item.index} without data")
-                self._parts = (item.index, [item.data], TIER_NAMES.get(item.tier, "unknown"))
-                continue
             if item.found:
                 tier = TIER_NAMES.get(item.tier, "unknown")
                 if item.shm is not None:
@@ -259,8 +250,6 @@ class GetCollector:
 
     def resolve(self, segment: Segment | None) -> list[Fetched | None]:
         """The result, with blocks the server wrote into `segment` as views of its mapping."""
-        if self._parts is not None:
-            raise KVCacheError(f"Get stream ended inside block {self._parts[0]}, sent in parts")
         if not self._in_segment:
             return self.out
         if segment is None:
@@ -279,7 +268,7 @@ class GetCollector:
 def shm_get_request(
     namespace: str, keys: Sequence[bytes], prefix_only: bool, segment: Segment | None, link: ShmLink
 ) -> pb.GetRequest:
-    request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only, accept_parts=True)
+    request = pb.GetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only)
     if segment is not None:
         # The segment is sparse: capacity costs nothing until the server writes.
         request.shm.segment = segment.name
