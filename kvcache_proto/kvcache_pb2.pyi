@@ -77,16 +77,18 @@ class PutResponse(_message.Message):
     def __init__(self, stored: _Optional[int] = ..., rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
-    __slots__ = ("namespace", "keys", "prefix_only", "shm")
+    __slots__ = ("namespace", "keys", "prefix_only", "shm", "accept_parts")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    ACCEPT_PARTS_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
     prefix_only: bool
     shm: ShmTarget
-    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix_only: _Optional[bool] = ..., shm: _Optional[_Union[ShmTarget, _Mapping]] = ...) -> None: ...
+    accept_parts: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix_only: _Optional[bool] = ..., shm: _Optional[_Union[ShmTarget, _Mapping]] = ..., accept_parts: _Optional[bool] = ...) -> None: ...
 
 class ShmTarget(_message.Message):
     __slots__ = ("segment", "capacity")
@@ -97,18 +99,20 @@ class ShmTarget(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class GetItem(_message.Message):
-    __slots__ = ("index", "found", "data", "tier", "shm")
+    __slots__ = ("index", "found", "data", "tier", "shm", "more")
     INDEX_FIELD_NUMBER: _ClassVar[int]
     FOUND_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SHM_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     index: int
     found: bool
     data: bytes
     tier: Tier
     shm: ShmRange
-    def __init__(self, index: _Optional[int] = ..., found: _Optional[bool] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., shm: _Optional[_Union[ShmRange, _Mapping]] = ...) -> None: ...
+    more: bool
+    def __init__(self, index: _Optional[int] = ..., found: _Optional[bool] = ..., data: _Optional[bytes] = ..., tier: _Optional[_Union[Tier, str]] = ..., shm: _Optional[_Union[ShmRange, _Mapping]] = ..., more: _Optional[bool] = ...) -> None: ...
 
 class GetResponse(_message.Message):
     __slots__ = ("items",)

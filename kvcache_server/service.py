@@ -22,6 +22,7 @@ from google.protobuf.message import DecodeError
 
 from kvcache_client.blockwire import (
     BlockPart,
+    GetPart,
     PutMessage,
     ShmRange,
     data_len,
@@ -57,11 +58,16 @@ class _Counters:
         self.shm_bytes_sent = 0
 
 
-GetReply = list[tuple[int, bool, bytes | memoryview | ShmRange, int]]
+GetReply = list[tuple[int, bool, bytes | memoryview | ShmRange | GetPart, int]]
 """One streamed Get message: (index, found, block or its place in the shm segment, tier) per item."""
 
 _OFFLOAD_BYTES = 256 << 10
 """Segment reads and writes at least this large run in a worker thread, off the event loop."""
+
+_GET_PART_BYTES = 1 << 20
+_GET_PARTS_ABOVE = 4 << 20
+"""Inline blocks larger than _GET_PARTS_ABOVE go to clients that accept parts in messages of
+_GET_PART_BYTES (the same rule as the SDK's puts; see kvcache_client.transport.PARTS_ABOVE_BYTES)."""
 
 _SHM_ITEM_BYTES = 96
 """What a Get item sent as a ShmRange counts against stream_message_bytes."""
@@ -409,6 +415,17 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 writes.append((data, offset))
                 sent = ShmRange(request.shm.segment, offset, n)
                 offset = align(offset + n)
+            elif request.accept_parts and n > _GET_PARTS_ABOVE:
+                if items:
+                    await self._write_segment(context, segment, writes)
+                    writes = []
+                    yield items
+                    items, size = [], 0
+                view, tier = memoryview(data), int(hit.tier)  # type: ignore[attr-defined]
+                for start in range(0, n, _GET_PART_BYTES):
+                    end = start + _GET_PART_BYTES
+                    yield [(i, True, GetPart(view[start:end], end < n), tier)]
+                continue
             cost = _SHM_ITEM_BYTES if isinstance(sent, ShmRange) else n
             if size and size + cost > budget:
                 await self._write_segment(context, segment, writes[:-1] if isinstance(sent, ShmRange) else writes)

@@ -148,3 +148,47 @@ def test_a_corrupt_block_in_parts_is_data_loss(small_server: ServerThread) -> No
     got, details, _ = send(small_server, part_messages(bytes(block)))
     assert got is grpc.StatusCode.DATA_LOSS and "block 0" in details
     assert stored(small_server, KEY) is None
+
+
+# -- gets in parts ------------------------------------------------------------------------------------
+
+
+def test_large_blocks_come_back_in_parts_only_to_clients_that_accept_them(make_server) -> None:
+    server = make_server(shm={"enabled": False})
+    block = raw_block(os.urandom(4 * DEFAULT_PART_BYTES + 777))  # just over the threshold: 5 parts
+    small = raw_block(b"tiny")
+    keys = [KEY, b"s" * 16, b"m" * 16]
+    with KVCacheClient(server.target) as client:
+        client.put_many("ns", [(KEY, block), (b"s" * 16, small)])
+        got = client.get_many("ns", keys)
+        assert bytes(got[0]) == block and bytes(got[1]) == small and got[2] is None
+    with grpc.insecure_channel(server.target, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        stub = pb_grpc.KVCacheStub(channel)
+        parted = [i for r in stub.Get(pb.GetRequest(namespace="ns", keys=keys, accept_parts=True)) for i in r.items]
+        whole = [i for r in stub.Get(pb.GetRequest(namespace="ns", keys=keys)) for i in r.items]
+    assert [(i.index, i.more) for i in parted] == [(0, True)] * 4 + [(0, False), (1, False), (2, False)]
+    assert b"".join(i.data for i in parted[:5]) == block and all(len(i.data) <= DEFAULT_PART_BYTES for i in parted)
+    assert [(i.index, i.more, i.data == d) for i, d in zip(whole, [block, small, b""], strict=True)] == [
+        (0, False, True),
+        (1, False, True),
+        (2, False, True),
+    ]
+
+
+def test_collector_refuses_broken_part_sequences() -> None:
+    from kvcache_client.blockwire import GetItem
+    from kvcache_client.errors import KVCacheError
+    from kvcache_client.transport import GetCollector
+
+    interleaved = GetCollector(2)
+    interleaved.add([GetItem(0, True, b"ab", 1, more=True)])
+    with pytest.raises(KVCacheError, match="interrupted block 0"):
+        interleaved.add([GetItem(1, True, b"cd", 1)])
+    unfinished = GetCollector(1)
+    unfinished.add([GetItem(0, True, b"ab", 1, more=True)])
+    with pytest.raises(KVCacheError, match="ended inside block 0"):
+        unfinished.resolve(None)
+    joined = GetCollector(1)
+    joined.add([GetItem(0, True, b"ab", 1, more=True)])
+    joined.add([GetItem(0, True, b"cd", 1, more=False)])
+    assert joined.resolve(None) == [(b"abcd", "ram")]

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from kvcache_client.blockwire import (
     BlockPart,
+    GetPart,
     ShmRange,
     decode_get_response,
     decode_put_request,
@@ -205,3 +206,14 @@ def test_split_block_covers_the_block_in_parts_of_at_most_part_bytes(pieces: lis
     else:
         assert split[0].total_length == len(whole) and all(p.total_length == 0 for p in split[1:])
         assert all(p.more for p in split[:-1]) and not split[-1].more
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(0, 2**32 - 1), st.binary(max_size=50), st.booleans(), st.integers(0, 3)), max_size=6)
+)
+def test_get_response_parts_match_generated_code(items: list) -> None:
+    ours = encode_get_response([(i, True, GetPart(d, m), t) for i, d, m, t in items])
+    generated = pb.GetResponse(items=[pb.GetItem(index=i, found=True, data=d, tier=t, more=m) for i, d, m, t in items])
+    assert ours == generated.SerializeToString()
+    assert [(x.index, bytes(x.data), x.more, x.tier) for x in decode_get_response(ours)] == items

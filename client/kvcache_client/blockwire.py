@@ -19,7 +19,8 @@ default value are omitted, as proto3 serialisers do.
     Block       { bytes key = 1; bytes data = 2; ShmRange shm = 3; bool more = 4; uint64 total_length = 5; }
     ShmRange    { string segment = 1; uint64 offset = 2; uint64 length = 3; }
     GetResponse { repeated GetItem items = 1; }
-    GetItem     { uint32 index = 1; bool found = 2; bytes data = 3; Tier tier = 4; ShmRange shm = 5; }
+    GetItem     { uint32 index = 1; bool found = 2; bytes data = 3; Tier tier = 4; ShmRange shm = 5;
+                  bool more = 6; }
 """
 
 from __future__ import annotations
@@ -308,12 +309,25 @@ class GetItem:
     data: memoryview | bytes
     tier: int
     shm: ShmRange | None = None
+    more: bool = False
 
 
-def encode_get_response(items: Sequence[tuple[int, bool, Buffer | ShmRange, int]]) -> bytes:
-    """Serialises a GetResponse from (index, found, data or ShmRange, tier); block bytes are copied once."""
+@dataclass(frozen=True, slots=True)
+class GetPart:
+    """Data of a GetItem that holds one part of a block (GetItem.more)."""
+
+    data: Buffer
+    more: bool
+
+
+def encode_get_response(items: Sequence[tuple[int, bool, Buffer | ShmRange | GetPart, int]]) -> bytes:
+    """Serialises a GetResponse from (index, found, data or ShmRange or GetPart, tier); block bytes
+    are copied once."""
     parts: list[Buffer] = []
     for index, found, data, tier in items:
+        more = False
+        if isinstance(data, GetPart):
+            data, more = data.data, data.more
         if isinstance(data, ShmRange):
             ref = data.encode()
             body = b"".join(
@@ -333,7 +347,7 @@ def encode_get_response(items: Sequence[tuple[int, bool, Buffer | ShmRange, int]
                 b"\x10\x01" if found else b"",
             )
         )
-        tail = b"\x20" + _varint(tier) if tier else b""
+        tail = (b"\x20" + _varint(tier) if tier else b"") + (b"\x30\x01" if more else b"")
         data_head = b"\x1a" + _varint(n) if n else b""
         parts += (b"\x0a", _varint(len(head) + len(data_head) + n + len(tail)), head, data_head)
         if n:
@@ -371,5 +385,8 @@ def decode_get_response(data: bytes) -> list[GetItem]:
             elif n == 5:
                 _expect(wt, 2, "GetItem.shm")
                 item.shm = _decode_shm_range(buf, *v)
+            elif n == 6:
+                _expect(wt, 0, "GetItem.more")
+                item.more = bool(v)
         items.append(item)
     return items
