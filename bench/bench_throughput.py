@@ -76,7 +76,7 @@ from google.protobuf.wrappers_pb2 import BytesValue, UInt64Value
 from kvcache_client import KVCacheClient
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES
 from kvcache_client.format import encode_block
-from kvcache_client.transport import DEFAULT_MESSAGE_BYTES, DEFAULT_PART_BYTES, channel_options
+from kvcache_client.messages import DEFAULT_MESSAGE_BYTES, DEFAULT_PART_BYTES, channel_options
 from kvcache_server.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -125,7 +125,7 @@ class Workload:
 
 
 def pack_like_sdk(blocks: Sequence[bytes], message_bytes: int = DEFAULT_MESSAGE_BYTES) -> list[bytes]:
-    """Concatenates blocks into messages with the SDK's rule (transport.put_requests): start a new
+    """Concatenates blocks into messages with the SDK's rule (messages.put_messages): start a new
     message when the next block would take this one past `message_bytes`."""
     messages: list[bytes] = []
     batch: list[bytes] = []

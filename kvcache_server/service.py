@@ -21,7 +21,6 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvcache_client.blockwire import (
-    BlockPart,
     GetPart,
     PutMessage,
     ShmRange,
@@ -38,7 +37,9 @@ from kvcache_server.auth import current_principal
 from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow
 from kvcache_server.observe import NullObserver, Observer
-from kvcache_server.shm import ShmDirectory, ShmError, align, read_range, write_range
+from kvcache_server.parts import BlockAssembler
+from kvcache_server.refusal import Refused
+from kvcache_server.shm import ShmDirectory, ShmError, align, read_ranges, write_ranges
 from kvcache_server.stack import TierStack
 from kvcache_server.tiers.base import TierStats
 
@@ -67,7 +68,7 @@ _OFFLOAD_BYTES = 256 << 10
 _GET_PART_BYTES = 1 << 20
 _GET_PARTS_ABOVE = 4 << 20
 """Inline blocks larger than _GET_PARTS_ABOVE go to clients that accept parts in messages of
-_GET_PART_BYTES (the same rule as the SDK's puts; see kvcache_client.transport.PARTS_ABOVE_BYTES)."""
+_GET_PART_BYTES (the same rule as the SDK's puts; see kvcache_client.messages.PARTS_ABOVE_BYTES)."""
 
 _SHM_ITEM_BYTES = 96
 """What a Get item sent as a ShmRange counts against stream_message_bytes."""
@@ -208,7 +209,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         namespace: str | None = None  # scoped
         first_namespace = ""  # as the client sent it
         index = stored = rejected = received = entries = 0
-        pending: _Assembly | None = None  # a block arriving in parts
+        assembler = BlockAssembler(self._limits.max_block_bytes)  # blocks sent in parts
         limits = self._limits
         async for message in request_iterator:
             if message.error:
@@ -238,91 +239,27 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             complete: list[tuple[bytes, bytes | memoryview]] = []
             for key, data in blocks:
                 where = index + len(complete)
-                if pending is not None:
-                    finished = await self._continue_block(context, pending, key, data)
-                    if finished is None:
-                        continue
-                    (key, data), pending = finished, None
-                elif isinstance(data, BlockPart):
-                    pending = await self._start_block(context, where, key, data)
+                try:
+                    whole = assembler.feed(where, key, data)  # type: ignore[arg-type]
+                except Refused as exc:
+                    await self._abort(context, exc.code, exc.message)
+                if whole is None:
                     continue
-                await self._block(context, where, key, data)  # type: ignore[arg-type]
-                complete.append((key, data))  # type: ignore[arg-type]
+                await self._block(context, where, *whole)
+                complete.append(whole)
             index += len(complete)
             # Commit this message's complete blocks (all verified) before reading the next message.
             if complete:
                 for kept in await self._stack.put(namespace, complete):
                     stored += kept
                     rejected += not kept
-        if pending is not None:
-            await self._abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"Put ended inside block {pending.index} (sent in parts)"
-            )
+        try:
+            assembler.finish()
+        except Refused as exc:
+            await self._abort(context, exc.code, exc.message)
         if namespace is None or index == 0:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
         return pb.PutResponse(stored=stored, rejected=rejected, bytes_received=received)
-
-    async def _start_block(
-        self, context: grpc.aio.ServicerContext, where: int, key: bytes, part: BlockPart
-    ) -> _Assembly:
-        first = part.data
-        assert not isinstance(first, tuple)  # decoded parts are one buffer
-        total = part.total_length
-        if not part.more:
-            await self._abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: total_length is set but more is not"
-            )
-        if total == 0 or len(first) > total:
-            await self._abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"block {where}: the first part of a block in parts needs total_length >= its {len(first)} bytes, "
-                f"got {total}",
-            )
-        if total > self._limits.max_block_bytes:
-            await self._abort(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"block {where}: {total} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
-            )
-        buf = bytearray(total)
-        buf[: len(first)] = first
-        return _Assembly(where, key, buf, len(first))
-
-    async def _continue_block(
-        self, context: grpc.aio.ServicerContext, block: _Assembly, key: bytes, data: object
-    ) -> tuple[bytes, memoryview] | None:
-        """Adds the next part; returns the whole block after its last part, else None."""
-        where = f"block {block.index}"
-        more = False
-        if isinstance(data, BlockPart):
-            if data.total_length:
-                await self._abort(
-                    context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: a continuation part sets total_length"
-                )
-            data, more = data.data, data.more
-        if key:
-            await self._abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{where}: the Block after a part with more = true continues it and must not carry a key",
-            )
-        n = len(data)  # type: ignore[arg-type]
-        if block.filled + n > len(block.buf):
-            await self._abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: its parts exceed total_length={len(block.buf)}"
-            )
-        block.buf[block.filled : block.filled + n] = data  # type: ignore[index]
-        block.filled += n
-        if more:
-            return None
-        if block.filled != len(block.buf):
-            await self._abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"{where}: its parts hold {block.filled} bytes, total_length={len(block.buf)}",
-            )
-        return block.key, memoryview(block.buf).toreadonly()
 
     async def _read_shm_blocks(
         self,
@@ -353,9 +290,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             reads.append((where, *segments[data.segment], data))
         try:
             if sum(r[3].length for r in reads) >= _OFFLOAD_BYTES:
-                contents = await asyncio.to_thread(_read_all, reads)
+                contents = await asyncio.to_thread(read_ranges, reads)
             else:
-                contents = _read_all(reads)
+                contents = read_ranges(reads)
         except ShmError as exc:
             await self._abort(context, exc.code, exc.message)
         self._counters.shm_bytes_received += sum(len(c) for c in contents)
@@ -452,9 +389,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         nbytes = sum(len(d) for d, _ in writes)
         try:
             if nbytes >= _OFFLOAD_BYTES:
-                await asyncio.to_thread(_write_all, segment[0], writes)
+                await asyncio.to_thread(write_ranges, segment[0], writes)
             else:
-                _write_all(segment[0], writes)
+                write_ranges(segment[0], writes)
         except OSError as exc:
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"cannot write into shm segment: {exc}")
         self._counters.shm_bytes_sent += nbytes
@@ -521,35 +458,6 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             shm_dir=str(self._shm.path) if self._shm is not None else "",
             block_parts=True,
         )
-
-
-@dataclasses.dataclass(slots=True)
-class _Assembly:
-    """A block arriving in parts: its index in the stream, key, buffer and bytes received so far."""
-
-    index: int
-    key: bytes
-    buf: bytearray
-    filled: int
-
-
-def _read_all(reads: Sequence[tuple[int, int, int, ShmRange]]) -> list[bytes]:
-    """Reads (block index, fd, segment size, range) in order (blocking)."""
-    out: list[bytes] = []
-    for where, fd, size, ref in reads:
-        try:
-            out.append(read_range(fd, size, ref.segment, ref.offset, ref.length))
-        except ShmError as exc:
-            raise ShmError(exc.code, f"block {where}: {exc.message}") from None
-        except OSError as exc:
-            raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
-    return out
-
-
-def _write_all(fd: int, writes: Sequence[tuple[bytes | memoryview, int]]) -> None:
-    """Writes (block, offset) pairs into a Get segment (blocking)."""
-    for data, offset in writes:
-        write_range(fd, data, offset)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -23,9 +23,13 @@ import os
 import re
 import stat
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import grpc
+
+from kvcache_client.blockwire import ShmRange
+from kvcache_server.refusal import Refused
 
 log = logging.getLogger(__name__)
 
@@ -45,13 +49,8 @@ def align(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
 
 
-class ShmError(Exception):
+class ShmError(Refused):
     """A segment reference that cannot be honoured; `code` is the gRPC status to answer."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
 
 
 class ShmDirectory:
@@ -183,3 +182,30 @@ def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "short write to shm segment")
         view, offset = view[n:], offset + n
+
+
+def read_ranges(reads: Sequence[tuple[int, int, int, ShmRange]]) -> list[bytes]:
+    """Reads (block index, fd, segment size, range) in order (blocking; one worker-thread hop for all).
+
+    Raises:
+        ShmError: as read_range, naming the block.
+    """
+    out: list[bytes] = []
+    for where, fd, size, ref in reads:
+        try:
+            out.append(read_range(fd, size, ref.segment, ref.offset, ref.length))
+        except ShmError as exc:
+            raise ShmError(exc.code, f"block {where}: {exc.message}") from None
+        except OSError as exc:
+            raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
+    return out
+
+
+def write_ranges(fd: int, writes: Sequence[tuple[bytes | memoryview, int]]) -> None:
+    """Writes (block, offset) pairs into a Get segment (blocking).
+
+    Raises:
+        OSError: as write_range.
+    """
+    for data, offset in writes:
+        write_range(fd, data, offset)

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import grpc
 
-from kvcache_client.transport import Metadata, channel_options
+from kvcache_client.messages import channel_options
+from kvcache_client.transport import Metadata
 
 TOKEN_ENV = "KVCACHE_TOKEN"
 

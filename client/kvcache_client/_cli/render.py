@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from kvcache_client.transport import ServerStats, TierInfo
+from kvcache_client.results import ServerStats, TierInfo
 
 _BINARY_UNITS = ("KiB", "MiB", "GiB", "TiB", "PiB")
 

@@ -1,0 +1,92 @@
+"""What the SDK's calls return: plain, frozen result objects (no gRPC types)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from kvcache_proto import kvcache_pb2 as pb
+
+TIER_NAMES = {pb.TIER_RAM: "ram", pb.TIER_REDIS: "redis", pb.TIER_S3: "s3"}
+
+Fetched = tuple[memoryview | bytes, str]
+"""A block as received (a view into the received message) and the name of the tier that served it."""
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """The longest stored prefix of a list of keys.
+
+    Attributes:
+        prefix_length: keys[:prefix_length] are stored.
+        tiers: For each of those keys, the fastest tier holding it ("ram", "redis", "s3").
+    """
+
+    prefix_length: int
+    tiers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """What a put_many stored.
+
+    Attributes:
+        stored: Blocks the server now holds.
+        rejected: Valid blocks the server could not keep (larger than its RAM tier).
+        bytes_sent: Block bytes sent, headers included.
+    """
+
+    stored: int
+    rejected: int
+    bytes_sent: int
+
+
+@dataclass(frozen=True, slots=True)
+class TierInfo:
+    """One tier's counters, as reported by Stats (field meanings: kvcache.v1.TierStats)."""
+
+    name: str
+    used_bytes: int
+    capacity_bytes: int
+    blocks: int
+    hits: int
+    misses: int
+    puts: int
+    evictions: int
+    rejected: int
+    checksum_failures: int
+    errors: int
+    healthy: bool
+    promotions: int = 0
+    demotions: int = 0
+    write_errors: int = 0
+    queue_depth: int = 0
+    queue_bytes: int = 0
+    queue_dropped: int = 0
+    breaker: str = "closed"
+    skipped: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+
+
+_TIER_INFO_FIELDS = [f.name for f in fields(TierInfo)]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerStats:
+    """The server's Stats answer."""
+
+    version: str
+    uptime_s: float
+    put_checksum_failures: int
+    failed_requests: int
+    max_block_bytes: int
+    max_keys_per_request: int
+    tiers: tuple[TierInfo, ...] = field(default_factory=tuple)
+    shm_bytes_received: int = 0
+    shm_bytes_sent: int = 0
+
+    def tier(self, name: str) -> TierInfo:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
