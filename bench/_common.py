@@ -7,6 +7,7 @@ import os
 import signal
 import socket
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -146,3 +147,18 @@ def memcpy_gb_s(nbytes: int = 16 * MiB, min_time_s: float = 0.5) -> float:
 
 def python_cmd(*args: str) -> list[str]:
     return [sys.executable, *args]
+
+
+def redis_versions(redis_server: str) -> tuple[str, str]:
+    """(`redis-server --version` output or why it is unavailable, redis-py's parser: hiredis or pure-python)."""
+    try:
+        server = subprocess.run([redis_server, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        server = f"unavailable: {exc}"
+    try:
+        import hiredis  # noqa: F401
+
+        parser = "hiredis"
+    except ImportError:
+        parser = "pure-python"
+    return server, parser

@@ -50,7 +50,6 @@ import functools
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -70,6 +69,7 @@ from _common import (
     measure,
     memcpy_gb_s,
     python_cmd,
+    redis_versions,
 )
 from google.protobuf.wrappers_pb2 import BytesValue, UInt64Value
 
@@ -463,16 +463,7 @@ def check_roundtrip(system: System, wl: Workload) -> None:
 def versions(redis_server: str) -> dict[str, str]:
     from google import protobuf
 
-    try:
-        rs = subprocess.run([redis_server, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        rs = f"unavailable: {exc}"
-    try:
-        import hiredis  # noqa: F401
-
-        parser = "hiredis"
-    except ImportError:
-        parser = "pure-python"
+    rs, parser = redis_versions(redis_server)
     return {
         "python": platform.python_version(),
         "grpcio": grpc.__version__,

@@ -77,6 +77,7 @@ from _common import (
     free_port,
     measure,
     python_cmd,
+    redis_versions,
 )
 from botocore.config import Config as BotoConfig
 
@@ -338,19 +339,9 @@ def check_served(
 
 
 def versions(redis_server: str) -> dict[str, str]:
-    import subprocess
-
-    try:
-        rs = subprocess.run([redis_server, "--version"], capture_output=True, text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError) as exc:
-        rs = f"unavailable: {exc}"
-    try:
-        import hiredis  # noqa: F401
-
-        parser = "hiredis"
-    except ImportError:
-        parser = "pure-python"
     import moto
+
+    rs, parser = redis_versions(redis_server)
 
     return {
         "python": platform.python_version(),

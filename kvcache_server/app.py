@@ -20,7 +20,8 @@ from kvcache_server.events import EventHub
 from kvcache_server.interceptor import RequestContextInterceptor
 from kvcache_server.metrics import Metrics
 from kvcache_server.observe import NullObserver, Observer
-from kvcache_server.service import SERVICE_NAME, KVCacheService, add_to_server
+from kvcache_server.registration import add_to_server
+from kvcache_server.service import SERVICE_NAME, KVCacheService
 from kvcache_server.shm import ShmDirectory
 from kvcache_server.shm import default_dir as shm_default_dir
 from kvcache_server.stack import LowerTierPolicy, QueueFull, TierStack, WriteMode

@@ -14,19 +14,16 @@ import logging
 import os
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import NoReturn
 
 import grpc
-from google.protobuf.message import DecodeError
 
 from kvcache_client.blockwire import (
     GetPart,
     PutMessage,
     ShmRange,
     data_len,
-    decode_put_request,
-    encode_get_response,
 )
 from kvcache_client.errors import ChecksumMismatch, UnknownFormatVersion
 from kvcache_client.format import BlockFormatError, Compression, verify_block
@@ -458,59 +455,3 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             shm_dir=str(self._shm.path) if self._shm is not None else "",
             block_parts=True,
         )
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Malformed:
-    error: str
-
-
-def _parser(message: type) -> Callable[[bytes], object]:
-    """The message's parser, returning _Malformed instead of raising: gRPC would answer a raising
-    deserializer with INTERNAL, and malformed input deserves INVALID_ARGUMENT."""
-
-    def parse(data: bytes) -> object:
-        try:
-            return message.FromString(data)
-        except DecodeError as exc:
-            return _Malformed(f"malformed {message.__name__}: {exc}")
-
-    return parse
-
-
-def _unary(behavior: Callable[..., Awaitable[object]]) -> Callable[..., Awaitable[object]]:
-    async def checked(request: object, context: grpc.aio.ServicerContext) -> object:
-        if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-        return await behavior(request, context)
-
-    return checked
-
-
-def _streaming(behavior: Callable[..., AsyncIterator[object]]) -> Callable[..., AsyncIterator[object]]:
-    async def checked(request: object, context: grpc.aio.ServicerContext) -> AsyncIterator[object]:
-        if isinstance(request, _Malformed):
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
-        async for response in behavior(request, context):
-            yield response
-
-    return checked
-
-
-def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
-    """Registers the service. Put and Get use the blockwire codec (same wire format as the
-    generated code, fewer copies of block bytes); the small RPCs use the generated classes.
-    No parser raises: malformed requests are answered INVALID_ARGUMENT."""
-    unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
-    handlers = {
-        "Lookup": unary(_unary(service.Lookup), _parser(pb.LookupRequest), pb.LookupResponse.SerializeToString),
-        "Put": grpc.stream_unary_rpc_method_handler(service.Put, decode_put_request, pb.PutResponse.SerializeToString),
-        "Get": stream(_streaming(service.Get), _parser(pb.GetRequest), encode_get_response),
-        "Delete": unary(_unary(service.Delete), _parser(pb.DeleteRequest), pb.DeleteResponse.SerializeToString),
-        "Stats": unary(_unary(service.Stats), _parser(pb.StatsRequest), pb.StatsResponse.SerializeToString),
-        "Info": unary(_unary(service.Info), _parser(pb.InfoRequest), pb.InfoResponse.SerializeToString),
-        "WatchEvents": stream(
-            _streaming(service.WatchEvents), _parser(pb.WatchEventsRequest), pb.KVEvent.SerializeToString
-        ),
-    }
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -107,7 +107,7 @@ class Segment:
     def map(self, length: int) -> memoryview:
         """A read-only view of the segment's first `length` bytes (fewer if the file is shorter), as
         the server left them. Call only on a segment that is not in use (a fresh one, or one that
-        reusable() accepted); it is not reusable again while any view of the result is alive."""
+        the pool handed out because it was not lent); it is lent while any view of the result is alive."""
         file_size = self.size
         size = min(length, file_size)
         if size == 0:
@@ -122,7 +122,8 @@ class Segment:
             self._array = np.frombuffer(mapping, dtype=np.uint8)  # the old mapping goes with the old array
         return memoryview(self._array[:size]).toreadonly()
 
-    def _lent(self) -> bool:
+    @property
+    def lent(self) -> bool:
         """True while any view returned by map() is alive (each one holds a reference to the array)."""
         return self._array is not None and sys.getrefcount(self._array) > 2  # our attribute + the argument
 
@@ -130,10 +131,6 @@ class Segment:
     def removed(self) -> bool:
         """The file lost its name (the server's sweep of stale segments), or was closed."""
         return self.fd < 0 or os.fstat(self.fd).st_nlink == 0
-
-    def reusable(self) -> bool:
-        """True when no block from map() is alive and the file still has its name."""
-        return not self.removed and not self._lent()
 
     def close(self) -> None:
         """Removes the name and closes the file; blocks returned from map() stay valid. In a forked
@@ -186,11 +183,12 @@ class SegmentPool:
     def acquire(self) -> Segment:
         self._after_fork()
         with self._lock:
-            for seg in [s for s in self._idle if s.removed]:
-                self._idle.remove(seg)
-                seg.close()
-            for i in range(len(self._idle) - 1, -1, -1):
-                if self._idle[i].reusable():
+            for i in range(len(self._idle) - 1, -1, -1):  # most recently used first
+                seg = self._idle[i]
+                if seg.removed:  # swept by the server: replace it
+                    del self._idle[i]
+                    seg.close()
+                elif not seg.lent:
                     return self._idle.pop(i)
         return Segment(self.directory)
 
