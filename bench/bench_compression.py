@@ -49,8 +49,8 @@ import transformers
 from _common import KiB, Measurement, TimingPlan, exit_on_sigterm, measure
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
-from kvcache_client.format import Compression, Layout, parse_header
 from kvcache_client.tensors import tensor_to_block
+from kvcache_core.format import Compression, Layout, parse_header
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.codec import CompressionMode
 

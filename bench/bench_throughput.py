@@ -75,8 +75,8 @@ from google.protobuf.wrappers_pb2 import BytesValue, UInt64Value
 
 from kvcache_client import KVCacheClient
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES
-from kvcache_client.format import encode_block
 from kvcache_client.messages import DEFAULT_MESSAGE_BYTES, DEFAULT_PART_BYTES, channel_options
+from kvcache_core.format import encode_block
 from kvcache_server.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent

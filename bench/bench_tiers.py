@@ -82,7 +82,7 @@ from _common import (
 from botocore.config import Config as BotoConfig
 
 from kvcache_client import KVCacheClient
-from kvcache_client.format import encode_block
+from kvcache_core.format import encode_block
 
 REPO = Path(__file__).resolve().parent.parent
 NAMESPACE = "bench-tiers"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from kvcache_client.blockwire import BlockPart
+from kvcache_core.blockwire import BlockPart
 from kvcache_server.refusal import Refused
 
 Buffer = bytes | bytearray | memoryview

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvcache_client.blockwire import decode_put_request, encode_get_response
+from kvcache_core.blockwire import decode_put_request, encode_get_response
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.service import SERVICE_NAME, KVCacheService
 

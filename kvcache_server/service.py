@@ -19,15 +19,15 @@ from typing import NoReturn
 
 import grpc
 
-from kvcache_client.blockwire import (
+from kvcache_core.blockwire import (
     GetPart,
     PutMessage,
     ShmRange,
     data_len,
 )
-from kvcache_client.errors import ChecksumMismatch, UnknownFormatVersion
-from kvcache_client.format import BlockFormatError, Compression, verify_block
-from kvcache_client.keys import KEY_BYTES
+from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
+from kvcache_core.format import BlockFormatError, Compression, verify_block
+from kvcache_core.keys import KEY_BYTES
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import current_principal

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import grpc
 
-from kvcache_client.blockwire import ShmRange
+from kvcache_core.blockwire import ShmRange
 from kvcache_server.refusal import Refused
 
 log = logging.getLogger(__name__)

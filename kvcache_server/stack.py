@@ -33,8 +33,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from kvcache_client.breaker import BreakerState, CircuitBreaker
-from kvcache_client.format import BlockFormatError
+from kvcache_core.breaker import BreakerState, CircuitBreaker
+from kvcache_core.format import BlockFormatError
 from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec

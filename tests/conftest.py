@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kvcache_client.format import encode_block
+from kvcache_core.format import encode_block
 from kvcache_server.app import RunningServer, create_server
 from kvcache_server.config import load_config
 from tests.backends import S3_ENV, RedisProcess, S3Process

@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from kvcache_client import DataCorrupted, InvalidRequest, KVCacheClient, ResourceExhausted
-from kvcache_client.format import Compression, compute_checksum, encode_block
+from kvcache_core.format import Compression, compute_checksum, encode_block
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from tests.conftest import ServerThread, raw_block

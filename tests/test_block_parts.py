@@ -8,8 +8,8 @@ import grpc
 import pytest
 
 from kvcache_client import KVCacheClient
-from kvcache_client.blockwire import BlockPart, encode_put_request
 from kvcache_client.messages import DEFAULT_PART_BYTES, put_messages
+from kvcache_core.blockwire import BlockPart, encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from tests.conftest import ServerThread, raw_block
@@ -176,9 +176,9 @@ def test_large_blocks_come_back_in_parts_only_to_clients_that_accept_them(make_s
 
 
 def test_collector_refuses_broken_part_sequences() -> None:
-    from kvcache_client.blockwire import GetItem
     from kvcache_client.errors import KVCacheError
     from kvcache_client.messages import GetCollector
+    from kvcache_core.blockwire import GetItem
 
     interleaved = GetCollector(2)
     interleaved.add([GetItem(0, True, b"ab", 1, more=True)])

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_client.blockwire import (
+from kvcache_core.blockwire import (
     BlockPart,
     GetPart,
     ShmRange,
@@ -132,7 +132,7 @@ def test_server_answers_malformed_put_with_invalid_argument(server: ServerThread
 
 
 def test_large_blocks_are_kept_as_views_and_charged_their_whole_message() -> None:
-    from kvcache_client.blockwire import block_cost
+    from kvcache_core.blockwire import block_cost
     from kvcache_server.tiers.ram import ENTRY_OVERHEAD_BYTES, RamTier
 
     big, small = os.urandom(100_000), [os.urandom(1000) for _ in range(3)]
@@ -148,7 +148,7 @@ def test_large_blocks_are_kept_as_views_and_charged_their_whole_message() -> Non
 
 def test_block_parts_encode_exactly_like_the_joined_block(server: ServerThread) -> None:
     from kvcache_client import KVCacheClient
-    from kvcache_client.format import encode_block, encode_block_parts
+    from kvcache_core.format import encode_block, encode_block_parts
 
     payload = os.urandom(5000)
     parts = encode_block_parts(payload, dtype="float16", shape=(50, 50))

@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from kvcache_client.breaker import BreakerState, CircuitBreaker
-from kvcache_client.format import BlockFormatError, Compression, parse_header
 from kvcache_client.tensors import tensor_to_block
+from kvcache_core.breaker import BreakerState, CircuitBreaker
+from kvcache_core.format import BlockFormatError, Compression, parse_header
 from kvcache_server.tiers.codec import CompressionMode, decode, encode
 from kvcache_server.write_queue import PendingWrite, WriteKind, WriteQueue
 from tests.conftest import raw_block

@@ -14,7 +14,7 @@ import threading
 import pytest
 
 from kvcache_client import AsyncKVCacheClient, KVCacheClient
-from kvcache_client.format import decode_block
+from kvcache_core.format import decode_block
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(180)

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from kvcache_client.errors import BlockFormatError, ChecksumMismatch, UnknownFormatVersion
-from kvcache_client.format import (
+from kvcache_client.tensors import block_to_tensor, tensor_to_block
+from kvcache_core.format import (
     FIXED_HEADER_BYTES,
     Compression,
     DType,
@@ -18,7 +19,6 @@ from kvcache_client.format import (
     parse_header,
     verify_block,
 )
-from kvcache_client.tensors import block_to_tensor, tensor_to_block
 
 pytestmark = pytest.mark.timeout(60)
 

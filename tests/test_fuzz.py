@@ -15,8 +15,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvcache_client import KVCacheClient
-from kvcache_client.blockwire import encode_put_request
-from kvcache_client.format import decode_block, encode_block
+from kvcache_core.blockwire import encode_put_request
+from kvcache_core.format import decode_block, encode_block
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.auth import token_digest
 from tests.conftest import ServerThread, raw_block
@@ -86,7 +86,12 @@ def call_raw(channel: grpc.Channel, method: str, payloads: list[bytes], metadata
         if method == "Put":
             channel.stream_unary(path, lambda b: b, lambda b: b)(iter(payloads), timeout=5, metadata=metadata)
         elif method in ("Get", "WatchEvents"):
-            stream = channel.unary_stream(path, lambda b: b, lambda b: b)(payloads[0], timeout=0.3, metadata=metadata)
+            # A valid subscription waits forever: a short deadline ends it; a Get gets the same 5 s as the rest
+            # (a 0.3 s deadline for Get made the test flaky on a loaded machine).
+            timeout = 0.3 if method == "WatchEvents" else 5
+            stream = channel.unary_stream(path, lambda b: b, lambda b: b)(
+                payloads[0], timeout=timeout, metadata=metadata
+            )
             for _ in stream:
                 if method == "WatchEvents":
                     break

@@ -16,7 +16,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcache_client.keys import KEY_BYTES, MLA_LAYOUT, Namespace, chunk_key, chunk_keys
+from kvcache_core.keys import KEY_BYTES, MLA_LAYOUT, Namespace, chunk_key, chunk_keys
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -293,7 +293,7 @@ def test_namespace_copies_the_callers_extra() -> None:
 
 
 _SUBPROCESS_CODE = """
-from kvcache_client.keys import Namespace, chunk_keys
+from kvcache_core.keys import Namespace, chunk_keys
 ns = Namespace(model_id="m/\\u65e5\\u672c", kv_dtype="bfloat16", chunk_tokens=4, num_layers=2, num_kv_heads=2,
                head_size=8, cache_salt="s", extra={"b": "2", "a": "1", "c": "3"})
 print(ns.name)

@@ -56,8 +56,10 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
             client.lookup(NS, [b"short"])
     # An aborted call's status reaches the client before the server's interceptor records it.
     wait_for(
-        lambda: metric(scrape(port), "kvcache_requests_total", method="Lookup", code="INVALID_ARGUMENT")
-        > metric(before, "kvcache_requests_total", method="Lookup", code="INVALID_ARGUMENT"),
+        lambda: (
+            metric(scrape(port), "kvcache_requests_total", method="Lookup", code="INVALID_ARGUMENT")
+            > metric(before, "kvcache_requests_total", method="Lookup", code="INVALID_ARGUMENT")
+        ),
         timeout_s=5,
         what="the refused call's metric",
     )

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from kvcache_client import KVCacheClient
-from kvcache_client.format import decode_block
+from kvcache_core.format import decode_block
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(300)

@@ -22,7 +22,7 @@ from kvcache_client import (
     Unauthenticated,
     Unavailable,
 )
-from kvcache_client.format import decode_block
+from kvcache_core.format import decode_block
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import token_digest

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kvcache_client import AsyncKVCacheClient, KVCacheClient, Layout, Namespace
-from kvcache_client.format import decode_block
+from kvcache_core.format import decode_block
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(120)

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from kvcache_client import AsyncKVCacheClient, KVCacheClient
-from kvcache_client.blockwire import ShmRange, encode_put_request
 from kvcache_client.shm import MIN_PUT_BYTES, Segment, SegmentPool
+from kvcache_core.blockwire import ShmRange, encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.shm import ShmDirectory, ShmError, read_range
@@ -335,7 +335,7 @@ def test_a_client_that_exits_without_close_leaves_no_segments(shm_server: Server
     script = (
         "import os, sys\n"
         "from kvcache_client import KVCacheClient\n"
-        "from kvcache_client.format import encode_block\n"
+        "from kvcache_core.format import encode_block\n"
         "c = KVCacheClient(sys.argv[1])\n"
         "k = os.urandom(16)\n"
         "c.put_many('ns', [(k, encode_block(os.urandom(1 << 20), dtype='uint8', shape=(1 << 20,)))])\n"

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from kvcache_client import KVCacheClient
-from kvcache_client.format import Compression, decode_block, parse_header
+from kvcache_core.format import Compression, decode_block, parse_header
 from tests.backends import RedisProcess, S3Process, wait_for
 from tests.conftest import ServerThread, raw_block
 

@@ -13,7 +13,6 @@ from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from examples._support import random_prompt
 from kvcache_client import KVCacheClient, KVCacheError, Namespace, RetryPolicy, Unavailable
-from kvcache_client.format import encode_block
 from kvcache_connectors.transformers import (
     TransformersKVConnector,
     cache_from_chunks,
@@ -21,6 +20,7 @@ from kvcache_connectors.transformers import (
     chunks_from_cache,
     namespace_for_model,
 )
+from kvcache_core.format import encode_block
 from tests.conftest import ServerThread
 from tests.helpers_models import VOCAB, generate, load_model, prefill, write_small_model
 

@@ -20,9 +20,9 @@ from kvcache_client.errors import (
     Unavailable,
     UnknownFormatVersion,
 )
-from kvcache_client.format import DType, Layout, decode_block, encode_block, encode_block_parts
-from kvcache_client.keys import Namespace, chunk_keys
 from kvcache_client.retry import RetryPolicy
+from kvcache_core.format import DType, Layout, decode_block, encode_block, encode_block_parts
+from kvcache_core.keys import Namespace, chunk_keys
 
 __all__ = [
     "AsyncKVCacheClient",

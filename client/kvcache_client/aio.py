@@ -12,7 +12,6 @@ import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
-from kvcache_client.blockwire import BlockData
 from kvcache_client.client import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
@@ -22,7 +21,6 @@ from kvcache_client.client import (
 )
 from kvcache_client.connection import TLSConfig, auth_metadata, make_aio_channel
 from kvcache_client.errors import DeadlineExceeded, from_rpc_error
-from kvcache_client.format import Layout
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.transport import (
     AsyncGrpcTransport,
@@ -31,6 +29,8 @@ from kvcache_client.transport import (
     PutResult,
     ServerStats,
 )
+from kvcache_core.blockwire import BlockData
+from kvcache_core.format import Layout
 
 if TYPE_CHECKING:
     import torch
@@ -98,7 +98,7 @@ class AsyncKVCacheClient:
     def chunk_keys(
         tokens: Sequence[int] | np.ndarray, namespace: _keys.Namespace, *, include_partial: bool = True
     ) -> list[bytes]:
-        """Chunk keys of a prompt (kvcache_client.keys.chunk_keys)."""
+        """Chunk keys of a prompt (kvcache_core.keys.chunk_keys)."""
         return _keys.chunk_keys(tokens, namespace, include_partial=include_partial)
 
     async def lookup(

@@ -43,8 +43,8 @@ from kvcache_client._cli.render import hit_ratio, human_bytes, lookup_text, stat
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, KVCacheClient
 from kvcache_client.connection import TOKEN_ENV, TLSConfig, make_channel
 from kvcache_client.errors import DeadlineExceeded, KVCacheError, RPCError, Unavailable, from_rpc_error
-from kvcache_client.format import BlockFormatError, decode_block, encode_block, verify_block
-from kvcache_client.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace, chunk_keys
+from kvcache_core.format import BlockFormatError, decode_block, encode_block, verify_block
+from kvcache_core.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace, chunk_keys
 
 EXIT_CODES = f"""\
 exit codes:

@@ -26,10 +26,8 @@ import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
-from kvcache_client.blockwire import BlockData
 from kvcache_client.connection import TLSConfig, auth_metadata, make_channel
 from kvcache_client.errors import BlockFormatError, DeadlineExceeded, from_rpc_error
-from kvcache_client.format import Layout, verify_block
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.transport import (
     Fetched,
@@ -39,6 +37,8 @@ from kvcache_client.transport import (
     ServerStats,
     Transport,
 )
+from kvcache_core.blockwire import BlockData
+from kvcache_core.format import Layout, verify_block
 
 if TYPE_CHECKING:
     import torch
@@ -152,7 +152,7 @@ class KVCacheClient:
     def chunk_keys(
         tokens: Sequence[int] | np.ndarray, namespace: _keys.Namespace, *, include_partial: bool = True
     ) -> list[bytes]:
-        """Chunk keys of a prompt (kvcache_client.keys.chunk_keys)."""
+        """Chunk keys of a prompt (kvcache_core.keys.chunk_keys)."""
         return _keys.chunk_keys(tokens, namespace, include_partial=include_partial)
 
     def lookup(

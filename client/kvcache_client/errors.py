@@ -13,6 +13,7 @@
         ├── DeadlineExceeded      DEADLINE_EXCEEDED                  the call's deadline passed
         └── Unavailable           UNAVAILABLE                        retried by the SDK's policy
 
+The first four (and WireError) are the contract's, defined in kvcache_core.errors and re-exported here.
 A miss is never an exception: `lookup` returns a length and `get_many` None.
 """
 
@@ -20,21 +21,24 @@ from __future__ import annotations
 
 import grpc
 
+from kvcache_core.errors import BlockFormatError, ChecksumMismatch, KVCacheError, UnknownFormatVersion, WireError
 
-class KVCacheError(Exception):
-    """Base class of every error the kvcache SDK raises."""
-
-
-class BlockFormatError(KVCacheError, ValueError):
-    """Bytes that do not parse as a block (docs/format.md)."""
-
-
-class UnknownFormatVersion(BlockFormatError):
-    """A block header with a format version this code does not know."""
-
-
-class ChecksumMismatch(BlockFormatError):
-    """A block whose payload does not match its header's checksum."""
+__all__ = [
+    "BlockFormatError",
+    "ChecksumMismatch",
+    "DataCorrupted",
+    "DeadlineExceeded",
+    "InvalidRequest",
+    "KVCacheError",
+    "PermissionDenied",
+    "RPCError",
+    "ResourceExhausted",
+    "Unauthenticated",
+    "Unavailable",
+    "UnknownFormatVersion",
+    "WireError",
+    "from_rpc_error",
+]
 
 
 class RPCError(KVCacheError):

@@ -11,15 +11,6 @@ from collections.abc import Iterator, Sequence
 
 import grpc
 
-from kvcache_client.blockwire import (
-    BlockPart,
-    GetItem,
-    PutData,
-    ShmRange,
-    data_len,
-    encode_put_request,
-    split_block,
-)
 from kvcache_client.errors import KVCacheError
 from kvcache_client.results import (
     _TIER_INFO_FIELDS,
@@ -31,6 +22,15 @@ from kvcache_client.results import (
     TierInfo,
 )
 from kvcache_client.shm import Segment, ShmLink, resolve
+from kvcache_core.blockwire import (
+    BlockPart,
+    GetItem,
+    PutData,
+    ShmRange,
+    data_len,
+    encode_put_request,
+    split_block,
+)
 from kvcache_proto import kvcache_pb2 as pb
 
 DEFAULT_MESSAGE_BYTES = 4 << 20

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvcache_client.blockwire import BlockData, ShmRange, data_len
+from kvcache_core.blockwire import BlockData, ShmRange, data_len
 
 log = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from kvcache_client.format import BlockParts, DType, Layout, decode_block, encode_block_parts
+from kvcache_core.format import BlockParts, DType, Layout, decode_block, encode_block_parts
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:

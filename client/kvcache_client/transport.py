@@ -21,7 +21,6 @@ from typing import Protocol
 
 import grpc
 
-from kvcache_client.blockwire import BlockData, PutData, data_len, decode_get_response
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
     GetCollector,
@@ -35,6 +34,7 @@ from kvcache_client.messages import (
 )
 from kvcache_client.results import Fetched, LookupResult, PutResult, ServerStats
 from kvcache_client.shm import Segment, ShmLink
+from kvcache_core.blockwire import BlockData, PutData, data_len, decode_get_response
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 

@@ -48,8 +48,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvcache_client import DeadlineExceeded, KVCacheClient, Namespace, ResourceExhausted, Unavailable
-from kvcache_client.format import DType
-from kvcache_client.keys import CANONICAL_LAYOUT
+from kvcache_core.format import DType
+from kvcache_core.keys import CANONICAL_LAYOUT
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel

@@ -22,7 +22,7 @@ import enum
 import lz4.block
 import numpy as np
 
-from kvcache_client.format import BlockFormatError, Compression, parse_header, verify_block
+from kvcache_core.format import BlockFormatError, Compression, parse_header, verify_block
 
 
 class CompressionMode(enum.StrEnum):

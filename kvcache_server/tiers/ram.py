@@ -20,7 +20,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
-from kvcache_client.blockwire import block_cost
+from kvcache_core.blockwire import block_cost
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
 
 ENTRY_OVERHEAD_BYTES = 384

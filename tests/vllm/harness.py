@@ -47,8 +47,8 @@ from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
-from kvcache_client.keys import Namespace
 from kvcache_connectors.vllm import KVCacheConnector, KVCacheConnectorStats
+from kvcache_core.keys import Namespace
 
 BLOCK = 16
 NUM_LAYERS = 2

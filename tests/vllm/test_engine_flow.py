@@ -14,8 +14,8 @@ import time
 import pytest
 
 from kvcache_client import KVCacheClient, Namespace, chunk_keys, encode_block
-from kvcache_client.format import Layout
 from kvcache_connectors.vllm import KVCacheConnectorMetadata
+from kvcache_core.format import Layout
 from tests.conftest import ServerThread
 from tests.vllm.harness import CHUNK, HEAD, KV_HEADS, NUM_LAYERS, bitwise_equal, expected_namespace, make_engine
 

@@ -20,8 +20,6 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.request import Request
 
-from kvcache_client.breaker import BreakerState, CircuitBreaker
-from kvcache_client.keys import MLA_LAYOUT, Namespace
 from kvcache_connectors.vllm import (
     ChunkRef,
     KVCacheConnector,
@@ -33,6 +31,8 @@ from kvcache_connectors.vllm import (
 from kvcache_connectors.vllm.namespaces import KVFacts
 from kvcache_connectors.vllm.scheduler import request_extra
 from kvcache_connectors.vllm.stats import Counters
+from kvcache_core.breaker import BreakerState, CircuitBreaker
+from kvcache_core.keys import MLA_LAYOUT, Namespace
 from tests.vllm.harness import (
     BLOCK,
     HEAD,

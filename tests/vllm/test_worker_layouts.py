@@ -18,9 +18,9 @@ from vllm.v1.kv_cache_interface import KVCacheConfig, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvcache_client import KVCacheClient, Namespace, chunk_keys, encode_block
-from kvcache_client.format import Layout
-from kvcache_client.keys import MLA_LAYOUT
 from kvcache_connectors.vllm import ChunkRef, KVCacheConnector, KVCacheConnectorMetadata, RequestTransfer
+from kvcache_core.format import Layout
+from kvcache_core.keys import MLA_LAYOUT
 from tests.vllm.harness import (
     BLOCK,
     CHUNK,

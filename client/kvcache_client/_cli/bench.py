@@ -22,7 +22,7 @@ from typing import TextIO
 
 from kvcache_client.client import KVCacheClient
 from kvcache_client.errors import KVCacheError
-from kvcache_client.format import encode_block
+from kvcache_core.format import encode_block
 
 NAMESPACE_PREFIX = "kvcache-bench-"
 

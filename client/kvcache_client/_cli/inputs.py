@@ -10,7 +10,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvcache_client.keys import KEY_BYTES
+from kvcache_core.keys import KEY_BYTES
 
 OK = 0
 MISS = 1

@@ -53,7 +53,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvcache_client.breaker import CircuitBreaker
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
 from kvcache_client.connection import auth_metadata, make_channel
 from kvcache_client.retry import NO_RETRY
@@ -64,6 +63,7 @@ from kvcache_connectors.vllm.namespaces import KVFacts
 from kvcache_connectors.vllm.scheduler import SchedulerSide
 from kvcache_connectors.vllm.stats import KVCacheConnectorStats
 from kvcache_connectors.vllm.worker import WorkerSide
+from kvcache_core.breaker import CircuitBreaker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -34,9 +34,9 @@ import torch
 from vllm.config import VllmConfig
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVQuantMode, MLAAttentionSpec
 
-from kvcache_client.format import DType
-from kvcache_client.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
+from kvcache_core.format import DType
+from kvcache_core.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace
 
 Extra = tuple[tuple[str, str], ...]
 

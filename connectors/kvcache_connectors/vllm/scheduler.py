@@ -28,13 +28,13 @@ from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
-from kvcache_client.breaker import CircuitBreaker
 from kvcache_client.client import KVCacheClient
-from kvcache_client.errors import KVCacheError
-from kvcache_client.keys import chunk_keys
 from kvcache_connectors.vllm.metadata import ChunkRef, KVCacheConnectorMetadata, RequestTransfer
 from kvcache_connectors.vllm.namespaces import Extra, KVFacts
 from kvcache_connectors.vllm.stats import Counters
+from kvcache_core.breaker import CircuitBreaker
+from kvcache_core.errors import KVCacheError
+from kvcache_core.keys import chunk_keys
 
 log = logging.getLogger(__name__)
 

@@ -32,16 +32,16 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from kvcache_client.blockwire import BlockData
-from kvcache_client.breaker import BreakerState, CircuitBreaker
 from kvcache_client.client import KVCacheClient
-from kvcache_client.errors import KVCacheError
-from kvcache_client.format import DType, Layout, decode_block
 from kvcache_client.tensors import block_to_tensor, tensor_block_parts
 from kvcache_connectors.vllm.layout import PagedLayout, detect_layout, token_slots
 from kvcache_connectors.vllm.metadata import ChunkRef, RequestTransfer
 from kvcache_connectors.vllm.namespaces import KVFacts
 from kvcache_connectors.vllm.stats import Counters
+from kvcache_core.blockwire import BlockData
+from kvcache_core.breaker import BreakerState, CircuitBreaker
+from kvcache_core.errors import KVCacheError
+from kvcache_core.format import DType, Layout, decode_block
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,302 @@
+"""The block format: a small versioned header followed by the payload, one unit everywhere.
+
+Specified byte by byte in docs/format.md. All integers little-endian.
+
+    offset  size  field
+    ------  ----  -----------------------------------------------------------
+         0     4  magic         b"KVCB"
+         4     2  version       u16, 1
+         6     2  header_len    u16, 40 + 8 * ndim (bytes before the payload)
+         8     1  dtype         u8, a DType code
+         9     1  layout        u8, a Layout code
+        10     1  compression   u8, a Compression code
+        11     1  ndim          u8, 0..8
+        12     4  reserved      zero
+        16     8  payload_len   u64, bytes after the header (as stored)
+        24     8  raw_len       u64, payload bytes before compression
+        32     8  checksum      u64, XXH3-64 (seed 0) of the descriptor and raw payload
+        40   8*n  shape         u64 each
+    header_len    payload       payload_len bytes
+
+    descriptor = u8 dtype || u8 layout || u8 ndim || u64 raw_len || shape
+
+The checksum covers what the payload means (dtype, layout, shape) and its
+uncompressed bytes, so it survives a tier recompressing a block and catches a
+flipped shape as well as a flipped payload bit. This module never imports torch.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import xxhash
+
+from kvcache_core.errors import BlockFormatError, ChecksumMismatch, UnknownFormatVersion
+
+MAGIC = b"KVCB"
+FORMAT_VERSION = 1
+MAX_NDIM = 8
+_FIXED = struct.Struct("<4sHHBBBBIQQQ")
+FIXED_HEADER_BYTES = _FIXED.size  # 40
+
+
+class DType(enum.IntEnum):
+    """Element types a block may hold; the name is torch's dtype name."""
+
+    UINT8 = 0  # opaque bytes
+    INT8 = 1
+    FLOAT16 = 2
+    BFLOAT16 = 3
+    FLOAT32 = 4
+    FLOAT8_E4M3FN = 5
+    FLOAT8_E5M2 = 6
+    FLOAT64 = 7
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @classmethod
+    def from_name(cls, name: str) -> DType:
+        """ "bfloat16" or "torch.bfloat16" -> DType.BFLOAT16."""
+        key = name.removeprefix("torch.").upper()
+        try:
+            return cls[key]
+        except KeyError:
+            raise ValueError(f"unsupported dtype {name!r}; supported: {[d.name.lower() for d in cls]}") from None
+
+
+_ITEMSIZE = {
+    DType.UINT8: 1,
+    DType.INT8: 1,
+    DType.FLOAT16: 2,
+    DType.BFLOAT16: 2,
+    DType.FLOAT32: 4,
+    DType.FLOAT8_E4M3FN: 1,
+    DType.FLOAT8_E5M2: 1,
+    DType.FLOAT64: 8,
+}
+
+
+class Layout(enum.IntEnum):
+    """How the payload's dimensions are to be read."""
+
+    RAW = 0  # no claim: any shape
+    CANONICAL = 1  # [num_layers, 2 (K, V), num_kv_heads, chunk_tokens, head_size]
+    MLA = 2  # [num_layers, chunk_tokens, head_size]
+
+
+class Compression(enum.IntEnum):
+    """Payload encodings. Clients send NONE; tiers may store others."""
+
+    NONE = 0
+    LZ4 = 1
+    SHUFFLE_LZ4 = 2  # byte-shuffle by itemsize, then LZ4
+
+
+@dataclass(frozen=True, slots=True)
+class BlockHeader:
+    """A parsed block header."""
+
+    dtype: DType
+    layout: Layout
+    compression: Compression
+    shape: tuple[int, ...]
+    payload_len: int
+    raw_len: int
+    checksum: int
+    version: int = FORMAT_VERSION
+
+    @property
+    def header_len(self) -> int:
+        return FIXED_HEADER_BYTES + 8 * len(self.shape)
+
+    @property
+    def block_len(self) -> int:
+        return self.header_len + self.payload_len
+
+    def pack(self) -> bytes:
+        return _FIXED.pack(
+            MAGIC,
+            self.version,
+            self.header_len,
+            self.dtype,
+            self.layout,
+            self.compression,
+            len(self.shape),
+            0,
+            self.payload_len,
+            self.raw_len,
+            self.checksum,
+        ) + struct.pack(f"<{len(self.shape)}Q", *self.shape)
+
+
+def _descriptor(dtype: int, layout: int, shape: Sequence[int], raw_len: int) -> bytes:
+    return struct.pack(f"<BBBQ{len(shape)}Q", dtype, layout, len(shape), raw_len, *shape)
+
+
+def compute_checksum(dtype: int, layout: int, shape: Sequence[int], raw_payload: memoryview | bytes) -> int:
+    """XXH3-64 of the descriptor followed by the raw payload (no copy of the payload)."""
+    h = xxhash.xxh3_64(_descriptor(dtype, layout, shape, len(raw_payload)))
+    h.update(raw_payload)
+    return h.intdigest()
+
+
+def _check_shape(layout: Layout, shape: Sequence[int]) -> None:
+    if len(shape) > MAX_NDIM:
+        raise BlockFormatError(f"shape has {len(shape)} dimensions, at most {MAX_NDIM} allowed")
+    if any(d < 0 for d in shape):
+        raise BlockFormatError(f"negative dimension in shape {tuple(shape)}")
+    if layout is Layout.CANONICAL and (len(shape) != 5 or shape[1] != 2):
+        raise BlockFormatError(
+            f"canonical layout needs shape [layers, 2, kv_heads, tokens, head_size], got {tuple(shape)}"
+        )
+    if layout is Layout.MLA and len(shape) != 3:
+        raise BlockFormatError(f"MLA layout needs shape [layers, tokens, head_size], got {tuple(shape)}")
+
+
+BlockParts = tuple[bytes, "bytes | memoryview"]
+"""A block not yet joined: (header, payload view). Sent as is, its payload is copied once, into the message."""
+
+
+def encode_block_parts(
+    payload: bytes | bytearray | memoryview,
+    *,
+    dtype: DType | str,
+    shape: Sequence[int],
+    layout: Layout = Layout.RAW,
+) -> BlockParts:
+    """The header of a block for `payload`, and the payload itself, without copying it.
+
+    `KVCacheClient.put_many` takes parts as well as whole blocks: the payload is then
+    copied once, straight into the gRPC message. Keep `payload` unchanged until the put returns.
+
+    Raises:
+        BlockFormatError: the shape and dtype disagree with the payload length,
+            or the shape does not fit the layout.
+    """
+    dt = DType.from_name(dtype) if isinstance(dtype, str) else DType(dtype)
+    layout = Layout(layout)
+    shape = tuple(int(d) for d in shape)
+    _check_shape(layout, shape)
+    view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    raw_len = len(view)
+    if math.prod(shape) * dt.itemsize != raw_len:
+        raise BlockFormatError(f"payload of {raw_len} bytes does not hold shape {shape} of {dt.name.lower()}")
+    header = BlockHeader(
+        dtype=dt,
+        layout=layout,
+        compression=Compression.NONE,
+        shape=shape,
+        payload_len=raw_len,
+        raw_len=raw_len,
+        checksum=compute_checksum(dt, layout, shape, view),
+    )
+    return header.pack(), view
+
+
+def encode_block(
+    payload: bytes | bytearray | memoryview,
+    *,
+    dtype: DType | str,
+    shape: Sequence[int],
+    layout: Layout = Layout.RAW,
+) -> bytes:
+    """Builds a block (header + payload) as one bytes object; the payload is copied once.
+
+    Raises:
+        BlockFormatError: see encode_block_parts.
+    """
+    return b"".join(encode_block_parts(payload, dtype=dtype, shape=shape, layout=layout))
+
+
+def parse_header(data: bytes | memoryview) -> BlockHeader:
+    """Parses and structurally validates a block's header (not its checksum).
+
+    Raises:
+        UnknownFormatVersion: the version is not FORMAT_VERSION.
+        BlockFormatError: anything else malformed, including a payload length
+            that disagrees with len(data).
+    """
+    if len(data) < FIXED_HEADER_BYTES:
+        raise BlockFormatError(f"block of {len(data)} bytes is shorter than the {FIXED_HEADER_BYTES}-byte header")
+    (magic, version, header_len, dtype, layout, compression, ndim, reserved, payload_len, raw_len, checksum) = (
+        _FIXED.unpack_from(data, 0)
+    )
+    if magic != MAGIC:
+        raise BlockFormatError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version != FORMAT_VERSION:
+        raise UnknownFormatVersion(f"unknown block format version {version} (this build knows {FORMAT_VERSION})")
+    if ndim > MAX_NDIM:
+        raise BlockFormatError(f"ndim {ndim} exceeds {MAX_NDIM}")
+    if header_len != FIXED_HEADER_BYTES + 8 * ndim:
+        raise BlockFormatError(f"header_len {header_len} does not match ndim {ndim}")
+    if reserved != 0:
+        raise BlockFormatError("reserved header bytes are not zero")
+    if len(data) < header_len:
+        raise BlockFormatError(f"block of {len(data)} bytes is shorter than its {header_len}-byte header")
+    try:
+        dt, lay, comp = DType(dtype), Layout(layout), Compression(compression)
+    except ValueError as exc:
+        raise BlockFormatError(f"unknown code in header: {exc}") from None
+    shape = struct.unpack_from(f"<{ndim}Q", data, FIXED_HEADER_BYTES)
+    _check_shape(lay, shape)
+    if payload_len != len(data) - header_len:
+        raise BlockFormatError(f"header says {payload_len} payload bytes, block carries {len(data) - header_len}")
+    if math.prod(shape) * dt.itemsize != raw_len:
+        raise BlockFormatError(f"raw_len {raw_len} does not match shape {shape} of {dt.name.lower()}")
+    if comp is Compression.NONE and payload_len != raw_len:
+        raise BlockFormatError(f"uncompressed block with payload_len {payload_len} != raw_len {raw_len}")
+    return BlockHeader(
+        dtype=dt,
+        layout=lay,
+        compression=comp,
+        shape=tuple(shape),
+        payload_len=payload_len,
+        raw_len=raw_len,
+        checksum=checksum,
+        version=version,
+    )
+
+
+def verify_block(data: bytes | memoryview) -> BlockHeader:
+    """Parses the header and checks the checksum of an uncompressed block.
+
+    Raises:
+        BlockFormatError, UnknownFormatVersion: see parse_header; also for a
+            compressed block (decompress it first).
+        ChecksumMismatch: the payload does not match the checksum.
+    """
+    header = parse_header(data)
+    if header.compression is not Compression.NONE:
+        raise BlockFormatError(f"block is compressed ({header.compression.name}); decompress before verifying")
+    payload = memoryview(data)[header.header_len :]
+    actual = compute_checksum(header.dtype, header.layout, header.shape, payload)
+    if actual != header.checksum:
+        raise ChecksumMismatch(f"checksum mismatch: header {header.checksum:016x}, payload {actual:016x}")
+    return header
+
+
+def payload_view(data: bytes | memoryview, header: BlockHeader | None = None) -> memoryview:
+    """The payload of a block as a memoryview into `data` (no copy)."""
+    header = header or parse_header(data)
+    return memoryview(data)[header.header_len :]
+
+
+def decode_block(data: bytes | memoryview, *, verify: bool = True) -> tuple[BlockHeader, memoryview]:
+    """Splits a block into its header and a zero-copy view of its payload.
+
+    Args:
+        data: The whole block.
+        verify: Check the checksum (an uncompressed block only). Leave it on
+            unless the bytes were verified already.
+
+    Raises:
+        BlockFormatError, UnknownFormatVersion, ChecksumMismatch: see verify_block.
+    """
+    header = verify_block(data) if verify else parse_header(data)
+    return header, memoryview(data)[header.header_len :]
