@@ -102,11 +102,16 @@ def canonical_kv(model: LlamaForCausalLM, token_ids: torch.Tensor, dtype: torch.
     return kv.contiguous()
 
 
+def chunk_key(i: int) -> bytes:
+    """A stand-in chunk key (the codec binds nothing new to it; format v2 only needs one per block)."""
+    return i.to_bytes(16, "little")
+
+
 def chunk_blocks(kv: torch.Tensor, chunk_tokens: int) -> list[bytes]:
     tokens = kv.shape[3]
     return [
-        tensor_to_block(kv[:, :, :, s : s + chunk_tokens].contiguous(), Layout.CANONICAL)
-        for s in range(0, tokens, chunk_tokens)
+        tensor_to_block(kv[:, :, :, s : s + chunk_tokens].contiguous(), chunk_key(i), Layout.CANONICAL)
+        for i, s in enumerate(range(0, tokens, chunk_tokens))
     ]
 
 
@@ -149,12 +154,14 @@ class Row:
 def bench_mode(dtype: str, mode: CompressionMode, blocks: list[bytes], plan: TimingPlan) -> Row:
     stored = [codec.encode(b, mode) for b in blocks]
     for i, (b, s) in enumerate(zip(blocks, stored, strict=True)):
-        if codec.decode(s) != b:
+        if codec.decode(s, chunk_key(i)) != b:
             raise RuntimeError(f"{dtype} {mode}: chunk {i} does not decode to the original block")
     payload = sum(parse_header(b).raw_len for b in blocks)
     compressed = sum(parse_header(s).compression is not Compression.NONE for s in stored)
     enc = measure(dtype, str(mode), "encode", payload, lambda: [codec.encode(b, mode) for b in blocks], plan)
-    dec = measure(dtype, str(mode), "decode", payload, lambda: [codec.decode(s) for s in stored], plan)
+    dec = measure(
+        dtype, str(mode), "decode", payload, lambda: [codec.decode(s, chunk_key(i)) for i, s in enumerate(stored)], plan
+    )
     return Row(
         dtype,
         str(mode),

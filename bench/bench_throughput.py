@@ -15,7 +15,7 @@ each as put and get.
 Systems, every server in its own process, every client synchronous (like KVCacheClient):
     kvcache SDK   KVCacheClient.put_many / get_many against `python -m kvcache_server`, as a client on
                   the server's host gets it by default: block bytes through shared memory (docs/shm.md),
-                  control on gRPC. Blocks from encode_block(payload, dtype="uint8", shape=(n,)); get
+                  control on gRPC. Blocks from encode_block(payload, key=k, dtype="uint8", shape=(n,)); get
                   includes the SDK's checksum verification, put includes the server's.
     SDK gRPC      the same client with shm=False, as a client on another host: every byte on gRPC.
     gRPC raw      bench/echo_server.py, generic handlers with identity serializers: the raw block bytes
@@ -149,10 +149,10 @@ def make_workloads(specs: Sequence[tuple[str, int, int]]) -> list[Workload]:
     offset = 0
     for name, size, count in specs:
         blocks = []
-        for _ in range(count):
-            blocks.append(encode_block(rnd[offset : offset + size], dtype="uint8", shape=(size,)))
-            offset += size
         keys = [os.urandom(16) for _ in range(count)]
+        for key in keys:
+            blocks.append(encode_block(rnd[offset : offset + size], key=key, dtype="uint8", shape=(size,)))
+            offset += size
         parts = [b[i : i + DEFAULT_PART_BYTES] for b in blocks for i in range(0, len(b), DEFAULT_PART_BYTES)]
         out.append(Workload(name, size, count, keys, blocks, pack_like_sdk(blocks), list(blocks), parts))
     return out

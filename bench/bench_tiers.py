@@ -23,7 +23,7 @@ redis.timeout_s is set to --redis-timeout (10 s): it bounds each Redis command, 
 1 s was seen to expire on this 128 MiB MGET on a loaded 2-core machine, which turns the read into a Redis
 miss served by S3 (and would mix S3 reads into the Redis numbers). S3 keeps its default (10 s).
 
-Workload: one batch of 64 blocks of 2 MiB (encode_block(payload, dtype="uint8", shape=(n,)), random bytes).
+Workload: one batch of 64 blocks of 2 MiB (encode_block(payload, key=k, dtype="uint8", shape=(n,)), random bytes).
     kvcache           KVCacheClient.get_many(ns, 64 keys): one Get RPC; the server reads the tier
                       (Redis: GETs pipelined 4 per round trip on a worker thread; S3: 64 GetObject in
                       its 16-thread pool), verifies every block's checksum, and hands them back: the
@@ -227,20 +227,23 @@ class Data:
 
 def make_data() -> Data:
     rnd = memoryview(os.urandom(BLOCKS * BLOCK_BYTES + LOOKUP_KEYS * LOOKUP_BLOCK_BYTES))
+    keys = [os.urandom(16) for _ in range(BLOCKS)]
     blocks = [
-        encode_block(rnd[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES], dtype="uint8", shape=(BLOCK_BYTES,))
-        for i in range(BLOCKS)
+        encode_block(rnd[i * BLOCK_BYTES : (i + 1) * BLOCK_BYTES], key=key, dtype="uint8", shape=(BLOCK_BYTES,))
+        for i, key in enumerate(keys)
     ]
     base = BLOCKS * BLOCK_BYTES
+    lookup_keys = [os.urandom(16) for _ in range(LOOKUP_KEYS)]
     small = [
         encode_block(
             rnd[base + i * LOOKUP_BLOCK_BYTES : base + (i + 1) * LOOKUP_BLOCK_BYTES],
+            key=key,
             dtype="uint8",
             shape=(LOOKUP_BLOCK_BYTES,),
         )
-        for i in range(LOOKUP_KEYS)
+        for i, key in enumerate(lookup_keys)
     ]
-    return Data([os.urandom(16) for _ in range(BLOCKS)], blocks, [os.urandom(16) for _ in range(LOOKUP_KEYS)], small)
+    return Data(keys, blocks, lookup_keys, small)
 
 
 def backend_key(key: bytes) -> str:

@@ -1,11 +1,11 @@
-"""The block format: a small versioned header followed by the payload, one unit everywhere.
+"""The block format, version 2: a small versioned header followed by the payload, bound to its key.
 
 Specified byte by byte in docs/format.md. All integers little-endian.
 
     offset  size  field
     ------  ----  -----------------------------------------------------------
          0     4  magic         b"KVCB"
-         4     2  version       u16, 1
+         4     2  version       u16, 2
          6     2  header_len    u16, 40 + 8 * ndim (bytes before the payload)
          8     1  dtype         u8, a DType code
          9     1  layout        u8, a Layout code
@@ -14,15 +14,21 @@ Specified byte by byte in docs/format.md. All integers little-endian.
         12     4  reserved      zero
         16     8  payload_len   u64, bytes after the header (as stored)
         24     8  raw_len       u64, payload bytes before compression
-        32     8  checksum      u64, XXH3-64 (seed 0) of the descriptor and raw payload
+        32     8  checksum      u64, XXH3-64 (seed 0) of key || descriptor || raw payload
         40   8*n  shape         u64 each
     header_len    payload       payload_len bytes
 
+    key        = the 16-byte chunk key the block is stored under
     descriptor = u8 dtype || u8 layout || u8 ndim || u64 raw_len || shape
 
-The checksum covers what the payload means (dtype, layout, shape) and its
-uncompressed bytes, so it survives a tier recompressing a block and catches a
-flipped shape as well as a flipped payload bit. This module never imports torch.
+The checksum covers the key the block was made for, what the payload means
+(dtype, layout, shape) and its uncompressed bytes: a block is valid only under
+its own key (a block that lands under another key, by a race, a tier bug or a
+hand copy, fails verification instead of being served as another prompt's KV),
+it survives a tier recompressing it, and it catches a flipped shape as well as
+a flipped payload bit. Verifying therefore needs the key: every reader knows the
+key it asked for. Version 1 blocks (checksum without the key) are refused, never
+served: nothing can tell which key they were made for. This module never imports torch.
 """
 
 from __future__ import annotations
@@ -36,9 +42,12 @@ from dataclasses import dataclass
 import xxhash
 
 from kvcache_core.errors import BlockFormatError, ChecksumMismatch, UnknownFormatVersion
+from kvcache_core.keys import KEY_BYTES
 
 MAGIC = b"KVCB"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+LEGACY_VERSION = 1
+"""Blocks of version 1 had a checksum that did not cover the key; they are refused (docs/format.md)."""
 MAX_NDIM = 8
 _FIXED = struct.Struct("<4sHHBBBBIQQQ")
 FIXED_HEADER_BYTES = _FIXED.size  # 40
@@ -139,9 +148,19 @@ def _descriptor(dtype: int, layout: int, shape: Sequence[int], raw_len: int) -> 
     return struct.pack(f"<BBBQ{len(shape)}Q", dtype, layout, len(shape), raw_len, *shape)
 
 
-def compute_checksum(dtype: int, layout: int, shape: Sequence[int], raw_payload: memoryview | bytes) -> int:
-    """XXH3-64 of the descriptor followed by the raw payload (no copy of the payload)."""
-    h = xxhash.xxh3_64(_descriptor(dtype, layout, shape, len(raw_payload)))
+def _check_key(key: bytes) -> bytes:
+    if not isinstance(key, bytes | bytearray | memoryview) or len(key) != KEY_BYTES:
+        raise BlockFormatError(f"a block's key is {KEY_BYTES} bytes, got {key!r:.60}")
+    return bytes(key)
+
+
+def compute_checksum(key: bytes, dtype: int, layout: int, shape: Sequence[int], raw_payload: memoryview | bytes) -> int:
+    """XXH3-64 (seed 0) of key || descriptor || raw payload (no copy of the payload).
+
+    Raises:
+        BlockFormatError: `key` is not 16 bytes.
+    """
+    h = xxhash.xxh3_64(_check_key(key) + _descriptor(dtype, layout, shape, len(raw_payload)))
     h.update(raw_payload)
     return h.intdigest()
 
@@ -166,18 +185,20 @@ BlockParts = tuple[bytes, "bytes | memoryview"]
 def encode_block_parts(
     payload: bytes | bytearray | memoryview,
     *,
+    key: bytes,
     dtype: DType | str,
     shape: Sequence[int],
     layout: Layout = Layout.RAW,
 ) -> BlockParts:
-    """The header of a block for `payload`, and the payload itself, without copying it.
+    """The header of a block for `payload` under `key`, and the payload itself, without copying it.
 
     `KVCacheClient.put_many` takes parts as well as whole blocks: the payload is then
     copied once, straight into the gRPC message. Keep `payload` unchanged until the put returns.
+    The block is valid only when stored under `key` (its checksum covers it).
 
     Raises:
-        BlockFormatError: the shape and dtype disagree with the payload length,
-            or the shape does not fit the layout.
+        BlockFormatError: `key` is not 16 bytes, the shape and dtype disagree with the
+            payload length, or the shape does not fit the layout.
     """
     dt = DType.from_name(dtype) if isinstance(dtype, str) else DType(dtype)
     layout = Layout(layout)
@@ -194,7 +215,7 @@ def encode_block_parts(
         shape=shape,
         payload_len=raw_len,
         raw_len=raw_len,
-        checksum=compute_checksum(dt, layout, shape, view),
+        checksum=compute_checksum(key, dt, layout, shape, view),
     )
     return header.pack(), view
 
@@ -202,23 +223,25 @@ def encode_block_parts(
 def encode_block(
     payload: bytes | bytearray | memoryview,
     *,
+    key: bytes,
     dtype: DType | str,
     shape: Sequence[int],
     layout: Layout = Layout.RAW,
 ) -> bytes:
-    """Builds a block (header + payload) as one bytes object; the payload is copied once.
+    """Builds the block of `payload` under `key` (header + payload) as one bytes object; the payload is copied once.
 
     Raises:
         BlockFormatError: see encode_block_parts.
     """
-    return b"".join(encode_block_parts(payload, dtype=dtype, shape=shape, layout=layout))
+    return b"".join(encode_block_parts(payload, key=key, dtype=dtype, shape=shape, layout=layout))
 
 
 def parse_header(data: bytes | memoryview) -> BlockHeader:
     """Parses and structurally validates a block's header (not its checksum).
 
     Raises:
-        UnknownFormatVersion: the version is not FORMAT_VERSION.
+        UnknownFormatVersion: the version is not FORMAT_VERSION (version 1 included: its
+            checksum does not cover the key, so it is never accepted).
         BlockFormatError: anything else malformed, including a payload length
             that disagrees with len(data).
     """
@@ -229,6 +252,11 @@ def parse_header(data: bytes | memoryview) -> BlockHeader:
     )
     if magic != MAGIC:
         raise BlockFormatError(f"bad magic {bytes(magic)!r}, expected {MAGIC!r}")
+    if version == LEGACY_VERSION:
+        raise UnknownFormatVersion(
+            f"block format version {LEGACY_VERSION} is refused: its checksum does not cover the key, so it cannot "
+            f"be told apart from another key's block (re-encode it as version {FORMAT_VERSION}; docs/format.md)"
+        )
     if version != FORMAT_VERSION:
         raise UnknownFormatVersion(f"unknown block format version {version} (this build knows {FORMAT_VERSION})")
     if ndim > MAX_NDIM:
@@ -263,21 +291,26 @@ def parse_header(data: bytes | memoryview) -> BlockHeader:
     )
 
 
-def verify_block(data: bytes | memoryview) -> BlockHeader:
-    """Parses the header and checks the checksum of an uncompressed block.
+def verify_block(data: bytes | memoryview, key: bytes) -> BlockHeader:
+    """Parses the header and checks the checksum of an uncompressed block against `key`, the key
+    it is stored under (or was asked for).
 
     Raises:
         BlockFormatError, UnknownFormatVersion: see parse_header; also for a
-            compressed block (decompress it first).
-        ChecksumMismatch: the payload does not match the checksum.
+            compressed block (decompress it first), or a key that is not 16 bytes.
+        ChecksumMismatch: the block does not match its checksum under `key`: its bytes
+            are damaged, or it is another key's block.
     """
     header = parse_header(data)
     if header.compression is not Compression.NONE:
         raise BlockFormatError(f"block is compressed ({header.compression.name}); decompress before verifying")
     payload = memoryview(data)[header.header_len :]
-    actual = compute_checksum(header.dtype, header.layout, header.shape, payload)
+    actual = compute_checksum(key, header.dtype, header.layout, header.shape, payload)
     if actual != header.checksum:
-        raise ChecksumMismatch(f"checksum mismatch: header {header.checksum:016x}, payload {actual:016x}")
+        raise ChecksumMismatch(
+            f"checksum mismatch under key {bytes(key).hex()}: header {header.checksum:016x}, computed {actual:016x} "
+            "(the block is damaged or belongs to another key)"
+        )
     return header
 
 
@@ -287,16 +320,22 @@ def payload_view(data: bytes | memoryview, header: BlockHeader | None = None) ->
     return memoryview(data)[header.header_len :]
 
 
-def decode_block(data: bytes | memoryview, *, verify: bool = True) -> tuple[BlockHeader, memoryview]:
+def decode_block(
+    data: bytes | memoryview, key: bytes | None = None, *, verify: bool = True
+) -> tuple[BlockHeader, memoryview]:
     """Splits a block into its header and a zero-copy view of its payload.
 
     Args:
         data: The whole block.
-        verify: Check the checksum (an uncompressed block only). Leave it on
+        key: The key the block is stored under; required when verifying.
+        verify: Check the checksum under `key` (an uncompressed block only). Leave it on
             unless the bytes were verified already.
 
     Raises:
         BlockFormatError, UnknownFormatVersion, ChecksumMismatch: see verify_block.
+        TypeError: verify is on and no key was given.
     """
-    header = verify_block(data) if verify else parse_header(data)
+    if verify and key is None:
+        raise TypeError("decode_block needs the block's key to verify it (or verify=False for bytes verified already)")
+    header = verify_block(data, key) if verify else parse_header(data)  # type: ignore[arg-type]
     return header, memoryview(data)[header.header_len :]

@@ -165,7 +165,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 f"{where}: {len(data)} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
             )
         try:
-            header = verify_block(data)
+            header = verify_block(data, key)  # valid only under the key it is stored under
         except ChecksumMismatch as exc:
             self._counters.put_checksum_failures += 1
             await self._abort(context, grpc.StatusCode.DATA_LOSS, f"{where}: {exc}")

@@ -236,7 +236,7 @@ class TierStack:
                     continue
                 lower.counters.bytes_read += len(data)
                 try:
-                    block = codec.decode(data)
+                    block = codec.decode(data, keys[i])
                 except BlockFormatError as exc:
                     lower.counters.checksum_failures += 1
                     log.error(

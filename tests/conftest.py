@@ -86,6 +86,12 @@ def s3_server() -> Iterator[S3Process]:
     proc.stop()
 
 
-def raw_block(payload: bytes) -> bytes:
-    """A valid opaque block holding `payload`."""
-    return encode_block(payload, dtype="uint8", shape=(len(payload),))
+def raw_block(key: bytes, payload: bytes) -> bytes:
+    """A valid opaque block holding `payload`, bound to `key` (format v2: valid only under that key)."""
+    return encode_block(payload, key=key, dtype="uint8", shape=(len(payload),))
+
+
+def keyed(payload: bytes) -> tuple[bytes, bytes]:
+    """A random key and the valid opaque block of `payload` under it."""
+    key = os.urandom(16)
+    return key, raw_block(key, payload)

@@ -13,7 +13,7 @@ from kvcache_client import DataCorrupted, InvalidRequest, KVCacheClient, Resourc
 from kvcache_core.format import Compression, compute_checksum, encode_block
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
-from tests.conftest import ServerThread, raw_block
+from tests.conftest import ServerThread, keyed, raw_block
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,7 +51,7 @@ def with_byte(block: bytes, offset: int, value: int) -> bytes:
     return bytes(b)
 
 
-GOOD = raw_block(b"x" * 100)
+GOOD = raw_block(KEY, b"x" * 100)
 
 
 @pytest.mark.parametrize(
@@ -86,7 +86,7 @@ GOOD = raw_block(b"x" * 100)
         (lambda s: put(s, pb.PutRequest(namespace="ns")), "INVALID_ARGUMENT", "no blocks"),
         (lambda s: put(s, message((KEY, GOOD), namespace="")), "INVALID_ARGUMENT", "namespace is required"),
         (lambda s: put(s, message((b"k", GOOD))), "INVALID_ARGUMENT", "key is 1 bytes"),
-        (lambda s: put(s, message((KEY, raw_block(b"x" * (1 << 20))))), "RESOURCE_EXHAUSTED", "max_block_bytes"),
+        (lambda s: put(s, message((KEY, raw_block(KEY, b"x" * (1 << 20))))), "RESOURCE_EXHAUSTED", "max_block_bytes"),
         (
             lambda s: put(s, message((KEY, b"not a block at all, just some bytes here"))),
             "INVALID_ARGUMENT",
@@ -130,17 +130,18 @@ def test_namespace_cannot_change_within_a_stream(stub: pb_grpc.KVCacheStub) -> N
 
 def test_compressed_block_refused(stub: pb_grpc.KVCacheStub) -> None:
     payload = b"z" * 64
-    checksum = compute_checksum(0, 0, (64,), payload)
-    header = struct.pack("<4sHHBBBBIQQQQ", b"KVCB", 1, 48, 0, 0, Compression.LZ4, 1, 0, 10, 64, checksum, 64)
+    checksum = compute_checksum(KEY, 0, 0, (64,), payload)
+    header = struct.pack("<4sHHBBBBIQQQQ", b"KVCB", 2, 48, 0, 0, Compression.LZ4, 1, 0, 10, 64, checksum, 64)
     code, details = status_of(lambda: put(stub, message((KEY, header + b"0123456789"))))
     assert code is grpc.StatusCode.INVALID_ARGUMENT and "compress" in details
 
 
 def test_failing_message_is_not_half_written(stub: pb_grpc.KVCacheStub, small_server: ServerThread) -> None:
-    good = [(os.urandom(16), raw_block(os.urandom(100))) for _ in range(3)]
-    corrupt = with_byte(raw_block(b"a" * 100), 60, ord("b"))
+    good = [keyed(os.urandom(100)) for _ in range(3)]
+    bad_key = os.urandom(16)
+    corrupt = with_byte(raw_block(bad_key, b"a" * 100), 60, ord("b"))
     first = message(*good[:2])
-    second = message(good[2], (os.urandom(16), corrupt))
+    second = message(good[2], (bad_key, corrupt))
     code, details = status_of(lambda: put(stub, first, second))
     assert code is grpc.StatusCode.DATA_LOSS and details.startswith("block 3:")
     present = stub.Lookup(pb.LookupRequest(namespace="ns", keys=[k for k, _ in good]), timeout=5)
@@ -155,7 +156,7 @@ def test_sdk_raises_typed_errors(small_server: ServerThread) -> None:
             client.lookup("ns", [b"short"])
         assert info.value.code is grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(ResourceExhausted):
-            client.put_many("ns", [(KEY, raw_block(bytes(2 << 20)))])
+            client.put_many("ns", [(KEY, raw_block(KEY, bytes(2 << 20)))])
         with pytest.raises(DataCorrupted):
             client.put_many("ns", [(KEY, with_byte(GOOD, len(GOOD) - 1, 0))])
         with pytest.raises(InvalidRequest):
@@ -167,7 +168,7 @@ def test_sdk_raises_typed_errors(small_server: ServerThread) -> None:
 
 
 def test_block_too_big_for_grpc_limit_is_refused(stub: pb_grpc.KVCacheStub) -> None:
-    huge = raw_block(bytes(4 << 20))  # beyond the server's gRPC message limit for a 1 MiB block cap
+    huge = raw_block(KEY, bytes(4 << 20))  # beyond the server's gRPC message limit for a 1 MiB block cap
     code, _ = status_of(lambda: put(stub, message((KEY, huge))))
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -176,6 +177,6 @@ def test_encode_block_refuses_mismatched_shape() -> None:
     from kvcache_client import BlockFormatError
 
     with pytest.raises(BlockFormatError):
-        encode_block(b"abc", dtype="float16", shape=(2,))
+        encode_block(b"abc", key=KEY, dtype="float16", shape=(2,))
     with pytest.raises(BlockFormatError):
-        encode_block(bytes(16), dtype="uint8", shape=(2, 8), layout=1)
+        encode_block(bytes(16), key=KEY, dtype="uint8", shape=(2, 8), layout=1)

@@ -43,22 +43,25 @@ def stored(server: ServerThread, key: bytes) -> bytes | None:
 
 def test_info_offers_parts_and_the_sdk_uses_them(make_server) -> None:
     server = make_server(shm={"enabled": False})
-    block = raw_block(os.urandom(5 * DEFAULT_PART_BYTES + 12345))  # over PARTS_ABOVE_BYTES: 6 parts
+    block = raw_block(KEY, os.urandom(5 * DEFAULT_PART_BYTES + 12345))  # over PARTS_ABOVE_BYTES: 6 parts
+    small = raw_block(b"s" * 16, b"small")
     with KVCacheClient(server.target) as client:
-        assert client.put_many("ns", [(KEY, block), (b"s" * 16, raw_block(b"small"))]).stored == 2
+        assert client.put_many("ns", [(KEY, block), (b"s" * 16, small)]).stored == 2
         assert client._transport.part_bytes == DEFAULT_PART_BYTES
         assert bytes(client.get_many("ns", [KEY])[0]) == block
     # What the SDK sent: the large block as parts, one message each, then the small block.
-    messages = list(put_messages("ns", [(KEY, block), (b"s" * 16, raw_block(b"small"))], part_bytes=DEFAULT_PART_BYTES))
+    messages = list(put_messages("ns", [(KEY, block), (b"s" * 16, small)], part_bytes=DEFAULT_PART_BYTES))
     assert len(messages) == 7
     # Blocks up to PARTS_ABOVE_BYTES travel whole (parts gained nothing for them).
-    assert len(list(put_messages("ns", [(KEY, raw_block(os.urandom(2 << 20)))], part_bytes=DEFAULT_PART_BYTES))) == 1
+    assert (
+        len(list(put_messages("ns", [(KEY, raw_block(KEY, os.urandom(2 << 20)))], part_bytes=DEFAULT_PART_BYTES))) == 1
+    )
     assert all(len(m) < DEFAULT_PART_BYTES + 100 for m in messages)
 
 
 def test_parts_across_and_within_messages_assemble_exactly(small_server: ServerThread) -> None:
-    block = raw_block(os.urandom(50_000))
-    other = raw_block(os.urandom(1000))
+    block = raw_block(KEY, os.urandom(50_000))
+    other = raw_block(b"o" * 16, os.urandom(1000))
     a, b, c = block[:10_000], block[10_000:30_000], block[30_000:]
     messages = [
         encode_put_request("ns", [(b"o" * 16, other), (KEY, BlockPart(a, True, len(block)))]),
@@ -136,14 +139,14 @@ def part_messages(block: bytes, total: int | None = None) -> list[bytes]:
     ],
 )
 def test_misused_parts_are_refused_and_store_nothing(small_server: ServerThread, messages, code, fragment) -> None:
-    block = raw_block(os.urandom(5000))
+    block = raw_block(KEY, os.urandom(5000))
     got, details, _ = send(small_server, messages(block))
     assert got is code and fragment in details, details
     assert stored(small_server, KEY) is None
 
 
 def test_a_corrupt_block_in_parts_is_data_loss(small_server: ServerThread) -> None:
-    block = bytearray(raw_block(os.urandom(5000)))
+    block = bytearray(raw_block(KEY, os.urandom(5000)))
     block[-1] ^= 0x01
     got, details, _ = send(small_server, part_messages(bytes(block)))
     assert got is grpc.StatusCode.DATA_LOSS and "block 0" in details
@@ -155,8 +158,8 @@ def test_a_corrupt_block_in_parts_is_data_loss(small_server: ServerThread) -> No
 
 def test_large_blocks_come_back_in_parts_only_to_clients_that_accept_them(make_server) -> None:
     server = make_server(shm={"enabled": False})
-    block = raw_block(os.urandom(4 * DEFAULT_PART_BYTES + 777))  # just over the threshold: 5 parts
-    small = raw_block(b"tiny")
+    block = raw_block(KEY, os.urandom(4 * DEFAULT_PART_BYTES + 777))  # just over the threshold: 5 parts
+    small = raw_block(b"s" * 16, b"tiny")
     keys = [KEY, b"s" * 16, b"m" * 16]
     with KVCacheClient(server.target) as client:
         client.put_many("ns", [(KEY, block), (b"s" * 16, small)])

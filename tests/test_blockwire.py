@@ -151,10 +151,10 @@ def test_block_parts_encode_exactly_like_the_joined_block(server: ServerThread) 
     from kvcache_core.format import encode_block, encode_block_parts
 
     payload = os.urandom(5000)
-    parts = encode_block_parts(payload, dtype="float16", shape=(50, 50))
-    whole = encode_block(payload, dtype="float16", shape=(50, 50))
-    assert b"".join(parts) == whole and parts[1] is payload  # the payload is not copied
     key = b"p" * 16
+    parts = encode_block_parts(payload, key=key, dtype="float16", shape=(50, 50))
+    whole = encode_block(payload, key=key, dtype="float16", shape=(50, 50))
+    assert b"".join(parts) == whole and parts[1] is payload  # the payload is not copied
     assert encode_put_request("ns", [(key, parts)]) == encode_put_request("ns", [(key, whole)])
     with KVCacheClient(server.target) as client:
         assert client.put_many("ns", [(key, parts)]).stored == 1

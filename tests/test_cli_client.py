@@ -70,7 +70,7 @@ def table_rows(text: str) -> dict[str, list[str]]:
 
 def test_stats_table(capsys: pytest.CaptureFixture[str], server: ServerThread) -> None:
     with KVCacheClient(server.target) as client:
-        client.put_many("ns", [(KEY, raw_block(b"x" * 1000))])
+        client.put_many("ns", [(KEY, raw_block(KEY, b"x" * 1000))])
         assert client.get_many("ns", [KEY, OTHER])[1] is None
         ram = client.stats().tier("ram")
     code, out, err = run(capsys, server, "stats")
@@ -113,7 +113,7 @@ def test_stats_table(capsys: pytest.CaptureFixture[str], server: ServerThread) -
 
 def test_stats_json_is_every_counter(capsys: pytest.CaptureFixture[str], server: ServerThread) -> None:
     with KVCacheClient(server.target) as client:
-        client.put_many("ns", [(KEY, raw_block(b"x" * 10))])
+        client.put_many("ns", [(KEY, raw_block(KEY, b"x" * 10))])
         code, out, _ = run(capsys, server, "stats", "--json")
         stats = client.stats()
     assert code == 0
@@ -131,7 +131,7 @@ def test_put_get_round_trip_of_a_block_file(
     capsys: pytest.CaptureFixture[str], server: ServerThread, tmp_path: Path
 ) -> None:
     payload = os.urandom(4096)
-    block = encode_block(payload, dtype="float16", shape=(2, 1024))
+    block = encode_block(payload, key=KEY, dtype="float16", shape=(2, 1024))
     (tmp_path / "in.blk").write_bytes(block)
     code, out, _ = run(capsys, server, "put", "--namespace", "ns", "--key", KEY.hex(), str(tmp_path / "in.blk"))
     assert (code, out) == (0, f"stored ns/{KEY.hex()} ({len(block):,} bytes)\n")
@@ -150,7 +150,7 @@ def test_put_raw_wraps_any_bytes_and_reads_stdin(server: ServerThread) -> None:
     put = cli("put", "--namespace", "ns", "--key", KEY.hex(), "--raw", "-", target=server.target, stdin=data)
     assert put.returncode == 0, put.stderr
     with KVCacheClient(server.target) as client:
-        assert bytes(client.get_many("ns", [KEY])[0]) == raw_block(data)  # type: ignore[arg-type]
+        assert bytes(client.get_many("ns", [KEY])[0]) == raw_block(KEY, data)  # type: ignore[arg-type]
 
 
 def test_put_refuses_a_file_that_is_not_a_block(server: ServerThread, tmp_path: Path) -> None:
@@ -158,7 +158,8 @@ def test_put_refuses_a_file_that_is_not_a_block(server: ServerThread, tmp_path: 
     put = cli("put", "--namespace", "ns", "--key", KEY.hex(), str(tmp_path / "junk"), target=server.target)
     assert put.returncode == 2
     assert put.stderr.decode() == (
-        f"kvcache: {tmp_path / 'junk'} is not a valid block (bad magic b'JUNK', expected b'KVCB'); "
+        f"kvcache: {tmp_path / 'junk'} is not a valid block under key {KEY.hex()} (bad magic b'JUNK', "
+        "expected b'KVCB'); "
         "--raw stores any bytes as one\n"
     )
     with KVCacheClient(server.target) as client:
@@ -178,7 +179,7 @@ def test_get_json_needs_an_output_file(capsys: pytest.CaptureFixture[str], serve
 
 def test_delete(capsys: pytest.CaptureFixture[str], server: ServerThread) -> None:
     with KVCacheClient(server.target) as client:
-        client.put_many("ns", [(KEY, raw_block(b"a")), (OTHER, raw_block(b"b"))])
+        client.put_many("ns", [(KEY, raw_block(KEY, b"a")), (OTHER, raw_block(OTHER, b"b"))])
         code, out, _ = run(capsys, server, "delete", "--namespace", "ns", "--key", KEY.hex(), OTHER.hex(), "00" * 16)
         assert (code, out) == (0, "deleted 2 of 3 keys from ns\n")
         assert client.get_many("ns", [KEY, OTHER]) == [None, None]
@@ -192,7 +193,7 @@ def test_lookup_of_a_tokens_file(capsys: pytest.CaptureFixture[str], server: Ser
     keys = chunk_keys(tokens, NS)
     assert len(keys) == 3
     with KVCacheClient(server.target) as client:
-        client.put_many(NS, [(k, raw_block(b"kv")) for k in keys[:2]])
+        client.put_many(NS, [(k, raw_block(k, b"kv")) for k in keys[:2]])
     (tmp_path / "tokens.json").write_text(json.dumps(tokens))
     code, out, _ = run(capsys, server, "lookup", *NAMESPACE_ARGS, "--tokens-file", str(tmp_path / "tokens.json"))
     assert code == 0
@@ -225,7 +226,8 @@ def test_lookup_reads_stdin_and_require_hit_exits_1_on_no_hit(server: ServerThre
     assert miss.returncode == 1
     assert json.loads(miss.stdout)["prefix_chunks"] == 0
     with KVCacheClient(server.target) as client:
-        client.put_many(NS, [(chunk_keys([1, 2, 3], NS)[0], raw_block(b"kv"))])
+        key = chunk_keys([1, 2, 3], NS)[0]
+        client.put_many(NS, [(key, raw_block(key, b"kv"))])
     hit = cli(*args, target=server.target, stdin=b"1 2 3")
     assert hit.returncode == 0
     assert json.loads(hit.stdout)["prefix_tokens"] == 3
@@ -233,7 +235,7 @@ def test_lookup_reads_stdin_and_require_hit_exits_1_on_no_hit(server: ServerThre
 
 def test_lookup_of_raw_keys(capsys: pytest.CaptureFixture[str], server: ServerThread, tmp_path: Path) -> None:
     with KVCacheClient(server.target) as client:
-        client.put_many("ns", [(KEY, raw_block(b"a"))])
+        client.put_many("ns", [(KEY, raw_block(KEY, b"a"))])
     (tmp_path / "keys").write_text(f"{KEY.hex()}\n{OTHER.hex()}\n")
     code, out, _ = run(capsys, server, "lookup", "--namespace", "ns", "--keys-file", str(tmp_path / "keys"))
     assert (code, out) == (0, "namespace      ns\nkeys           2\nstored prefix  1 of 2 keys\n  chunk 0      ram\n")
@@ -341,7 +343,7 @@ def test_token_from_the_environment(make_server, tmp_path: Path) -> None:
     assert anonymous.stderr.decode().endswith(" (set KVCACHE_TOKEN to an API token)\n")
     assert cli(*args, target=server.target, stdin=b"x", token=token).returncode == 0
     got = cli("get", "--namespace", "ns", "--key", KEY.hex(), target=server.target, token=token)
-    assert (got.returncode, got.stdout) == (0, raw_block(b"x"))
+    assert (got.returncode, got.stdout) == (0, raw_block(KEY, b"x"))
     stats = cli("stats", target=server.target, token=token)  # Stats needs the admin right
     assert stats.returncode == 4
     assert stats.stderr.decode().startswith("kvcache: the server refused the request: PERMISSION_DENIED: ")

@@ -10,6 +10,7 @@ import torch
 
 from kvcache_client.tensors import tensor_to_block
 from kvcache_core.breaker import BreakerState, CircuitBreaker
+from kvcache_core.errors import ChecksumMismatch
 from kvcache_core.format import BlockFormatError, Compression, parse_header
 from kvcache_server.tiers.codec import CompressionMode, decode, encode
 from kvcache_server.write_queue import PendingWrite, WriteKind, WriteQueue
@@ -18,9 +19,12 @@ from tests.conftest import raw_block
 pytestmark = pytest.mark.timeout(60)
 
 
+KEY = b"c" * 16
+
+
 def kv_like(dtype: torch.dtype) -> bytes:
     g = torch.Generator().manual_seed(0)
-    return tensor_to_block((torch.randn(4, 2, 4, 64, 64, generator=g) * 0.5).to(dtype))
+    return tensor_to_block((torch.randn(4, 2, 4, 64, 64, generator=g) * 0.5).to(dtype), KEY)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -29,7 +33,9 @@ def test_codec_round_trip(dtype: torch.dtype, mode: CompressionMode) -> None:
     block = kv_like(dtype)
     stored = encode(block, mode)
     assert len(stored) <= len(block)
-    assert decode(stored) == block
+    assert decode(stored, KEY) == block
+    with pytest.raises(ChecksumMismatch):  # bound to its key in every stored form
+        decode(stored, b"d" * 16)
 
 
 def test_shuffle_helps_16_bit_kv_and_is_recorded() -> None:
@@ -41,20 +47,20 @@ def test_shuffle_helps_16_bit_kv_and_is_recorded() -> None:
 
 
 def test_incompressible_blocks_are_stored_plain() -> None:
-    block = raw_block(os.urandom(100_000))
+    block = raw_block(KEY, os.urandom(100_000))
     assert encode(block, CompressionMode.LZ4) is block
 
 
 def test_compressible_block_and_corruption_in_compressed_form() -> None:
-    block = raw_block(bytes(100_000))
+    block = raw_block(KEY, bytes(100_000))
     stored = encode(block, CompressionMode.LZ4)
     assert len(stored) < 2000
     bad = bytearray(stored)
     bad[-5] ^= 0xFF
     with pytest.raises(BlockFormatError):
-        decode(bytes(bad))
+        decode(bytes(bad), KEY)
     with pytest.raises(BlockFormatError):
-        decode(stored[:-3])
+        decode(stored[:-3], KEY)
 
 
 class FakeClock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from pathlib import Path
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from kvcache_core.format import (
     Compression,
     DType,
     Layout,
+    compute_checksum,
     decode_block,
     encode_block,
     parse_header,
@@ -21,6 +23,8 @@ from kvcache_core.format import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+
+KEY = bytes(range(16))
 
 DTYPES = [torch.uint8, torch.int8, torch.float16, torch.bfloat16, torch.float32, torch.float64]
 DTYPES += [d for d in (getattr(torch, "float8_e4m3fn", None), getattr(torch, "float8_e5m2", None)) if d is not None]
@@ -46,12 +50,12 @@ def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
 )
 def test_tensor_round_trip_is_bitwise(dtype: torch.dtype, shape: tuple[int, ...], layout: Layout) -> None:
     t = sample(dtype, shape)
-    block = tensor_to_block(t, layout)
-    header = verify_block(block)
+    block = tensor_to_block(t, KEY, layout)
+    header = verify_block(block, KEY)
     assert header.dtype is DType.from_name(str(dtype))
     assert header.layout is layout and header.shape == shape and header.compression is Compression.NONE
     assert header.raw_len == t.numel() * t.element_size() == len(block) - header.header_len
-    back = block_to_tensor(block)
+    back = block_to_tensor(block, KEY)
     assert back.dtype == dtype and tuple(back.shape) == shape
     assert torch.equal(back.view(torch.uint8), t.view(torch.uint8))  # bitwise, NaNs included
 
@@ -59,19 +63,19 @@ def test_tensor_round_trip_is_bitwise(dtype: torch.dtype, shape: tuple[int, ...]
 def test_non_contiguous_tensor_is_encoded_in_logical_order() -> None:
     t = torch.arange(2 * 2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 2, 5, 4, 3).transpose(2, 4)
     assert not t.is_contiguous()
-    assert torch.equal(block_to_tensor(tensor_to_block(t)), t)
+    assert torch.equal(block_to_tensor(tensor_to_block(t, KEY), KEY), t)
 
 
 def test_payload_view_does_not_copy() -> None:
-    block = encode_block(b"abcdefgh", dtype="uint8", shape=(8,))
-    header, payload = decode_block(block)
+    block = encode_block(b"abcdefgh", key=KEY, dtype="uint8", shape=(8,))
+    header, payload = decode_block(block, KEY)
     assert payload.obj is block and bytes(payload) == b"abcdefgh" and header.header_len == 48
 
 
 def test_header_is_little_endian_and_documented_size() -> None:
-    block = encode_block(bytes(12), dtype="float32", shape=(3,))
+    block = encode_block(bytes(12), key=KEY, dtype="float32", shape=(3,))
     assert block[:4] == b"KVCB"
-    assert struct.unpack_from("<HH", block, 4) == (1, FIXED_HEADER_BYTES + 8)
+    assert struct.unpack_from("<HH", block, 4) == (2, FIXED_HEADER_BYTES + 8)
     assert struct.unpack_from("<QQ", block, 16) == (12, 12)
     assert struct.unpack_from("<Q", block, 40) == (3,)
 
@@ -82,7 +86,7 @@ def corrupt(block: bytes, offset: int, value: int | None = None) -> bytes:
     return bytes(b)
 
 
-BLOCK = encode_block(bytes(range(64)), dtype="float16", shape=(2, 16), layout=Layout.RAW)
+BLOCK = encode_block(bytes(range(64)), key=KEY, dtype="float16", shape=(2, 16), layout=Layout.RAW)
 
 
 @pytest.mark.parametrize(
@@ -90,7 +94,8 @@ BLOCK = encode_block(bytes(range(64)), dtype="float16", shape=(2, 16), layout=La
     [
         (BLOCK[:10], BlockFormatError, "shorter than the 40-byte header"),
         (b"XXXX" + BLOCK[4:], BlockFormatError, "bad magic"),
-        (corrupt(BLOCK, 4, 2), UnknownFormatVersion, "unknown block format version 2"),
+        (corrupt(BLOCK, 4, 3), UnknownFormatVersion, "unknown block format version 3"),
+        (corrupt(BLOCK, 4, 1), UnknownFormatVersion, "version 1 is refused: its checksum does not cover the key"),
         (corrupt(BLOCK, 6, 41), BlockFormatError, "header_len"),
         (corrupt(BLOCK, 8, 99), BlockFormatError, "unknown code"),
         (corrupt(BLOCK, 9, 9), BlockFormatError, "unknown code"),
@@ -109,28 +114,85 @@ BLOCK = encode_block(bytes(range(64)), dtype="float16", shape=(2, 16), layout=La
 )
 def test_bad_blocks_are_refused(data: bytes, error: type[Exception], fragment: str) -> None:
     with pytest.raises(error) as info:
-        verify_block(data)
+        verify_block(data, KEY)
     assert fragment in str(info.value)
 
 
 def test_shape_flip_that_keeps_sizes_consistent_is_caught_by_the_checksum() -> None:
-    block = encode_block(bytes(64), dtype="uint8", shape=(4, 16))
+    block = encode_block(bytes(64), key=KEY, dtype="uint8", shape=(4, 16))
     swapped = block[:40] + struct.pack("<QQ", 16, 4) + block[56:]
     parse_header(swapped)  # structurally fine
     with pytest.raises(ChecksumMismatch):
-        verify_block(swapped)
+        verify_block(swapped, KEY)
 
 
 def test_compressed_blocks_must_be_decompressed_before_verifying() -> None:
     block = corrupt(BLOCK, 10, Compression.LZ4)
     with pytest.raises(BlockFormatError, match="compressed"):
-        verify_block(block)
+        verify_block(block, KEY)
 
 
 def test_encode_refuses_bad_input() -> None:
     with pytest.raises(BlockFormatError, match="does not hold shape"):
-        encode_block(bytes(10), dtype="float32", shape=(3,))
+        encode_block(bytes(10), key=KEY, dtype="float32", shape=(3,))
     with pytest.raises(BlockFormatError, match="at most 8"):
-        encode_block(bytes(1), dtype="uint8", shape=(1,) * 9)
+        encode_block(bytes(1), key=KEY, dtype="uint8", shape=(1,) * 9)
     with pytest.raises(ValueError, match="unsupported dtype"):
-        encode_block(bytes(1), dtype="complex64", shape=(1,))
+        encode_block(bytes(1), key=KEY, dtype="complex64", shape=(1,))
+
+
+# -- version 2: a block is bound to its key -------------------------------------------------------
+
+EXAMPLE_KEY = bytes(range(16))
+EXAMPLE_PAYLOAD = bytes.fromhex("003c00c000380042")  # float16 [[1.0, -2.0], [0.5, 3.0]]
+EXAMPLE_CHECKSUM = 0xDA2E41ED30E99E1C
+EXAMPLE_BLOCK = bytes.fromhex(
+    "4b564342020038000200000200000000"
+    "08000000000000000800000000000000"
+    "1c9ee930ed412eda0200000000000000"
+    "0200000000000000003c00c000380042"
+)
+
+
+def test_the_worked_example_of_docs_format_md() -> None:
+    """The bytes docs/format.md gives, byte for byte, so another language can check itself against them."""
+    import xxhash
+
+    block = encode_block(EXAMPLE_PAYLOAD, key=EXAMPLE_KEY, dtype="float16", shape=(2, 2))
+    assert block == EXAMPLE_BLOCK
+    descriptor = bytes.fromhex("020002080000000000000002000000000000000200000000000000")
+    assert xxhash.xxh3_64_intdigest(EXAMPLE_KEY + descriptor + EXAMPLE_PAYLOAD) == EXAMPLE_CHECKSUM
+    assert compute_checksum(EXAMPLE_KEY, DType.FLOAT16, Layout.RAW, (2, 2), EXAMPLE_PAYLOAD) == EXAMPLE_CHECKSUM
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "format.md").read_text()
+    for i in range(0, len(EXAMPLE_BLOCK), 16):
+        assert EXAMPLE_BLOCK[i : i + 16].hex(" ") in doc
+    assert f"{EXAMPLE_CHECKSUM:016x}" in doc
+
+
+def test_a_block_verifies_only_under_its_own_key() -> None:
+    other = bytes(16)
+    with pytest.raises(ChecksumMismatch, match="belongs to another key"):
+        verify_block(EXAMPLE_BLOCK, other)
+    with pytest.raises(ChecksumMismatch):
+        decode_block(EXAMPLE_BLOCK, EXAMPLE_KEY[:-1] + b"\x00")  # one bit of the key differs
+    with pytest.raises(BlockFormatError, match="16 bytes"):
+        verify_block(EXAMPLE_BLOCK, b"short")
+    with pytest.raises(TypeError, match="needs the block's key"):
+        decode_block(EXAMPLE_BLOCK)
+    header, payload = decode_block(EXAMPLE_BLOCK, verify=False)  # structure only, for bytes verified already
+    assert header.checksum == EXAMPLE_CHECKSUM and bytes(payload) == EXAMPLE_PAYLOAD
+
+
+def test_version_1_blocks_are_refused_even_when_their_old_checksum_holds() -> None:
+    """A v1 block's checksum did not cover the key: nothing can tell which key it was made for."""
+    import xxhash
+
+    descriptor = struct.pack("<BBBQQQ", DType.FLOAT16, Layout.RAW, 2, 8, 2, 2)
+    v1_checksum = xxhash.xxh3_64_intdigest(descriptor + EXAMPLE_PAYLOAD)
+    header = struct.pack("<4sHHBBBBIQQQQQ", b"KVCB", 1, 56, DType.FLOAT16, 0, 0, 2, 0, 8, 8, v1_checksum, 2, 2)
+    v1 = header + EXAMPLE_PAYLOAD
+    for key in (EXAMPLE_KEY, bytes(16)):
+        with pytest.raises(UnknownFormatVersion, match="version 1 is refused"):
+            verify_block(v1, key)
+    with pytest.raises(UnknownFormatVersion):
+        parse_header(v1)

@@ -16,10 +16,10 @@ from hypothesis import strategies as st
 
 from kvcache_client import KVCacheClient
 from kvcache_core.blockwire import encode_put_request
-from kvcache_core.format import decode_block, encode_block
+from kvcache_core.format import decode_block
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.auth import token_digest
-from tests.conftest import ServerThread, raw_block
+from tests.conftest import ServerThread, keyed, raw_block
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -34,7 +34,12 @@ ALLOWED = {
 
 keys = st.one_of(st.binary(min_size=16, max_size=16), st.binary(max_size=40))
 namespaces = st.one_of(st.sampled_from(["ns", "", "a b", "x:y", "é", "n" * 200]), st.text(max_size=20))
-valid_block = st.binary(max_size=200).map(lambda p: raw_block(p))
+payloads = st.binary(max_size=200)
+
+
+def block_for(key: bytes, payload: bytes) -> bytes:
+    """A block valid under `key` (under a zero key when `key` is not a chunk key's 16 bytes)."""
+    return raw_block(key if len(key) == 16 else bytes(16), payload)
 
 
 def mutate(block: bytes, data: st.DataObject) -> bytes:
@@ -121,10 +126,12 @@ def structured_payloads(draw: st.DrawFn, method: str) -> list[bytes]:
     data = draw(st.data())
     messages = []
     for _ in range(draw(st.integers(0, 3))):
-        blocks = [
-            (draw(keys), mutate(draw(valid_block), data) if draw(st.booleans()) else draw(valid_block))
-            for _ in range(draw(st.integers(0, 4)))
-        ]
+        blocks = []
+        for _ in range(draw(st.integers(0, 4))):
+            key, other = draw(keys), draw(keys)
+            # Valid under its key, mutated, or valid only under another key (format v2 refuses that).
+            block = block_for(other if draw(st.booleans()) else key, draw(payloads))
+            blocks.append((key, mutate(block, data) if draw(st.booleans()) else block))
         messages.append(encode_put_request(draw(namespaces), blocks))
     return messages
 
@@ -150,9 +157,9 @@ def test_hostile_requests_get_precise_statuses(
 def test_server_serves_correct_data_after_the_fuzzing(fuzz_server) -> None:
     server, _ = fuzz_server
     with KVCacheClient(server.target, timeout_s=10, token=TOKEN) as client:
-        items = [(os.urandom(16), encode_block(os.urandom(1000), dtype="uint8", shape=(1000,))) for _ in range(20)]
+        items = [keyed(os.urandom(1000)) for _ in range(20)]
         assert client.put_many("after-fuzz", items).stored == 20
-        for (_, want), got in zip(items, client.get_many("after-fuzz", [k for k, _ in items]), strict=True):
-            assert got is not None and bytes(got) == want and bytes(decode_block(got)[1]) == want[48:]
+        for (key, want), got in zip(items, client.get_many("after-fuzz", [k for k, _ in items]), strict=True):
+            assert got is not None and bytes(got) == want and bytes(decode_block(got, key)[1]) == want[48:]
     ram = server.stack.ram.stats()
     assert ram.used_bytes <= ram.capacity_bytes and ram.checksum_failures == 0

@@ -19,7 +19,7 @@ from kvcache_client import InvalidRequest, KVCacheClient
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from tests.backends import RedisProcess, free_port, wait_for
-from tests.conftest import ServerThread, raw_block
+from tests.conftest import ServerThread, keyed, raw_block
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -44,7 +44,7 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     port = server.running.metrics_port
     assert port > 0
     keys = [os.urandom(16) for _ in range(5)]
-    blocks = [raw_block(os.urandom(1000 + i)) for i in range(5)]
+    blocks = [raw_block(k, os.urandom(1000 + i)) for i, k in enumerate(keys)]
     before = scrape(port)
     with KVCacheClient(server.target) as client:
         client.put_many(NS, list(zip(keys, blocks, strict=True)))
@@ -97,9 +97,9 @@ def test_metrics_cover_lower_tiers(make_server, redis_server: RedisProcess) -> N
         redis={"enabled": True, "url": redis_server.url, "timeout_s": 0.5, "breaker_failures": 1},
     )
     with KVCacheClient(server.target) as client:
-        client.put_many(NS, [(os.urandom(16), raw_block(b"x" * 100))])
+        client.put_many(NS, [keyed(b"x" * 100)])
         redis_server.kill()
-        client.put_many(NS, [(os.urandom(16), raw_block(b"y" * 100))])
+        client.put_many(NS, [keyed(b"y" * 100)])
     samples = scrape(server.running.metrics_port)
     assert metric(samples, "kvcache_tier_puts_total", tier="redis") == 1
     assert metric(samples, "kvcache_tier_errors_total", tier="redis") >= 1
@@ -121,7 +121,7 @@ def test_health_follows_a_required_tier(make_server, redis_server: RedisProcess)
     redis_server.kill()  # no traffic: the health probe notices
     wait_for(lambda: health_status(server.target) == not_serving, what="NOT_SERVING")
     with KVCacheClient(server.target) as client:  # still answers from RAM
-        assert client.put_many(NS, [(os.urandom(16), raw_block(b"z"))]).stored == 1
+        assert client.put_many(NS, [keyed(b"z")]).stored == 1
         assert not client.stats().tier("redis").healthy
     redis_server.start()
     wait_for(lambda: health_status(server.target) == serving, what="SERVING again")
@@ -180,10 +180,10 @@ def test_events_report_exactly_the_stores_and_removals(make_server) -> None:
     wait_for(lambda: server.stack.events.subscribers == 2, what="subscribers")
     k = [bytes([i]) * 16 for i in range(5)]
     with KVCacheClient(server.target) as client:
-        client.put_many("a", [(k[0], raw_block(b"0" * 100)), (k[1], raw_block(b"1" * 100))])
+        client.put_many("a", [(k[0], raw_block(k[0], b"0" * 100)), (k[1], raw_block(k[1], b"1" * 100))])
         client.delete("a", [k[1], k[4]])  # k[4] was never stored: not reported
-        client.put_many("b", [(k[2], raw_block(b"2" * 100)), (k[3], raw_block(b"3" * 100))])
-        client.put_many("b", [(k[4], raw_block(b"4" * 100))])  # RAM holds 3: evicts the oldest, k[0] of "a"
+        client.put_many("b", [(k[2], raw_block(k[2], b"2" * 100)), (k[3], raw_block(k[3], b"3" * 100))])
+        client.put_many("b", [(k[4], raw_block(k[4], b"4" * 100))])  # RAM holds 3: evicts the oldest, k[0] of "a"
     assert everything.take(5) == [
         ("STORED", "TIER_RAM", "a", [k[0], k[1]]),
         ("REMOVED", "TIER_RAM", "a", [k[1]]),
@@ -202,10 +202,9 @@ def test_stalled_subscriber_is_dropped_and_never_slows_puts(make_server) -> None
     # A subscriber that never reads; no BDP probing, so the HTTP/2 window stays small and fills up.
     stalled = Watcher(server.target, options=[("grpc.http2.bdp_probe", 0)])
     wait_for(lambda: server.stack.events.subscribers == 1, what="subscriber")
-    small = raw_block(b"")
     with KVCacheClient(server.target) as client:
         for _ in range(300):  # each put: one event naming 400 keys (~7 KB on the wire)
-            assert client.put_many("s", [(os.urandom(16), small) for _ in range(400)]).stored == 400
+            assert client.put_many("s", [keyed(b"") for _ in range(400)]).stored == 400
     wait_for(
         lambda: server.stack.events.subscribers == 0 or next(iter(server.stack.events._subscribers)).overflowed,
         what="overflow",

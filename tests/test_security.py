@@ -27,7 +27,7 @@ from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import token_digest
 from tests.backends import RedisProcess, S3Process, make_certs, wait_for
-from tests.conftest import ServerThread, raw_block
+from tests.conftest import ServerThread, keyed, raw_block
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,7 +69,7 @@ NS = Namespace(model_id="org/model", kv_dtype="float16", chunk_tokens=4, num_lay
 
 def stub_calls(stub: pb_grpc.KVCacheStub, metadata: tuple) -> dict[str, object]:
     key = os.urandom(16)
-    put = pb.PutRequest(namespace="n", blocks=[pb.Block(key=key, data=raw_block(b"x"))])
+    put = pb.PutRequest(namespace="n", blocks=[pb.Block(key=key, data=raw_block(key, b"x"))])
     return {
         "Lookup": lambda: stub.Lookup(pb.LookupRequest(namespace="n", keys=[key]), metadata=metadata, timeout=5),
         "Get": lambda: list(stub.Get(pb.GetRequest(namespace="n", keys=[key]), metadata=metadata, timeout=5)),
@@ -133,15 +133,15 @@ def test_sdk_takes_a_token_from_argument_or_environment(secured: ServerThread, m
     with KVCacheClient(secured.target) as anonymous, pytest.raises(Unauthenticated):
         anonymous.lookup(NS, keys)
     with KVCacheClient(secured.target, token=TOKENS["a-reader"]) as reader, pytest.raises(PermissionDenied):
-        reader.put_many(NS, [(keys[0], raw_block(b"x"))])
+        reader.put_many(NS, [(keys[0], raw_block(keys[0], b"x"))])
     monkeypatch.setenv("KVCACHE_TOKEN", TOKENS["a"])
     with KVCacheClient(secured.target) as client:
-        assert client.put_many(NS, [(keys[0], raw_block(b"x"))]).stored == 1
+        assert client.put_many(NS, [(keys[0], raw_block(keys[0], b"x"))]).stored == 1
         assert client.lookup(NS, keys).prefix_length == 1
 
 
 def test_shared_memory_calls_obey_tokens_and_tenants(secured: ServerThread) -> None:
-    key, block = os.urandom(16), raw_block(os.urandom(1 << 20))  # large enough to put through shm
+    key, block = keyed(os.urandom(1 << 20))  # large enough to put through shm
     a = KVCacheClient(secured.target, token=TOKENS["a"])
     reader = KVCacheClient(secured.target, token=TOKENS["a-reader"])
     b = KVCacheClient(secured.target, token=TOKENS["b"])
@@ -191,17 +191,17 @@ def test_tenants_never_meet_in_any_tier(
     a, b = KVCacheClient(server.target, token=TOKENS["a"]), KVCacheClient(server.target, token=TOKENS["b"])
     with a, b:
         keys = a.chunk_keys(tokens, NS)
-        a.put_many(NS, [(k, raw_block(b"A-secret-" + bytes([i]))) for i, k in enumerate(keys)])
+        a.put_many(NS, [(k, raw_block(k, b"A-secret-" + bytes([i]))) for i, k in enumerate(keys)])
         # B cannot find, read or delete A's blocks: a miss, exactly as for keys nobody stored.
         assert b.lookup(NS, keys).prefix_length == 0
         assert b.get_many(NS, keys) == [None] * len(keys)
         assert b.delete(NS, keys) == 0
         # B writing the same keys does not overwrite A's blocks.
-        b.put_many(NS, [(k, raw_block(b"B-other")) for k in keys])
+        b.put_many(NS, [(k, raw_block(k, b"B-other")) for k in keys])
         for block in a.get_many(NS, keys):
-            assert block is not None and bytes(decode_block(block)[1]).startswith(b"A-secret-")
+            assert block is not None and bytes(decode_block(block, verify=False)[1]).startswith(b"A-secret-")
         for block in b.get_many(NS, keys):
-            assert block is not None and bytes(decode_block(block)[1]) == b"B-other"
+            assert block is not None and bytes(decode_block(block, verify=False)[1]) == b"B-other"
         # The same holds below RAM: drop RAM and read from Redis, then from S3.
         for tenant in ("a", "b"):
             server.stack.ram.delete_many_sync(f"{tenant}:{NS.name}", keys)
@@ -210,14 +210,14 @@ def test_tenants_never_meet_in_any_tier(
         listed = s3_server.client().list_objects_v2(Bucket="kv-sec")["Contents"]
         assert {o["Key"] for o in listed} == redis_keys
         redis_server.client().flushall()
-        assert bytes(decode_block(a.get_many(NS, keys[:1])[0])[1]).startswith(b"A-secret-")  # type: ignore[arg-type]
-        assert bytes(decode_block(b.get_many(NS, keys[:1])[0])[1]) == b"B-other"  # type: ignore[arg-type]
+        assert bytes(decode_block(a.get_many(NS, keys[:1])[0], keys[0])[1]).startswith(b"A-secret-")  # type: ignore[arg-type]
+        assert bytes(decode_block(b.get_many(NS, keys[:1])[0], keys[0])[1]) == b"B-other"  # type: ignore[arg-type]
         # Lookups of the other tenant's keys answer exactly like lookups of keys nobody has.
         with grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.KVCacheStub(channel)
             md = (("authorization", "Bearer " + TOKENS["b"]),)
             theirs = stub.Lookup(pb.LookupRequest(namespace="x", keys=keys), metadata=md, timeout=5)
-            a.put_many("x", [(keys[0], raw_block(b"only-a"))])
+            a.put_many("x", [(keys[0], raw_block(keys[0], b"only-a"))])
             nobody = stub.Lookup(pb.LookupRequest(namespace="x", keys=[os.urandom(16)]), metadata=md, timeout=5)
             after = stub.Lookup(pb.LookupRequest(namespace="x", keys=keys), metadata=md, timeout=5)
             assert theirs.SerializeToString() == nobody.SerializeToString() == after.SerializeToString() == b""
@@ -233,9 +233,9 @@ def test_events_only_show_the_callers_tenant(secured: ServerThread) -> None:
             KVCacheClient(secured.target, token=TOKENS["a"]) as a,
             KVCacheClient(secured.target, token=TOKENS["b"]) as b,
         ):
-            a.put_many("shared", [(os.urandom(16), raw_block(b"a"))])
+            a.put_many("shared", [keyed(b"a")])
             key = os.urandom(16)
-            b.put_many("shared", [(key, raw_block(b"b"))])
+            b.put_many("shared", [(key, raw_block(key, b"b"))])
         event = next(iter(stream))
         assert (event.namespace, list(event.keys)) == ("shared", [key])  # B's own event, tenant prefix hidden
         stream.cancel()
@@ -249,9 +249,9 @@ def test_a_tenants_flood_evicts_only_its_own_blocks(make_server, tmp_path: Path)
     )
     with KVCacheClient(server.target, token=TOKENS["a"]) as a, KVCacheClient(server.target, token=TOKENS["b"]) as b:
         b_keys = [os.urandom(16) for _ in range(20)]
-        b.put_many("n", [(k, raw_block(os.urandom(16 << 10))) for k in b_keys])  # 320 KiB: within B's share
+        b.put_many("n", [(k, raw_block(k, os.urandom(16 << 10))) for k in b_keys])  # 320 KiB: within B's share
         for _ in range(40):  # A floods 10 MiB
-            a.put_many("n", [(os.urandom(16), raw_block(os.urandom(32 << 10))) for _ in range(8)])
+            a.put_many("n", [keyed(os.urandom(32 << 10)) for _ in range(8)])
         assert b.lookup("n", b_keys).prefix_length == 20  # B's hit rate untouched
         assert all(x is not None for x in b.get_many("n", b_keys))
     ram = server.stack.ram
@@ -270,7 +270,7 @@ def test_tls_verifies_the_server(make_server, tmp_path: Path) -> None:
     certs = make_certs(tmp_path)
     server: ServerThread = tls_server(make_server, certs, mtls=False, metrics={"enabled": True, "port": 0})
     with KVCacheClient(server.target, tls=TLSConfig(ca_file=str(certs["ca.crt"])), timeout_s=5) as client:
-        assert client.put_many("n", [(os.urandom(16), raw_block(b"over tls"))]).stored == 1
+        assert client.put_many("n", [keyed(b"over tls")]).stored == 1
     for bad in (TLSConfig(ca_file=str(certs["rogue-ca.crt"])), True, False):  # wrong CA, system roots, plaintext
         with KVCacheClient(server.target, tls=bad, timeout_s=3) as client, pytest.raises(Unavailable):
             client.stats()
@@ -312,8 +312,8 @@ def test_stream_and_metadata_bounds(make_server) -> None:
     server: ServerThread = make_server(limits={"max_put_stream_blocks": 10, "max_metadata_bytes": 1024})
     with KVCacheClient(server.target) as client:
         with pytest.raises(ResourceExhausted, match="max_put_stream_blocks=10"):
-            client.put_many("n", [(os.urandom(16), raw_block(b"x")) for _ in range(11)])
-        assert client.put_many("n", [(os.urandom(16), raw_block(b"x")) for _ in range(10)]).stored == 10
+            client.put_many("n", [keyed(b"x") for _ in range(11)])
+        assert client.put_many("n", [keyed(b"x") for _ in range(10)]).stored == 10
     with grpc.insecure_channel(server.target) as channel:
         with pytest.raises(grpc.RpcError) as info:
             pb_grpc.KVCacheStub(channel).Stats(pb.StatsRequest(), metadata=(("x-big", "v" * 4096),), timeout=5)

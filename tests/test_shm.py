@@ -19,7 +19,7 @@ from kvcache_core.blockwire import ShmRange, encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.shm import ShmDirectory, ShmError, read_range
-from tests.conftest import ServerThread, raw_block
+from tests.conftest import ServerThread, keyed, raw_block
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -37,7 +37,7 @@ def shm_server(make_server, shm_dir: Path) -> ServerThread:
 
 
 def blocks(n: int, size: int) -> list[tuple[bytes, bytes]]:
-    return [(os.urandom(16), raw_block(os.urandom(size))) for _ in range(n)]
+    return [keyed(os.urandom(size)) for _ in range(n)]
 
 
 def stats(server: ServerThread) -> pb.StatsResponse:
@@ -119,7 +119,7 @@ def test_tensors_from_shared_memory_can_be_written_without_harm(shm_server: Serv
     original = torch.arange(64 * 1024, dtype=torch.float32).reshape(2, 2, 4, 64, 64)
     key = os.urandom(16)
     with KVCacheClient(shm_server.target) as client:
-        client.put_many("ns", [(key, tensor_to_block(original))])
+        client.put_many("ns", [(key, tensor_to_block(original, key))])
         (t,) = client.get_tensors("ns", [key])
         assert client._transport.shm.state == "on" and torch.equal(t, original)
         t.add_(1)  # documented as read-only; must still not crash or reach the server's copy
@@ -209,10 +209,10 @@ def test_missing_segment_is_failed_precondition(shm_server: ServerThread) -> Non
 
 
 def test_range_past_the_end_and_oversized_blocks_are_refused(shm_server: ServerThread, shm_dir: Path) -> None:
-    data = raw_block(os.urandom(4096))
+    key = os.urandom(16)
+    data = raw_block(key, os.urandom(4096))
     seg = _segment_with(shm_dir, data)
     try:
-        key = os.urandom(16)
         code, details = _put(shm_server, (key, ShmRange(seg.name, 64, len(data) + 1000)))
         assert code is grpc.StatusCode.INVALID_ARGUMENT and "past the end" in details
         too_big = shm_server.config.limits.max_block_bytes + 1
@@ -227,12 +227,12 @@ def test_range_past_the_end_and_oversized_blocks_are_refused(shm_server: ServerT
 
 
 def test_corrupt_bytes_in_a_segment_are_data_loss_and_not_stored(shm_server: ServerThread, shm_dir: Path) -> None:
-    data = bytearray(raw_block(os.urandom(100_000)))
+    key, good = os.urandom(16), os.urandom(16)
+    data = bytearray(raw_block(key, os.urandom(100_000)))
     data[-1] ^= 0xFF
     seg = _segment_with(shm_dir, bytes(data))
     try:
-        key, good = os.urandom(16), os.urandom(16)
-        fine = raw_block(b"fine")
+        fine = raw_block(good, b"fine")
         good_seg = _segment_with(shm_dir, fine)
         # A good block first in the same message: nothing of the message is stored.
         code, details = _put(
@@ -247,7 +247,7 @@ def test_corrupt_bytes_in_a_segment_are_data_loss_and_not_stored(shm_server: Ser
 
 def test_symlinks_and_foreign_files_are_refused(shm_server: ServerThread, shm_dir: Path, tmp_path: Path) -> None:
     target = tmp_path / "secret"
-    target.write_bytes(raw_block(b"not yours"))
+    target.write_bytes(raw_block(bytes(16), b"not yours"))
     name = "kvcache-" + "1" * 32
     (shm_dir / name).symlink_to(target)
     code, _ = _put(shm_server, (os.urandom(16), ShmRange(name, 0, 10)))
@@ -338,7 +338,7 @@ def test_a_client_that_exits_without_close_leaves_no_segments(shm_server: Server
         "from kvcache_core.format import encode_block\n"
         "c = KVCacheClient(sys.argv[1])\n"
         "k = os.urandom(16)\n"
-        "c.put_many('ns', [(k, encode_block(os.urandom(1 << 20), dtype='uint8', shape=(1 << 20,)))])\n"
+        "c.put_many('ns', [(k, encode_block(os.urandom(1 << 20), key=k, dtype='uint8', shape=(1 << 20,)))])\n"
         "assert c.get_many('ns', [k])[0] is not None\n"
         "print(len(os.listdir(sys.argv[2])))\n"
     )

@@ -12,7 +12,7 @@ from kvcache_server.tiers.base import TierError
 from kvcache_server.tiers.redis import RedisTier
 from kvcache_server.tiers.s3 import S3Tier
 from tests.backends import RedisProcess, S3Process, free_port, make_certs
-from tests.conftest import raw_block
+from tests.conftest import keyed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -24,7 +24,7 @@ def run(coro):
 
 
 def items(n: int, size: int = 1000) -> list[tuple[bytes, bytes]]:
-    return [(os.urandom(16), raw_block(os.urandom(size))) for _ in range(n)]
+    return [keyed(os.urandom(size)) for _ in range(n)]
 
 
 async def _exercise(tier, batch: list[tuple[bytes, bytes]]) -> None:

@@ -253,6 +253,21 @@ def test_corrupt_chunk_in_the_middle_ends_the_prefix(
     assert_continues_exactly(model, prompt, cache)
 
 
+def test_another_chunks_valid_block_ends_the_prefix(
+    server: ServerThread, client: KVCacheClient, model: LlamaForCausalLM
+) -> None:
+    """The most dangerous misdirection: a block of the right shape, dtype and layout, intact, but made for
+    another chunk. Format v2 binds it to its key, so the load stops there instead of using the wrong KV."""
+    connector, prompt, keys = saved_prompt(client, model)
+    other = client.get_many(connector.namespace, [keys[2]])[0]
+    assert other is not None
+    ram = server.stack.tiers[0]
+    assert ram.put_many_sync(connector.namespace.name, [(keys[1], bytes(other))]) == [True]
+    cache, n = connector.load(prompt)
+    assert n == 16 and client.corrupt_blocks == 1
+    assert_continues_exactly(model, prompt, cache)
+
+
 def test_chunk_of_the_wrong_shape_ends_the_prefix(client: KVCacheClient, model: LlamaForCausalLM) -> None:
     connector, prompt, keys = saved_prompt(client, model)
     # A valid block of another shape under this namespace's key: a writer's bug, refused as a miss.
@@ -260,7 +275,7 @@ def test_chunk_of_the_wrong_shape_ends_the_prefix(client: KVCacheClient, model: 
     client.delete(connector.namespace, [keys[1]])
     assert client.put_tensors(connector.namespace, [keys[1]], [wrong]).stored == 1
     assert connector.load(prompt)[1] == 16
-    raw = encode_block(b"\0" * 64, dtype="uint8", shape=(64,))
+    raw = encode_block(b"\0" * 64, key=keys[0], dtype="uint8", shape=(64,))
     client.delete(connector.namespace, [keys[0]])
     assert client.put_many(connector.namespace, [(keys[0], raw)]).stored == 1
     assert connector.load(prompt) == (None, 0)

@@ -136,7 +136,7 @@ class AsyncKVCacheClient:
             return []
         ns = namespace_name(namespace)
         fetched = await self._call(timeout_s, lambda t: self._transport.get(ns, keys, prefix_only, t))
-        return verified(fetched, self._count_corrupt)
+        return verified(fetched, keys, self._count_corrupt)
 
     async def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """Removes keys from every tier; returns how many were stored."""
@@ -163,7 +163,7 @@ class AsyncKVCacheClient:
 
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
-        items = [(k, tensor_block_parts(t, layout)) for k, t in zip(keys, tensors, strict=True)]
+        items = [(k, tensor_block_parts(t, k, layout)) for k, t in zip(keys, tensors, strict=True)]
         return await self.put_many(namespace, items, timeout_s=timeout_s)
 
     async def get_tensors(

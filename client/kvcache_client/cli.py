@@ -157,12 +157,14 @@ def cmd_lookup(ctx: Context, args: argparse.Namespace) -> int:
 def cmd_put(ctx: Context, args: argparse.Namespace) -> int:
     data = inputs.read_bytes(args.file)
     if args.raw:
-        block = encode_block(data, dtype="uint8", shape=(len(data),))
+        block = encode_block(data, key=args.key, dtype="uint8", shape=(len(data),))
     else:
         try:
-            verify_block(data)
+            verify_block(data, args.key)
         except BlockFormatError as exc:
-            raise CliError(f"{args.file} is not a valid block ({exc}); --raw stores any bytes as one") from None
+            raise CliError(
+                f"{args.file} is not a valid block under key {args.key.hex()} ({exc}); --raw stores any bytes as one"
+            ) from None
         block = data
     with ctx.client() as client:
         result = client.put_many(args.namespace, [(args.key, block)])

@@ -59,18 +59,21 @@ def namespace_name(namespace: NamespaceLike) -> str:
     return namespace.name if isinstance(namespace, _keys.Namespace) else namespace
 
 
-def verified(fetched: list[Fetched | None], on_corrupt: Callable[[], None]) -> list[memoryview | None]:
-    """Blocks that pass their checksum; corrupt ones become misses."""
+def verified(
+    fetched: list[Fetched | None], keys: Sequence[bytes], on_corrupt: Callable[[], None]
+) -> list[memoryview | None]:
+    """Blocks that pass their checksum under the key they were asked for; the rest become misses
+    (a damaged block, or another key's block: format v2 binds each block to its key)."""
     out: list[memoryview | None] = []
-    for item in fetched:
+    for key, item in zip(keys, fetched, strict=True):
         if item is None:
             out.append(None)
             continue
         data, tier = item
         try:
-            verify_block(data)
+            verify_block(data, key)
         except BlockFormatError as exc:
-            log.error("block from tier %s failed verification, treating as a miss: %s", tier, exc)
+            log.error("block %s from tier %s failed verification, treating as a miss: %s", key.hex(), tier, exc)
             on_corrupt()
             out.append(None)
             continue
@@ -190,7 +193,7 @@ class KVCacheClient:
             return []
         ns = namespace_name(namespace)
         fetched = self._call(timeout_s, lambda t: self._transport.get(ns, keys, prefix_only, t))
-        return verified(fetched, self._count_corrupt)
+        return verified(fetched, keys, self._count_corrupt)
 
     def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """Removes keys from every tier; returns how many were stored."""
@@ -217,7 +220,7 @@ class KVCacheClient:
 
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
-        items = [(k, tensor_block_parts(t, layout)) for k, t in zip(keys, tensors, strict=True)]
+        items = [(k, tensor_block_parts(t, k, layout)) for k, t in zip(keys, tensors, strict=True)]
         return self.put_many(namespace, items, timeout_s=timeout_s)
 
     def get_tensors(

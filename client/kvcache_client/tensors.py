@@ -25,8 +25,9 @@ def block_dtype(dtype: torch.dtype) -> DType:
     return DType.from_name(str(dtype))
 
 
-def tensor_block_parts(tensor: torch.Tensor, layout: Layout = Layout.CANONICAL) -> BlockParts:
-    """A tensor as block parts (header, payload view), reading a contiguous CPU tensor in place.
+def tensor_block_parts(tensor: torch.Tensor, key: bytes, layout: Layout = Layout.CANONICAL) -> BlockParts:
+    """A tensor as the parts (header, payload view) of its block under `key`, reading a contiguous
+    CPU tensor in place.
 
     KVCacheClient.put_many sends parts with one copy of the payload, into the gRPC message.
     The view shares the tensor's memory: do not modify the tensor until the put returns.
@@ -36,21 +37,25 @@ def tensor_block_parts(tensor: torch.Tensor, layout: Layout = Layout.CANONICAL) 
         t = t.cpu()
     t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-    return encode_block_parts(memoryview(raw), dtype=block_dtype(t.dtype), shape=tuple(t.shape), layout=layout)
+    return encode_block_parts(memoryview(raw), key=key, dtype=block_dtype(t.dtype), shape=tuple(t.shape), layout=layout)
 
 
-def tensor_to_block(tensor: torch.Tensor, layout: Layout = Layout.CANONICAL) -> bytes:
-    """Encodes a tensor as one block (bytes); its payload is copied once."""
-    return b"".join(tensor_block_parts(tensor, layout))
+def tensor_to_block(tensor: torch.Tensor, key: bytes, layout: Layout = Layout.CANONICAL) -> bytes:
+    """Encodes a tensor as one block (bytes) under `key`; its payload is copied once."""
+    return b"".join(tensor_block_parts(tensor, key, layout))
 
 
-def block_to_tensor(data: bytes | memoryview, *, verify: bool = True) -> torch.Tensor:
+def block_to_tensor(data: bytes | memoryview, key: bytes | None = None, *, verify: bool = True) -> torch.Tensor:
     """Decodes a block into a CPU tensor that views `data`'s payload without a copy.
 
     The tensor shares memory with `data`: treat it as read-only (clone it, or
     copy it into its destination, before writing to it).
+
+    Raises:
+        BlockFormatError, ChecksumMismatch: `data` is not a valid block under `key` (verify on).
+        TypeError: verify is on and no key was given.
     """
-    header, payload = decode_block(data, verify=verify)
+    header, payload = decode_block(data, key, verify=verify)
     dtype = torch_dtype(header.dtype)
     if header.raw_len == 0:
         return torch.empty(header.shape, dtype=dtype)

@@ -3,7 +3,8 @@
 A tier that stores bytes remotely (Redis over a network, S3) may trade CPU for
 bytes. The stored form is still a block: the header's `compression` and
 `payload_len` change, while `raw_len` and the checksum keep describing the
-uncompressed payload, so `decode` verifies end to end.
+uncompressed payload (and the key), so `decode` verifies end to end, under the
+key the block was read for.
 
     encoded payload = LZ4(payload)                         compression = LZ4
     encoded payload = LZ4(shuffle(payload, itemsize))      compression = SHUFFLE_LZ4
@@ -78,16 +79,17 @@ def encode(block: bytes, mode: CompressionMode) -> bytes:
     return b"".join((stored.pack(), packed))
 
 
-def decode(stored: bytes) -> bytes:
-    """The verified, uncompressed block from a tier's stored bytes.
+def decode(stored: bytes, key: bytes) -> bytes:
+    """The verified, uncompressed block from a tier's stored bytes, read under `key`.
 
     Raises:
-        BlockFormatError (ChecksumMismatch included): the stored bytes are not a
-            valid block, do not decompress, or fail the checksum.
+        BlockFormatError (ChecksumMismatch, UnknownFormatVersion included): the stored bytes
+            are not a valid version-2 block, do not decompress, or fail the checksum under
+            `key` (damaged, or another key's block).
     """
     header = parse_header(stored)
     if header.compression is Compression.NONE:
-        verify_block(stored)
+        verify_block(stored, key)
         return stored
     packed = memoryview(stored)[header.header_len :]
     try:
@@ -108,5 +110,5 @@ def decode(stored: bytes) -> bytes:
         checksum=header.checksum,
     )
     block = b"".join((plain.pack(), raw))
-    verify_block(block)
+    verify_block(block, key)
     return block

@@ -237,12 +237,34 @@ def test_block_with_a_valid_checksum_but_the_wrong_shape_is_refused(model_dir: s
     keys = chunk_keys(PROMPT, namespace)
     wrong = encode_block(
         bytes(NUM_LAYERS * 2 * KV_HEADS * (CHUNK - 1) * HEAD * 2),
+        key=keys[0],
         dtype="float16",
         shape=(NUM_LAYERS, 2, KV_HEADS, CHUNK - 1, HEAD),
         layout=Layout.CANONICAL,
     )
     with KVCacheClient(server.target, timeout_s=5) as client:
         client.put_many(namespace, [(keys[0], wrong)])
+
+    engine = make_engine(model_dir, role="kv_consumer", extra={"target": server.target})
+    engine.add("r", PROMPT)
+    steps = engine.run()
+
+    assert steps[0].invalid_block_ids == set(engine.last_block_ids("r")[:7])
+    assert engine.computed_positions("r") == [99, *range(100)]
+    assert bitwise_equal(engine.paged_kv("r", 0, 100), engine.expected_kv("r", 0, 100))
+    assert engine.stats.data["load_failures"] == 4
+
+
+def test_another_chunks_intact_block_is_refused(model_dir: str, server) -> None:
+    """Chunk 1's intact block under chunk 0's key (right shape, dtype and layout): before format v2 it was
+    scattered as chunk 0's KV. Now the SDK's key check refuses it and the engine recomputes."""
+    saved_prompt(model_dir, server)
+    namespace = expected_namespace(model_dir)
+    keys = chunk_keys(PROMPT, namespace)
+    with KVCacheClient(server.target, timeout_s=5) as client:
+        (other,) = client.get_many(namespace.name, [keys[1]])
+    assert other is not None
+    assert server.stack.ram.put_many_sync(namespace.name, [(keys[0], bytes(other))]) == [True]
 
     engine = make_engine(model_dir, role="kv_consumer", extra={"target": server.target})
     engine.add("r", PROMPT)

@@ -297,7 +297,8 @@ def test_valid_block_of_the_wrong_shape_is_refused(shape, layout, model_dir: str
     payload = bytes(2 * torch.Size(shape).numel())
     with KVCacheClient(server.target, timeout_s=5) as client:
         client.put_many(
-            pair.namespace, [(pair.keys[2], encode_block(payload, dtype="float16", shape=shape, layout=layout))]
+            pair.namespace,
+            [(pair.keys[2], encode_block(payload, key=pair.keys[2], dtype="float16", shape=shape, layout=layout))],
         )
 
     assert pair.load() == {DST_BLOCKS[4]}
@@ -308,7 +309,9 @@ def test_wrong_dtype_block_is_refused(model_dir: str, server) -> None:
     pair = make_pair(CASES[0], model_dir, server.target)
     pair.save()
     shape = (NUM_LAYERS, 2, KV_HEADS, CHUNK, HEAD)
-    wrong = encode_block(bytes(2 * torch.Size(shape).numel()), dtype="bfloat16", shape=shape, layout=Layout.CANONICAL)
+    wrong = encode_block(
+        bytes(2 * torch.Size(shape).numel()), key=pair.keys[0], dtype="bfloat16", shape=shape, layout=Layout.CANONICAL
+    )
     with KVCacheClient(server.target, timeout_s=5) as client:
         client.put_many(pair.namespace, [(pair.keys[0], wrong)])
     assert pair.load() == set(DST_BLOCKS)

@@ -22,7 +22,7 @@ from typing import TextIO
 
 from kvcache_client.client import KVCacheClient
 from kvcache_client.errors import KVCacheError
-from kvcache_core.format import encode_block
+from kvcache_core.format import encode_block_parts
 
 NAMESPACE_PREFIX = "kvcache-bench-"
 
@@ -148,14 +148,16 @@ def run_bench(
 ) -> tuple[str, PhaseResult, PhaseResult]:
     """Runs both phases; returns (namespace, put, get). Deletes the keys afterwards unless `keep`."""
     namespace = NAMESPACE_PREFIX + os.urandom(6).hex()
-    pool = [
-        encode_block(os.urandom(plan.block_bytes), dtype="uint8", shape=(plan.block_bytes,))
-        for _ in range(min(plan.batch, plan.blocks))
-    ]
+    payloads = [os.urandom(plan.block_bytes) for _ in range(min(plan.batch, plan.blocks))]
     keys = [os.urandom(16) for _ in range(plan.blocks)]
 
     def put(batch: Sequence[bytes]) -> int:
-        client.put_many(namespace, list(zip(batch, pool, strict=False)))
+        # Blocks are bound to their keys (format v2): one header per key, the payloads reused.
+        items = [
+            (key, encode_block_parts(payload, key=key, dtype="uint8", shape=(plan.block_bytes,)))
+            for key, payload in zip(batch, payloads, strict=False)
+        ]
+        client.put_many(namespace, items)
         return 0
 
     def get(batch: Sequence[bytes]) -> int:

@@ -172,7 +172,7 @@ class WorkerSide:
                 return out
             for (key, chunk), block in zip(by_key.items(), blocks, strict=True):
                 if block is not None and self._acceptable(block, chunk):
-                    out[(namespace, key)] = block_to_tensor(block, verify=False)  # the SDK verified it
+                    out[(namespace, key)] = block_to_tensor(block, verify=False)  # the SDK verified it under `key`
         self._breaker.success()
         return out
 
@@ -222,7 +222,8 @@ class WorkerSide:
             namespace = items.setdefault(transfer.namespaces[self._shard], [])
             for chunk in transfer.chunks:
                 tensor = staged.narrow(self._token_dim, position, chunk.end - chunk.start)
-                namespace.append((chunk.keys[self._shard], tensor_block_parts(tensor, self._block_layout)))
+                key = chunk.keys[self._shard]
+                namespace.append((key, tensor_block_parts(tensor, key, self._block_layout)))
                 position += chunk.end - chunk.start
         for namespace, blocks in items.items():
             if self._breaker.state is BreakerState.OPEN:  # a put of this step failed already
