@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import struct
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from kvcache_client.errors import BlockFormatError, ChecksumMismatch, UnknownFor
 from kvcache_client.tensors import block_to_tensor, tensor_to_block
 from kvcache_core.format import (
     FIXED_HEADER_BYTES,
+    FORMAT_VERSION,
     Compression,
     DType,
     Layout,
@@ -196,3 +198,17 @@ def test_version_1_blocks_are_refused_even_when_their_old_checksum_holds() -> No
             verify_block(v1, key)
     with pytest.raises(UnknownFormatVersion):
         parse_header(v1)
+
+
+def test_blocks_match_the_independent_reference_vectors() -> None:
+    """tests/vectors/gen_blocks.py implements docs/format.md from the text alone; both must agree byte for byte."""
+    vectors = json.loads((Path(__file__).resolve().parent / "vectors" / "blocks.json").read_text())
+    assert vectors["format_version"] == FORMAT_VERSION == 2
+    for v in vectors["vectors"]:
+        key, payload, want = bytes.fromhex(v["key"]), bytes.fromhex(v["payload"]), bytes.fromhex(v["block"])
+        got = encode_block(payload, key=key, dtype=DType(v["dtype"]), shape=v["shape"], layout=Layout(v["layout"]))
+        assert got == want, v["name"]
+        header, view = decode_block(want, key)
+        assert bytes(view) == payload and list(header.shape) == v["shape"]
+        with pytest.raises(ChecksumMismatch):
+            verify_block(want, bytes(b ^ 0x80 for b in key))
