@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import inspect
 import logging
 import re
 import time
@@ -113,7 +114,12 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
 
             return wrapped
 
-        def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+        def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+            if not inspect.isasyncgenfunction(behavior):
+                # A streaming handler may also be a coroutine that sends with context.write() (the
+                # health servicer's Watch is one): `async for` over it would fail every call.
+                return unary(behavior)  # type: ignore[arg-type]
+
             async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 async with Call(context):
                     async for response in behavior(request_or_iterator, context):
