@@ -9,18 +9,50 @@ from the .proto interoperates, but it copies block bytes once when encoding
 and not at all when decoding a GetResponse (blocks are memoryviews into the
 received message).
 
-Wire format reminders (protobuf encoding): a field is a varint tag
-(field_number << 3 | wire_type) then its value; wire type 0 is a varint, 2 a
-length-delimited byte string or nested message, 1 and 5 fixed 64/32-bit.
-Unknown fields are skipped, as the generated code does; fields at their
-default value are omitted, as proto3 serialisers do.
-
     PutRequest  { string namespace = 1; repeated Block blocks = 2; }
     Block       { bytes key = 1; bytes data = 2; ShmRange shm = 3; bool more = 4; uint64 total_length = 5; }
     ShmRange    { string segment = 1; uint64 offset = 2; uint64 length = 3; }
     GetResponse { repeated GetItem items = 1; }
     GetItem     { uint32 index = 1; bool found = 2; bytes data = 3; Tier tier = 4; ShmRange shm = 5;
                   bool more = 6; }
+
+Wire format: a field is a varint tag (field_number << 3 | wire_type) then its value; wire type 0
+is a varint, 1 a fixed 64-bit value, 2 a length-delimited byte string or nested message, 3 and 4
+start and end a group, 5 a fixed 32-bit value. The encoders omit fields at their default value,
+as proto3 serialisers do.
+
+The decoders accept exactly what the generated code (python protobuf, upb backend) accepts and
+produce the same values; tests/test_blockwire_differential.py checks this against kvcache_pb2.
+The rules, found by feeding crafted bytes to kvcache_pb2.*.FromString:
+
+- Varints are at most 10 bytes (an 11th byte is an error); their value is taken modulo 2**64
+  (bits a 10th byte carries above bit 63 are dropped). Non-minimal encodings are fine.
+- A tag is a varint of at most 5 bytes and at most 2**32 - 1, so field numbers above 2**29 - 1
+  are refused. Field number 0 is refused in a message but allowed inside a group. Wire types 6
+  and 7 are refused everywhere.
+- A length is a varint of at most 5 bytes and may not run past the end of the enclosing message.
+- Unknown fields of every wire type are skipped; so is a known field sent with another wire type
+  (e.g. `blocks` as a varint, `tier` as a packed length-delimited run: no field here is repeated
+  scalar, so no packed encoding applies). Only known string fields are checked as UTF-8.
+- A group (wire type 3) is skipped up to the end-group (wire type 4) with the same field number;
+  a mismatched end-group, an end-group outside a group, or a group left open at the end of its
+  message is refused. Groups and sub-messages nest at most 100 deep (the top-level message is
+  depth 0; a Block or GetItem is 1, its ShmRange 2).
+- A scalar or bytes field seen twice keeps the last value. A sub-message field seen twice
+  (Block.shm, GetItem.shm) is parsed into the same message, as if its occurrences were
+  concatenated: fields in a later occurrence overwrite, others stay. `shm` present but empty is
+  still present. Repeated `blocks` and `items` add one element per occurrence.
+- uint32 `index` keeps the low 32 bits; `tier` (an open enum, int32) the low 32 bits as a signed
+  value, unknown values kept; bool is value != 0 over all 64 bits; uint64 fields the value.
+- `string` fields (namespace, segment) must be valid UTF-8 as Python's strict codec defines it
+  (no surrogates, overlong forms or code points above U+10FFFF); an invalid occurrence is an
+  error even if a later one would replace it.
+- Truncated input anywhere (tag, varint, fixed value, length, group) is refused; the empty
+  message is valid.
+
+Decoding only decodes. That a Block may not set `shm` together with data, more or total_length
+is validation: parse_put_request decodes such a block as a MixedBlock, check_put_message refuses
+it, and decode_put_request (what the server registers) does both.
 """
 
 from __future__ import annotations
@@ -45,7 +77,12 @@ def _varint(value: int) -> bytes:
             return bytes(out)
 
 
-def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
+_MASK64 = (1 << 64) - 1
+_MAX_DEPTH = 100  # how deep groups and sub-messages may nest (the top-level message is depth 0)
+
+
+def _read_varint(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
+    """The varint at `pos` (at most 10 bytes, taken modulo 2**64) and the position after it."""
     result = shift = 0
     while True:
         if pos >= end:
@@ -53,46 +90,84 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
         byte = buf[pos]
         pos += 1
         result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
+        if byte < 0x80:
+            return result & _MASK64, pos
         shift += 7
-        if shift >= 64:
+        if shift == 70:
             raise WireError("varint longer than 10 bytes")
 
 
-def _fields(buf: memoryview, pos: int, end: int):
-    """Yields (field number, wire type, value): an int for varints/fixed, (start, stop) for byte strings."""
+def _read_tag(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
+    """The tag at `pos`: a varint of at most 5 bytes and 32 bits."""
+    tag, stop = _read_varint(buf, pos, end)
+    if stop - pos > 5 or tag > 0xFFFFFFFF:
+        raise WireError("tag longer than 5 bytes or 32 bits")
+    return tag, stop
+
+
+def _read_length(buf: Buffer, pos: int, end: int) -> tuple[int, int]:
+    """The length prefix at `pos` (a varint of at most 5 bytes) and the position after it; the
+    bytes it announces must lie before `end`."""
+    length, stop = _read_varint(buf, pos, end)
+    if stop - pos > 5:
+        raise WireError("length prefix longer than 5 bytes")
+    if length > end - stop:
+        raise WireError("length-delimited field runs past the end of its message")
+    return length, stop
+
+
+def _skip(buf: Buffer, pos: int, end: int, tag: int, depth: int) -> int:
+    """Skips the value of a field nobody reads (unknown, or known but sent with another wire
+    type) whose tag ends at `pos`, in a message or group at `depth`; returns the position after it."""
+    wire_type = tag & 7
+    if wire_type == 0:
+        return _read_varint(buf, pos, end)[1]
+    if wire_type == 2:
+        length, pos = _read_length(buf, pos, end)
+        return pos + length
+    if wire_type == 1 or wire_type == 5:
+        size = 8 if wire_type == 1 else 4
+        if end - pos < size:
+            raise WireError("truncated fixed-size field")
+        return pos + size
+    if wire_type == 3:
+        return _skip_group(buf, pos, end, tag >> 3, depth + 1)
+    if wire_type == 4:
+        raise WireError("end-group outside a group")
+    raise WireError(f"invalid wire type {wire_type}")
+
+
+def _skip_field(buf: Buffer, pos: int, end: int, tag: int, depth: int) -> int:
+    """_skip for a field of a message (not of a group), where field number 0 is refused."""
+    if tag < 8:
+        raise WireError("field number 0")
+    return _skip(buf, pos, end, tag, depth)
+
+
+def _skip_group(buf: Buffer, pos: int, end: int, number: int, depth: int) -> int:
+    """Skips a group's fields (field number 0 allowed) up to its end-group; returns the position after it."""
+    if depth > _MAX_DEPTH:
+        raise WireError("groups nested too deeply")
     while pos < end:
-        tag, pos = _read_varint(buf, pos, end)
-        number, wire_type = tag >> 3, tag & 7
-        if number == 0:
-            raise WireError("field number 0")
-        if wire_type == 0:
-            value, pos = _read_varint(buf, pos, end)
-            yield number, 0, value
-        elif wire_type == 2:
-            length, pos = _read_varint(buf, pos, end)
-            if length > end - pos:
-                raise WireError("length-delimited field runs past the end")
-            yield number, 2, (pos, pos + length)
-            pos += length
-        elif wire_type == 1:
-            if end - pos < 8:
-                raise WireError("truncated fixed64")
-            yield number, 1, int.from_bytes(buf[pos : pos + 8], "little")
-            pos += 8
-        elif wire_type == 5:
-            if end - pos < 4:
-                raise WireError("truncated fixed32")
-            yield number, 5, int.from_bytes(buf[pos : pos + 4], "little")
-            pos += 4
+        tag = buf[pos]
+        if tag < 0x80:
+            pos += 1
         else:
-            raise WireError(f"unsupported wire type {wire_type}")
+            tag, pos = _read_tag(buf, pos, end)
+        if tag & 7 == 4:
+            if tag >> 3 != number:
+                raise WireError("end-group does not match its group")
+            return pos
+        pos = _skip(buf, pos, end, tag, depth)
+    raise WireError("group not closed before the end of its message")
 
 
-def _expect(wire_type: int, wanted: int, what: str) -> None:
-    if wire_type != wanted:
-        raise WireError(f"{what} has wire type {wire_type}, expected {wanted}")
+def _buffers(data: Buffer) -> tuple[Buffer, memoryview]:
+    """`data` to index (a bytes object indexes fastest) and a flat byte view of it to slice without copying."""
+    view = memoryview(data)
+    if view.ndim != 1 or view.format != "B":
+        view = view.cast("B")
+    return (data if type(data) is bytes else view), view
 
 
 # -- ShmRange ----------------------------------------------------------------------------------------
@@ -117,18 +192,25 @@ class ShmRange:
         )
 
 
-def _decode_shm_range(buf: memoryview, pos: int, end: int) -> ShmRange:
-    segment, offset, length = "", 0, 0
-    for number, wire_type, value in _fields(buf, pos, end):
-        if number == 1:
-            _expect(wire_type, 2, "ShmRange.segment")
-            segment = bytes(buf[value[0] : value[1]]).decode("utf-8")
-        elif number == 2:
-            _expect(wire_type, 0, "ShmRange.offset")
-            offset = value
-        elif number == 3:
-            _expect(wire_type, 0, "ShmRange.length")
-            length = value
+def _decode_shm_range(buf: Buffer, pos: int, end: int, into: ShmRange | None, depth: int) -> ShmRange:
+    """Parses one occurrence of a ShmRange field; a later occurrence merges into the earlier (`into`)."""
+    segment, offset, length = ("", 0, 0) if into is None else (into.segment, into.offset, into.length)
+    while pos < end:
+        tag = buf[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _read_tag(buf, pos, end)
+        if tag == 0x0A:
+            n, pos = _read_length(buf, pos, end)
+            segment = str(buf[pos : pos + n], "utf-8")
+            pos += n
+        elif tag == 0x10:
+            offset, pos = _read_varint(buf, pos, end)
+        elif tag == 0x18:
+            length, pos = _read_varint(buf, pos, end)
+        else:
+            pos = _skip_field(buf, pos, end, tag, depth)
     return ShmRange(segment, offset, length)
 
 
@@ -220,67 +302,116 @@ def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, PutData]]) 
     return b"".join(parts)
 
 
+@dataclass(frozen=True, slots=True)
+class MixedBlock:
+    """A Block that sets `shm` together with data, more or total_length. Protobuf decodes it, so
+    parse_put_request does; it is not a valid Put block, so check_put_message refuses it."""
+
+    data: Buffer
+    shm: ShmRange
+    more: bool
+    total_length: int
+
+
 @dataclass(slots=True)
 class PutMessage:
     """A decoded PutRequest. `error` is set (and the rest empty) when the bytes did not parse.
 
     A block's data is bytes, or a read-only memoryview into the message when the block is at
     least half of it (see _decode_block); `block_cost` gives the bytes either one keeps alive.
+    Only parse_put_request leaves MixedBlock values in `blocks`.
     """
 
     namespace: str = ""
-    blocks: list[tuple[bytes, Buffer | ShmRange | BlockPart]] = field(default_factory=list)
+    blocks: list[tuple[bytes, Buffer | ShmRange | BlockPart | MixedBlock]] = field(default_factory=list)
     error: str = ""
 
 
-def decode_put_request(data: bytes) -> PutMessage:
-    """Parses a PutRequest. Never raises: a malformed message comes back with `error` set,
-    so the server can answer INVALID_ARGUMENT instead of failing in gRPC's deserializer."""
-    buf = memoryview(data)
+def decode_put_request(data: Buffer) -> PutMessage:
+    """Parses and checks a PutRequest (parse_put_request, then check_put_message). Never raises:
+    a malformed or invalid message comes back with `error` set, so the server can answer
+    INVALID_ARGUMENT instead of failing in gRPC's deserializer."""
+    return check_put_message(parse_put_request(data))
+
+
+def check_put_message(msg: PutMessage) -> PutMessage:
+    """`msg`, or a PutMessage with `error` set if a block sets shm together with data, more or
+    total_length (decodable, but not a valid Put)."""
+    for _key, data in msg.blocks:
+        if type(data) is MixedBlock:
+            return PutMessage(error="malformed PutRequest: Block sets shm with data, more or total_length")
+    return msg
+
+
+def parse_put_request(data: Buffer) -> PutMessage:
+    """Decodes a PutRequest exactly as the generated code would (see the module docstring), without
+    validating it. Never raises: bytes protobuf refuses come back with `error` set."""
+    buf, view = _buffers(data)
+    end = len(view)
     msg = PutMessage()
+    blocks = msg.blocks
+    pos = 0
     try:
-        for number, wire_type, value in _fields(buf, 0, len(buf)):
-            if number == 1:
-                _expect(wire_type, 2, "PutRequest.namespace")
-                start, stop = value
-                msg.namespace = bytes(buf[start:stop]).decode("utf-8")
-            elif number == 2:
-                _expect(wire_type, 2, "PutRequest.blocks")
-                msg.blocks.append(_decode_block(buf, *value))
+        while pos < end:
+            tag = buf[pos]
+            if tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _read_tag(buf, pos, end)
+            if tag == 0x12:  # blocks
+                n, pos = _read_length(buf, pos, end)
+                blocks.append(_decode_block(buf, view, pos, pos + n))
+                pos += n
+            elif tag == 0x0A:  # namespace
+                n, pos = _read_length(buf, pos, end)
+                msg.namespace = str(buf[pos : pos + n], "utf-8")
+                pos += n
+            else:
+                pos = _skip_field(buf, pos, end, tag, 0)
     except (WireError, UnicodeDecodeError) as exc:
         return PutMessage(error=f"malformed PutRequest: {exc}")
     return msg
 
 
-def _decode_block(buf: memoryview, pos: int, end: int) -> tuple[bytes, Buffer | ShmRange | BlockPart]:
+def _decode_block(
+    buf: Buffer, view: memoryview, pos: int, end: int
+) -> tuple[bytes, Buffer | ShmRange | BlockPart | MixedBlock]:
     key: bytes = b""
     data: Buffer = b""
     shm: ShmRange | None = None
     more = False
     total_length = 0
-    for number, wire_type, value in _fields(buf, pos, end):
-        if number == 1:
-            _expect(wire_type, 2, "Block.key")
-            key = bytes(buf[value[0] : value[1]])
-        elif number == 2:
-            _expect(wire_type, 2, "Block.data")
-            start, stop = value
+    while pos < end:
+        tag = buf[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _read_tag(buf, pos, end)
+        if tag == 0x12:  # data
+            n, pos = _read_length(buf, pos, end)
             # A block that is most of its message (a large block travels alone) is kept as a view:
             # no copy, and pinning the message costs only its few framing bytes. Smaller blocks are
             # copied out so that a kept block never pins its neighbours.
-            data = buf[start:stop] if 2 * (stop - start) >= len(buf) else bytes(buf[start:stop])
-        elif number == 3:
-            _expect(wire_type, 2, "Block.shm")
-            shm = _decode_shm_range(buf, *value)
-        elif number == 4:
-            _expect(wire_type, 0, "Block.more")
-            more = bool(value)
-        elif number == 5:
-            _expect(wire_type, 0, "Block.total_length")
-            total_length = value
+            data = view[pos : pos + n] if 2 * n >= len(view) else bytes(buf[pos : pos + n])
+            pos += n
+        elif tag == 0x0A:  # key
+            n, pos = _read_length(buf, pos, end)
+            key = bytes(buf[pos : pos + n])
+            pos += n
+        elif tag == 0x1A:  # shm
+            n, pos = _read_length(buf, pos, end)
+            shm = _decode_shm_range(buf, pos, pos + n, shm, 2)
+            pos += n
+        elif tag == 0x20:  # more
+            value, pos = _read_varint(buf, pos, end)
+            more = value != 0
+        elif tag == 0x28:  # total_length
+            total_length, pos = _read_varint(buf, pos, end)
+        else:
+            pos = _skip_field(buf, pos, end, tag, 1)
     if shm is not None:
         if len(data) or more or total_length:
-            raise WireError("Block sets shm with data, more or total_length")
+            return key, MixedBlock(data, shm, more, total_length)
         return key, shm
     if more or total_length:
         return key, BlockPart(data, more, total_length)
@@ -354,37 +485,67 @@ def encode_get_response(items: Sequence[tuple[int, bool, Buffer | ShmRange | Get
     return b"".join(parts)
 
 
-def decode_get_response(data: bytes) -> list[GetItem]:
-    """Parses a GetResponse; items' data are memoryviews into `data`.
+def decode_get_response(data: Buffer) -> list[GetItem]:
+    """Parses a GetResponse exactly as the generated code would (see the module docstring); items'
+    data are memoryviews into `data`.
 
     Raises:
-        WireError: the bytes are not a GetResponse.
+        WireError: the bytes are not a GetResponse (protobuf would refuse them).
     """
-    buf = memoryview(data)
+    buf, view = _buffers(data)
+    end = len(view)
     items: list[GetItem] = []
-    for number, wire_type, value in _fields(buf, 0, len(buf)):
-        if number != 1:
-            continue
-        _expect(wire_type, 2, "GetResponse.items")
-        item = GetItem(0, False, b"", 0)
-        for n, wt, v in _fields(buf, *value):
-            if n == 1:
-                _expect(wt, 0, "GetItem.index")
-                item.index = v
-            elif n == 2:
-                _expect(wt, 0, "GetItem.found")
-                item.found = bool(v)
-            elif n == 3:
-                _expect(wt, 2, "GetItem.data")
-                item.data = buf[v[0] : v[1]]
-            elif n == 4:
-                _expect(wt, 0, "GetItem.tier")
-                item.tier = v
-            elif n == 5:
-                _expect(wt, 2, "GetItem.shm")
-                item.shm = _decode_shm_range(buf, *v)
-            elif n == 6:
-                _expect(wt, 0, "GetItem.more")
-                item.more = bool(v)
-        items.append(item)
+    pos = 0
+    try:
+        while pos < end:
+            tag = buf[pos]
+            if tag < 0x80:
+                pos += 1
+            else:
+                tag, pos = _read_tag(buf, pos, end)
+            if tag == 0x0A:  # items
+                n, pos = _read_length(buf, pos, end)
+                items.append(_decode_get_item(buf, view, pos, pos + n))
+                pos += n
+            else:
+                pos = _skip_field(buf, pos, end, tag, 0)
+    except UnicodeDecodeError as exc:
+        raise WireError(f"malformed GetResponse: {exc}") from None
     return items
+
+
+def _decode_get_item(buf: Buffer, view: memoryview, pos: int, end: int) -> GetItem:
+    index = tier = 0
+    found = more = False
+    data: memoryview | bytes = b""
+    shm: ShmRange | None = None
+    while pos < end:
+        tag = buf[pos]
+        if tag < 0x80:
+            pos += 1
+        else:
+            tag, pos = _read_tag(buf, pos, end)
+        if tag == 0x1A:  # data
+            n, pos = _read_length(buf, pos, end)
+            data = view[pos : pos + n]
+            pos += n
+        elif tag == 0x08:  # index: uint32
+            value, pos = _read_varint(buf, pos, end)
+            index = value & 0xFFFFFFFF
+        elif tag == 0x10:  # found
+            value, pos = _read_varint(buf, pos, end)
+            found = value != 0
+        elif tag == 0x20:  # tier: an open enum, int32
+            value, pos = _read_varint(buf, pos, end)
+            value &= 0xFFFFFFFF
+            tier = value - ((value & 0x80000000) << 1)
+        elif tag == 0x2A:  # shm
+            n, pos = _read_length(buf, pos, end)
+            shm = _decode_shm_range(buf, pos, pos + n, shm, 2)
+            pos += n
+        elif tag == 0x30:  # more
+            value, pos = _read_varint(buf, pos, end)
+            more = value != 0
+        else:
+            pos = _skip_field(buf, pos, end, tag, 1)
+    return GetItem(index, found, data, tier, shm, more)

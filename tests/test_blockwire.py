@@ -116,7 +116,7 @@ def test_unknown_fields_are_skipped() -> None:
 
 @pytest.mark.parametrize(
     "junk",
-    [b"\x0a\x05ab", b"\x12\xff\xff\xff\xff\x0f", b"\x80", b"\x0b", b"\x00\x01", b"\x0a\x02\xff\xfe", b"\x10\x01"],
+    [b"\x0a\x05ab", b"\x12\xff\xff\xff\xff\x0f", b"\x80", b"\x0b", b"\x00\x01", b"\x0a\x02\xff\xfe", b"\x12\x01"],
 )
 def test_malformed_put_is_reported_not_raised(junk: bytes) -> None:
     assert decode_put_request(junk).error.startswith("malformed PutRequest")
