@@ -46,6 +46,8 @@ class ServerThread:
         return self.running.stack
 
     def stop(self) -> None:
+        if self.loop.is_closed():  # stopped already (a test that restarts a server)
+            return
         self.call(self.running.stop(0.5))
         self.loop.call_soon_threadsafe(self.loop.stop)
         self._thread.join(10)

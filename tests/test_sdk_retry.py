@@ -71,10 +71,40 @@ def test_deadline_bounds_all_attempts() -> None:
 
 
 def test_retry_policy_backoff_grows_and_caps() -> None:
-    policy = RetryPolicy(initial_backoff_s=0.1, max_backoff_s=0.3, multiplier=2, jitter=0)
+    policy = RetryPolicy(max_attempts=3, initial_backoff_s=0.1, max_backoff_s=0.3, multiplier=2, jitter=0)
     assert [policy.backoff_s(n) for n in (1, 2, 3, 4)] == [0.1, 0.2, 0.3, 0.3]
     assert policy.should_retry(grpc.StatusCode.UNAVAILABLE, 1)
     assert not policy.should_retry(grpc.StatusCode.UNAVAILABLE, 3)
     assert not policy.should_retry(grpc.StatusCode.INVALID_ARGUMENT, 1)
     with pytest.raises(ValueError):
         RetryPolicy(max_attempts=0)
+
+
+def test_the_default_policy_rides_out_a_server_restart_within_the_deadline(make_server) -> None:
+    """The default used to give up after 3 attempts (~150 ms) and the channel then waited ~1-2 s more to
+    reconnect: a sidecar restart failed every call of a 10 s deadline. Now only the deadline ends a call."""
+    port = free_port()
+    first: ServerThread = make_server(server={"port": port})
+    key = b"r" * 16
+    with KVCacheClient(f"127.0.0.1:{port}", timeout_s=20, shm=False) as client:
+        assert client.lookup("ns", [key]).prefix_length == 0  # connected
+        first.stop()
+        with pytest.raises(Unavailable):  # down: a short deadline fails as UNAVAILABLE, not DEADLINE_EXCEEDED
+            client.lookup("ns", [key], timeout_s=0.3)
+        restarted: list[ServerThread] = []
+        timer = threading.Timer(1.5, lambda: restarted.append(make_server(server={"port": port})))
+        timer.start()
+        try:
+            calls = [client.lookup("ns", [key]).prefix_length for _ in range(3)]  # each rides out the restart
+        finally:
+            timer.join()
+        assert calls == [0, 0, 0] and len(restarted) == 1
+        assert client.stats().tier("ram").blocks == 0
+
+
+def test_a_bounded_policy_still_stops_after_its_attempts() -> None:
+    policy = RetryPolicy(max_attempts=2, initial_backoff_s=0.01)
+    assert policy.should_retry(grpc.StatusCode.UNAVAILABLE, 1)
+    assert not policy.should_retry(grpc.StatusCode.UNAVAILABLE, 2)
+    assert RetryPolicy().should_retry(grpc.StatusCode.UNAVAILABLE, 10_000)  # until the deadline
+    assert not RetryPolicy().should_retry(grpc.StatusCode.INVALID_ARGUMENT, 1)

@@ -20,7 +20,7 @@ from kvcache_client.client import (
     verified,
 )
 from kvcache_client.connection import TLSConfig, auth_metadata, make_aio_channel
-from kvcache_client.errors import DeadlineExceeded, from_rpc_error
+from kvcache_client.errors import DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.transport import (
     AsyncGrpcTransport,
@@ -76,9 +76,12 @@ class AsyncKVCacheClient:
     async def _call(self, timeout_s: float | None, fn: Callable[[float], Awaitable[T]]) -> T:
         deadline = time.monotonic() + (timeout_s or self._timeout_s)
         attempts = 0
+        last: RPCError | None = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if last is not None:  # the deadline ended the retries: say what kept failing
+                    raise last
                 raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the call finished")
             attempts += 1
             try:
@@ -87,6 +90,7 @@ class AsyncKVCacheClient:
                 err = from_rpc_error(exc)
                 if not self._retry.should_retry(err.code, attempts):
                     raise err from None
+                last = err
                 sleep_s = min(self._retry.backoff_s(attempts), max(0.0, deadline - time.monotonic()))
                 log.debug("%s; retrying in %.3fs (attempt %d)", err, sleep_s, attempts)
                 await asyncio.sleep(sleep_s)

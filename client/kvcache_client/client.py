@@ -27,7 +27,7 @@ import numpy as np
 
 from kvcache_client import keys as _keys
 from kvcache_client.connection import TLSConfig, auth_metadata, make_channel
-from kvcache_client.errors import BlockFormatError, DeadlineExceeded, from_rpc_error
+from kvcache_client.errors import BlockFormatError, DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.transport import (
     Fetched,
@@ -101,7 +101,7 @@ class KVCacheClient:
         Args:
             target: The server address.
             timeout_s: Default deadline of each call, all retries included.
-            retry: Retry policy; the default retries UNAVAILABLE three times.
+            retry: Retry policy; the default retries UNAVAILABLE with backoff until the deadline.
             max_message_bytes: gRPC message limit of this client (bounds one block).
             token: API token; defaults to the KVCACHE_TOKEN environment variable.
             tls: True (verify against the system roots) or a TLSConfig; False for plaintext.
@@ -131,9 +131,12 @@ class KVCacheClient:
     def _call(self, timeout_s: float | None, fn: Callable[[float], T]) -> T:
         deadline = time.monotonic() + (timeout_s or self._timeout_s)
         attempts = 0
+        last: RPCError | None = None
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
+                if last is not None:  # the deadline ended the retries: say what kept failing
+                    raise last
                 raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the call finished")
             attempts += 1
             try:
@@ -142,6 +145,7 @@ class KVCacheClient:
                 err = from_rpc_error(exc)
                 if not self._retry.should_retry(err.code, attempts):
                     raise err from None
+                last = err
                 sleep_s = min(self._retry.backoff_s(attempts), max(0.0, deadline - time.monotonic()))
                 log.debug("%s; retrying in %.3fs (attempt %d)", err, sleep_s, attempts)
                 time.sleep(sleep_s)

@@ -54,6 +54,10 @@ class TLSConfig:
         )
 
 
+RECONNECT_BACKOFF_MS = (100, 1000)
+"""How soon a channel tries again to reach a server it lost: first after 100 ms, at most every second."""
+
+
 def auth_metadata(token: str | None) -> Metadata:
     """The metadata carrying `token`, or the KVCACHE_TOKEN environment variable's, or none."""
     token = token if token is not None else os.environ.get(TOKEN_ENV)
@@ -62,6 +66,13 @@ def auth_metadata(token: str | None) -> Metadata:
 
 def _options(max_message_bytes: int, tls: TLSConfig | None) -> list[tuple[str, int | str]]:
     options = channel_options(max_message_bytes)
+    # gRPC waits 1 s, then up to 120 s, before reconnecting to a server that went away: a restarted
+    # sidecar would stay unreachable long after it is back. Retry within 100 ms .. 1 s instead.
+    options += [
+        ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
+        ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
+    ]
     if tls is not None and tls.server_name:
         options.append(("grpc.ssl_target_name_override", tls.server_name))
     return options

@@ -14,10 +14,13 @@ class RetryPolicy:
 
     Every kvcache RPC is idempotent (blocks are content addressed), so any of
     them may be retried; the call's overall deadline (`timeout_s`) bounds the
-    attempts and the sleeps between them.
+    attempts and the sleeps between them. By default a call keeps retrying a
+    retryable status until its deadline (a server restarting, a sidecar not yet
+    up): only the deadline ends it.
 
     Attributes:
-        max_attempts: Attempts in total, the first included (1 disables retries).
+        max_attempts: Attempts in total, the first included (1 disables retries);
+            None (the default): as many as the call's deadline allows.
         initial_backoff_s: Sleep after the first failure.
         max_backoff_s: Upper bound of one sleep.
         multiplier: Growth of the sleep per failure.
@@ -25,7 +28,7 @@ class RetryPolicy:
         retryable: Status codes worth another attempt.
     """
 
-    max_attempts: int = 3
+    max_attempts: int | None = None
     initial_backoff_s: float = 0.05
     max_backoff_s: float = 1.0
     multiplier: float = 2.0
@@ -33,14 +36,14 @@ class RetryPolicy:
     retryable: frozenset[grpc.StatusCode] = field(default_factory=lambda: frozenset({grpc.StatusCode.UNAVAILABLE}))
 
     def __post_init__(self) -> None:
-        if self.max_attempts < 1:
+        if self.max_attempts is not None and self.max_attempts < 1:
             raise ValueError("max_attempts must be >= 1")
         if self.initial_backoff_s < 0 or self.max_backoff_s < 0 or self.multiplier < 1 or not 0 <= self.jitter < 1:
             raise ValueError("backoff settings out of range")
 
     def should_retry(self, code: grpc.StatusCode, attempts: int) -> bool:
         """Whether to try again after `attempts` failed attempts ending in `code`."""
-        return code in self.retryable and attempts < self.max_attempts
+        return code in self.retryable and (self.max_attempts is None or attempts < self.max_attempts)
 
     def backoff_s(self, failures: int) -> float:
         """Sleep before the next attempt, after `failures` (>= 1) failed attempts."""
