@@ -67,10 +67,10 @@ def auth_metadata(token: str | None) -> Metadata:
 def _options(max_message_bytes: int, tls: TLSConfig | None) -> list[tuple[str, int | str]]:
     options = channel_options(max_message_bytes)
     # gRPC waits 1 s, then up to 120 s, before reconnecting to a server that went away: a restarted
-    # sidecar would stay unreachable long after it is back. Retry within 100 ms .. 1 s instead.
+    # sidecar would stay unreachable long after it is back. Retry within 100 ms .. 1 s instead. (Not
+    # grpc.min_reconnect_backoff_ms: it is also the connect timeout, which must stay generous.)
     options += [
         ("grpc.initial_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
-        ("grpc.min_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[0]),
         ("grpc.max_reconnect_backoff_ms", RECONNECT_BACKOFF_MS[1]),
     ]
     if tls is not None and tls.server_name:
