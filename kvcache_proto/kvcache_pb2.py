@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvcache/v1/kvcache.proto\x12\nkvcache.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"H\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvcache.v1.Tier\"i\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12!\n\x03shm\x18\x03 \x01(\x0b\x32\x14.kvcache.v1.ShmRange\x12\x0c\n\x04more\x18\x04 \x01(\x08\x12\x14\n\x0ctotal_length\x18\x05 \x01(\x04\";\n\x08ShmRange\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"B\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.kvcache.v1.Block\"G\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\"|\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0bprefix_only\x18\x03 \x01(\x08\x12\"\n\x03shm\x18\x04 \x01(\x0b\x32\x15.kvcache.v1.ShmTarget\x12\x14\n\x0c\x61\x63\x63\x65pt_parts\x18\x05 \x01(\x08\".\n\tShmTarget\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\"\x86\x01\n\x07GetItem\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12!\n\x03shm\x18\x05 \x01(\x0b\x32\x14.kvcache.v1.ShmRange\x12\x0c\n\x04more\x18\x06 \x01(\x08\"1\n\x0bGetResponse\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.kvcache.v1.GetItem\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xcd\x03\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x0c\n\x04puts\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x10\n\x08rejected\x18\n \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x0b \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0c \x01(\x04\x12\x0f\n\x07healthy\x18\r \x01(\x08\x12\x12\n\npromotions\x18\x0e \x01(\x04\x12\x11\n\tdemotions\x18\x0f \x01(\x04\x12\x14\n\x0cwrite_errors\x18\x10 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x11 \x01(\x04\x12\x13\n\x0bqueue_bytes\x18\x12 \x01(\x04\x12\x15\n\rqueue_dropped\x18\x13 \x01(\x04\x12\x0f\n\x07\x62reaker\x18\x14 \x01(\t\x12\x0f\n\x07skipped\x18\x15 \x01(\x04\x12\x15\n\rbytes_written\x18\x16 \x01(\x04\x12\x12\n\nbytes_read\x18\x17 \x01(\x04\"\xfb\x01\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvcache.v1.TierStats\x12\x1d\n\x15put_checksum_failures\x18\x04 \x01(\x04\x12\x17\n\x0f\x66\x61iled_requests\x18\x05 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14max_keys_per_request\x18\x07 \x01(\r\x12\x1a\n\x12shm_bytes_received\x18\x08 \x01(\x04\x12\x16\n\x0eshm_bytes_sent\x18\t \x01(\x04\"\r\n\x0bInfoRequest\"|\n\x0cInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x17\n\x0fmax_block_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14max_keys_per_request\x18\x03 \x01(\r\x12\x0f\n\x07shm_dir\x18\x04 \x01(\t\x12\x13\n\x0b\x62lock_parts\x18\x05 \x01(\x08\"\'\n\x12WatchEventsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\xd0\x01\n\x07KVEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x13\n\x0btimestamp_s\x18\x02 \x01(\x01\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.kvcache.v1.KVEvent.Kind\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x11\n\tnamespace\x18\x05 \x01(\t\x12\x0c\n\x04keys\x18\x06 \x03(\x0c\"5\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_RAM\x10\x01\x12\x0e\n\nTIER_REDIS\x10\x02\x12\x0b\n\x07TIER_S3\x10\x03\x32\xbe\x03\n\x07KVCache\x12?\n\x06Lookup\x12\x19.kvcache.v1.LookupRequest\x1a\x1a.kvcache.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvcache.v1.PutRequest\x1a\x17.kvcache.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvcache.v1.GetRequest\x1a\x17.kvcache.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvcache.v1.DeleteRequest\x1a\x1a.kvcache.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvcache.v1.StatsRequest\x1a\x19.kvcache.v1.StatsResponse\x12\x39\n\x04Info\x12\x17.kvcache.v1.InfoRequest\x1a\x18.kvcache.v1.InfoResponse\x12\x44\n\x0bWatchEvents\x12\x1e.kvcache.v1.WatchEventsRequest\x1a\x13.kvcache.v1.KVEvent0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18kvcache/v1/kvcache.proto\x12\nkvcache.v1\"0\n\rLookupRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"H\n\x0eLookupResponse\x12\x15\n\rprefix_length\x18\x01 \x01(\r\x12\x1f\n\x05tiers\x18\x02 \x03(\x0e\x32\x10.kvcache.v1.Tier\"i\n\x05\x42lock\x12\x0b\n\x03key\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12!\n\x03shm\x18\x03 \x01(\x0b\x32\x14.kvcache.v1.ShmRange\x12\x0c\n\x04more\x18\x04 \x01(\x08\x12\x14\n\x0ctotal_length\x18\x05 \x01(\x04\";\n\x08ShmRange\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"B\n\nPutRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12!\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x11.kvcache.v1.Block\"q\n\x0bPutResponse\x12\x0e\n\x06stored\x18\x01 \x01(\r\x12\x10\n\x08rejected\x18\x02 \x01(\r\x12\x16\n\x0e\x62ytes_received\x18\x03 \x01(\x04\x12(\n\x05tiers\x18\x04 \x03(\x0b\x32\x19.kvcache.v1.TierPutResult\"\x8f\x01\n\rTierPutResult\x12\x1e\n\x04tier\x18\x01 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x0e\n\x06stored\x18\x03 \x01(\r\x12\x0e\n\x06queued\x18\x04 \x01(\r\x12\x0f\n\x07\x64ropped\x18\x05 \x01(\r\x12\x0e\n\x06\x66\x61iled\x18\x06 \x01(\r\x12\x0f\n\x07\x64\x65leted\x18\x07 \x01(\r\"|\n\nGetRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\x12\x13\n\x0bprefix_only\x18\x03 \x01(\x08\x12\"\n\x03shm\x18\x04 \x01(\x0b\x32\x15.kvcache.v1.ShmTarget\x12\x14\n\x0c\x61\x63\x63\x65pt_parts\x18\x05 \x01(\x08\".\n\tShmTarget\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\x02 \x01(\x04\"\x86\x01\n\x07GetItem\x12\r\n\x05index\x18\x01 \x01(\r\x12\r\n\x05\x66ound\x18\x02 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12!\n\x03shm\x18\x05 \x01(\x0b\x32\x14.kvcache.v1.ShmRange\x12\x0c\n\x04more\x18\x06 \x01(\x08\"1\n\x0bGetResponse\x12\"\n\x05items\x18\x01 \x03(\x0b\x32\x13.kvcache.v1.GetItem\"0\n\rDeleteRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\x0c\"!\n\x0e\x44\x65leteResponse\x12\x0f\n\x07\x64\x65leted\x18\x01 \x01(\r\"\x0e\n\x0cStatsRequest\"\xcd\x03\n\tTierStats\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x1e\n\x04tier\x18\x02 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x12\n\nused_bytes\x18\x03 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x04 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x0c\n\x04puts\x18\x08 \x01(\x04\x12\x11\n\tevictions\x18\t \x01(\x04\x12\x10\n\x08rejected\x18\n \x01(\x04\x12\x19\n\x11\x63hecksum_failures\x18\x0b \x01(\x04\x12\x0e\n\x06\x65rrors\x18\x0c \x01(\x04\x12\x0f\n\x07healthy\x18\r \x01(\x08\x12\x12\n\npromotions\x18\x0e \x01(\x04\x12\x11\n\tdemotions\x18\x0f \x01(\x04\x12\x14\n\x0cwrite_errors\x18\x10 \x01(\x04\x12\x13\n\x0bqueue_depth\x18\x11 \x01(\x04\x12\x13\n\x0bqueue_bytes\x18\x12 \x01(\x04\x12\x15\n\rqueue_dropped\x18\x13 \x01(\x04\x12\x0f\n\x07\x62reaker\x18\x14 \x01(\t\x12\x0f\n\x07skipped\x18\x15 \x01(\x04\x12\x15\n\rbytes_written\x18\x16 \x01(\x04\x12\x12\n\nbytes_read\x18\x17 \x01(\x04\"\xfb\x01\n\rStatsResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x10\n\x08uptime_s\x18\x02 \x01(\x01\x12$\n\x05tiers\x18\x03 \x03(\x0b\x32\x15.kvcache.v1.TierStats\x12\x1d\n\x15put_checksum_failures\x18\x04 \x01(\x04\x12\x17\n\x0f\x66\x61iled_requests\x18\x05 \x01(\x04\x12\x17\n\x0fmax_block_bytes\x18\x06 \x01(\x04\x12\x1c\n\x14max_keys_per_request\x18\x07 \x01(\r\x12\x1a\n\x12shm_bytes_received\x18\x08 \x01(\x04\x12\x16\n\x0eshm_bytes_sent\x18\t \x01(\x04\"\r\n\x0bInfoRequest\"|\n\x0cInfoResponse\x12\x0f\n\x07version\x18\x01 \x01(\t\x12\x17\n\x0fmax_block_bytes\x18\x02 \x01(\x04\x12\x1c\n\x14max_keys_per_request\x18\x03 \x01(\r\x12\x0f\n\x07shm_dir\x18\x04 \x01(\t\x12\x13\n\x0b\x62lock_parts\x18\x05 \x01(\x08\"\'\n\x12WatchEventsRequest\x12\x11\n\tnamespace\x18\x01 \x01(\t\"\xd0\x01\n\x07KVEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12\x13\n\x0btimestamp_s\x18\x02 \x01(\x01\x12&\n\x04kind\x18\x03 \x01(\x0e\x32\x18.kvcache.v1.KVEvent.Kind\x12\x1e\n\x04tier\x18\x04 \x01(\x0e\x32\x10.kvcache.v1.Tier\x12\x11\n\tnamespace\x18\x05 \x01(\t\x12\x0c\n\x04keys\x18\x06 \x03(\x0c\"5\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\n\n\x06STORED\x10\x01\x12\x0b\n\x07REMOVED\x10\x02*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_RAM\x10\x01\x12\x0e\n\nTIER_REDIS\x10\x02\x12\x0b\n\x07TIER_S3\x10\x03\x32\xbe\x03\n\x07KVCache\x12?\n\x06Lookup\x12\x19.kvcache.v1.LookupRequest\x1a\x1a.kvcache.v1.LookupResponse\x12\x38\n\x03Put\x12\x16.kvcache.v1.PutRequest\x1a\x17.kvcache.v1.PutResponse(\x01\x12\x38\n\x03Get\x12\x16.kvcache.v1.GetRequest\x1a\x17.kvcache.v1.GetResponse0\x01\x12?\n\x06\x44\x65lete\x12\x19.kvcache.v1.DeleteRequest\x1a\x1a.kvcache.v1.DeleteResponse\x12<\n\x05Stats\x12\x18.kvcache.v1.StatsRequest\x1a\x19.kvcache.v1.StatsResponse\x12\x39\n\x04Info\x12\x17.kvcache.v1.InfoRequest\x1a\x18.kvcache.v1.InfoResponse\x12\x44\n\x0bWatchEvents\x12\x1e.kvcache.v1.WatchEventsRequest\x1a\x13.kvcache.v1.KVEvent0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvcache.v1.kvcache_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=2047
-  _globals['_TIER']._serialized_end=2118
+  _globals['_TIER']._serialized_start=2235
+  _globals['_TIER']._serialized_end=2306
   _globals['_LOOKUPREQUEST']._serialized_start=40
   _globals['_LOOKUPREQUEST']._serialized_end=88
   _globals['_LOOKUPRESPONSE']._serialized_start=90
@@ -44,35 +44,37 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PUTREQUEST']._serialized_start=332
   _globals['_PUTREQUEST']._serialized_end=398
   _globals['_PUTRESPONSE']._serialized_start=400
-  _globals['_PUTRESPONSE']._serialized_end=471
-  _globals['_GETREQUEST']._serialized_start=473
-  _globals['_GETREQUEST']._serialized_end=597
-  _globals['_SHMTARGET']._serialized_start=599
-  _globals['_SHMTARGET']._serialized_end=645
-  _globals['_GETITEM']._serialized_start=648
-  _globals['_GETITEM']._serialized_end=782
-  _globals['_GETRESPONSE']._serialized_start=784
-  _globals['_GETRESPONSE']._serialized_end=833
-  _globals['_DELETEREQUEST']._serialized_start=835
-  _globals['_DELETEREQUEST']._serialized_end=883
-  _globals['_DELETERESPONSE']._serialized_start=885
-  _globals['_DELETERESPONSE']._serialized_end=918
-  _globals['_STATSREQUEST']._serialized_start=920
-  _globals['_STATSREQUEST']._serialized_end=934
-  _globals['_TIERSTATS']._serialized_start=937
-  _globals['_TIERSTATS']._serialized_end=1398
-  _globals['_STATSRESPONSE']._serialized_start=1401
-  _globals['_STATSRESPONSE']._serialized_end=1652
-  _globals['_INFOREQUEST']._serialized_start=1654
-  _globals['_INFOREQUEST']._serialized_end=1667
-  _globals['_INFORESPONSE']._serialized_start=1669
-  _globals['_INFORESPONSE']._serialized_end=1793
-  _globals['_WATCHEVENTSREQUEST']._serialized_start=1795
-  _globals['_WATCHEVENTSREQUEST']._serialized_end=1834
-  _globals['_KVEVENT']._serialized_start=1837
-  _globals['_KVEVENT']._serialized_end=2045
-  _globals['_KVEVENT_KIND']._serialized_start=1992
-  _globals['_KVEVENT_KIND']._serialized_end=2045
-  _globals['_KVCACHE']._serialized_start=2121
-  _globals['_KVCACHE']._serialized_end=2567
+  _globals['_PUTRESPONSE']._serialized_end=513
+  _globals['_TIERPUTRESULT']._serialized_start=516
+  _globals['_TIERPUTRESULT']._serialized_end=659
+  _globals['_GETREQUEST']._serialized_start=661
+  _globals['_GETREQUEST']._serialized_end=785
+  _globals['_SHMTARGET']._serialized_start=787
+  _globals['_SHMTARGET']._serialized_end=833
+  _globals['_GETITEM']._serialized_start=836
+  _globals['_GETITEM']._serialized_end=970
+  _globals['_GETRESPONSE']._serialized_start=972
+  _globals['_GETRESPONSE']._serialized_end=1021
+  _globals['_DELETEREQUEST']._serialized_start=1023
+  _globals['_DELETEREQUEST']._serialized_end=1071
+  _globals['_DELETERESPONSE']._serialized_start=1073
+  _globals['_DELETERESPONSE']._serialized_end=1106
+  _globals['_STATSREQUEST']._serialized_start=1108
+  _globals['_STATSREQUEST']._serialized_end=1122
+  _globals['_TIERSTATS']._serialized_start=1125
+  _globals['_TIERSTATS']._serialized_end=1586
+  _globals['_STATSRESPONSE']._serialized_start=1589
+  _globals['_STATSRESPONSE']._serialized_end=1840
+  _globals['_INFOREQUEST']._serialized_start=1842
+  _globals['_INFOREQUEST']._serialized_end=1855
+  _globals['_INFORESPONSE']._serialized_start=1857
+  _globals['_INFORESPONSE']._serialized_end=1981
+  _globals['_WATCHEVENTSREQUEST']._serialized_start=1983
+  _globals['_WATCHEVENTSREQUEST']._serialized_end=2022
+  _globals['_KVEVENT']._serialized_start=2025
+  _globals['_KVEVENT']._serialized_end=2233
+  _globals['_KVEVENT_KIND']._serialized_start=2180
+  _globals['_KVEVENT_KIND']._serialized_end=2233
+  _globals['_KVCACHE']._serialized_start=2309
+  _globals['_KVCACHE']._serialized_end=2755
 # @@protoc_insertion_point(module_scope)

@@ -67,14 +67,34 @@ class PutRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
-    __slots__ = ("stored", "rejected", "bytes_received")
+    __slots__ = ("stored", "rejected", "bytes_received", "tiers")
     STORED_FIELD_NUMBER: _ClassVar[int]
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    TIERS_FIELD_NUMBER: _ClassVar[int]
     stored: int
     rejected: int
     bytes_received: int
-    def __init__(self, stored: _Optional[int] = ..., rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ...) -> None: ...
+    tiers: _containers.RepeatedCompositeFieldContainer[TierPutResult]
+    def __init__(self, stored: _Optional[int] = ..., rejected: _Optional[int] = ..., bytes_received: _Optional[int] = ..., tiers: _Optional[_Iterable[_Union[TierPutResult, _Mapping]]] = ...) -> None: ...
+
+class TierPutResult(_message.Message):
+    __slots__ = ("tier", "name", "stored", "queued", "dropped", "failed", "deleted")
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    DELETED_FIELD_NUMBER: _ClassVar[int]
+    tier: Tier
+    name: str
+    stored: int
+    queued: int
+    dropped: int
+    failed: int
+    deleted: int
+    def __init__(self, tier: _Optional[_Union[Tier, str]] = ..., name: _Optional[str] = ..., stored: _Optional[int] = ..., queued: _Optional[int] = ..., dropped: _Optional[int] = ..., failed: _Optional[int] = ..., deleted: _Optional[int] = ...) -> None: ...
 
 class GetRequest(_message.Message):
     __slots__ = ("namespace", "keys", "prefix_only", "shm", "accept_parts")

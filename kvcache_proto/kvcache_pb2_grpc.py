@@ -104,7 +104,11 @@ class KVCacheServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Delete(self, request, context):
-        """Removes blocks from every tier.
+        """Removes blocks from every tier. Once it returns, no write or promotion
+        that began before it (a write-behind batch in flight, a demotion, a Get
+        that read a lower tier) stores them again; it waits for writes of the keys
+        already in flight to a tier before deleting there. A tier whose delete
+        fails keeps its copy (docs/tiers.md, "Deletes stay deleted").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -8,7 +8,6 @@ that same bytes object; on reads the stored object goes into the reply as is.
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -36,8 +35,18 @@ from kvcache_server.events import SubscriberOverflow
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.parts import BlockAssembler
 from kvcache_server.refusal import Refused
-from kvcache_server.shm import ShmDirectory, ShmError, align, read_ranges, write_ranges
-from kvcache_server.stack import TierStack
+from kvcache_server.shm import (
+    FULL_METADATA,
+    SPACE_ERRNOS,
+    ShmDirectory,
+    ShmError,
+    align,
+    read_ranges,
+    read_ranges_in_thread,
+    write_ranges,
+    write_ranges_in_thread,
+)
+from kvcache_server.stack import TierPut, TierStack
 from kvcache_server.tiers.base import TierStats
 
 log = logging.getLogger(__name__)
@@ -194,6 +203,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         try:
             return await self._put(request_iterator, context, segments)
         finally:
+            # No worker thread still reads through these: _read_shm_blocks waits for its thread even
+            # when the call is cancelled (and the thread reads through its own duplicates).
             for fd, _ in segments.values():
                 os.close(fd)
 
@@ -206,6 +217,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         namespace: str | None = None  # scoped
         first_namespace = ""  # as the client sent it
         index = stored = rejected = received = entries = 0
+        tiers: list[TierPut] = []  # what each tier took, summed over the stream's messages
         assembler = BlockAssembler(self._limits.max_block_bytes)  # blocks sent in parts
         limits = self._limits
         async for message in request_iterator:
@@ -247,16 +259,37 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             index += len(complete)
             # Commit this message's complete blocks (all verified) before reading the next message.
             if complete:
-                for kept in await self._stack.put(namespace, complete):
-                    stored += kept
-                    rejected += not kept
+                outcome = await self._stack.put(namespace, complete)
+                stored += sum(outcome.kept)
+                rejected += len(outcome.kept) - sum(outcome.kept)
+                if not tiers:
+                    tiers = outcome.tiers
+                else:
+                    for total, took in zip(tiers, outcome.tiers, strict=True):
+                        total.add(took)
         try:
             assembler.finish()
         except Refused as exc:
             await self._abort(context, exc.code, exc.message)
         if namespace is None or index == 0:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
-        return pb.PutResponse(stored=stored, rejected=rejected, bytes_received=received)
+        return pb.PutResponse(
+            stored=stored,
+            rejected=rejected,
+            bytes_received=received,
+            tiers=[
+                pb.TierPutResult(
+                    tier=int(t.kind),
+                    name=t.name,
+                    stored=t.stored,
+                    queued=t.queued,
+                    dropped=t.dropped,
+                    failed=t.failed,
+                    deleted=t.deleted,
+                )
+                for t in tiers
+            ],
+        )
 
     async def _read_shm_blocks(
         self,
@@ -267,7 +300,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
     ) -> list[tuple[bytes, bytes | memoryview]]:
         """The message's blocks with every ShmRange replaced by the bytes it names (copied out of the
         client's segment now: the client may reuse it as soon as the call returns). One worker-thread
-        hop for the whole message when it is large."""
+        hop for the whole message when it is large; a cancelled call waits for that thread to stop."""
         reads: list[tuple[int, int, int, ShmRange]] = []
         for i, (_, data) in enumerate(blocks):
             if not isinstance(data, ShmRange):
@@ -287,7 +320,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             reads.append((where, *segments[data.segment], data))
         try:
             if sum(r[3].length for r in reads) >= _OFFLOAD_BYTES:
-                contents = await asyncio.to_thread(read_ranges, reads)
+                contents = await read_ranges_in_thread(reads)
             else:
                 contents = read_ranges(reads)
         except ShmError as exc:
@@ -317,6 +350,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             async for reply in self._get_replies(context, found, request, segment):
                 yield reply
         finally:
+            # No worker thread still writes through it: _write_segment waits for its thread even when
+            # the call is cancelled (and the thread writes through its own duplicate).
             if segment is not None:
                 os.close(segment[0])
 
@@ -378,18 +413,30 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         segment: tuple[int, int] | None,
         writes: list[tuple[bytes | memoryview, int]],
     ) -> None:
-        """Writes the blocks of one reply into the client's segment before the reply names them. A
-        failed write (tmpfs full, segment gone) fails the call with FAILED_PRECONDITION: the client
-        then repeats it inline."""
+        """Writes the blocks of one reply into the client's segment before the reply names them.
+
+        Large writes run in a worker thread, which a cancelled call stops before its next block and
+        waits for: nothing is written into the segment once the call has ended. A write that fails
+        for want of room (tmpfs full) fails the call with RESOURCE_EXHAUSTED and FULL_METADATA: the
+        client redoes this call inline and keeps using segments. Any other failed write is
+        FAILED_PRECONDITION: the client stops using segments with this server."""
         if segment is None or not writes:
             return
         nbytes = sum(len(d) for d, _ in writes)
         try:
             if nbytes >= _OFFLOAD_BYTES:
-                await asyncio.to_thread(write_ranges, segment[0], writes)
+                await write_ranges_in_thread(segment[0], writes)
             else:
                 write_ranges(segment[0], writes)
         except OSError as exc:
+            if exc.errno in SPACE_ERRNOS:
+                context.set_trailing_metadata([FULL_METADATA])
+                await self._abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"no room for this Get's blocks in the shared-memory directory ({exc.strerror}); "
+                    "redo this call inline",
+                )
             await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"cannot write into shm segment: {exc}")
         self._counters.shm_bytes_sent += nbytes
 

@@ -6,6 +6,14 @@ sending block bytes through gRPC. The server only ever `pread`s and `pwrite`s
 segment files, never maps them, so a client that truncates or deletes its
 segment mid-call causes an error for that call, never a SIGBUS in the server.
 
+Who owns a descriptor: a handler opens a segment once per call and closes it
+when the call ends, after every worker thread of the call has returned; a
+worker thread works on its own duplicate of the descriptor and closes it
+itself, and stops at the next block once its call is cancelled. So no write
+can land, through a descriptor number reused by a later open, in another
+call's segment, and no write happens after the call that named the segment
+has ended.
+
 Who can use it: the directory is created owner-only (0700), so only processes
 of the server's own user can create, list or open segments in it. A remote
 client cannot create a segment, and cannot learn another client's segment
@@ -16,15 +24,18 @@ regular files owned by its user, and symlinks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
 import os
 import re
 import stat
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any, TypeVar
 
 import grpc
 
@@ -38,6 +49,15 @@ SEGMENT_NAME = re.compile(r"kvcache-[0-9a-f]{32}")
 
 ALIGN = 64
 """Blocks the server writes into a Get segment start at multiples of this."""
+
+FULL_METADATA = ("kvcache-shm", "full")
+"""Trailing metadata of the RESOURCE_EXHAUSTED a Get answers when the tmpfs has no room for its
+blocks: the client redoes that call inline and keeps the path on (the SDK checks for it)."""
+
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+"""A write into a segment that failed for want of room (this call only), not for want of access."""
+
+T = TypeVar("T")
 
 
 def default_dir() -> str:
@@ -53,6 +73,10 @@ class ShmError(Refused):
     """A segment reference that cannot be honoured; `code` is the gRPC status to answer."""
 
 
+class CallEnded(Exception):
+    """Raised in a worker thread that stopped early because its call was cancelled."""
+
+
 class ShmDirectory:
     """The owner-only directory that holds segments; opened once at start-up."""
 
@@ -60,6 +84,7 @@ class ShmDirectory:
         self.path = path
         self._dir_fd = dir_fd
         self._uid = os.geteuid()
+        self._lock = threading.Lock()  # close() against a sweep in a worker thread taking its duplicate
 
     @classmethod
     def open(cls, path: str) -> ShmDirectory:
@@ -83,9 +108,10 @@ class ShmDirectory:
         return cls(p, fd)
 
     def close(self) -> None:
-        if self._dir_fd >= 0:
-            os.close(self._dir_fd)
-            self._dir_fd = -1
+        with self._lock:
+            if self._dir_fd >= 0:
+                os.close(self._dir_fd)
+                self._dir_fd = -1
 
     def open_segment(self, name: str, *, writable: bool) -> tuple[int, int]:
         """Opens a client's segment; returns (fd, size). The caller closes the fd.
@@ -127,11 +153,26 @@ class ShmDirectory:
         return fd, st.st_size
 
     def sweep(self, older_than_s: float) -> int:
-        """Removes segments not modified for `older_than_s` (left behind by clients that died mid-call)."""
-        removed = 0
-        cutoff = time.time() - older_than_s
+        """Removes segments not modified for `older_than_s` (left behind by clients that died mid-call).
+
+        Runs in a worker thread, on its own duplicate of the directory's descriptor: a close() meanwhile
+        (server stop) cannot make it list or unlink in whatever directory reuses the number."""
+        with self._lock:
+            if self._dir_fd < 0:
+                return 0
+            dir_fd = os.dup(self._dir_fd)
         try:
-            names = os.listdir(self._dir_fd)
+            removed = self._sweep(dir_fd, time.time() - older_than_s)
+        finally:
+            os.close(dir_fd)
+        if removed:
+            log.info("removed %d stale shm segment(s) from %s", removed, self.path)
+        return removed
+
+    def _sweep(self, dir_fd: int, cutoff: float) -> int:
+        removed = 0
+        try:
+            names = os.listdir(dir_fd)
         except OSError as exc:
             log.warning("cannot list shm directory %s: %s", self.path, exc)
             return 0
@@ -139,16 +180,14 @@ class ShmDirectory:
             if not SEGMENT_NAME.fullmatch(name):
                 continue
             try:
-                st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
                 if st.st_mtime < cutoff:
-                    os.unlink(name, dir_fd=self._dir_fd)
+                    os.unlink(name, dir_fd=dir_fd)
                     removed += 1
             except FileNotFoundError:
                 continue
             except OSError as exc:
                 log.warning("cannot remove stale shm segment %s: %s", name, exc)
-        if removed:
-            log.info("removed %d stale shm segment(s) from %s", removed, self.path)
         return removed
 
 
@@ -174,7 +213,8 @@ def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:
     """Writes a block into a client's Get segment (blocking).
 
     Raises:
-        OSError: the write failed or was short (tmpfs full: ENOSPC); the caller sends the block inline.
+        OSError: the write failed or was short (tmpfs full: ENOSPC); the caller fails the call, and the
+            client redoes it inline.
     """
     view = memoryview(data)
     while view:
@@ -184,14 +224,17 @@ def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def read_ranges(reads: Sequence[tuple[int, int, int, ShmRange]]) -> list[bytes]:
+def read_ranges(reads: Sequence[tuple[int, int, int, ShmRange]], stop: threading.Event | None = None) -> list[bytes]:
     """Reads (block index, fd, segment size, range) in order (blocking; one worker-thread hop for all).
 
     Raises:
         ShmError: as read_range, naming the block.
+        CallEnded: `stop` was set (the call was cancelled) before all blocks were read.
     """
     out: list[bytes] = []
     for where, fd, size, ref in reads:
+        if stop is not None and stop.is_set():
+            raise CallEnded(f"stopped before block {where}")
         try:
             out.append(read_range(fd, size, ref.segment, ref.offset, ref.length))
         except ShmError as exc:
@@ -201,11 +244,80 @@ def read_ranges(reads: Sequence[tuple[int, int, int, ShmRange]]) -> list[bytes]:
     return out
 
 
-def write_ranges(fd: int, writes: Sequence[tuple[bytes | memoryview, int]]) -> None:
+def write_ranges(
+    fd: int, writes: Sequence[tuple[bytes | memoryview, int]], stop: threading.Event | None = None
+) -> None:
     """Writes (block, offset) pairs into a Get segment (blocking).
 
     Raises:
         OSError: as write_range.
+        CallEnded: `stop` was set (the call was cancelled) before all blocks were written.
     """
     for data, offset in writes:
+        if stop is not None and stop.is_set():
+            raise CallEnded(f"stopped before the block at offset {offset}")
         write_range(fd, data, offset)
+
+
+async def read_ranges_in_thread(reads: Sequence[tuple[int, int, int, ShmRange]]) -> list[bytes]:
+    """read_ranges in a worker thread that owns duplicates of the segments' descriptors (see _run_to_end).
+
+    Raises:
+        ShmError: as read_ranges.
+    """
+    own: dict[int, int] = {}  # the caller's fd -> the thread's
+    try:
+        for _, fd, _, _ in reads:
+            if fd not in own:
+                own[fd] = os.dup(fd)
+    except BaseException:
+        for dup in own.values():
+            os.close(dup)
+        raise
+    mine = [(where, own[fd], size, ref) for where, fd, size, ref in reads]
+    return await _run_to_end(read_ranges, (mine,), list(own.values()))
+
+
+async def write_ranges_in_thread(fd: int, writes: Sequence[tuple[bytes | memoryview, int]]) -> None:
+    """write_ranges in a worker thread that owns a duplicate of `fd` (see _run_to_end).
+
+    Raises:
+        OSError: as write_ranges.
+    """
+    dup = os.dup(fd)
+    await _run_to_end(write_ranges, (dup, writes), [dup])
+
+
+async def _run_to_end(fn: Callable[..., T], args: tuple[Any, ...], fds: list[int]) -> T:
+    """fn(*args, stop=event) in a worker thread that closes `fds` (its own descriptors) when fn returns.
+
+    If the awaiting task is cancelled (the client's deadline, a cancelled call, server stop), the event
+    is set, so fn stops before its next block, and the thread is still waited for before
+    CancelledError propagates: the handler cannot end, nor close its descriptors, while its thread
+    may still read or write the client's segment.
+    """
+    stop = threading.Event()
+
+    def work() -> T:
+        try:
+            return fn(*args, stop=stop)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    try:
+        future = asyncio.get_running_loop().run_in_executor(None, work)
+    except BaseException:  # not started (the executor is shut down): the descriptors are still ours
+        for fd in fds:
+            os.close(fd)
+        raise
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        stop.set()
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
+                await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # retrieved: the call is cancelled whatever the thread ended with
+        raise

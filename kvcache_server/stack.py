@@ -20,6 +20,13 @@ Integrity: the RAM tier holds blocks verified on entry by the service, in this
 process. A block read from any lower tier is decoded (decompressed) and its
 checksum verified before it is served or promoted; a block that fails is
 deleted from that tier, counted, and treated as a miss.
+
+Deletes stay deleted: puts, gets (which may promote) and write-behind batches
+open an operation on the DeleteFence (write_queue.py) and check it right before
+each write lands; a Delete fences its keys off while it runs, drops their queued
+writes, and waits (bounded by each tier's timeout_s) for lower-tier writes of
+its keys that were already in flight before deleting there. So no write or
+promotion that began before a Delete returned lands after it (docs/tiers.md).
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
 from kvcache_server.tiers.ram import RamTier
-from kvcache_server.write_queue import PendingWrite, WriteKind, WriteQueue
+from kvcache_server.write_queue import DeleteFence, PendingWrite, WriteKind, WriteQueue
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +93,15 @@ class _Counters:
     bytes_read: int = 0
 
 
+@dataclass(eq=False, slots=True)
+class _Landing:
+    """A write to a lower tier that passed the delete fence and has not finished yet."""
+
+    namespace: str
+    keys: frozenset[bytes]
+    done: asyncio.Future[None]
+
+
 @dataclass(slots=True)
 class _Lower:
     tier: Tier
@@ -94,6 +110,49 @@ class _Lower:
     queue: WriteQueue
     counters: _Counters = field(default_factory=_Counters)
     worker: asyncio.Task[None] | None = None
+    landings: set[_Landing] = field(default_factory=set)  # writes in flight, for Deletes to wait on
+
+
+@dataclass(slots=True)
+class TierPut:
+    """What one tier took of one put's blocks: stored + queued + dropped + failed + deleted = blocks.
+
+    Matches kvcache.v1.TierPutResult on the wire.
+    """
+
+    name: str
+    kind: TierKind
+    stored: int = 0  # RAM took them; written (write-through, or synchronously when the queue was full)
+    queued: int = 0  # write-behind: queued for the background writer
+    dropped: int = 0  # write-behind: refused, the queue was full (queue_full = "drop")
+    failed: int = 0  # not taken: too large for RAM; a lower tier failed, timed out or was skipped
+    deleted: int = 0  # not written: a Delete of the key ran during the put
+
+    def count(self, written: Sequence[bool | None]) -> None:
+        """Adds the outcome of a write (_write's per-item answer)."""
+        for ok in written:
+            if ok is None:
+                self.deleted += 1
+            elif ok:
+                self.stored += 1
+            else:
+                self.failed += 1
+
+    def add(self, other: TierPut) -> None:
+        """Adds another put's counts of the same tier (the service sums a stream's messages)."""
+        self.stored += other.stored
+        self.queued += other.queued
+        self.dropped += other.dropped
+        self.failed += other.failed
+        self.deleted += other.deleted
+
+
+@dataclass(slots=True)
+class PutOutcome:
+    """What a put did: per item, whether some tier stored or queued it; per tier (RAM first), its counts."""
+
+    kept: list[bool]
+    tiers: list[TierPut]
 
 
 @dataclass(slots=True)
@@ -132,10 +191,16 @@ class TierStack:
         ]
         self._demote = demote_on_evict and bool(self._lower)
         self._closing = False
+        self._fence = DeleteFence()
 
     @property
     def ram(self) -> RamTier:
         return self._ram
+
+    @property
+    def fence(self) -> DeleteFence:
+        """The delete fence (read-only use: which deletes run, how many tombstones are held)."""
+        return self._fence
 
     @property
     def tiers(self) -> list[Tier]:
@@ -175,14 +240,48 @@ class TierStack:
     def _ram_op(self, op: str, start: float) -> None:
         self._observer.tier_op(self._ram.name, op, time.perf_counter() - start, True)
 
-    async def _write(self, lower: _Lower, namespace: str, items: Sequence[tuple[bytes, bytes]], what: str) -> bool:
-        encoded = [(k, codec.encode(b, lower.policy.compression)) for k, b in items]
-        done = await self._call(lower, what, lower.tier.put_many, namespace, encoded)
-        if done is None:
-            return False
-        lower.counters.bytes_written += sum(len(b) for _, b in encoded)
-        self.events.publish(EventKind.STORED, lower.tier.kind, namespace, [k for k, _ in items])
-        return True
+    async def _write(
+        self, lower: _Lower, namespace: str, items: Sequence[tuple[bytes, bytes]], what: str, epoch: int
+    ) -> list[bool | None]:
+        """Writes the items that no Delete fenced off since the caller's fence `epoch`.
+
+        Returns, per item: True written; False not written (the tier failed, timed out, was
+        skipped by its breaker, or refused the item); None fenced off by a Delete (not sent).
+        The fence check and the registration a Delete waits on happen before the first await.
+        """
+        out: list[bool | None] = [None] * len(items)
+        live = [i for i, (key, _) in enumerate(items) if not self._fence.blocked(epoch, namespace, key)]
+        if not live:
+            return out
+        landing = _Landing(namespace, frozenset(items[i][0] for i in live), asyncio.get_running_loop().create_future())
+        lower.landings.add(landing)
+        try:
+            encoded = [(items[i][0], codec.encode(items[i][1], lower.policy.compression)) for i in live]
+            done = await self._call(lower, what, lower.tier.put_many, namespace, encoded)
+            written = [False] * len(live) if done is None else done
+            for i, ok in zip(live, written, strict=True):
+                out[i] = ok
+            stored = [(k, b) for (k, b), ok in zip(encoded, written, strict=True) if ok]
+            lower.counters.bytes_written += sum(len(b) for _, b in stored)
+            self.events.publish(EventKind.STORED, lower.tier.kind, namespace, [k for k, _ in stored])
+        finally:
+            lower.landings.discard(landing)
+            landing.done.set_result(None)
+        return out
+
+    async def _settle(self, lower: _Lower, namespace: str, keys: frozenset[bytes]) -> None:
+        """Waits, at most the tier's timeout_s, for its in-flight writes that hold any of `keys`."""
+        waits = [w.done for w in lower.landings if w.namespace == namespace and not w.keys.isdisjoint(keys)]
+        if not waits:
+            return
+        _, pending = await asyncio.wait(waits, timeout=lower.policy.timeout_s)
+        if pending:
+            log.warning(
+                "delete: %d writes to tier %s still in flight after %.1fs; deleting anyway (a late write may land)",
+                len(pending),
+                lower.tier.name,
+                lower.policy.timeout_s,
+            )
 
     # -- reads ---------------------------------------------------------------------------------
 
@@ -210,7 +309,18 @@ class TierStack:
         return prefix
 
     async def get(self, namespace: str, keys: Sequence[bytes]) -> list[Found | None]:
-        """Each key's block from the fastest tier holding a valid copy; lower hits are promoted."""
+        """Each key's block from the fastest tier holding a valid copy; lower hits are promoted.
+
+        A Delete that runs while this get reads a lower tier does not change what it returns
+        (the copy it read), but stops the promotion of those keys.
+        """
+        epoch = self._fence.begin()
+        try:
+            return await self._get(namespace, keys, epoch)
+        finally:
+            self._fence.end(epoch)
+
+    async def _get(self, namespace: str, keys: Sequence[bytes], epoch: int) -> list[Found | None]:
         out: list[Found | None] = [None] * len(keys)
         missing: list[int] = []
         start = time.perf_counter()
@@ -257,12 +367,16 @@ class TierStack:
             ):
                 self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, corrupt)
             if hits and lower.policy.promote:
-                self._promote(depth, namespace, hits)
+                self._promote(depth, namespace, hits, epoch)
             missing = still
         return out
 
-    def _promote(self, depth: int, namespace: str, hits: list[tuple[bytes, bytes]]) -> None:
-        """Copies blocks found at lower tier `depth` into RAM and into the lower tiers above it."""
+    def _promote(self, depth: int, namespace: str, hits: list[tuple[bytes, bytes]], epoch: int) -> None:
+        """Copies blocks found at lower tier `depth` into RAM and into the lower tiers above it,
+        except those a Delete fenced off since the read began (fence `epoch`)."""
+        hits = [(k, b) for k, b in hits if not self._fence.blocked(epoch, namespace, k)]
+        if not hits:
+            return
         kept = self._ram.put_many_sync(namespace, hits)
         self._ram_counters.promotions += sum(kept)
         self.events.publish(
@@ -277,36 +391,61 @@ class TierStack:
 
     # -- writes --------------------------------------------------------------------------------
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
-        """Stores verified blocks; per item, whether some tier now holds it or has it queued."""
+    async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> PutOutcome:
+        """Stores verified blocks in RAM, then in each lower tier by its write mode.
+
+        Returns, per item, whether some tier stored it or has it queued, and per tier (RAM
+        first, then the lower tiers in order) how many of the items it took and how.
+        """
+        epoch = self._fence.begin()
+        try:
+            return await self._put(namespace, items, epoch)
+        finally:
+            self._fence.end(epoch)
+
+    async def _put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], epoch: int) -> PutOutcome:
         start = time.perf_counter()
-        kept = self._ram.put_many_sync(namespace, items)
+        kept = [False] * len(items)
+        live = [i for i, (key, _) in enumerate(items) if not self._fence.blocked(epoch, namespace, key)]
+        for i, ok in zip(live, self._ram.put_many_sync(namespace, [items[i] for i in live]), strict=True):
+            kept[i] = ok
         self._ram_op("put", start)
-        in_ram = [(k, b) for (k, b), ok in zip(items, kept, strict=True) if ok]
+        in_ram = [items[i] for i in live if kept[i]]
         self._ram_counters.bytes_written += sum(len(b) for _, b in in_ram)
         self.events.publish(EventKind.STORED, TierKind.RAM, namespace, [k for k, _ in in_ram])
+        ram = TierPut(self._ram.name, TierKind.RAM, stored=len(in_ram))
+        ram.failed, ram.deleted = len(live) - len(in_ram), len(items) - len(live)
+        tiers = [ram]
         for lower in self._lower:
+            took = TierPut(lower.tier.name, lower.tier.kind)
+            tiers.append(took)
             if lower.policy.write_mode is WriteMode.THROUGH:
-                if await self._write(lower, namespace, items, "put"):
-                    kept = [True] * len(items)
+                written = await self._write(lower, namespace, items, "put", epoch)
+                took.count(written)
+                kept = [k or bool(w) for k, w in zip(kept, written, strict=True)]
                 continue
             overflow: list[int] = []
             for i, (key, block) in enumerate(items):
-                if lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.PUT)):
+                if self._fence.blocked(epoch, namespace, key):
+                    took.deleted += 1
+                elif lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.PUT)):
+                    took.queued += 1
                     kept[i] = True
                 else:
                     overflow.append(i)
             if overflow and lower.policy.queue_full is QueueFull.SYNC:
-                if await self._write(lower, namespace, [items[i] for i in overflow], "put_overflow"):
-                    for i in overflow:
-                        kept[i] = True
+                written = await self._write(lower, namespace, [items[i] for i in overflow], "put_overflow", epoch)
+                took.count(written)
+                for i, ok in zip(overflow, written, strict=True):
+                    kept[i] = kept[i] or bool(ok)
             elif overflow:
                 lower.queue.dropped += len(overflow)
-        return kept
+                took.dropped += len(overflow)
+        return PutOutcome(kept, tiers)
 
     def _on_ram_evict(self, namespace: str, key: bytes, block: bytes) -> None:
         self.events.publish(EventKind.REMOVED, TierKind.RAM, namespace, [key])
-        if not self._demote or self._closing:
+        if not self._demote or self._closing or self._fence.running(namespace, key):
             return
         lower = self._lower[0]
         if not lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.DEMOTION)):
@@ -318,12 +457,15 @@ class TierStack:
             batch = lower.queue.take(_BATCH_ITEMS, _BATCH_BYTES)
             if not batch:
                 continue
+            # Taken: a Delete can no longer discard these writes, so they go through the fence.
+            epoch = self._fence.begin()
             try:
-                await self._write_batch(lower, batch)
+                await self._write_batch(lower, batch, epoch)
             finally:
+                self._fence.end(epoch)
                 lower.queue.done()
 
-    async def _write_batch(self, lower: _Lower, batch: list[PendingWrite]) -> None:
+    async def _write_batch(self, lower: _Lower, batch: list[PendingWrite], epoch: int) -> None:
         by_ns: dict[str, list[PendingWrite]] = {}
         for w in batch:
             by_ns.setdefault(w.namespace, []).append(w)
@@ -336,23 +478,41 @@ class TierStack:
                 writes = [w for w in writes if w.key not in skip]
             if not writes:
                 continue
-            if await self._write(lower, namespace, [(w.key, w.block) for w in writes], "write_behind"):
-                lower.counters.demotions += sum(w.kind is WriteKind.DEMOTION for w in writes)
-            else:
-                lower.counters.write_errors += len(writes)
+            written = await self._write(lower, namespace, [(w.key, w.block) for w in writes], "write_behind", epoch)
+            demoted = [w.kind is WriteKind.DEMOTION and ok is True for w, ok in zip(writes, written, strict=True)]
+            lower.counters.demotions += sum(demoted)
+            lower.counters.write_errors += sum(ok is False for ok in written)
 
     async def delete(self, namespace: str, keys: Sequence[bytes]) -> int:
-        """Removes keys from every tier (and their pending writes); returns the most any tier removed."""
-        held = [k for k, here in zip(keys, self._ram.contains_many_sync(namespace, keys), strict=True) if here]
-        deleted = self._ram.delete_many_sync(namespace, held)
-        self.events.publish(EventKind.REMOVED, TierKind.RAM, namespace, held)
+        """Removes keys from every tier (and their pending writes); returns the most any tier removed.
+
+        While it runs, no write or promotion lands these keys anywhere; before deleting in a lower
+        tier it waits (at most that tier's timeout_s) for writes of them already in flight there;
+        after it returns, operations that began before it still do not land them (DeleteFence).
+        """
+        keys = list(keys)
+        self._fence.deleting(namespace, keys)
+        try:
+            held = [k for k, here in zip(keys, self._ram.contains_many_sync(namespace, keys), strict=True) if here]
+            deleted = self._ram.delete_many_sync(namespace, held)
+            self.events.publish(EventKind.REMOVED, TierKind.RAM, namespace, held)
+            for lower in self._lower:
+                lower.queue.discard(namespace, keys)
+            fenced = frozenset(keys)
+            for lower in self._lower:
+                await self._settle(lower, namespace, fenced)
+                n = await self._call(lower, "delete", lower.tier.delete_many, namespace, keys)
+                if n is not None:
+                    deleted = max(deleted, n)
+                    self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, keys)
+            return deleted
+        finally:
+            self._fence.deleted(namespace, keys)
+
+    async def wait_idle(self) -> None:
+        """Waits until every write-behind queue is empty and its writer has no batch in flight."""
         for lower in self._lower:
-            lower.queue.discard(namespace, list(keys))
-            n = await self._call(lower, "delete", lower.tier.delete_many, namespace, keys)
-            if n is not None:
-                deleted = max(deleted, n)
-                self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, keys)
-        return deleted
+            await lower.queue.wait_idle()
 
     async def probe(self) -> None:
         """Calls each lower tier whose breaker allows it, so health follows a backend even without traffic."""

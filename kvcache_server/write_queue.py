@@ -1,4 +1,4 @@
-"""A bounded write-behind queue for one lower tier.
+"""A bounded write-behind queue for one lower tier, and the fence that keeps deletes deleted.
 
 Puts (write-behind mode), demotions of blocks evicted from RAM and promotions
 into intermediate tiers are queued here and written by one background task
@@ -6,15 +6,18 @@ per tier, in batches. The queue is bounded by bytes; what happens when it is
 full is the caller's explicit policy (drop and count, or write synchronously),
 never an unbounded buffer.
 
-Deleting a key removes its pending writes, so a write-behind never brings a
-deleted block back.
+Deleting a key removes its pending writes. Writes already past the queue (a
+batch the writer has taken, a write-through put, a promotion whose read began
+before the Delete) are stopped by the DeleteFence instead: each checks it
+right before it lands.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-from collections import OrderedDict
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -118,3 +121,86 @@ class WriteQueue:
         self.dropped += n
         self._maybe_idle()
         return n
+
+
+Entry = tuple[str, bytes]
+"""(namespace, key)"""
+
+
+class DeleteFence:
+    """Keeps a Delete from being undone by writes and promotions that began before it returned.
+
+    Every operation that may write blocks (a put, a get that may promote, a write-behind batch)
+    takes a start epoch with begin() and hands it back with end(). Right before any of its
+    writes lands (in RAM, in a queue, or as a call to a lower tier), it asks blocked(): True
+    while a Delete of the key is running, and afterwards when that Delete returned after the
+    operation began. Checks and landings in RAM and in queues are synchronous on the event
+    loop, so nothing runs between them; a lower tier's write is awaited, so the stack makes a
+    Delete wait for lower-tier writes that passed the check before it began.
+
+    Memory: a Delete leaves one tombstone per key (about 200 bytes) only if an operation that
+    began before it is still open, and the tombstone goes when the last such operation ends.
+    Every operation is bounded by its tiers' timeouts, so at most the keys deleted within that
+    long are held. Running deletes hold one entry per key until they return.
+    """
+
+    def __init__(self) -> None:
+        self._epoch = 0  # advances when a Delete returns
+        self._open: Counter[int] = Counter()  # start epochs of the operations in flight
+        self._running: Counter[Entry] = Counter()  # keys of the Deletes in progress
+        self._tombstones: dict[Entry, int] = {}  # key -> epoch its latest Delete returned at
+        self._expiry: deque[tuple[int, Entry]] = deque()  # tombstones, oldest first
+
+    def begin(self) -> int:
+        """Opens an operation; returns its start epoch for blocked() and end()."""
+        self._open[self._epoch] += 1
+        return self._epoch
+
+    def end(self, start: int) -> None:
+        """Closes an operation opened at `start`; frees the tombstones no open operation needs."""
+        left = self._open[start] - 1
+        if left:
+            self._open[start] = left
+        else:
+            del self._open[start]
+        if self._expiry:
+            oldest = min(self._open, default=self._epoch)
+            while self._expiry and self._expiry[0][0] <= oldest:
+                epoch, entry = self._expiry.popleft()
+                if self._tombstones.get(entry) == epoch:
+                    del self._tombstones[entry]
+
+    def deleting(self, namespace: str, keys: Sequence[bytes]) -> None:
+        """A Delete of these keys begins: from now on nothing lands them, until deleted()."""
+        for key in keys:
+            self._running[(namespace, key)] += 1
+
+    def deleted(self, namespace: str, keys: Sequence[bytes]) -> None:
+        """The Delete that called deleting() with these keys returns."""
+        self._epoch += 1
+        for key in keys:
+            entry = (namespace, key)
+            left = self._running[entry] - 1
+            if left:
+                self._running[entry] = left
+            else:
+                del self._running[entry]
+            if self._open:  # every open operation began before this epoch
+                self._tombstones[entry] = self._epoch
+                self._expiry.append((self._epoch, entry))
+
+    def blocked(self, start: int, namespace: str, key: bytes) -> bool:
+        """Whether an operation begun at `start` must not land this key (a Delete ran since)."""
+        if not self._running and not self._tombstones:
+            return False  # the common case: no Delete running or remembered
+        entry = (namespace, key)
+        return entry in self._running or self._tombstones.get(entry, -1) > start
+
+    def running(self, namespace: str, key: bytes) -> bool:
+        """Whether a Delete of this key is in progress."""
+        return (namespace, key) in self._running
+
+    @property
+    def tombstones(self) -> int:
+        """Tombstones held (a gauge; 0 whenever no operation older than the last Delete is open)."""
+        return len(self._tombstones)

@@ -134,7 +134,7 @@ def test_put_get_round_trip_of_a_block_file(
     block = encode_block(payload, key=KEY, dtype="float16", shape=(2, 1024))
     (tmp_path / "in.blk").write_bytes(block)
     code, out, _ = run(capsys, server, "put", "--namespace", "ns", "--key", KEY.hex(), str(tmp_path / "in.blk"))
-    assert (code, out) == (0, f"stored ns/{KEY.hex()} ({len(block):,} bytes)\n")
+    assert (code, out) == (0, f"stored ns/{KEY.hex()} ({len(block):,} bytes): ram stored\n")
     code, out, _ = run(capsys, server, "get", "--namespace", "ns", "--key", KEY.hex(), "-o", str(tmp_path / "out"))
     assert (code, out) == (
         0,

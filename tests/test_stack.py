@@ -132,13 +132,17 @@ def test_write_behind_queue_is_bounded_and_counts_drops(make_server, s3_server: 
         wait_for(lambda: len(s3_names(s3_server)) == 1, what="first write-behind")
         s3_server.pause()  # S3 hangs: the queue fills
         try:
-            max_queued = 0
+            max_queued = reported_drops = 0
             for start in range(0, 40, 4):
-                assert client.put_many(NS, data[start : start + 4]).stored == 4  # puts never wait for S3
+                result = client.put_many(NS, data[start : start + 4])
+                assert result.stored == 4  # puts never wait for S3
+                took = result.tier("s3")
+                assert (took.stored, took.queued + took.dropped) == (0, 4)
+                reported_drops += took.dropped
                 s = tier(client, "s3")
                 max_queued = max(max_queued, s.queue_bytes)
             assert max_queued <= 256 << 10
-            assert tier(client, "s3").queue_dropped > 0
+            assert tier(client, "s3").queue_dropped == reported_drops > 0  # each put said what it dropped
         finally:
             s3_server.resume()
         wait_for(lambda: tier(client, "s3").queue_depth == 0, timeout_s=30, what="queue drain")
@@ -180,7 +184,9 @@ def test_redis_killed_mid_run(make_server, redis_server: RedisProcess) -> None:
         assert redis_server.client().dbsize() == 5
         redis_server.kill()
         for _ in range(6):  # keeps serving from RAM; errors counted, then the breaker stops calling Redis
-            assert client.put_many(NS, b).stored == 5
+            result = client.put_many(NS, b)
+            assert result.stored == 5 and result.tier("ram").stored == 5
+            assert (result.tier("redis").stored, result.tier("redis").failed) == (0, 5)  # and says so
             assert all(assert_intact(client, [k for k, _ in a + b]))
             assert client.lookup(NS, [k for k, _ in a]).prefix_length == 5
         s = tier(client, "redis")

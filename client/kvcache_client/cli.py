@@ -172,11 +172,17 @@ def cmd_put(ctx: Context, args: argparse.Namespace) -> int:
         raise CliError(
             f"the server did not keep the block of {human_bytes(len(block))} (larger than its RAM tier?)", REJECTED
         )
+    # One block: each tier did exactly one thing with it (stored, queued, dropped, failed, deleted).
+    tiers = {t.name: next((f for f in _PUT_OUTCOMES if getattr(t, f)), "none") for t in result.tiers}
+    where = f": {', '.join(f'{name} {did}' for name, did in tiers.items())}" if tiers else ""
     ctx.emit(
-        f"stored {args.namespace}/{args.key.hex()} ({len(block):,} bytes)",
-        {"namespace": args.namespace, "key": args.key.hex(), "stored": True, "bytes": len(block)},
+        f"stored {args.namespace}/{args.key.hex()} ({len(block):,} bytes){where}",
+        {"namespace": args.namespace, "key": args.key.hex(), "stored": True, "bytes": len(block), "tiers": tiers},
     )
     return OK
+
+
+_PUT_OUTCOMES = ("stored", "queued", "dropped", "failed", "deleted")
 
 
 def cmd_get(ctx: Context, args: argparse.Namespace) -> int:

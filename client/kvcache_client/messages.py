@@ -20,8 +20,9 @@ from kvcache_client.results import (
     PutResult,
     ServerStats,
     TierInfo,
+    TierPutResult,
 )
-from kvcache_client.shm import Segment, ShmLink, resolve
+from kvcache_client.shm import FULL_METADATA, SPACE_ERRNOS, Segment, ShmLink, resolve
 from kvcache_core.blockwire import (
     BlockPart,
     GetItem,
@@ -91,7 +92,8 @@ def lookup_result(response: pb.LookupResponse) -> LookupResult:
 
 
 def put_result(response: pb.PutResponse) -> PutResult:
-    return PutResult(response.stored, response.rejected, response.bytes_received)
+    tiers = tuple(TierPutResult(t.name, t.stored, t.queued, t.dropped, t.failed, t.deleted) for t in response.tiers)
+    return PutResult(response.stored, response.rejected, response.bytes_received, tiers)
 
 
 class GetCollector:
@@ -162,12 +164,30 @@ def shm_get_request(
     return request
 
 
-def shm_fallback(exc: grpc.RpcError, link: ShmLink) -> bool:
-    """True when an shm call failed because the server cannot reach the segment: the path is
-    switched off and the caller redoes the call inline."""
-    if exc.code() is not grpc.StatusCode.FAILED_PRECONDITION:
+def shm_fallback(exc: grpc.RpcError | OSError, link: ShmLink) -> bool:
+    """True when a call through a segment failed in a way that the same call inline avoids: the
+    caller redoes it inline (and retires the segment); the fallback is counted on `link`.
+
+    - OSError (this SDK's side): no room in the tmpfs for a put's segment, or a segment that cannot
+      be mapped. This call only.
+    - RESOURCE_EXHAUSTED with FULL_METADATA: the server had no room in its tmpfs for a get's blocks.
+      This call only: a full tmpfs passes, and other calls may fit.
+    - FAILED_PRECONDITION: the server cannot find or use segments at all (another host, another
+      directory, no shm path); the path is switched off for this client.
+    """
+    if isinstance(exc, OSError):
+        what = "no room" if exc.errno in SPACE_ERRNOS else "cannot use a segment"
+        link.fallback(f"{what} in {link.directory} for this call: {exc}")
+        return True
+    code = exc.code()
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED and FULL_METADATA in tuple(exc.trailing_metadata() or ()):
+        link.fallback(exc.details() or "no room in the server's shared-memory directory")
+        return True
+    if code is not grpc.StatusCode.FAILED_PRECONDITION:
         return False
-    link.off(exc.details() or "the server cannot use shared memory")
+    reason = exc.details() or "the server cannot use shared memory"
+    link.fallback(reason)
+    link.off(reason)
     return True
 
 

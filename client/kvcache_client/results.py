@@ -26,18 +26,54 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class TierPutResult:
+    """What one tier took of a put_many's blocks (kvcache.v1.TierPutResult).
+
+    For every tier, stored + queued + dropped + failed + deleted = the blocks sent.
+
+    Attributes:
+        name: "ram", "redis" or "s3".
+        stored: Blocks the tier took before the call returned (RAM kept them; a write-through
+            tier, or a write-behind tier writing synchronously on a full queue, wrote them).
+        queued: Write-behind: blocks queued for the tier's background writer, not yet written.
+        dropped: Write-behind: blocks not queued because the queue was full.
+        failed: Blocks the tier did not take: RAM: too large for it; a lower tier: down, too
+            slow, or skipped by its open circuit breaker.
+        deleted: Blocks not written here because a Delete of their key ran during the call.
+    """
+
+    name: str
+    stored: int = 0
+    queued: int = 0
+    dropped: int = 0
+    failed: int = 0
+    deleted: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class PutResult:
     """What a put_many stored.
 
     Attributes:
-        stored: Blocks the server now holds.
-        rejected: Valid blocks the server could not keep (larger than its RAM tier).
+        stored: Blocks that at least one tier of the server stored or queued. A put whose
+            write-through tier is down still stores them (in RAM): `tier(name)` tells.
+        rejected: Valid blocks no tier stored or queued (larger than the RAM tier and not
+            written below it).
         bytes_sent: Block bytes sent, headers included.
+        tiers: Per tier, RAM first, what it took (empty from servers that predate it).
     """
 
     stored: int
     rejected: int
     bytes_sent: int
+    tiers: tuple[TierPutResult, ...] = ()
+
+    def tier(self, name: str) -> TierPutResult:
+        """The share of the tier called `name` ("ram", "redis", "s3"); KeyError if the server has none."""
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
 
 
 @dataclass(frozen=True, slots=True)

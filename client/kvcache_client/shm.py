@@ -10,10 +10,17 @@ its mapping. Lookups and all control stay on gRPC, with auth as usual.
 Segments are reused from a per-client pool (so a call writes into memory that
 is already allocated), never by two calls at once, and a segment whose blocks
 a get returned is not reused while the caller holds any of them: a returned
-block stays valid and unchanged for as long as it is referenced. The path switches
-itself on after one Info call finds the server's directory here, and off (the
-call is redone inline) when the server answers that it cannot find a
-segment: the client is then on another host.
+block stays valid and unchanged for as long as it is referenced. A segment
+whose call did not end normally (deadline, cancellation, any error) is never
+reused but retired (removed): the server may still be writing into or reading
+from it. The path switches itself on after one Info call finds the server's
+directory here, and off (the call is redone inline) when the server answers
+that it cannot find a segment: the client is then on another host.
+
+A full tmpfs never kills the client: a put reserves its segment's space
+(posix_fallocate) before writing through a mapping, so a full tmpfs is an
+OSError, and a get maps only what the server wrote. Either way that call's
+bytes go over gRPC and the path stays on; `ShmLink.fallbacks` counts such calls.
 
 Set KVCACHE_SHM=0 in the environment, or pass shm=False to the client, to
 keep every byte on gRPC.
@@ -21,6 +28,9 @@ keep every byte on gRPC.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import errno
 import logging
 import mmap
 import os
@@ -28,8 +38,10 @@ import secrets
 import stat
 import sys
 import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import numpy as np
 
@@ -47,6 +59,22 @@ MIN_PUT_BYTES = 64 << 10
 DEFAULT_POOL_BYTES = 1 << 30
 """Idle segments a client keeps for reuse, in bytes of tmpfs memory."""
 
+FULL_METADATA = ("kvcache-shm", "full")
+"""Trailing metadata of the server's RESOURCE_EXHAUSTED for a Get whose blocks its tmpfs had no room
+for (the same pair as kvcache_server.shm.FULL_METADATA): that call is redone inline."""
+
+SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""Creating or growing a segment failed for want of room (this call only), not for want of access."""
+
+_WARN_EVERY_S = 60.0
+"""Fallbacks are logged at WARNING at most this often; the others at DEBUG."""
+
+T = TypeVar("T")
+
+
+class CallEnded(Exception):
+    """Raised in a worker thread that stopped early because its call was cancelled."""
+
 
 def env_allows_shm() -> bool:
     return os.environ.get(SHM_ENV, "").strip().lower() not in {"0", "off", "false", "no"}
@@ -54,6 +82,18 @@ def env_allows_shm() -> bool:
 
 def _align(offset: int) -> int:
     return (offset + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _reserve(fd: int, size: int) -> None:
+    """Grows a segment to `size` bytes with every page allocated (on failure it keeps its size).
+
+    Raises:
+        OSError: ENOSPC when the tmpfs has no room.
+    """
+    if hasattr(os, "posix_fallocate"):
+        os.posix_fallocate(fd, 0, size)
+    else:  # no tmpfs to fill where there is no posix_fallocate (macOS): a sparse file will do
+        os.ftruncate(fd, size)
 
 
 class Segment:
@@ -80,8 +120,20 @@ class Segment:
     def size(self) -> int:
         return os.fstat(self.fd).st_size if self.fd >= 0 else 0
 
-    def write_blocks(self, items: Sequence[tuple[bytes, BlockData]]) -> list[tuple[bytes, ShmRange]]:
-        """Copies the blocks in, one after another (64-byte aligned); returns where each one lies."""
+    def write_blocks(
+        self, items: Sequence[tuple[bytes, BlockData]], stop: threading.Event | None = None
+    ) -> list[tuple[bytes, ShmRange]]:
+        """Copies the blocks in, one after another (64-byte aligned); returns where each one lies.
+
+        The space is reserved first (posix_fallocate: tmpfs allocates every page), so writing through
+        the mapping cannot fault on a full tmpfs (SIGBUS). Every byte below a segment's size is
+        allocated: it grows only by this, or by the server's writes.
+
+        Raises:
+            OSError: no room for the blocks (ENOSPC: the tmpfs is full) or they cannot be mapped; the
+                caller retires the segment and sends the blocks inline.
+            CallEnded: `stop` was set (the call was cancelled) before all blocks were copied.
+        """
         layout: list[tuple[bytes, int, int]] = []
         end = 0
         for key, data in items:
@@ -91,11 +143,14 @@ class Segment:
         if self._writable is None or len(self._writable) < end:
             if self._writable is not None:
                 self._writable.close()
+                self._writable = None
             if self.size < end:
-                os.ftruncate(self.fd, end)
+                _reserve(self.fd, end)
             self._writable = mmap.mmap(self.fd, self.size)
         out: list[tuple[bytes, ShmRange]] = []
         for (key, start, n), (_, data) in zip(layout, items, strict=True):
+            if stop is not None and stop.is_set():
+                raise CallEnded(f"stopped before block {len(out)}")
             pos = start
             for part in data if isinstance(data, tuple) else (data,):
                 m = len(part)
@@ -107,18 +162,24 @@ class Segment:
     def map(self, length: int) -> memoryview:
         """A read-only view of the segment's first `length` bytes (fewer if the file is shorter), as
         the server left them. Call only on a segment that is not in use (a fresh one, or one that
-        the pool handed out because it was not lent); it is lent while any view of the result is alive."""
-        file_size = self.size
-        size = min(length, file_size)
+        the pool handed out because it was not lent); it is lent while any view of the result is alive.
+
+        Maps only those bytes, which the server wrote (or an earlier call did): no page of the mapping
+        is a hole that touching would have to allocate, so a full tmpfs cannot SIGBUS a reader.
+
+        Raises:
+            OSError: the segment cannot be mapped.
+        """
+        size = min(length, self.size)
         if size == 0:
             return memoryview(b"")
         if self._array is None or len(self._array) < size:
-            # Map the whole file: later gets into the same segment reuse the mapping as it is.
+            # Later gets into the same segment reuse the mapping while they need no more than it holds.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             # Writable, although blocks are handed out read-only: a caller who writes into a tensor
             # made from a block anyway (torch.frombuffer ignores read-only) changes its own copy and
             # does not crash. The server never writes into a segment while a block of it is held.
-            mapping = mmap.mmap(self.fd, file_size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            mapping = mmap.mmap(self.fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             self._array = np.frombuffer(mapping, dtype=np.uint8)  # the old mapping goes with the old array
         return memoryview(self._array[:size]).toreadonly()
 
@@ -226,6 +287,8 @@ class ShmLink:
     """Whether this client moves block bytes through shared memory, and its segment pool.
 
     States: "unknown" until the first put or get asks the server (Info), then "on" or "off".
+    `fallbacks` counts the calls that tried a segment and went inline instead (tmpfs full, a
+    server that cannot use segments); `last_fallback` says why the latest one did.
     """
 
     def __init__(self, enabled: bool = True, pool_bytes: int = DEFAULT_POOL_BYTES) -> None:
@@ -235,6 +298,9 @@ class ShmLink:
         self.reason = "" if self.state == "unknown" else "disabled by the client"
         self.pool_bytes = pool_bytes
         self.pool: SegmentPool | None = None
+        self.fallbacks = 0
+        self.last_fallback = ""
+        self._warned_at = -_WARN_EVERY_S
         self._lock = threading.Lock()
 
     @property
@@ -285,13 +351,35 @@ class ShmLink:
         try:
             return pool.acquire()
         except OSError as exc:
-            self.off(f"cannot create a segment in {self.directory}: {exc}")
+            if exc.errno in SPACE_ERRNOS:
+                self.fallback(f"cannot create a segment in {self.directory}: {exc}")
+            else:
+                self.off(f"cannot create a segment in {self.directory}: {exc}")
             return None
 
-    def release(self, segment: Segment) -> None:
-        """Gives a segment back after its call (closed instead once the path is off)."""
+    def fallback(self, reason: str) -> None:
+        """Counts a call that goes inline instead of through its segment, and logs it in one line."""
+        with self._lock:
+            self.fallbacks += 1
+            self.last_fallback = reason
+            now = time.monotonic()
+            warn = now - self._warned_at >= _WARN_EVERY_S
+            if warn:
+                self._warned_at = now
+        log.log(
+            logging.WARNING if warn else logging.DEBUG,
+            "shared memory: %s; this call goes over gRPC (%d such calls so far)",
+            reason,
+            self.fallbacks,
+        )
+
+    def done(self, segment: Segment, completed: bool) -> None:
+        """Ends a call's use of its segment: back to the pool if the call completed normally (closed
+        instead once the path is off), retired otherwise (deadline, cancellation, any error or
+        fallback): removed and closed, never handed to another call, since the server may still be
+        writing into or reading from it. Views of it that a caller holds stay valid."""
         pool = self.pool
-        if self.on and pool is not None:
+        if completed and self.on and pool is not None:
             pool.release(segment)
         else:
             segment.close()
@@ -299,6 +387,27 @@ class ShmLink:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+
+
+async def run_to_end(fn: Callable[[threading.Event], T]) -> T:
+    """fn(stop) in a worker thread, awaited to its end even when the awaiting task is cancelled.
+
+    On cancellation `stop` is set (fn should raise CallEnded at its next check) and the thread is
+    still waited for before CancelledError propagates: the caller's cleanup (retiring the segment
+    fn writes into or maps) never runs while the thread still uses it.
+    """
+    stop = threading.Event()
+    future = asyncio.get_running_loop().run_in_executor(None, fn, stop)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        stop.set()
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
+                await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # retrieved: the call is cancelled whatever the thread ended with
+        raise
 
 
 def resolve(data: memoryview, ref: ShmRange) -> memoryview:

@@ -15,7 +15,6 @@ clients map, retry and time out.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Protocol
 
@@ -33,7 +32,7 @@ from kvcache_client.messages import (
     shm_get_request,
 )
 from kvcache_client.results import Fetched, LookupResult, PutResult, ServerStats
-from kvcache_client.shm import Segment, ShmLink
+from kvcache_client.shm import Segment, ShmLink, run_to_end
 from kvcache_core.blockwire import BlockData, PutData, data_len, decode_get_response
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
@@ -133,15 +132,17 @@ class GrpcTransport:
         self._check_info(timeout_s)
         segment = self.shm.put_segment(sum(data_len(d) for _, d in items))
         if segment is not None:
+            completed = False
             try:
-                refs = segment.write_blocks(items)
-                try:
-                    return self._send_put(namespace, refs, timeout_s)
-                except grpc.RpcError as exc:
-                    if not shm_fallback(exc, self.shm):
-                        raise
+                refs = segment.write_blocks(items)  # OSError: no room in the tmpfs
+                result = self._send_put(namespace, refs, timeout_s)
+                completed = True
+                return result
+            except (OSError, grpc.RpcError) as exc:
+                if not shm_fallback(exc, self.shm):
+                    raise
             finally:
-                self.shm.release(segment)
+                self.shm.done(segment, completed)  # retired unless the call completed
         return self._send_put(namespace, items, timeout_s)
 
     def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
@@ -152,13 +153,17 @@ class GrpcTransport:
         self._check_info(timeout_s)
         segment = self.shm.get_segment()
         if segment is not None:
+            completed = False
             try:
-                return self._fetch(namespace, keys, prefix_only, timeout_s, segment)
-            except grpc.RpcError as exc:
+                result = self._fetch(namespace, keys, prefix_only, timeout_s, segment)
+                completed = True
+                return result
+            except (OSError, grpc.RpcError) as exc:  # OSError: the segment cannot be mapped
                 if not shm_fallback(exc, self.shm):
                     raise
             finally:
-                self.shm.release(segment)
+                # Retired unless the call completed: after a deadline the server may still be writing.
+                self.shm.done(segment, completed)
         return self._fetch(namespace, keys, prefix_only, timeout_s, None)
 
     def _fetch(
@@ -235,17 +240,22 @@ class AsyncGrpcTransport:
         nbytes = sum(data_len(d) for _, d in items)
         segment = self.shm.put_segment(nbytes)
         if segment is not None:
+            completed = False
             try:
-                # Copying into the segment drops the GIL: off the event loop when it is large.
-                big = nbytes >= _OFFLOAD_BYTES
-                refs = await asyncio.to_thread(segment.write_blocks, items) if big else segment.write_blocks(items)
-                try:
-                    return await self._send_put(namespace, refs, timeout_s)
-                except grpc.RpcError as exc:
-                    if not shm_fallback(exc, self.shm):
-                        raise
+                # Copying into the segment, off the event loop when it is large. A cancelled call stops
+                # the copy at its next block and waits for it before the segment is retired below.
+                if nbytes >= _OFFLOAD_BYTES:
+                    refs = await run_to_end(lambda stop: segment.write_blocks(items, stop))
+                else:
+                    refs = segment.write_blocks(items)  # OSError: no room in the tmpfs
+                result = await self._send_put(namespace, refs, timeout_s)
+                completed = True
+                return result
+            except (OSError, grpc.RpcError) as exc:
+                if not shm_fallback(exc, self.shm):
+                    raise
             finally:
-                self.shm.release(segment)
+                self.shm.done(segment, completed)  # retired unless the call completed
         return await self._send_put(namespace, items, timeout_s)
 
     async def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
@@ -258,13 +268,18 @@ class AsyncGrpcTransport:
         await self._check_info(timeout_s)
         segment = self.shm.get_segment()
         if segment is not None:
+            completed = False
             try:
-                return await self._fetch(namespace, keys, prefix_only, timeout_s, segment)
-            except grpc.RpcError as exc:
+                result = await self._fetch(namespace, keys, prefix_only, timeout_s, segment)
+                completed = True
+                return result
+            except (OSError, grpc.RpcError) as exc:  # OSError: the segment cannot be mapped
                 if not shm_fallback(exc, self.shm):
                     raise
             finally:
-                self.shm.release(segment)
+                # Retired unless the call completed: after a deadline or a cancellation the server may
+                # still be writing.
+                self.shm.done(segment, completed)
         return await self._fetch(namespace, keys, prefix_only, timeout_s, None)
 
     async def _fetch(
@@ -274,8 +289,10 @@ class AsyncGrpcTransport:
         request = shm_get_request(namespace, keys, prefix_only, segment, self.shm)
         async for items in self._get(request, timeout=timeout_s, metadata=self._md):
             collector.add(items)
-        if collector.segment_bytes >= _OFFLOAD_BYTES:  # mapping (and populating) it is off the event loop
-            return await asyncio.to_thread(collector.resolve, segment)
+        if collector.segment_bytes >= _OFFLOAD_BYTES:
+            # Mapping (and populating) it is off the event loop; a cancelled call waits for the thread
+            # before get() retires the segment.
+            return await run_to_end(lambda _: collector.resolve(segment))
         return collector.resolve(segment)
 
     async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
