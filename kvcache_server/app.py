@@ -14,6 +14,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvcache_server import __version__
+from kvcache_server.admission import Admission
 from kvcache_server.auth import Authenticator, TokenStore
 from kvcache_server.config import LowerTierSection, ServerConfig, ShmSection, TlsSection, is_loopback
 from kvcache_server.events import EventHub
@@ -40,6 +41,7 @@ class RunningServer:
     stack: TierStack
     health: health.aio.HealthServicer
     config: ServerConfig
+    admission: Admission
     metrics: Metrics | None = None
     metrics_port: int = 0
     health_task: asyncio.Task[None] | None = None
@@ -117,7 +119,12 @@ def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: 
             create_bucket=s3.create_bucket,
         )
         lower.append((tier, _policy(s3)))
-    events = EventHub(max_subscribers=config.events.max_subscribers, buffer_events=config.events.buffer_events)
+    e = config.events
+    share = e.tenant_share  # a tenant's subscribers unless its own entry says otherwise; no tenants without auth
+    tenant_max = (lambda tenant: tokens.limits(tenant).max_event_subscribers or share) if tokens else None
+    events = EventHub(
+        max_subscribers=e.max_subscribers, buffer_events=e.buffer_events, tenant_max_subscribers=tenant_max
+    )
     return TierStack(
         config.ram.capacity_bytes,
         lower,
@@ -156,10 +163,15 @@ async def create_server(config: ServerConfig) -> RunningServer:
     tokens = TokenStore.load(config.auth.tokens_file) if config.auth.enabled else None
     if tokens is None and not is_loopback(config.server.host):
         log.warning("serving %s WITHOUT authentication (auth.allow_unauthenticated)", config.server.host)
-    metrics = Metrics() if config.metrics.enabled else None
+    metrics = Metrics(tokens) if config.metrics.enabled else None
     observer: Observer = metrics or NullObserver()
+    # Our own admission instead of gRPC's maximum_concurrent_rpcs, which refuses health checks too and
+    # knows no tenants (kvcache_server/admission.py).
+    share = config.server.tenant_share
+    tenant_max = (lambda tenant: tokens.limits(tenant).max_concurrent_rpcs or share) if tokens else None
+    admission = Admission(config.server.max_concurrent_rpcs, tenant_max)
     server = grpc.aio.server(
-        interceptors=[RequestContextInterceptor(observer, Authenticator(tokens) if tokens else None)],
+        interceptors=[RequestContextInterceptor(observer, Authenticator(tokens) if tokens else None, admission)],
         options=[
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
@@ -168,7 +180,6 @@ async def create_server(config: ServerConfig) -> RunningServer:
             ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
             ("grpc.so_reuseport", 0),
         ],
-        maximum_concurrent_rpcs=config.server.max_concurrent_rpcs,
     )
     stack = build_stack(config, observer, tokens)
     await stack.start()
@@ -193,7 +204,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
         raise OSError(f"cannot bind {address}")
     metrics_port = 0
     if metrics is not None:
-        metrics.attach(stack, stack.events, service.counters)
+        metrics.attach(stack, stack.events, service.counters, admission)
         try:
             metrics_port = metrics.serve(config.metrics.host, config.metrics.port, config.tls)
         except OSError as exc:
@@ -205,6 +216,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
         stack=stack,
         health=health_servicer,
         config=config,
+        admission=admission,
         metrics=metrics,
         metrics_port=metrics_port,
         shm=shm,

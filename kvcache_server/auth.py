@@ -7,7 +7,7 @@ token belongs to one tenant and carries rights:
 
     read   Lookup, Get, WatchEvents (only the tenant's own events)
     write  Put, Delete
-    admin  Stats (server-wide counters, all tenants)
+    admin  Stats (server-wide counters, all tenants); per-namespace series on the metrics port
 
 The health service and reflection need no token.
 
@@ -23,6 +23,8 @@ The tokens file (TOML), e.g. made with `python -m kvcache_server.auth new-token`
     ram_quota_bytes = "4GiB"            # team-a's share of the RAM tier (its floods evict its own blocks)
     requests_per_s = 2000.0             # token bucket; 0 = unlimited
     burst = 4000
+    max_concurrent_rpcs = 256           # calls running at once; 0 = server.tenant_max_concurrent_rpcs
+    max_event_subscribers = 16          # WatchEvents streams; 0 = events.tenant_max_subscribers
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import threading
 import time
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +85,8 @@ class TenantLimits:
     ram_quota_bytes: int = 0  # 0: no quota of its own
     requests_per_s: float = 0.0  # 0: unlimited
     burst: int = 0  # bucket size; defaults to 2 s of requests_per_s
+    max_concurrent_rpcs: int = 0  # 0: the server's per-tenant default
+    max_event_subscribers: int = 0  # 0: the server's per-tenant default
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +161,7 @@ class TokenStore:
             where = f"{source}: tenants.{tenant}"
             if not TENANT_NAME.match(tenant):
                 raise ConfigError(f"{where}: tenant name must match {TENANT_NAME.pattern}")
-            extra = set(limits) - {"ram_quota_bytes", "requests_per_s", "burst"}
+            extra = set(limits) - {f.name for f in fields(TenantLimits)}
             if extra:
                 raise ConfigError(f"{where}: unknown fields {sorted(extra)}")
             rate = float(limits.get("requests_per_s", 0.0))
@@ -165,8 +169,10 @@ class TokenStore:
                 ram_quota_bytes=parse_size(limits.get("ram_quota_bytes", 0)),
                 requests_per_s=rate,
                 burst=int(limits.get("burst", max(1, round(2 * rate)))),
+                max_concurrent_rpcs=int(limits.get("max_concurrent_rpcs", 0)),
+                max_event_subscribers=int(limits.get("max_event_subscribers", 0)),
             )
-            if parsed.ram_quota_bytes < 0 or parsed.requests_per_s < 0 or parsed.burst < 0:
+            if any(getattr(parsed, f.name) < 0 for f in fields(parsed)):
                 raise ConfigError(f"{where}: limits must be >= 0")
             store.tenants[tenant] = parsed
         if not store.tokens:

@@ -45,7 +45,15 @@ class ServerSection:
     drain_deadline_s: float = 10.0  # then write-behind queues may drain within this
     log_level: str = "info"
     log_json: bool = False
+    # KVCache calls running at once (Info excepted; health and reflection are never counted).
     max_concurrent_rpcs: int = 1024
+    # With auth: one tenant's calls running at once; 0 = a quarter of max_concurrent_rpcs.
+    tenant_max_concurrent_rpcs: int = 0
+
+    @property
+    def tenant_share(self) -> int:
+        """The calls one tenant may run at once when its [tenants] entry sets no limit of its own."""
+        return self.tenant_max_concurrent_rpcs or max(1, self.max_concurrent_rpcs // 4)
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -56,6 +64,8 @@ class ServerSection:
             raise ConfigError(f"server.log_level {self.log_level!r} is not a log level")
         if self.max_concurrent_rpcs <= 0:
             raise ConfigError("server.max_concurrent_rpcs must be positive")
+        if not 0 <= self.tenant_max_concurrent_rpcs <= self.max_concurrent_rpcs:
+            raise ConfigError("server.tenant_max_concurrent_rpcs must be in [0, server.max_concurrent_rpcs]")
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,10 +232,19 @@ class EventsSection:
 
     max_subscribers: int = 64
     buffer_events: int = 10_000  # per subscriber; a subscriber further behind is cut off
+    # With auth: one tenant's subscribers; 0 = a quarter of max_subscribers.
+    tenant_max_subscribers: int = 0
+
+    @property
+    def tenant_share(self) -> int:
+        """The subscribers one tenant may have when its [tenants] entry sets no limit of its own."""
+        return self.tenant_max_subscribers or max(1, self.max_subscribers // 4)
 
     def validate(self) -> None:
         if self.max_subscribers < 1 or self.buffer_events < 1:
             raise ConfigError("events.max_subscribers and events.buffer_events must be positive")
+        if not 0 <= self.tenant_max_subscribers <= self.max_subscribers:
+            raise ConfigError("events.tenant_max_subscribers must be in [0, events.max_subscribers]")
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,16 +14,23 @@ What is and is not reported:
              Delete call) and corrupt copies removed on read.
     Not seen: Redis expiring or evicting values itself (TTL, maxmemory) and S3
     lifecycle rules; routers should treat events as hints, never as truth.
+
+Sequence numbers are per subscriber: 1, 2, 3, ... over the events that
+subscriber receives, so a gap never stands for events it was not shown (another
+tenant's or namespace's writes). Nothing is skipped silently: a subscriber that
+would miss an event is cut off instead.
+
+With auth, a tenant may hold only its share of the subscriber slots
+(`events.tenant_max_subscribers`, or its own `max_event_subscribers`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvcache_server.tiers.base import TierKind
@@ -38,7 +45,8 @@ class EventKind(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class KVEvent:
-    sequence: int
+    """One published event, shared by every subscriber it matches (each numbers it in its own sequence)."""
+
     timestamp_s: float
     kind: EventKind
     tier: TierKind
@@ -50,6 +58,10 @@ class SubscriberOverflow(Exception):
     """The subscriber's buffer filled up; it was dropped."""
 
 
+class TooManySubscribers(Exception):
+    """A new subscription was refused: the server, or the subscriber's tenant, has all it may have."""
+
+
 @dataclass(eq=False, slots=True)
 class Subscription:
     """One subscriber's bounded buffer. Read with `next_batch()` from the subscriber's own task."""
@@ -57,8 +69,10 @@ class Subscription:
     namespace: str  # "" for all namespaces (under `prefix`)
     max_events: int
     prefix: str = ""  # only namespaces starting with this (a tenant's "tenant:" scope)
-    _buffer: deque[KVEvent] = field(default_factory=deque)
+    tenant: str | None = None  # counted against this tenant's share
+    _buffer: deque[tuple[int, KVEvent]] = field(default_factory=deque)
     _ready: asyncio.Event = field(default_factory=asyncio.Event)
+    _sequence: int = 0  # the last sequence number given out
     overflowed: bool = False
 
     def _offer(self, event: KVEvent) -> None:
@@ -68,11 +82,12 @@ class Subscription:
             self.overflowed = True
             self._buffer.clear()  # nothing more will be read; free it now
         else:
-            self._buffer.append(event)
+            self._sequence += 1
+            self._buffer.append((self._sequence, event))
         self._ready.set()
 
-    async def next_batch(self) -> list[KVEvent]:
-        """Waits for events and returns all buffered ones.
+    async def next_batch(self) -> list[tuple[int, KVEvent]]:
+        """Waits for events and returns all buffered ones, each with its sequence number for this subscriber.
 
         Raises:
             SubscriberOverflow: the buffer overflowed; the subscription is over.
@@ -89,36 +104,74 @@ class Subscription:
 class EventHub:
     """Fans events out to subscribers; cheap when there are none."""
 
-    def __init__(self, max_subscribers: int = 64, buffer_events: int = 10_000) -> None:
+    def __init__(
+        self,
+        max_subscribers: int = 64,
+        buffer_events: int = 10_000,
+        tenant_max_subscribers: Callable[[str], int] | None = None,
+    ) -> None:
+        """
+        Args:
+            max_subscribers: Subscribers connected at once, all tenants together.
+            buffer_events: Events buffered per subscriber before it is cut off.
+            tenant_max_subscribers: A tenant's share of the subscribers (None: no per-tenant limit).
+        """
         self._subscribers: set[Subscription] = set()
-        self._sequence = itertools.count(1)
+        self._tenants: dict[str, int] = {}  # subscribers per tenant
         self.max_subscribers = max_subscribers
         self.buffer_events = buffer_events
+        self._tenant_max = tenant_max_subscribers
         self.dropped_subscribers = 0
+        self.refused_subscribers = 0
         self.published = 0
 
     @property
     def subscribers(self) -> int:
         return len(self._subscribers)
 
-    def subscribe(self, namespace: str = "", prefix: str = "") -> Subscription | None:
-        """A new subscription, or None when max_subscribers are already connected."""
+    def tenant_subscribers(self, tenant: str) -> int:
+        return self._tenants.get(tenant, 0)
+
+    def subscribe(self, namespace: str = "", prefix: str = "", tenant: str | None = None) -> Subscription:
+        """A new subscription, counted against `tenant`'s share when given.
+
+        Raises:
+            TooManySubscribers: max_subscribers are connected, or the tenant has its share.
+        """
         if len(self._subscribers) >= self.max_subscribers:
-            return None
-        sub = Subscription(namespace=namespace, max_events=self.buffer_events, prefix=prefix)
+            self.refused_subscribers += 1
+            raise TooManySubscribers(f"too many event subscribers (events.max_subscribers={self.max_subscribers})")
+        if tenant is not None and self._tenant_max is not None:
+            limit = min(self._tenant_max(tenant), self.max_subscribers)
+            if self._tenants.get(tenant, 0) >= limit:
+                self.refused_subscribers += 1
+                raise TooManySubscribers(
+                    f"tenant {tenant!r} is at its limit of {limit} event subscribers "
+                    "(events.tenant_max_subscribers, or its own max_event_subscribers)"
+                )
+            self._tenants[tenant] = self._tenants.get(tenant, 0) + 1
+        else:
+            tenant = None
+        sub = Subscription(namespace=namespace, max_events=self.buffer_events, prefix=prefix, tenant=tenant)
         self._subscribers.add(sub)
         return sub
 
     def unsubscribe(self, sub: Subscription) -> None:
         if sub in self._subscribers:
             self._subscribers.discard(sub)
+            if sub.tenant is not None:
+                left = self._tenants[sub.tenant] - 1
+                if left:
+                    self._tenants[sub.tenant] = left
+                else:
+                    del self._tenants[sub.tenant]
             if sub.overflowed:
                 self.dropped_subscribers += 1
 
     def publish(self, kind: EventKind, tier: TierKind, namespace: str, keys: Sequence[bytes]) -> None:
         if not self._subscribers or not keys:
             return
-        event = KVEvent(next(self._sequence), time.time(), kind, tier, namespace, tuple(keys))
+        event = KVEvent(time.time(), kind, tier, namespace, tuple(keys))
         self.published += 1
         for sub in self._subscribers:
             if (sub.namespace == namespace) if sub.namespace else namespace.startswith(sub.prefix):

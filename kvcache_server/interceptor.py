@@ -1,15 +1,21 @@
-"""Per-RPC context: a request id for the logs, and the RPC's status and duration for metrics.
+"""Per-RPC context: a request id for the logs, admission, and the RPC's status and duration for metrics.
 
 The request id is the caller's `x-request-id` metadata when present (so a trace
 can follow a request from an engine into kvcache), else a fresh random one. It
-is echoed back in the response's initial metadata and set in a context
-variable that the logging filter adds to every record logged while the RPC
-runs. Logs never carry block bytes or token ids: handlers log keys' hex at most.
+is echoed back in the response's initial metadata (in the trailing metadata of
+a call refused before it started) and set in a context variable that the
+logging filter adds to every record logged while the RPC runs. Logs never carry
+block bytes or token ids: handlers log keys' hex at most.
+
+Every KVCache call but Info is admitted against the global and its tenant's
+caps (kvcache_server.admission) once authenticated; health, reflection and Info
+never are. A call that ends early (client cancel, deadline) logs one line.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import inspect
 import logging
@@ -21,11 +27,14 @@ from typing import Any
 
 import grpc
 
+from kvcache_server.admission import Admission
 from kvcache_server.auth import Authenticator, AuthError, current_principal
 from kvcache_server.observe import Observer
 
 log = logging.getLogger(__name__)
 KVCACHE_SERVICE = "kvcache.v1.KVCache"
+UNCOUNTED_METHODS = frozenset({"Info"})
+"""KVCache methods never refused for capacity (health and reflection are other services, never counted)."""
 
 REQUEST_ID_HEADER = "x-request-id"
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("kvcache_request_id", default="-")
@@ -54,13 +63,23 @@ def _code(context: grpc.aio.ServicerContext) -> str:
     return code.name if isinstance(code, grpc.StatusCode) else str(code)
 
 
-class RequestContextInterceptor(grpc.aio.ServerInterceptor):
-    """Per call: the request id, authentication (KVCache methods only; health and reflection
-    stay open), and the status code and duration reported to the observer."""
+def _ended() -> asyncio.CancelledError:
+    """What a call raises when a send failed because the call is over (gRPC's ExecuteBatchError): gRPC ends
+    a cancelled call quietly, where it logs an ExecuteBatchError with a traceback unless it has already
+    seen the call end."""
+    return asyncio.CancelledError()
 
-    def __init__(self, observer: Observer, authenticator: Authenticator | None = None) -> None:
+
+class RequestContextInterceptor(grpc.aio.ServerInterceptor):
+    """Per call: the request id, authentication and admission (KVCache methods only; health and
+    reflection stay open), and the status code and duration reported to the observer."""
+
+    def __init__(
+        self, observer: Observer, authenticator: Authenticator | None = None, admission: Admission | None = None
+    ) -> None:
         self._observer = observer
         self._auth = authenticator
+        self._admission = admission
 
     async def intercept_service(
         self,
@@ -73,57 +92,98 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
         service, _, method = details.method.lstrip("/").rpartition("/")
         rid = _incoming_id(details)
         observer = self._observer
-        auth = self._auth if service == KVCACHE_SERVICE else None
+        ours = service == KVCACHE_SERVICE
+        auth = self._auth if ours else None
+        admission = self._admission if ours and method not in UNCOUNTED_METHODS else None
         metadata = {k: v for k, v in details.invocation_metadata or () if isinstance(v, str)}
 
-        async def admit(context: grpc.aio.ServicerContext) -> None:
-            """Sets the call's context; aborts the call when its credentials do not admit it."""
-            request_id.set(rid)
-            await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
-            if auth is None:
-                return
-            try:
-                current_principal.set(auth.check(method, metadata))
-            except AuthError as exc:
-                log.info("refused %s: %s", method, exc)
-                await context.abort(grpc.StatusCode[exc.code_name], str(exc))
-
         class Call:
-            """Admits the call on entry; reports its status code and duration on exit."""
+            """One call from admission to its end: reports its status code and duration, releases its
+            slot, and logs one line when it ended early."""
 
             def __init__(self, context: grpc.aio.ServicerContext) -> None:
                 self.context = context
+                self.admitted = False
+                self.tenant: str | None = None
 
-            async def __aenter__(self) -> None:
+            async def __aenter__(self) -> Call:
                 self.start = time.perf_counter()
-                await admit(self.context)
+                request_id.set(rid)
+                return self
 
-            async def __aexit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> None:
+            async def admit(self) -> None:
+                """Authenticates and admits the call, then sends the request id; aborts a refused call
+                before anything was sent (its request id then travels in the trailing metadata)."""
+                context = self.context
+                if auth is not None:
+                    try:
+                        principal = auth.check(method, metadata)
+                    except AuthError as exc:
+                        log.info("refused %s: %s", method, exc)
+                        await context.abort(grpc.StatusCode[exc.code_name], str(exc), ((REQUEST_ID_HEADER, rid),))
+                    current_principal.set(principal)
+                    self.tenant = principal.tenant
+                if admission is not None:
+                    refusal = admission.acquire(self.tenant)
+                    if refusal is not None:
+                        log.info("refused %s: %s", method, refusal)
+                        await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, ((REQUEST_ID_HEADER, rid),))
+                    self.admitted = True
+                await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
+
+            async def __aexit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> bool:
+                if self.admitted:
+                    admission.release(self.tenant)  # type: ignore[union-attr]
                 if exc_type is None or issubclass(exc_type, grpc.aio.AbortError):
                     code = _code(self.context)
-                elif issubclass(exc_type, asyncio.CancelledError | GeneratorExit):
+                elif issubclass(exc_type, asyncio.CancelledError | grpc.aio.InternalError):
+                    # InternalError is gRPC's ExecuteBatchError: a send (a response, a status) failed
+                    # because the call is over: the client cancelled it, or its deadline passed.
+                    # (The two look alike here: a client ends the call at its deadline, a moment before
+                    # the server's copy of the deadline passes.)
                     code = "CANCELLED"
+                    log.log(
+                        logging.INFO if ours else logging.DEBUG,
+                        "%s (request %s) ended early: cancelled by the client or its deadline after %.3fs",
+                        method,
+                        rid,
+                        time.perf_counter() - self.start,
+                    )
                 else:
                     code = "UNKNOWN"
                 observer.rpc(method, code, time.perf_counter() - self.start)
+                return False
 
         def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
             async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
-                async with Call(context):
-                    return await behavior(request_or_iterator, context)
+                try:
+                    async with Call(context) as call:
+                        await call.admit()
+                        return await behavior(request_or_iterator, context)
+                except grpc.aio.InternalError:
+                    raise _ended() from None
 
             return wrapped
 
-        def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Any]:
+        def streaming(behavior: Callable[..., AsyncIterator[Any]]) -> Callable[..., Awaitable[None]]:
             if not inspect.isasyncgenfunction(behavior):
                 # A streaming handler may also be a coroutine that sends with context.write() (the
                 # health servicer's Watch is one): `async for` over it would fail every call.
-                return unary(behavior)  # type: ignore[arg-type]
+                return unary(behavior)
 
-            async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-                async with Call(context):
-                    async for response in behavior(request_or_iterator, context):
-                        yield response
+            async def wrapped(request_or_iterator: Any, context: grpc.aio.ServicerContext) -> None:
+                # Sends the responses itself (gRPC's reader/writer form) rather than yielding them to
+                # gRPC: a write that fails because the call is over then ends the call here, quietly,
+                # and the handler's generator is closed at once (its finally blocks run now, not at
+                # garbage collection), so the call's admission slot is released exactly when it ends.
+                try:
+                    async with Call(context) as call:
+                        await call.admit()
+                        async with contextlib.aclosing(behavior(request_or_iterator, context)) as responses:
+                            async for response in responses:
+                                await context.write(response)
+                except grpc.aio.InternalError:
+                    raise _ended() from None
 
             return wrapped
 

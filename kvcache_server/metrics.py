@@ -9,27 +9,43 @@ Two sources:
 
 Names follow Prometheus conventions: `kvcache_<what>_total` for counters,
 `_bytes` and `_seconds` units, a `tier` label for per-tier series. Served on
-their own HTTP port (`[metrics]` in the config). The namespace label is capped
-(MAX_NAMESPACE_LABELS distinct values, then "_other") so clients cannot blow up
-the series count.
+their own HTTP port (`[metrics]` in the config), with the process's own metrics
+(`process_resident_memory_bytes`, `process_open_fds`, `process_cpu_seconds_total`, ...).
+The namespace label is capped (MAX_NAMESPACE_LABELS distinct values, then
+"_other") so clients cannot blow up the series count.
+
+With auth on, namespaces are tenant-scoped ("<tenant>:<namespace>"): a scrape
+without credentials sees the per-namespace series summed into one,
+namespace="_all", so the port names no tenant and shows no tenant's traffic.
+A scrape presenting a token with the admin right (`Authorization: Bearer ...`)
+sees them per namespace.
 """
 
 from __future__ import annotations
 
+import socket
+import socketserver
+import ssl
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvcache_server.admission import Admission
+from kvcache_server.auth import Right, TokenStore
 from kvcache_server.config import TlsSection
 from kvcache_server.events import EventHub
 from kvcache_server.stack import TierStack
 from kvcache_server.tiers.base import TierStats
 
 MAX_NAMESPACE_LABELS = 256
+ALL_NAMESPACES = "_all"
+"""The namespace label of the summed series shown to scrapes without an admin token (auth on)."""
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 _HIT_BUCKETS = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
@@ -57,10 +73,17 @@ assert set(_TIER_COUNTERS) | set(_TIER_BYTES) <= {f.name for f in fields(TierSta
 
 
 class _StatsCollector(Collector):
-    def __init__(self, stack: TierStack, events: EventHub, service_counters: Callable[[], dict[str, int]]) -> None:
+    def __init__(
+        self,
+        stack: TierStack,
+        events: EventHub,
+        service_counters: Callable[[], dict[str, int]],
+        admission: Admission | None,
+    ) -> None:
         self._stack = stack
         self._events = events
         self._service = service_counters
+        self._admission = admission
 
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         stats = self._stack.stats()
@@ -111,47 +134,107 @@ class _StatsCollector(Collector):
             "KV-event subscribers cut off for falling behind",
             value=self._events.dropped_subscribers,
         )
+        yield CounterMetricFamily(
+            "kvcache_event_subscribers_refused",
+            "KV-event subscriptions refused: the server's or the tenant's subscriber limit",
+            value=self._events.refused_subscribers,
+        )
+        if self._admission is not None:
+            yield GaugeMetricFamily(
+                "kvcache_rpcs_in_flight", "KVCache calls admitted and running", value=self._admission.active
+            )
+            family = CounterMetricFamily(
+                "kvcache_rpcs_refused", "KVCache calls refused for capacity, by the limit they hit", labels=["limit"]
+            )
+            for limit, count in self._admission.refused.items():
+                family.add_metric([limit], count)
+            yield family
+
+
+class _NamespaceCollector(Collector):
+    """Lookup keys and hit keys per namespace, or summed over all of them (`aggregate`)."""
+
+    def __init__(self, counts: dict[str, list[int]], lock: threading.Lock, *, aggregate: bool) -> None:
+        self._counts = counts
+        self._lock = lock
+        self._aggregate = aggregate
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        with self._lock:
+            rows = [(namespace, keys, hits) for namespace, (keys, hits) in self._counts.items()]
+        if self._aggregate:
+            rows = [(ALL_NAMESPACES, sum(r[1] for r in rows), sum(r[2] for r in rows))]
+        keys = CounterMetricFamily(
+            "kvcache_namespace_lookup_keys", "Keys asked by Lookup, per namespace", labels=["namespace"]
+        )
+        hits = CounterMetricFamily(
+            "kvcache_namespace_lookup_hit_keys", "Keys in Lookup's stored prefix, per namespace", labels=["namespace"]
+        )
+        for namespace, asked, hit in rows:
+            keys.add_metric([namespace], asked)
+            hits.add_metric([namespace], hit)
+        yield keys
+        yield hits
 
 
 class Metrics:
-    """The Prometheus registry of one server, and the Observer that feeds its histograms."""
+    """The Prometheus registries of one server (the full view, and the view for scrapes without an admin
+    token), and the Observer that feeds their histograms and counters."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: TokenStore | None = None) -> None:
+        """
+        Args:
+            tokens: The server's tokens with auth on: namespace labels are then shown only to scrapes
+                presenting an admin token. None (auth off): every scrape sees everything.
+        """
+        self._tokens = tokens
         self.registry = CollectorRegistry(auto_describe=True)
-        r = self.registry
-        self._requests = Counter("kvcache_requests", "Finished RPCs", ["method", "code"], registry=r)
+        self.public_registry = self.registry if tokens is None else CollectorRegistry(auto_describe=True)
+        self._requests = Counter("kvcache_requests", "Finished RPCs", ["method", "code"], registry=None)
         self._request_seconds = Histogram(
-            "kvcache_request_duration_seconds", "RPC duration", ["method"], buckets=_LATENCY_BUCKETS, registry=r
+            "kvcache_request_duration_seconds", "RPC duration", ["method"], buckets=_LATENCY_BUCKETS, registry=None
         )
         self._tier_seconds = Histogram(
             "kvcache_tier_operation_duration_seconds",
             "Duration of one batched call to a tier",
             ["tier", "op", "ok"],
             buckets=_LATENCY_BUCKETS,
-            registry=r,
+            registry=None,
         )
         self._lookup_hit_chunks = Histogram(
             "kvcache_lookup_hit_chunks",
             "Length of the stored prefix found by Lookup, in chunks",
             buckets=_HIT_BUCKETS,
-            registry=r,
+            registry=None,
         )
-        self._ns_keys = Counter(
-            "kvcache_namespace_lookup_keys", "Keys asked by Lookup, per namespace", ["namespace"], registry=r
-        )
-        self._ns_hits = Counter(
-            "kvcache_namespace_lookup_hit_keys",
-            "Keys in Lookup's stored prefix, per namespace",
-            ["namespace"],
-            registry=r,
-        )
-        self._namespaces: set[str] = set()
         self._lock = threading.Lock()
-        self._http: tuple[object, threading.Thread] | None = None
+        self._ns_counts: dict[str, list[int]] = {}  # namespace label -> [keys asked, hit keys]
+        # Resident memory, virtual memory, open and max fds, CPU seconds, start time (Linux /proc).
+        process = ProcessCollector(registry=None)
+        for collector in (self._requests, self._request_seconds, self._tier_seconds, self._lookup_hit_chunks, process):
+            self._register(collector)
+        self.registry.register(_NamespaceCollector(self._ns_counts, self._lock, aggregate=False))
+        if self.public_registry is not self.registry:
+            self.public_registry.register(_NamespaceCollector(self._ns_counts, self._lock, aggregate=True))
+        self._full_app = make_wsgi_app(self.registry)
+        self._public_app = make_wsgi_app(self.public_registry)
+        self._http: tuple[WSGIServer, threading.Thread] | None = None
 
-    def attach(self, stack: TierStack, events: EventHub, service_counters: Callable[[], dict[str, int]]) -> None:
-        """Exports the stack's and the service's own counters (read at scrape time)."""
-        self.registry.register(_StatsCollector(stack, events, service_counters))
+    def _register(self, collector: Collector) -> None:
+        """Registers a collector in both views."""
+        self.registry.register(collector)
+        if self.public_registry is not self.registry:
+            self.public_registry.register(collector)
+
+    def attach(
+        self,
+        stack: TierStack,
+        events: EventHub,
+        service_counters: Callable[[], dict[str, int]],
+        admission: Admission | None = None,
+    ) -> None:
+        """Exports the stack's, the service's and admission's own counters (read at scrape time)."""
+        self._register(_StatsCollector(stack, events, service_counters, admission))
 
     # -- Observer -------------------------------------------------------------------------------
 
@@ -160,22 +243,17 @@ class Metrics:
 
     def lookup(self, namespace: str, keys: int, hit_keys: int) -> None:
         self._lookup_hit_chunks.observe(hit_keys)
-        label = self._namespace_label(namespace)
-        self._ns_keys.labels(label).inc(keys)
-        self._ns_hits.labels(label).inc(hit_keys)
+        with self._lock:
+            counts = self._ns_counts.get(namespace)
+            if counts is None:
+                label = namespace if len(self._ns_counts) < MAX_NAMESPACE_LABELS else "_other"
+                counts = self._ns_counts.setdefault(label, [0, 0])
+            counts[0] += keys
+            counts[1] += hit_keys
 
     def rpc(self, method: str, code: str, seconds: float) -> None:
         self._requests.labels(method, code).inc()
         self._request_seconds.labels(method).observe(seconds)
-
-    def _namespace_label(self, namespace: str) -> str:
-        if namespace in self._namespaces:
-            return namespace
-        with self._lock:
-            if len(self._namespaces) < MAX_NAMESPACE_LABELS:
-                self._namespaces.add(namespace)
-                return namespace
-        return "_other"
 
     # -- HTTP -----------------------------------------------------------------------------------
 
@@ -185,19 +263,58 @@ class Metrics:
         With TLS configured the metrics port uses the same certificate, and requires client
         certificates when the gRPC port does (mTLS).
         """
-        kwargs: dict[str, object] = {}
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        server_class = type("_MetricsServer", (_ThreadingWSGIServer,), {"address_family": family})
+        server = make_server(host, port, self._app, server_class, handler_class=_QuietHandler)
         if tls is not None and tls.enabled:
-            kwargs = {"certfile": tls.cert_file, "keyfile": tls.key_file}
+            context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+            context.load_cert_chain(tls.cert_file, tls.key_file)
             if tls.client_ca_file:
-                kwargs |= {"client_cafile": tls.client_ca_file, "client_auth_required": True}
-        server, thread = start_http_server(port, addr=host, registry=self.registry, **kwargs)  # type: ignore[arg-type]
+                context.verify_mode = ssl.CERT_REQUIRED
+                context.load_verify_locations(cafile=tls.client_ca_file)
+            server.socket = context.wrap_socket(server.socket, server_side=True)
+        thread = threading.Thread(target=server.serve_forever, name="kvcache-metrics", daemon=True)
+        thread.start()
         self._http = (server, thread)
-        return int(server.server_port)  # type: ignore[attr-defined]
+        return int(server.server_port)
+
+    def _app(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        """The WSGI app: the full view with auth off or for an admin token, the public view without a token."""
+        if self._tokens is None:
+            return self._full_app(environ, start_response)
+        header = environ.get("HTTP_AUTHORIZATION")
+        if header is None:
+            return self._public_app(environ, start_response)
+        scheme, _, token = header.partition(" ")
+        principal = self._tokens.authenticate(token.strip()) if scheme.lower() == "bearer" else None
+        if principal is None:
+            return _refuse(start_response, "401 Unauthorized", "invalid token; scrape without one for the public view")
+        if Right.ADMIN not in principal.rights:
+            return _refuse(start_response, "403 Forbidden", f"token {principal.name!r} lacks the 'admin' right")
+        return self._full_app(environ, start_response)
 
     def close(self) -> None:
         if self._http is not None:
             server, thread = self._http
-            server.shutdown()  # type: ignore[attr-defined]
-            server.server_close()  # type: ignore[attr-defined]
+            server.shutdown()
+            server.server_close()
             thread.join(5)
             self._http = None
+
+
+class _ThreadingWSGIServer(socketserver.ThreadingMixIn, WSGIServer):
+    """One thread per scrape, none left behind at exit."""
+
+    daemon_threads = True
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line per scrape."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def _refuse(start_response: Callable[..., Any], status: str, message: str) -> list[bytes]:
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("WWW-Authenticate", "Bearer")])
+    return [message.encode() + b"\n"]

@@ -31,7 +31,7 @@ from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import current_principal
 from kvcache_server.config import LimitsSection
-from kvcache_server.events import SubscriberOverflow
+from kvcache_server.events import SubscriberOverflow, TooManySubscribers
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.parts import BlockAssembler
 from kvcache_server.refusal import Refused
@@ -452,11 +452,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         namespace = await self._namespace(context, request.namespace) if request.namespace else ""
         principal = current_principal.get()
         scope = f"{principal.tenant}:" if principal is not None else ""
-        sub = hub.subscribe(namespace, prefix=scope)
-        if sub is None:
-            await self._abort(
-                context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"too many event subscribers (max {hub.max_subscribers})"
-            )
+        try:
+            sub = hub.subscribe(namespace, prefix=scope, tenant=principal.tenant if principal is not None else None)
+        except TooManySubscribers as exc:
+            await self._abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         try:
             while True:
                 try:
@@ -465,9 +464,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     await self._abort(
                         context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}: dropped; reconnect and resync"
                     )
-                for event in batch:
+                for sequence, event in batch:  # numbered per subscriber: 1, 2, 3, ... without gaps
                     yield pb.KVEvent(
-                        sequence=event.sequence,
+                        sequence=sequence,
                         timestamp_s=event.timestamp_s,
                         kind=int(event.kind),
                         tier=int(event.tier),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import queue
 import subprocess
@@ -18,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvcache_client import InvalidRequest, KVCacheClient
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+from kvcache_server.interceptor import RequestIdFilter
 from tests.backends import RedisProcess, free_port, wait_for
 from tests.conftest import ServerThread, keyed, raw_block
 
@@ -89,6 +92,11 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     # The client is on the server's host: its get came back through shared memory; its small put did not.
     assert delta("kvcache_shm_bytes_total", direction="sent") == sum(len(b) for b in blocks)
     assert delta("kvcache_shm_bytes_total", direction="received") == 0
+    # The process's own metrics, and admission's.
+    for name in ("process_resident_memory_bytes", "process_open_fds", "process_start_time_seconds"):
+        assert metric(after, name) > 0, name
+    assert ("process_cpu_seconds_total", ()) in after
+    assert metric(after, "kvcache_rpcs_in_flight") == 0
 
 
 def test_metrics_cover_lower_tiers(make_server, redis_server: RedisProcess) -> None:
@@ -270,3 +278,41 @@ def test_request_ids_in_metadata_and_json_logs() -> None:
     records = [json.loads(line) for line in stderr.splitlines() if line.startswith("{")]
     failures = [r for r in records if "tier redis failed during lookup" in r["msg"]]
     assert failures and failures[0]["request_id"] == "req-abc123" and failures[0]["level"] == "warning"
+
+
+@pytest.mark.timeout(60)
+def test_a_get_past_its_deadline_logs_one_line(make_server, caplog: pytest.LogCaptureFixture) -> None:
+    server: ServerThread = make_server(ram={"capacity_bytes": 256 << 20}, shm={"enabled": False})
+    keys = [os.urandom(16) for _ in range(6)]
+    with KVCacheClient(server.target, shm=False) as client:  # 48 MiB: more than any flow-control window
+        assert client.put_many(NS, [(k, raw_block(k, os.urandom(8 << 20))) for k in keys]).stored == 6
+    caplog.set_level(logging.INFO)
+    caplog.handler.addFilter(RequestIdFilter())
+    rid = "slow-reader-1"
+    options = [("grpc.max_receive_message_length", 64 << 20), ("grpc.http2.bdp_probe", 0)]
+    with grpc.insecure_channel(server.target, options=options) as channel:
+        stub = pb_grpc.KVCacheStub(channel)
+        call = stub.Get(pb.GetRequest(namespace=NS, keys=keys), timeout=2, metadata=(("x-request-id", rid),))
+        assert next(call).items[0].found  # the handler runs; the client reads no further
+        assert call.code() is grpc.StatusCode.DEADLINE_EXCEEDED  # the deadline ends the call mid-stream
+        # Deadlines of a few ms: each call ends before its handler starts, mid-stream, or (rarely) complete.
+        for i in range(10):
+            with contextlib.suppress(grpc.RpcError):
+                list(
+                    stub.Get(
+                        pb.GetRequest(namespace=NS, keys=keys),
+                        timeout=0.005,
+                        metadata=(("x-request-id", f"short-{i}"),),
+                    )
+                )
+    server.stop()  # every handler is over, and gRPC's own handling of the calls with them
+
+    def lines(request: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if getattr(r, "request_id", None) == request or request in r.getMessage()]
+
+    assert [(r.levelname, r.name) for r in lines(rid)] == [("INFO", "kvcache_server.interceptor")]
+    assert lines(rid)[0].getMessage().startswith(f"Get (request {rid}) ended early: cancelled")
+    for i in range(10):  # at most the one line each, never a traceback
+        assert [(r.levelname, r.name) for r in lines(f"short-{i}")] in ([], [("INFO", "kvcache_server.interceptor")])
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert "Traceback" not in caplog.text
