@@ -325,13 +325,15 @@ class PutMessage:
     namespace: str = ""
     blocks: list[tuple[bytes, Buffer | ShmRange | BlockPart | MixedBlock]] = field(default_factory=list)
     error: str = ""
+    over_limit: bool = False  # with `error`: the message holds more blocks than the caller allowed
 
 
-def decode_put_request(data: Buffer) -> PutMessage:
+def decode_put_request(data: Buffer, max_blocks: int | None = None) -> PutMessage:
     """Parses and checks a PutRequest (parse_put_request, then check_put_message). Never raises:
     a malformed or invalid message comes back with `error` set, so the server can answer
-    INVALID_ARGUMENT instead of failing in gRPC's deserializer."""
-    return check_put_message(parse_put_request(data))
+    INVALID_ARGUMENT instead of failing in gRPC's deserializer (RESOURCE_EXHAUSTED when
+    `over_limit`: more than `max_blocks` blocks)."""
+    return check_put_message(parse_put_request(data, max_blocks))
 
 
 def check_put_message(msg: PutMessage) -> PutMessage:
@@ -343,9 +345,15 @@ def check_put_message(msg: PutMessage) -> PutMessage:
     return msg
 
 
-def parse_put_request(data: Buffer) -> PutMessage:
+def parse_put_request(data: Buffer, max_blocks: int | None = None) -> PutMessage:
     """Decodes a PutRequest exactly as the generated code would (see the module docstring), without
-    validating it. Never raises: bytes protobuf refuses come back with `error` set."""
+    validating it. Never raises: bytes protobuf refuses come back with `error` set.
+
+    With `max_blocks`, parsing stops as soon as the message turns out to hold more blocks than that
+    (`error` set, `over_limit` true): a small message of millions of empty blocks costs no more
+    than the limit allows, however large it is.
+    """
+    limit = -1 if max_blocks is None else max_blocks
     buf, view = _buffers(data)
     end = len(view)
     msg = PutMessage()
@@ -360,6 +368,8 @@ def parse_put_request(data: Buffer) -> PutMessage:
                 tag, pos = _read_tag(buf, pos, end)
             if tag == 0x12:  # blocks
                 n, pos = _read_length(buf, pos, end)
+                if len(blocks) == limit:
+                    return PutMessage(error=f"PutRequest holds more than {limit} blocks", over_limit=True)
                 blocks.append(_decode_block(buf, view, pos, pos + n))
                 pos += n
             elif tag == 0x0A:  # namespace

@@ -209,7 +209,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., write_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., breaker: _Optional[str] = ..., skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent")
+    __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent", "inflight_bytes", "inflight_peak_bytes", "inflight_refused", "cut_off_calls")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -219,6 +219,10 @@ class StatsResponse(_message.Message):
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     SHM_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    INFLIGHT_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    CUT_OFF_CALLS_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -228,7 +232,11 @@ class StatsResponse(_message.Message):
     max_keys_per_request: int
     shm_bytes_received: int
     shm_bytes_sent: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., put_checksum_failures: _Optional[int] = ..., failed_requests: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_bytes_received: _Optional[int] = ..., shm_bytes_sent: _Optional[int] = ...) -> None: ...
+    inflight_bytes: int
+    inflight_peak_bytes: int
+    inflight_refused: int
+    cut_off_calls: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., put_checksum_failures: _Optional[int] = ..., failed_requests: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_bytes_received: _Optional[int] = ..., shm_bytes_sent: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., inflight_peak_bytes: _Optional[int] = ..., inflight_refused: _Optional[int] = ..., cut_off_calls: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()

@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any
 
+from kvcache_server.allocator import tune_malloc
 from kvcache_server.app import serve
 from kvcache_server.config import DEFAULT_HOST, DEFAULT_PORT, ConfigError, load_config, parse_assignment
 from kvcache_server.interceptor import RequestIdFilter
@@ -79,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
     handler.addFilter(RequestIdFilter())
     logging.basicConfig(level=config.server.log_level.upper(), handlers=[handler])
+    tune_malloc(config.server.malloc_mmap_threshold_bytes)  # before the first block is allocated
     try:
         asyncio.run(serve(config))
     except OSError as exc:

@@ -45,6 +45,9 @@ class ServerSection:
     drain_deadline_s: float = 10.0  # then write-behind queues may drain within this
     log_level: str = "info"
     log_json: bool = False
+    # glibc only: allocations of this size or more get their own mapping, returned to the OS when
+    # freed (kvcache_server/allocator.py); 0 leaves malloc alone.
+    malloc_mmap_threshold_bytes: int = 128 * 1024
     # KVCache calls running at once (Info excepted; health and reflection are never counted).
     max_concurrent_rpcs: int = 1024
     # With auth: one tenant's calls running at once; 0 = a quarter of max_concurrent_rpcs.
@@ -58,6 +61,8 @@ class ServerSection:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        if not 0 <= self.malloc_mmap_threshold_bytes <= 32 * _MiB:
+            raise ConfigError("server.malloc_mmap_threshold_bytes must be in [0, 32 MiB] (glibc's range)")
         if self.shutdown_grace_s < 0 or self.drain_deadline_s < 0:
             raise ConfigError("server.shutdown_grace_s and server.drain_deadline_s must be >= 0")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
@@ -173,6 +178,17 @@ class LimitsSection:
     # gRPC metadata per call, and concurrent calls (HTTP/2 streams) per connection.
     max_metadata_bytes: int = 16 * 1024
     max_concurrent_streams: int = 256
+    # Bytes all calls in flight may hold besides the RAM tier (messages being decoded and verified,
+    # blocks being assembled from parts or read from shm, blocks a Get fetched from Redis/S3): a call
+    # that would pass it waits up to admission_wait_s, then gets RESOURCE_EXHAUSTED (docs/limits.md).
+    inflight_bytes: int = 256 * _MiB
+    admission_wait_s: float = 1.0
+    # A Get fetches from Redis/S3 in windows of about this many bytes, sending each before the next.
+    get_window_bytes: int = 64 * _MiB
+    # A Put stream with no message for this long, or a Get whose client reads nothing for this
+    # long, is cut off (DEADLINE_EXCEEDED) and its memory released.
+    put_idle_timeout_s: float = 10.0
+    get_stall_timeout_s: float = 10.0
 
     def validate(self) -> None:
         for name in (
@@ -183,9 +199,20 @@ class LimitsSection:
             "max_put_stream_bytes",
             "max_metadata_bytes",
             "max_concurrent_streams",
+            "inflight_bytes",
+            "get_window_bytes",
+            "put_idle_timeout_s",
+            "get_stall_timeout_s",
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"limits.{name} must be positive")
+        if self.admission_wait_s < 0:
+            raise ConfigError("limits.admission_wait_s must not be negative")
+        if self.inflight_bytes < self.max_block_bytes + self.stream_message_bytes:
+            raise ConfigError(
+                "limits.inflight_bytes must hold at least one largest block and one message "
+                f"(max_block_bytes + stream_message_bytes = {self.max_block_bytes + self.stream_message_bytes})"
+            )
 
     @property
     def max_message_bytes(self) -> int:

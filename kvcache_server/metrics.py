@@ -127,6 +127,26 @@ class _StatsCollector(Collector):
         family.add_metric(["sent"], service["shm_bytes_sent"])
         yield family
         yield GaugeMetricFamily(
+            "kvcache_inflight_bytes",
+            "Bytes held for calls in flight, against limits.inflight_bytes",
+            value=service["inflight_bytes"],
+        )
+        yield GaugeMetricFamily(
+            "kvcache_inflight_peak_bytes",
+            "The most bytes held for calls in flight at once",
+            value=service["inflight_peak_bytes"],
+        )
+        yield CounterMetricFamily(
+            "kvcache_inflight_refused",
+            "Calls refused because the in-flight budget had no room within limits.admission_wait_s",
+            value=service["inflight_refused"],
+        )
+        yield CounterMetricFamily(
+            "kvcache_cut_off_calls",
+            "Put streams gone quiet and Gets whose client stopped reading, ended by the server",
+            value=service["cut_off_calls"],
+        )
+        yield GaugeMetricFamily(
             "kvcache_event_subscribers", "Connected KV-event subscribers", value=self._events.subscribers
         )
         yield CounterMetricFamily(

@@ -8,10 +8,14 @@ that no gRPC message holds all of it:
     ...
     Block{data=part k}                                   the last part: more=false
 
-The assembler copies each part into one buffer of exactly N bytes (N is checked
-against max_block_bytes before anything is allocated) and hands out the whole
-block after its last part; the service then verifies and stores it like any
-other. Anything else is refused with INVALID_ARGUMENT or RESOURCE_EXHAUSTED.
+The assembler appends each part to one buffer that grows as the bytes arrive (N
+is checked against max_block_bytes, but nothing is allocated for it ahead of the
+data: a first part that announces 64 MiB and sends 100 bytes holds 100 bytes),
+counting every part against the call's share of the in-flight budget
+(kvcache_server.budget) before appending it, and hands out the whole block after
+its last part; the service then verifies and stores it like any other. Growing a
+large bytearray reallocates in place (glibc moves such buffers with mremap, no
+copy). Anything else is refused with INVALID_ARGUMENT or RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from kvcache_core.blockwire import BlockPart
+from kvcache_server.budget import Holding
 from kvcache_server.refusal import Refused
 
 Buffer = bytes | bytearray | memoryview
@@ -31,30 +36,40 @@ class _Pending:
     index: int  # the block's position in the stream, for messages
     key: bytes
     buf: bytearray
-    filled: int
+    total: int  # the length the first part announced
 
 
 class BlockAssembler:
     """Follows one Put stream: passes whole blocks through and puts blocks sent in parts together."""
 
-    def __init__(self, max_block_bytes: int) -> None:
+    def __init__(self, max_block_bytes: int, holding: Holding) -> None:
         self._max_block_bytes = max_block_bytes
+        self._holding = holding
         self._pending: _Pending | None = None
 
-    def feed(self, index: int, key: bytes, data: Buffer | BlockPart) -> tuple[bytes, Buffer] | None:
+    @property
+    def assembling(self) -> bool:
+        """Whether a block sent in parts is incomplete (the next Block continues it)."""
+        return self._pending is not None
+
+    async def feed(self, index: int, key: bytes, data: Buffer | BlockPart) -> tuple[bytes, Buffer] | None:
         """Takes the stream's next Block (`index`: the position the next whole block will have).
 
         Returns:
             (key, block) when a whole block is complete (a plain one, or the last part of one in
             parts), None when the Block was a part of one still incomplete.
 
+        A part's bytes are counted against the call's holding before they are appended (they stay
+        counted after the block is handed out: the caller releases them once the block is stored).
+
         Raises:
-            Refused: a part out of place, lengths that disagree, a block over max_block_bytes.
+            Refused: a part out of place, lengths that disagree, a block over max_block_bytes, no
+                room in the in-flight budget.
         """
         if self._pending is not None:
-            return self._continue(self._pending, key, data)
+            return await self._continue(self._pending, key, data)
         if isinstance(data, BlockPart):
-            self._pending = self._start(index, key, data)
+            self._pending = await self._start(index, key, data)
             return None
         return key, data
 
@@ -69,7 +84,7 @@ class BlockAssembler:
                 grpc.StatusCode.INVALID_ARGUMENT, f"Put ended inside block {self._pending.index} (sent in parts)"
             )
 
-    def _start(self, index: int, key: bytes, part: BlockPart) -> _Pending:
+    async def _start(self, index: int, key: bytes, part: BlockPart) -> _Pending:
         first = part.data
         assert not isinstance(first, tuple)  # decoded parts are one buffer
         total = part.total_length
@@ -87,11 +102,10 @@ class BlockAssembler:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{where}: {total} bytes exceed max_block_bytes={self._max_block_bytes}",
             )
-        buf = bytearray(total)
-        buf[: len(first)] = first
-        return _Pending(index, key, buf, len(first))
+        await self._holding.reserve(len(first), where)
+        return _Pending(index, key, bytearray(first), total)
 
-    def _continue(self, block: _Pending, key: bytes, data: Buffer | BlockPart) -> tuple[bytes, Buffer] | None:
+    async def _continue(self, block: _Pending, key: bytes, data: Buffer | BlockPart) -> tuple[bytes, Buffer] | None:
         where = f"block {block.index}"
         more = False
         if isinstance(data, BlockPart):
@@ -105,16 +119,16 @@ class BlockAssembler:
                 f"{where}: the Block after a part with more = true continues it and must not carry a key",
             )
         n = len(data)
-        if block.filled + n > len(block.buf):
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: its parts exceed total_length={len(block.buf)}")
-        block.buf[block.filled : block.filled + n] = data
-        block.filled += n
+        if len(block.buf) + n > block.total:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: its parts exceed total_length={block.total}")
+        await self._holding.reserve(n, where)
+        block.buf += data
         if more:
             return None
         self._pending = None
-        if block.filled != len(block.buf):
+        if len(block.buf) != block.total:
             raise Refused(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"{where}: its parts hold {block.filled} bytes, total_length={len(block.buf)}",
+                f"{where}: its parts hold {len(block.buf)} bytes, total_length={block.total}",
             )
         return block.key, memoryview(block.buf).toreadonly()

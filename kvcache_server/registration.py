@@ -3,7 +3,9 @@
 Put and Get use the blockwire codec (same wire format as the generated code, fewer copies of block
 bytes); the small RPCs use the generated classes. No parser raises: a malformed request reaches its
 handler as _Malformed and is answered INVALID_ARGUMENT, where gRPC would answer a raising
-deserializer with INTERNAL.
+deserializer with INTERNAL. Put messages reach the service as raw bytes: it decodes them itself,
+bounded by the stream's limits and off the event loop when large (gRPC would decode them on it,
+whole). Get is a coroutine that sends with context.write, so a reader that stalls can be noticed.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvcache_core.blockwire import decode_put_request, encode_get_response
+from kvcache_core.blockwire import encode_get_response
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.service import SERVICE_NAME, KVCacheService
 
@@ -56,13 +58,22 @@ def _streaming(behavior: Callable[..., AsyncIterator[object]]) -> Callable[..., 
     return checked
 
 
+def _coroutine_streaming(behavior: Callable[..., Awaitable[None]]) -> Callable[..., Awaitable[None]]:
+    async def checked(request: object, context: grpc.aio.ServicerContext) -> None:
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, request.error)
+        await behavior(request, context)
+
+    return checked
+
+
 def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
     """Registers the service's RPCs under kvcache.v1.KVCache."""
     unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
     handlers = {
         "Lookup": unary(_unary(service.Lookup), _parser(pb.LookupRequest), pb.LookupResponse.SerializeToString),
-        "Put": grpc.stream_unary_rpc_method_handler(service.Put, decode_put_request, pb.PutResponse.SerializeToString),
-        "Get": stream(_streaming(service.Get), _parser(pb.GetRequest), encode_get_response),
+        "Put": grpc.stream_unary_rpc_method_handler(service.Put, None, pb.PutResponse.SerializeToString),
+        "Get": stream(_coroutine_streaming(service.Get), _parser(pb.GetRequest), encode_get_response),
         "Delete": unary(_unary(service.Delete), _parser(pb.DeleteRequest), pb.DeleteResponse.SerializeToString),
         "Stats": unary(_unary(service.Stats), _parser(pb.StatsRequest), pb.StatsResponse.SerializeToString),
         "Info": unary(_unary(service.Info), _parser(pb.InfoRequest), pb.InfoResponse.SerializeToString),

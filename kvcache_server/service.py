@@ -4,25 +4,36 @@ Each handler checks what the client sent, answers a precise status for what
 is wrong (see proto/kvcache/v1/kvcache.proto), and hands valid work to the
 TierStack. Block bytes are taken from the request message once and stored as
 that same bytes object; on reads the stored object goes into the reply as is.
+
+Work per call is bounded (docs/limits.md): what a call holds in flight counts against one
+MemoryBudget (kvcache_server.budget) before it is allocated or as soon as it exists; a Put
+message is decoded no further than the stream's block limit allows, large ones off the event
+loop, and large blocks are verified off it too; a Get fetches from lower tiers window by window
+and sends each window before fetching the next; a Put stream that goes quiet, or a Get whose
+client stops reading, is cut off with DEADLINE_EXCEEDED and what it held is released.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import NoReturn
 
 import grpc
 
 from kvcache_core.blockwire import (
+    BlockPart,
     GetPart,
     PutMessage,
     ShmRange,
     data_len,
+    decode_put_request,
 )
 from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
 from kvcache_core.format import BlockFormatError, Compression, verify_block
@@ -30,6 +41,7 @@ from kvcache_core.keys import KEY_BYTES
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import current_principal
+from kvcache_server.budget import Holding, MemoryBudget
 from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow, TooManySubscribers
 from kvcache_server.observe import NullObserver, Observer
@@ -46,8 +58,8 @@ from kvcache_server.shm import (
     write_ranges,
     write_ranges_in_thread,
 )
-from kvcache_server.stack import TierPut, TierStack
-from kvcache_server.tiers.base import TierStats
+from kvcache_server.stack import Found, TierPut, TierStack
+from kvcache_server.tiers.base import TierKind, TierStats
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +91,19 @@ _GET_PART_BYTES (the same rule as the SDK's puts; see kvcache_client.messages.PA
 _SHM_ITEM_BYTES = 96
 """What a Get item sent as a ShmRange counts against stream_message_bytes."""
 
+_DECODE_OFF_LOOP_BYTES = 256 << 10
+"""Put messages at least this large are decoded in a worker thread (a message of many small blocks
+takes milliseconds of Python); smaller ones inline, where a thread hop would cost more."""
+
+_VERIFY_OFF_LOOP_BYTES = 1 << 20
+"""Blocks at least this large are verified in a worker thread (XXH3 releases the GIL)."""
+
+_MAX_WINDOW_KEYS = 1024
+"""A Get window never spans more keys than this, however small its blocks."""
+
+_BLOCK_SIZE_NAMESPACES = 4096
+"""Namespaces whose largest block the server remembers (for Get windows), least recently used out."""
+
 
 class KVCacheService(pb_grpc.KVCacheServicer):
     """Validates requests and forwards them to the tier stack."""
@@ -99,6 +124,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self._version = version
         self._started = time.monotonic()
         self._counters = _Counters()
+        self.budget = MemoryBudget(limits.inflight_bytes, limits.admission_wait_s)
+        self._block_sizes: OrderedDict[str, int] = OrderedDict()  # namespace -> largest block seen
+        self.cut_off = 0  # Put streams gone quiet and Gets not read, ended by the server
 
     def counters(self) -> dict[str, int]:
         """Service-level counters, for metrics."""
@@ -107,6 +135,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             "put_checksum_failures": self._counters.put_checksum_failures,
             "shm_bytes_received": self._counters.shm_bytes_received,
             "shm_bytes_sent": self._counters.shm_bytes_sent,
+            "inflight_bytes": self.budget.used,
+            "inflight_peak_bytes": self.budget.peak,
+            "inflight_refused": self.budget.refused,
+            "cut_off_calls": self.cut_off,
         }
 
     # -- validation ---------------------------------------------------------------------------
@@ -161,7 +193,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 )
         return out
 
-    async def _block(self, context: grpc.aio.ServicerContext, index: int, key: bytes, data: bytes) -> None:
+    async def _block(self, context: grpc.aio.ServicerContext, index: int, key: bytes, data: bytes | memoryview) -> None:
         where = f"block {index}"
         if len(key) != KEY_BYTES:
             await self._abort(
@@ -174,7 +206,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 f"{where}: {len(data)} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
             )
         try:
-            header = verify_block(data, key)  # valid only under the key it is stored under
+            # Valid only under the key it is stored under. Large blocks off the event loop: XXH3 drops
+            # the GIL, and the thread only reads `data`, which it keeps alive itself.
+            if len(data) >= _VERIFY_OFF_LOOP_BYTES:
+                header = await asyncio.to_thread(verify_block, data, key)
+            else:
+                header = verify_block(data, key)
         except ChecksumMismatch as exc:
             self._counters.put_checksum_failures += 1
             await self._abort(context, grpc.StatusCode.DATA_LOSS, f"{where}: {exc}")
@@ -196,40 +233,75 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self._observer.lookup(namespace, len(keys), len(tiers))
         return pb.LookupResponse(prefix_length=len(tiers), tiers=[int(t) for t in tiers])
 
-    async def Put(
-        self, request_iterator: AsyncIterator[PutMessage], context: grpc.aio.ServicerContext
-    ) -> pb.PutResponse:
+    async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         segments: dict[str, tuple[int, int]] = {}  # open shm segments: name -> (fd, size)
         try:
-            return await self._put(request_iterator, context, segments)
+            with self.budget.holding() as held:
+                return await self._put(request_iterator, context, segments, held)
         finally:
             # No worker thread still reads through these: _read_shm_blocks waits for its thread even
             # when the call is cancelled (and the thread reads through its own duplicates).
             for fd, _ in segments.values():
                 os.close(fd)
 
+    async def _next_message(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes | None:
+        """The stream's next raw message, None at its end; a stream quiet for put_idle_timeout_s is cut off."""
+        idle = self._limits.put_idle_timeout_s
+        try:
+            return await asyncio.wait_for(anext(messages), idle)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            self.cut_off += 1
+            await self._abort(
+                context,
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no Put message for {idle:g} s (limits.put_idle_timeout_s): the stream is cut off",
+            )
+
+    async def _decode(self, raw: bytes, max_blocks: int) -> PutMessage:
+        """Decodes one Put message, no further than `max_blocks` blocks; large ones in a worker thread."""
+        if len(raw) >= _DECODE_OFF_LOOP_BYTES:
+            return await asyncio.to_thread(decode_put_request, raw, max_blocks)
+        return decode_put_request(raw, max_blocks)
+
     async def _put(
         self,
-        request_iterator: AsyncIterator[PutMessage],
+        request_iterator: AsyncIterator[bytes],
         context: grpc.aio.ServicerContext,
         segments: dict[str, tuple[int, int]],
+        held: Holding,
     ) -> pb.PutResponse:
         namespace: str | None = None  # scoped
         first_namespace = ""  # as the client sent it
         index = stored = rejected = received = entries = 0
         tiers: list[TierPut] = []  # what each tier took, summed over the stream's messages
-        assembler = BlockAssembler(self._limits.max_block_bytes)  # blocks sent in parts
+        assembler = BlockAssembler(self._limits.max_block_bytes, held)  # blocks sent in parts
         limits = self._limits
-        async for message in request_iterator:
-            if message.error:
-                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, message.error)
-            entries += len(message.blocks)
-            if entries > limits.max_put_stream_blocks:
+        messages = aiter(request_iterator)
+        while (raw := await self._next_message(messages, context)) is not None:
+            # The message exists already (gRPC received it): counted at once. Everything decoded from
+            # it is released once its blocks are committed; parts of an unfinished block stay counted.
+            held.count(len(raw))
+            message_bytes = len(raw)
+            message = await self._decode(raw, limits.max_put_stream_blocks - entries)
+            if message.over_limit:
                 await self._abort(
                     context,
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"Put stream exceeds max_put_stream_blocks={limits.max_put_stream_blocks}; split it",
                 )
+            if message.error:
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, message.error)
+            del raw  # large blocks are views into it; small ones were copied out (counted below)
+            copied = sum(
+                len(d)
+                for d in (b.data if isinstance(b, BlockPart) else b for _, b in message.blocks)
+                if type(d) is bytes
+            )
+            held.count(copied)
+            message_bytes += copied
+            entries += len(message.blocks)
             received += sum(data_len(d) for _, d in message.blocks)
             if received > limits.max_put_stream_bytes:
                 await self._abort(
@@ -244,21 +316,32 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
             blocks = message.blocks
             if any(isinstance(d, ShmRange) for _, d in blocks):
+                from_shm = sum(d.length for _, d in blocks if isinstance(d, ShmRange))
+                try:
+                    await held.reserve(from_shm, f"block {index}")  # before copying them out of the segment
+                except Refused as exc:
+                    await self._abort(context, exc.code, exc.message)
+                message_bytes += from_shm
                 blocks = await self._read_shm_blocks(context, index, blocks, segments)
             complete: list[tuple[bytes, bytes | memoryview]] = []
+            assembled = 0  # bytes of blocks completed from parts in this message (counted by the assembler)
             for key, data in blocks:
                 where = index + len(complete)
+                continues = assembler.assembling  # this Block is the next part of a block in parts
                 try:
-                    whole = assembler.feed(where, key, data)  # type: ignore[arg-type]
+                    whole = await assembler.feed(where, key, data)  # type: ignore[arg-type]
                 except Refused as exc:
                     await self._abort(context, exc.code, exc.message)
                 if whole is None:
                     continue
+                if continues:  # its last part: the assembler counted all of it
+                    assembled += len(whole[1])
                 await self._block(context, where, *whole)
                 complete.append(whole)
             index += len(complete)
             # Commit this message's complete blocks (all verified) before reading the next message.
             if complete:
+                self._saw_block_size(namespace, max(len(d) for _, d in complete))
                 outcome = await self._stack.put(namespace, complete)
                 stored += sum(outcome.kept)
                 rejected += len(outcome.kept) - sum(outcome.kept)
@@ -267,6 +350,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 else:
                     for total, took in zip(tiers, outcome.tiers, strict=True):
                         total.add(took)
+            del message, blocks, complete
+            # What the RAM tier kept is its capacity's business from now on.
+            held.release(message_bytes + assembled)
         try:
             assembler.finish()
         except Refused as exc:
@@ -336,7 +422,9 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             )
         return self._shm.open_segment(name, writable=writable)
 
-    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[GetReply]:
+    async def Get(self, request: pb.GetRequest, context: grpc.aio.ServicerContext) -> None:
+        """Streams the found blocks with context.write, so that a client that stops reading is noticed:
+        a reply not taken within get_stall_timeout_s cuts the call off."""
         namespace = await self._namespace(context, request.namespace)
         keys = await self._keys(context, request.keys)
         segment: tuple[int, int] | None = None
@@ -345,20 +433,95 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 segment = self._open_segment(request.shm.segment, writable=True)
             except ShmError as exc:
                 await self._abort(context, exc.code, exc.message)
+        stall = self._limits.get_stall_timeout_s
         try:
-            found = await self._stack.get(namespace, keys)
-            async for reply in self._get_replies(context, found, request, segment):
-                yield reply
+            with self.budget.holding() as held:
+                found = self._windows(context, namespace, keys, request.prefix_only, held)
+                async for reply in self._get_replies(context, found, request, segment):
+                    try:
+                        await asyncio.wait_for(context.write(reply), stall)
+                    except TimeoutError:
+                        self.cut_off += 1
+                        await self._abort(
+                            context,
+                            grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"the client read nothing for {stall:g} s (limits.get_stall_timeout_s): the Get is cut off",
+                        )
         finally:
             # No worker thread still writes through it: _write_segment waits for its thread even when
             # the call is cancelled (and the thread writes through its own duplicate).
             if segment is not None:
                 os.close(segment[0])
 
+    async def _windows(
+        self,
+        context: grpc.aio.ServicerContext,
+        namespace: str,
+        keys: list[bytes],
+        prefix_only: bool,
+        held: Holding,
+    ) -> AsyncIterator[tuple[int, Found | None]]:
+        """(index, block or None) for every key, fetched window by window.
+
+        Keys the RAM tier holds cost nothing (the reply references RAM's own objects); the others
+        are fetched from lower tiers at most about get_window_bytes at a time, sized by the largest
+        block this server has seen in the namespace (max_block_bytes when it has seen none). What a
+        window fetched stays counted in `held` until the next window is asked for, by which time
+        the replies holding it have been sent (all but the one being filled): a Get of any size
+        holds about one window at a time.
+        """
+        limits = self._limits
+        ram = self._stack.ram
+        start = 0
+        while start < len(keys):
+            per_block = self._block_size(namespace)
+            allowed = max(1, limits.get_window_bytes // per_block)  # lower-tier blocks in this window
+            held.release_all()  # the previous window has been sent
+            try:
+                await held.reserve(min(allowed * per_block, limits.get_window_bytes), "Get")
+            except Refused as exc:
+                await self._abort(context, exc.code, exc.message)
+            # Which keys RAM holds, asked right before the stack reads RAM (no await in between):
+            # promotions of earlier windows may have evicted some since the Get began.
+            ahead = keys[start : start + _MAX_WINDOW_KEYS]
+            end, lower_keys = start, 0
+            for held_in_ram in ram.contains_many_sync(namespace, ahead):
+                if not held_in_ram:
+                    if lower_keys == allowed:
+                        break
+                    lower_keys += 1
+                end += 1
+            found = await self._stack.get(namespace, keys[start:end])
+            lower = [len(f.data) for f in found if f is not None and f.tier is not TierKind.RAM]
+            held.release_all()
+            held.count(sum(lower))  # what this window really holds beyond RAM's references
+            if lower:
+                self._saw_block_size(namespace, max(lower))
+            for i, hit in enumerate(found, start):
+                yield i, hit
+                if hit is None and prefix_only:
+                    return
+            start = end
+
+    def _block_size(self, namespace: str) -> int:
+        """The largest block seen in `namespace` (the size a Get window assumes per lower-tier block)."""
+        size = self._block_sizes.get(namespace)
+        if size is None:
+            return self._limits.max_block_bytes
+        self._block_sizes.move_to_end(namespace)
+        return size
+
+    def _saw_block_size(self, namespace: str, size: int) -> None:
+        sizes = self._block_sizes
+        sizes[namespace] = max(size, sizes.get(namespace, 0))
+        sizes.move_to_end(namespace)
+        if len(sizes) > _BLOCK_SIZE_NAMESPACES:
+            sizes.popitem(last=False)
+
     async def _get_replies(
         self,
         context: grpc.aio.ServicerContext,
-        found: Sequence[object],
+        found: AsyncIterator[tuple[int, Found | None]],
         request: pb.GetRequest,
         segment: tuple[int, int] | None,
     ) -> AsyncIterator[GetReply]:
@@ -371,13 +534,13 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         items: GetReply = []
         writes: list[tuple[bytes | memoryview, int]] = []
         size = 0
-        for i, hit in enumerate(found):
+        async for i, hit in found:
             if hit is None:
                 items.append((i, False, b"", 0))
                 if request.prefix_only:
                     break
                 continue
-            data = hit.data  # type: ignore[attr-defined]
+            data = hit.data
             n = len(data)
             sent: bytes | memoryview | ShmRange = data
             if segment is not None and offset + n <= capacity:
@@ -390,7 +553,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     writes = []
                     yield items
                     items, size = [], 0
-                view, tier = memoryview(data), int(hit.tier)  # type: ignore[attr-defined]
+                view, tier = memoryview(data), int(hit.tier)
                 for start in range(0, n, _GET_PART_BYTES):
                     end = start + _GET_PART_BYTES
                     yield [(i, True, GetPart(view[start:end], end < n), tier)]
@@ -401,7 +564,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 writes = writes[-1:] if isinstance(sent, ShmRange) else []
                 yield items
                 items, size = [], 0
-            items.append((i, True, sent, int(hit.tier)))  # type: ignore[attr-defined]
+            items.append((i, True, sent, int(hit.tier)))
             size += cost
         if items:
             await self._write_segment(context, segment, writes)
@@ -491,6 +654,10 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             max_keys_per_request=self._limits.max_keys_per_request,
             shm_bytes_received=self._counters.shm_bytes_received,
             shm_bytes_sent=self._counters.shm_bytes_sent,
+            inflight_bytes=self.budget.used,
+            inflight_peak_bytes=self.budget.peak,
+            inflight_refused=self.budget.refused,
+            cut_off_calls=self.cut_off,
         )
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:

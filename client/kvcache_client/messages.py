@@ -212,6 +212,10 @@ def server_stats(r: pb.StatsResponse) -> ServerStats:
         max_keys_per_request=r.max_keys_per_request,
         shm_bytes_received=r.shm_bytes_received,
         shm_bytes_sent=r.shm_bytes_sent,
+        inflight_bytes=r.inflight_bytes,
+        inflight_peak_bytes=r.inflight_peak_bytes,
+        inflight_refused=r.inflight_refused,
+        cut_off_calls=r.cut_off_calls,
         tiers=tuple(TierInfo(**{name: getattr(t, name) for name in _TIER_INFO_FIELDS}) for t in r.tiers),
     )
 

@@ -120,6 +120,10 @@ class ServerStats:
     tiers: tuple[TierInfo, ...] = field(default_factory=tuple)
     shm_bytes_received: int = 0
     shm_bytes_sent: int = 0
+    inflight_bytes: int = 0  # bytes the server holds for calls in flight, and the other budget counters
+    inflight_peak_bytes: int = 0
+    inflight_refused: int = 0
+    cut_off_calls: int = 0
 
     def tier(self, name: str) -> TierInfo:
         for t in self.tiers:
