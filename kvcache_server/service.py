@@ -148,6 +148,11 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         await context.abort(code, message)
         raise AssertionError("unreachable: context.abort raises")
 
+    async def _cut_off(self, context: grpc.aio.ServicerContext, why: str) -> NoReturn:
+        """Ends a call whose peer went quiet (DEADLINE_EXCEEDED); what it held is released as it unwinds."""
+        self.cut_off += 1
+        await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"{why}: the call is cut off")
+
     async def _namespace(self, context: grpc.aio.ServicerContext, namespace: str) -> str:
         """The validated namespace, scoped by the caller's tenant: "<tenant>:<namespace>" with auth on.
 
@@ -252,12 +257,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         except StopAsyncIteration:
             return None
         except TimeoutError:
-            self.cut_off += 1
-            await self._abort(
-                context,
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no Put message for {idle:g} s (limits.put_idle_timeout_s): the stream is cut off",
-            )
+            await self._cut_off(context, f"no Put message for {idle:g} s (limits.put_idle_timeout_s)")
 
     async def _decode(self, raw: bytes, max_blocks: int) -> PutMessage:
         """Decodes one Put message, no further than `max_blocks` blocks; large ones in a worker thread."""
@@ -441,11 +441,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                     try:
                         await asyncio.wait_for(context.write(reply), stall)
                     except TimeoutError:
-                        self.cut_off += 1
-                        await self._abort(
-                            context,
-                            grpc.StatusCode.DEADLINE_EXCEEDED,
-                            f"the client read nothing for {stall:g} s (limits.get_stall_timeout_s): the Get is cut off",
+                        await self._cut_off(
+                            context, f"the client read nothing for {stall:g} s (limits.get_stall_timeout_s)"
                         )
         finally:
             # No worker thread still writes through it: _write_segment waits for its thread even when

@@ -24,7 +24,6 @@ regular files owned by its user, and symlinks.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import logging
@@ -40,6 +39,7 @@ from typing import Any, TypeVar
 import grpc
 
 from kvcache_core.blockwire import ShmRange
+from kvcache_core.threads import run_to_end
 from kvcache_server.refusal import Refused
 
 log = logging.getLogger(__name__)
@@ -296,9 +296,11 @@ async def _run_to_end(fn: Callable[..., T], args: tuple[Any, ...], fds: list[int
     CancelledError propagates: the handler cannot end, nor close its descriptors, while its thread
     may still read or write the client's segment.
     """
-    stop = threading.Event()
+    ran = False
 
-    def work() -> T:
+    def work(stop: threading.Event) -> T:
+        nonlocal ran
+        ran = True
         try:
             return fn(*args, stop=stop)
         finally:
@@ -306,18 +308,9 @@ async def _run_to_end(fn: Callable[..., T], args: tuple[Any, ...], fds: list[int
                 os.close(fd)
 
     try:
-        future = asyncio.get_running_loop().run_in_executor(None, work)
-    except BaseException:  # not started (the executor is shut down): the descriptors are still ours
-        for fd in fds:
-            os.close(fd)
-        raise
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        stop.set()
-        while not future.done():
-            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
-                await asyncio.wait([future])
-        if not future.cancelled():
-            future.exception()  # retrieved: the call is cancelled whatever the thread ended with
+        return await run_to_end(work)
+    except BaseException:
+        if not ran:  # the thread never started (the executor is shut down): the descriptors are still ours
+            for fd in fds:
+                os.close(fd)
         raise

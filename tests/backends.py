@@ -239,3 +239,12 @@ def make_certs(tmp: Path) -> dict[str, Path]:
         "rogue-client.key",
     ]
     return {name: tmp / name for name in names}
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS")

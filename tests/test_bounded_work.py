@@ -22,7 +22,7 @@ import pytest
 from kvcache_client import KVCacheClient, RetryPolicy
 from kvcache_core.blockwire import BlockPart, encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
-from tests.backends import RedisProcess, wait_for
+from tests.backends import RedisProcess, rss_bytes, wait_for
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(120)
@@ -32,14 +32,6 @@ PUT = "/kvcache.v1.KVCache/Put"
 GET = "/kvcache.v1.KVCache/Get"
 ONCE = RetryPolicy(max_attempts=1)
 REPO = Path(__file__).resolve().parent.parent
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 class ServerProcess:
@@ -238,7 +230,7 @@ def test_a_put_stream_that_goes_quiet_is_cut_off_and_releases_its_memory(make_se
         wait_for(lambda: client.stats().cut_off_calls == 1, what="the quiet Put cut off")
         quiet.release()
         assert quiet.code is grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "no Put message for 1 s (limits.put_idle_timeout_s)" in quiet.details
+        assert "no Put message for 1 s (limits.put_idle_timeout_s): the call is cut off" in quiet.details
         stats = client.stats()
         assert (stats.cut_off_calls, stats.inflight_bytes) == (1, 0)
         assert client.lookup(NS, [key]).prefix_length == 0  # nothing of it was stored

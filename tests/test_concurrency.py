@@ -15,6 +15,7 @@ import pytest
 
 from kvcache_client import AsyncKVCacheClient, KVCacheClient
 from kvcache_core.format import BlockParts, decode_block, encode_block_parts
+from tests.backends import rss_bytes
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(180)
@@ -81,14 +82,6 @@ def test_many_clients_every_byte_checked(make_server) -> None:
         for k, b in zip(keyspace, client.get_many("c", keyspace), strict=True):
             check(k, b, errors)
     assert not errors
-
-
-def rss_bytes(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS")
 
 
 def test_write_flood_larger_than_the_cap_holds_it() -> None:

@@ -28,8 +28,6 @@ keep every byte on gRPC.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import errno
 import logging
 import mmap
@@ -40,12 +38,13 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TypeVar
 
 import numpy as np
 
 from kvcache_core.blockwire import BlockData, ShmRange, data_len
+from kvcache_core.threads import run_to_end  # noqa: F401  (re-exported for the transports)
 
 log = logging.getLogger(__name__)
 
@@ -387,27 +386,6 @@ class ShmLink:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
-
-
-async def run_to_end(fn: Callable[[threading.Event], T]) -> T:
-    """fn(stop) in a worker thread, awaited to its end even when the awaiting task is cancelled.
-
-    On cancellation `stop` is set (fn should raise CallEnded at its next check) and the thread is
-    still waited for before CancelledError propagates: the caller's cleanup (retiring the segment
-    fn writes into or maps) never runs while the thread still uses it.
-    """
-    stop = threading.Event()
-    future = asyncio.get_running_loop().run_in_executor(None, fn, stop)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        stop.set()
-        while not future.done():
-            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
-                await asyncio.wait([future])
-        if not future.cancelled():
-            future.exception()  # retrieved: the call is cancelled whatever the thread ended with
-        raise
 
 
 def resolve(data: memoryview, ref: ShmRange) -> memoryview:

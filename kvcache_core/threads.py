@@ -1,0 +1,38 @@
+"""Worker threads that a cancelled coroutine still waits for: the data paths' rule on both sides.
+
+A coroutine that hands block bytes to a worker thread (copying into a shared-memory segment,
+reading or writing one through a descriptor) must not let its caller clean up (close the
+descriptor, reuse or retire the segment) while the thread may still touch them, even when the
+coroutine is cancelled (a client's deadline, a cancelled call, server stop).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+async def run_to_end(fn: Callable[[threading.Event], T]) -> T:
+    """fn(stop) in a worker thread, awaited to its end even when the awaiting task is cancelled.
+
+    On cancellation `stop` is set (fn should stop at its next check between blocks) and the thread
+    is still waited for before CancelledError propagates, so the caller's cleanup never runs while
+    the thread still works. If the thread never ran (the executor was shut down), fn is not called.
+    """
+    stop = threading.Event()
+    future = asyncio.get_running_loop().run_in_executor(None, fn, stop)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        stop.set()
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
+                await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # retrieved: the call is cancelled whatever the thread ended with
+        raise
