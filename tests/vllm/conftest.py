@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -53,3 +58,41 @@ def dead_target() -> str:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     return f"127.0.0.1:{port}"
+
+
+@pytest.fixture
+def server_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """A `python -m kvcache_server` subprocess (one that can be SIGSTOPped) and its target."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    log = (tmp_path / "server.log").open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvcache_server", "--port", str(port), "--ram-capacity", "64MiB"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    target = f"127.0.0.1:{port}"
+    try:
+        from kvcache_client import KVCacheClient
+
+        deadline = time.monotonic() + 30
+        with KVCacheClient(target, timeout_s=1) as client:
+            while True:
+                assert process.poll() is None, (tmp_path / "server.log").read_text()
+                try:
+                    client.stats()
+                    break
+                except Exception:
+                    assert time.monotonic() < deadline, "kvcache_server did not start"
+                    time.sleep(0.1)
+        yield process, target
+    finally:
+        os.kill(process.pid, signal.SIGCONT)
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+        log.close()

@@ -15,8 +15,10 @@ The fake model writes and reads the paged tensors with its own per-token indexin
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +33,8 @@ from vllm.config.parallel import ParallelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.utils.hashing import sha256
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -40,6 +44,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MLAAttentionSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -159,7 +164,24 @@ def allocate_caches(
     return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, [kernel_block_size])
 
 
+@dataclass(frozen=True)
+class StandInAttention:
+    """An attention layer of the static forward context, as far as the connector reads it."""
+
+    backend: type
+
+    def get_attn_backend(self) -> type:
+        return self.backend
+
+
 def make_worker(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVCacheConnector:
+    """A worker-side connector; layers not yet in the static forward context get the GPU default backend
+    (FlashAttention, FlashMLA for MLA), whose layout allocate_caches' tensors have."""
+    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
+    backend = FlashMLABackend if isinstance(spec, MLAAttentionSpec) else FlashAttentionBackend
+    context = vllm_config.compilation_config.static_forward_context
+    for name in kv_cache_config.kv_cache_groups[0].layer_names:
+        context.setdefault(name, StandInAttention(backend))
     connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     assert isinstance(connector, KVCacheConnector)
     return connector
@@ -245,6 +267,11 @@ class Engine:
     steps: list[StepRecord] = field(default_factory=list)
     stats: KVCacheConnectorStats = field(default_factory=KVCacheConnectorStats)
     requests: dict[str, Request] = field(default_factory=dict)
+    max_tokens: int = 1
+    kv_transfer_params: dict[str, dict[str, Any]] = field(default_factory=dict)  # of finished requests
+    # Workers still to report a request (vLLM's KVOutputAggregator: every worker must report it).
+    _sending: collections.Counter[str] = field(default_factory=collections.Counter)
+    _recving: collections.Counter[str] = field(default_factory=collections.Counter)
 
     def __post_init__(self) -> None:
         heads = KV_HEADS // len(self.configs)
@@ -274,8 +301,18 @@ class Engine:
         assert isinstance(connector, KVCacheConnector)
         return connector
 
-    def add(self, request_id: str, tokens: Sequence[int], *, cache_salt: str | None = None) -> Request:
-        params = SamplingParams(max_tokens=1)
+    def add(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        *,
+        cache_salt: str | None = None,
+        max_tokens: int | None = None,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> Request:
+        params = SamplingParams(max_tokens=max_tokens or self.max_tokens, extra_args=None)
+        if kv_transfer_params is not None:
+            params.extra_args = {"kv_transfer_params": kv_transfer_params}
         params.update_from_generation_config({}, EOS)
         request = Request(
             request_id=request_id,
@@ -290,7 +327,9 @@ class Engine:
         return request
 
     def step(self) -> StepRecord:
-        """One engine step: every worker's connector calls in vLLM's order, outputs aggregated as vLLM does."""
+        """One engine step: every worker's connector calls in vLLM's order, outputs aggregated as vLLM does
+        (a request is finished sending or receiving once every worker reported it, as vLLM's
+        KVOutputAggregator counts; kv_transfer_params of finished requests are kept)."""
         out = self.scheduler.schedule()
         for worker in self.workers:
             worker.bind_connector_metadata(out.kv_connector_metadata)
@@ -298,18 +337,32 @@ class Engine:
                 worker.start_load_kv(None)
         computed, block_ids = self._forward(out)
         invalid: set[int] = set()
+        sending: set[str] = set()
+        recving: set[str] = set()
         worker_stats = KVCacheConnectorStats()
         for worker in self.workers:
             if not out.has_sync_kv_loads:
                 worker.start_load_kv(None)
             worker.wait_for_save()
+            finished = worker.get_finished(out.finished_req_ids)
+            for reported, pending, done in zip(
+                finished, (self._sending, self._recving), (sending, recving), strict=True
+            ):
+                for request_id in reported or ():
+                    pending[request_id] += 1
+                    if pending[request_id] == len(self.workers):
+                        del pending[request_id]
+                        done.add(request_id)
             invalid |= worker.get_block_ids_with_load_errors()
             stats = worker.get_kv_connector_stats()
             if stats is not None:
                 worker_stats.aggregate(stats)
             worker.clear_connector_metadata()
         kv_output = KVConnectorOutput(
-            invalid_block_ids=invalid, kv_connector_stats=None if worker_stats.is_empty() else worker_stats
+            finished_sending=sending or None,
+            finished_recving=recving or None,
+            invalid_block_ids=invalid,
+            kv_connector_stats=None if worker_stats.is_empty() else worker_stats,
         )
         req_ids = list(out.num_scheduled_tokens)
         sampled = [[SAMPLED] if computed[r].stop >= self.requests[r].num_tokens else [] for r in req_ids]
@@ -320,6 +373,9 @@ class Engine:
             kv_connector_output=kv_output,
         )
         for engine_output in self.scheduler.update_from_output(out, runner_output).values():
+            for output in engine_output.outputs:
+                if output.kv_transfer_params is not None:
+                    self.kv_transfer_params[output.request_id] = output.kv_transfer_params
             stats = engine_output.scheduler_stats
             if stats is not None and stats.kv_connector_stats:
                 self.stats.aggregate(KVCacheConnector.build_kv_connector_stats(stats.kv_connector_stats))
@@ -327,16 +383,44 @@ class Engine:
         self.steps.append(record)
         return record
 
-    def run(self, max_steps: int = 40) -> list[StepRecord]:
-        """Steps until every request finished; returns this run's steps."""
+    def run(self, max_steps: int = 40, timeout_s: float = 30.0) -> list[StepRecord]:
+        """Steps until every request finished and vLLM let go of its blocks, then waits for the
+        workers' background saves; returns this run's steps that scheduled tokens (all of them
+        stay in `steps`).
+
+        Steps that schedule no token (every request waiting for its KV) do not count against
+        max_steps; they are paced by a short sleep and bounded by timeout_s.
+        """
         first = len(self.steps)
-        for _ in range(max_steps):
-            if not self.scheduler.has_unfinished_requests():
-                break
-            self.step()
-        assert not self.scheduler.has_unfinished_requests(), "requests still running after max_steps"
+        busy = 0
+        deadline = time.monotonic() + timeout_s
+        while self.scheduler.has_requests():
+            assert busy < max_steps, "requests still running after max_steps"
+            assert time.monotonic() < deadline, "requests still waiting after timeout_s"
+            if self.step().output.total_num_scheduled_tokens:
+                busy += 1
+            else:
+                time.sleep(0.002)
+        self.settle()
         assert self.connector.open_requests == 0, "the connector kept state of finished requests"
-        return self.steps[first:]
+        return [s for s in self.steps[first:] if s.output.total_num_scheduled_tokens]
+
+    def invalid_block_ids(self, first: int = 0) -> set[int]:
+        """Every block reported as failed to load since step `first`."""
+        return {b for s in self.steps[first:] for b in s.invalid_block_ids}
+
+    def settle(self, timeout_s: float = 30.0) -> None:
+        """Waits until every worker's background loads and saves are done; adds their counters to `stats`."""
+        for worker in self.workers:
+            wait_idle = getattr(worker._worker_side(), "wait_idle", None)  # None: a synchronous connector
+            assert wait_idle is None or wait_idle(timeout_s), "background transfers still running"
+            stats = worker.get_kv_connector_stats()
+            if stats is not None:
+                self.stats.aggregate(stats)
+
+    def close(self) -> None:
+        for worker in self.workers:
+            worker.shutdown()
 
     def _forward(self, out: SchedulerOutput) -> tuple[dict[str, range], dict[str, list[int]]]:
         """Writes the fake model's KV for every token the step computes; returns the positions and blocks."""
@@ -358,7 +442,7 @@ class Engine:
                     for layer, name in enumerate(LAYER_NAMES):
                         write_token(caches[name], block_ids[p // BLOCK], p % BLOCK, heads[layer])
             computed[request_id] = positions
-        for worker, caches in zip(self.workers, self.caches, strict=True):
+        for worker, caches in zip(self.workers, self.caches, strict=bool(self.workers)):
             for name in LAYER_NAMES:  # the per-layer hooks, as the attention layers call them
                 worker.wait_for_layer_load(name)
                 worker.save_kv_layer(name, caches[name], None)

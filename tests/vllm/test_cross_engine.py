@@ -96,6 +96,8 @@ def test_kv_saved_by_transformers_loads_bitwise_through_the_vllm_worker(real_mod
     )
     worker.start_load_kv(None)
     worker.wait_for_save()
+    assert worker._worker is not None and worker._worker.wait_idle(10)  # loads run on a background thread
+    assert worker.get_finished(set()) == (None, {"r"})
     assert worker.get_block_ids_with_load_errors() == set()
     worker.clear_connector_metadata()
 

@@ -31,6 +31,11 @@ def loads_of(engine, step: int = 0) -> list[tuple[str, list[tuple[int, int, int]
     return [(t.request_id, [(c.index, c.start, c.end) for c in t.chunks]) for t in meta.loads]
 
 
+def all_loads(engine, first: int = 0) -> list[tuple[str, list[tuple[int, int, int]]]]:
+    """loads_of every step of the engine from step `first` on."""
+    return [load for step in range(first, len(engine.steps)) for load in loads_of(engine, step)]
+
+
 def stored_prefix(server: ServerThread, namespace: Namespace, tokens: list[int]) -> int:
     with KVCacheClient(server.target, timeout_s=5) as client:
         return client.lookup(namespace, chunk_keys(tokens, namespace)).prefix_length
@@ -63,11 +68,13 @@ def test_replica_loads_every_chunk_and_the_tail_and_computes_only_the_last_token
     saved_prompt(model_dir, server)
     replica = make_engine(model_dir, extra={"target": server.target})
     replica.add("r2", PROMPT)
-    steps = replica.run()
+    replica.run()
 
     # A full hit loads all but the last token (vLLM must compute one): the tail chunk in part.
     assert loads_of(replica) == [("r2", [(0, 0, 32), (1, 32, 64), (2, 64, 96), (3, 96, 99)])]
-    assert steps[0].output.has_sync_kv_loads
+    # Loaded asynchronously: the step that planned it scheduled none of the request's tokens.
+    assert not replica.steps[0].output.has_sync_kv_loads
+    assert replica.steps[0].output.total_num_scheduled_tokens == 0
     assert replica.computed_positions("r2") == [99]
     assert bitwise_equal(replica.paged_kv("r2", 0, 100), replica.expected_kv("r2", 0, 100))
     stats = replica.stats.data
@@ -103,7 +110,7 @@ def test_requests_admitted_together_share_one_get_and_one_put_per_step(model_dir
     steps = replica.run()
 
     assert len(steps) == 1 and calls == ["get_many", "put_many"]
-    assert [(r, [c[0] for c in chunks]) for r, chunks in loads_of(replica)] == [("a", [0]), ("b", [0])]
+    assert [(r, [c[0] for c in chunks]) for r, chunks in all_loads(replica)] == [("a", [0]), ("b", [0])]
     for request in ("a", "b"):
         assert replica.computed_positions(request) == list(range(32, 80))
         assert bitwise_equal(replica.paged_kv(request, 0, 80), replica.expected_kv(request, 0, 80))
@@ -114,11 +121,12 @@ def test_local_prefix_hit_is_extended_by_the_stored_tail(model_dir: str, server)
     engine = make_engine(model_dir, extra={"target": server.target})
     engine.add("r1", PROMPT)
     engine.run()
+    first = len(engine.steps)
     engine.add("r2", PROMPT)
     engine.run()
 
     # vLLM's own cache holds blocks 0..5 (96 tokens); kvcache adds tokens 96..98 from the tail chunk.
-    assert loads_of(engine, step=2) == [("r2", [(3, 96, 99)])]
+    assert all_loads(engine, first) == [("r2", [(3, 96, 99)])]
     assert engine.computed_positions("r2") == [99]
     assert bitwise_equal(engine.paged_kv("r2", 0, 100), engine.expected_kv("r2", 0, 100))
 
@@ -212,16 +220,18 @@ def test_corrupt_chunk_fails_its_blocks_is_recomputed_and_saved_again(model_dir:
 
     engine = make_engine(model_dir, extra={"target": server.target}, policy="recompute")
     engine.add("r", PROMPT)
-    steps = engine.run()
+    engine.run()
 
     block_ids = engine.last_block_ids("r")
-    # Chunk 1 (tokens 32..63) and everything after it: blocks 2..6 of the request.
-    assert steps[0].invalid_block_ids == set(block_ids[2:7])
+    # Chunk 1 (tokens 32..63) and everything after it: blocks 2..6 of the request, reported once,
+    # in the pass that reports the load finished.
+    (failed,) = [i for i, s in enumerate(engine.steps) if s.invalid_block_ids]
+    assert engine.steps[failed].invalid_block_ids == set(block_ids[2:7])
     # The next step tells the workers the scheduler has settled it (vLLM recomputes from block 2).
-    assert steps[1].output.kv_connector_metadata.settled_load_failures == tuple(sorted(block_ids[2:7]))
+    assert engine.steps[failed + 1].output.kv_connector_metadata.settled_load_failures == tuple(sorted(block_ids[2:7]))
     assert engine.workers[0]._client.corrupt_blocks == 1
-    # vLLM threw away the step and recomputed from token 32; chunk 0 stayed loaded.
-    assert engine.computed_positions("r") == [99, *range(32, 100)]
+    # The load failed before any token was computed: vLLM computes from token 32; chunk 0 stayed loaded.
+    assert engine.computed_positions("r") == list(range(32, 100))
     assert bitwise_equal(engine.paged_kv("r", 0, 100), engine.expected_kv("r", 0, 100))
     stats = engine.stats.data
     assert (stats["load_chunks"], stats["load_failures"]) == (1, 3)
@@ -247,10 +257,10 @@ def test_block_with_a_valid_checksum_but_the_wrong_shape_is_refused(model_dir: s
 
     engine = make_engine(model_dir, role="kv_consumer", extra={"target": server.target})
     engine.add("r", PROMPT)
-    steps = engine.run()
+    engine.run()
 
-    assert steps[0].invalid_block_ids == set(engine.last_block_ids("r")[:7])
-    assert engine.computed_positions("r") == [99, *range(100)]
+    assert engine.invalid_block_ids() == set(engine.last_block_ids("r")[:7])
+    assert engine.computed_positions("r") == list(range(100))
     assert bitwise_equal(engine.paged_kv("r", 0, 100), engine.expected_kv("r", 0, 100))
     assert engine.stats.data["load_failures"] == 4
 
@@ -268,10 +278,10 @@ def test_another_chunks_intact_block_is_refused(model_dir: str, server) -> None:
 
     engine = make_engine(model_dir, role="kv_consumer", extra={"target": server.target})
     engine.add("r", PROMPT)
-    steps = engine.run()
+    engine.run()
 
-    assert steps[0].invalid_block_ids == set(engine.last_block_ids("r")[:7])
-    assert engine.computed_positions("r") == [99, *range(100)]
+    assert engine.invalid_block_ids() == set(engine.last_block_ids("r")[:7])
+    assert engine.computed_positions("r") == list(range(100))
     assert bitwise_equal(engine.paged_kv("r", 0, 100), engine.expected_kv("r", 0, 100))
     assert engine.stats.data["load_failures"] == 4
 

@@ -86,6 +86,10 @@ def test_every_key_is_parsed() -> None:
         "tls_cert_file": "/etc/kvcache/client.crt",
         "tls_key_file": "/etc/kvcache/client.key",
         "shm": False,
+        "save_queue_steps": 2,
+        "staging_bytes": 1 << 20,
+        "write_back": True,
+        "handoff_timeout_s": 2.5,
     }
     config = KVCacheConnectorConfig.from_extra_config(extra, block_size=16)
     assert "kvc_inline" not in repr(config) and config.shm is False

@@ -1,24 +1,34 @@
-"""The worker-side connector on real paged tensors of every layout: save, load elsewhere, compare bits.
+"""The worker-side connector on real paged tensors of every supported backend: save, load elsewhere, compare bits.
 
-Each case builds the per-layer tensors the way vLLM builds them (vLLM 0.33's own
-allocate_kv_cache for its layouts; the older shapes with non-default strides) and a
-reference reader that indexes one token by hand. A producer worker saves a request's
-blocks, a consumer worker loads them into different block ids of its own cache, and
-every value must arrive bit for bit, with every other slot untouched.
+Each case builds the per-layer tensors the way vLLM 0.33's model runner does
+(allocate_kv_cache, in a physical layout the backend accepts), names the layer's
+attention backend in the static forward context as vLLM does, and reads one token
+back through that backend's own K/V split, reproduced from its source (the backends'
+forward passes need kernels, not available on CPU). A producer worker saves a
+request's blocks, a consumer worker loads them into different block ids of its own
+cache, and every value must arrive bit for bit, with every other slot untouched.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
+from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
+from vllm.v1.attention.backends.triton_attn import TritonAttentionBackend
+from vllm.v1.attention.backends.triton_attn_diffkv import TritonAttentionDiffKVBackend
 from vllm.v1.kv_cache_interface import KVCacheConfig, MLAAttentionSpec
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvcache_client import KVCacheClient, Namespace, chunk_keys, encode_block
 from kvcache_connectors.vllm import ChunkRef, KVCacheConnector, KVCacheConnectorMetadata, RequestTransfer
+from kvcache_connectors.vllm.layout import PagedKind
 from kvcache_core.format import Layout
 from kvcache_core.keys import MLA_LAYOUT
 from tests.vllm.harness import (
@@ -28,6 +38,7 @@ from tests.vllm.harness import (
     KV_HEADS,
     LAYER_NAMES,
     NUM_LAYERS,
+    StandInAttention,
     allocate_caches,
     attention_spec,
     bitwise_equal,
@@ -47,73 +58,89 @@ MLA_HEAD = 24
 Caches = dict[str, torch.Tensor]
 
 
-def packed_entry(cache: torch.Tensor, block: int, offset: int) -> tuple[int, int]:
+def kernel_entry(cache: torch.Tensor, block: int, offset: int) -> tuple[int, int]:
     """(entry, offset) in a [blocks * bs/kbs, H, kbs, C] tensor whose blocks vLLM split for the kernel."""
     kbs = cache.shape[2]
     return block * (BLOCK // kbs) + offset // kbs, offset % kbs
 
 
+def split_packed(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches [blocks, kbs, H, D] exactly as FlashAttention (and Triton) split them:
+    vllm/v1/attention/backends/flash_attn.py FlashAttentionImpl.forward,
+    `key_cache, value_cache = kv_cache.transpose(1, 2).split(self.head_size, dim=-1)`."""
+    key_cache, value_cache = cache.transpose(1, 2).split(HEAD, dim=-1)
+    return key_cache, value_cache
+
+
+def split_cpu(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V caches [blocks, H, kbs, D] exactly as CPU attention splits them:
+    vllm/v1/attention/backends/cpu_attn.py CPUAttentionBackendImpl.do_kv_cache_update (and forward),
+    `kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1))` then `.chunk(2, dim=2)`."""
+    num_blocks, num_kv_heads, block_size, _ = cache.size()
+    return cache.view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
+
+
 def read_packed(cache: torch.Tensor, block: int, offset: int) -> torch.Tensor:
-    entry, o = packed_entry(cache, block, offset)
-    return torch.stack([cache[entry, :, o, :HEAD], cache[entry, :, o, HEAD:]])
+    entry, o = kernel_entry(cache, block, offset)
+    key_cache, value_cache = split_packed(cache)
+    return torch.stack([key_cache[entry, o], value_cache[entry, o]])
+
+
+def read_cpu(cache: torch.Tensor, block: int, offset: int) -> torch.Tensor:
+    entry, o = kernel_entry(cache, block, offset)
+    key_cache, value_cache = split_cpu(cache)
+    return torch.stack([key_cache[entry, :, o], value_cache[entry, :, o]])
 
 
 def read_mla(cache: torch.Tensor, block: int, offset: int) -> torch.Tensor:
-    entry, o = packed_entry(cache, block, offset)
-    return cache[entry, 0, o]
+    # model_executor/layers/attention/mla_attention.py MLAAttention.bind_kv_cache: `kv_cache.squeeze(1)`.
+    entry, o = kernel_entry(cache, block, offset)
+    return cache.squeeze(1)[entry, o]
 
 
 @dataclass(frozen=True)
 class Case:
-    """A paged layout: how to build its per-layer tensors and read one token ([2, H, D], MLA: [D])."""
+    """A backend's paged layout: its tensors, and how it reads one token ([2, H, D], MLA: [D])."""
 
     name: str
-    mla: bool
-    make: Callable[[KVCacheConfig], Caches]
+    backend: type
+    layout: KVCacheLayout
     read: Callable[[torch.Tensor, int, int], torch.Tensor]
+    kernel_block_size: int = BLOCK
+
+    @property
+    def mla(self) -> bool:
+        return self.read is read_mla
 
     @property
     def kv_cache_config(self) -> KVCacheConfig:
         spec = MLAAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=MLA_HEAD, dtype=torch.bfloat16)
-        return make_kv_cache_config(NUM_BLOCKS, spec if self.mla else attention_spec())
+        return make_kv_cache_config(NUM_BLOCKS, spec if self.mla else attention_spec(), self.layout)
 
-
-def allocated(layout: KVCacheLayout, kernel_block_size: int = BLOCK) -> Callable[[KVCacheConfig], Caches]:
-    return lambda config: allocate_caches(
-        make_kv_cache_config(NUM_BLOCKS, config.kv_cache_groups[0].kv_cache_spec, layout), layout, kernel_block_size
-    )
-
-
-def each_layer(make_one: Callable[[], torch.Tensor]) -> Callable[[KVCacheConfig], Caches]:
-    return lambda config: {name: make_one() for name in LAYER_NAMES}
+    def make(self, config: KVCacheConfig) -> Caches:
+        return allocate_caches(config, self.layout, self.kernel_block_size)
 
 
 CASES = [
-    Case("0.33-LBNHC", False, allocated(KVCacheLayout.LBNHC), read_packed),
-    Case("0.33-LBHNC", False, allocated(KVCacheLayout.LBHNC), read_packed),
-    Case("0.33-BLNHC", False, allocated(KVCacheLayout.BLNHC), read_packed),
-    Case("0.33-LBNHC-kernel-block-8", False, allocated(KVCacheLayout.LBNHC, 8), read_packed),
-    Case(
-        "kv-first-HND",  # [2, blocks, bs, H, D] over memory ordered [2, blocks, H, bs, D]
-        False,
-        each_layer(lambda: torch.zeros(2, NUM_BLOCKS, KV_HEADS, BLOCK, HEAD, dtype=torch.float16).transpose(2, 3)),
-        lambda cache, b, o: cache[:, b, o],
-    ),
-    Case(
-        "kv-second",  # [blocks, 2, bs, H, D]
-        False,
-        each_layer(lambda: torch.zeros(NUM_BLOCKS, 2, BLOCK, KV_HEADS, HEAD, dtype=torch.float16)),
-        lambda cache, b, o: cache[b, :, o],
-    ),
-    Case("0.33-MLA", True, allocated(KVCacheLayout.LBNHC), read_mla),
-    Case("0.33-MLA-kernel-block-8", True, allocated(KVCacheLayout.LBHNC, 8), read_mla),
-    Case(
-        "MLA-3D",  # [blocks, bs, D]
-        True,
-        each_layer(lambda: torch.zeros(NUM_BLOCKS, BLOCK, MLA_HEAD, dtype=torch.bfloat16)),
-        lambda cache, b, o: cache[b, o],
-    ),
+    Case("FLASH_ATTN-LBNHC", FlashAttentionBackend, KVCacheLayout.LBNHC, read_packed),
+    Case("FLASH_ATTN-LBHNC", FlashAttentionBackend, KVCacheLayout.LBHNC, read_packed),
+    Case("FLASH_ATTN-BLNHC", FlashAttentionBackend, KVCacheLayout.BLNHC, read_packed),
+    Case("FLASH_ATTN-LBNHC-kernel-block-8", FlashAttentionBackend, KVCacheLayout.LBNHC, read_packed, 8),
+    Case("TRITON_ATTN-LBNHC", TritonAttentionBackend, KVCacheLayout.LBNHC, read_packed),
+    # The CPU backend accepts only LBHNC (CPUAttentionBackend.supported_kv_cache_layouts).
+    Case("CPU_ATTN-LBHNC", CPUAttentionBackend, KVCacheLayout.LBHNC, read_cpu),
+    Case("CPU_ATTN-LBHNC-kernel-block-8", CPUAttentionBackend, KVCacheLayout.LBHNC, read_cpu, 8),
+    Case("FLASHMLA-LBNHC", FlashMLABackend, KVCacheLayout.LBNHC, read_mla),
+    Case("FLASHMLA-LBHNC-kernel-block-8", FlashMLABackend, KVCacheLayout.LBHNC, read_mla, 8),
+    Case("CPU_MLA-LBHNC", CPUMLABackend, KVCacheLayout.LBHNC, read_mla),
 ]
+CASE = {case.name: case for case in CASES}
+
+
+def name_backend(vllm_config, backend: type) -> None:
+    """Names each layer's attention backend where vLLM does: the static forward context."""
+    context = vllm_config.compilation_config.static_forward_context
+    context.update({name: StandInAttention(backend) for name in LAYER_NAMES})
 
 
 def namespace_for(case: Case, model_dir: str) -> Namespace:
@@ -205,6 +232,9 @@ def run_step(worker: KVCacheConnector, meta: KVCacheConnectorMetadata) -> set[in
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
     worker.wait_for_save()
+    worker_side = worker._worker
+    assert worker_side is not None and worker_side.wait_idle(10)  # loads and puts run on background threads
+    worker.get_finished(set())
     errors = worker.get_block_ids_with_load_errors()
     worker.clear_connector_metadata()
     return errors
@@ -213,6 +243,7 @@ def run_step(worker: KVCacheConnector, meta: KVCacheConnectorMetadata) -> set[in
 def make_pair(case: Case, model_dir: str, target: str, **extra: object) -> Pair:
     config = case.kv_cache_config
     vllm_config = make_vllm_config(model_dir, extra={"target": target, **extra})
+    name_backend(vllm_config, case.backend)
     src, dst = make_worker(vllm_config, config), make_worker(vllm_config, config)
     src_caches, dst_caches = case.make(config), case.make(config)
     fill_random(src_caches, seed=7)
@@ -246,6 +277,47 @@ def test_saved_blocks_load_bit_for_bit_into_other_blocks(case: Case, model_dir: 
     assert stats is not None and (stats.data["load_chunks"], stats.data.get("load_failures", 0)) == (3, 0)
 
 
+@pytest.mark.parametrize("kernel_block_size", [BLOCK, 8])
+def test_cpu_attention_keys_and_values_written_its_way_are_stored_and_loaded_exactly(
+    kernel_block_size: int, model_dir: str, server
+) -> None:
+    # K and V written through the CPU backend's own split, as its cpu_attn_reshape_and_cache does.
+    case = CASE["CPU_ATTN-LBHNC" if kernel_block_size == BLOCK else "CPU_ATTN-LBHNC-kernel-block-8"]
+    pair = make_pair(case, model_dir, server.target)
+    known = torch.randn((NUM_LAYERS, len(TOKENS), 2, KV_HEADS, HEAD), generator=torch.Generator().manual_seed(3))
+    known = known.to(torch.float16)
+    for layer, name in enumerate(LAYER_NAMES):
+        cache = pair.src_caches[name]
+        cache.zero_()
+        key_cache, value_cache = split_cpu(cache)
+        for p in range(len(TOKENS)):
+            entry, o = kernel_entry(cache, SRC_BLOCKS[p // BLOCK], p % BLOCK)
+            key_cache[entry, :, o] = known[layer, p, 0]
+            value_cache[entry, :, o] = known[layer, p, 1]
+    pair.save()
+
+    with KVCacheClient(server.target, timeout_s=5) as client:
+        stored = client.get_tensors(pair.namespace, pair.keys)
+    for i, tensor in enumerate(stored):
+        expected = known[:, i * CHUNK : (i + 1) * CHUNK].permute(0, 2, 3, 1, 4)  # [L, 2, H, T, D]
+        assert tensor is not None and bitwise_equal(tensor, expected), f"chunk {i}"
+
+    # All but the last token: block 4 (tokens 64..69) is loaded in part, offsets 0..4.
+    assert pair.load() == set()
+    for layer, name in enumerate(LAYER_NAMES):
+        cache = pair.dst_caches[name]
+        key_cache, value_cache = split_cpu(cache)
+        for block in range(NUM_BLOCKS):
+            for offset in range(BLOCK):
+                entry, o = kernel_entry(cache, block, offset)
+                kv = torch.stack([key_cache[entry, :, o], value_cache[entry, :, o]])
+                position = DST_BLOCKS.index(block) * BLOCK + offset if block in DST_BLOCKS else None
+                if position is not None and position < 69:
+                    assert bitwise_equal(kv, known[layer, position]), (layer, position)
+                else:
+                    assert not kv.view(torch.uint8).any(), (layer, block, offset)
+
+
 def corrupt(server, namespace: Namespace, key: bytes) -> None:
     ram = server.stack.ram
     (block,) = ram.get_many_sync(namespace.name, [key])
@@ -254,7 +326,7 @@ def corrupt(server, namespace: Namespace, key: bytes) -> None:
     ram.put_many_sync(namespace.name, [(key, bytes(damaged))])
 
 
-@pytest.mark.parametrize("case", [CASES[0], CASES[6]], ids=[CASES[0].name, CASES[6].name])
+@pytest.mark.parametrize("case", [CASES[0], CASE["CPU_ATTN-LBHNC"], CASE["FLASHMLA-LBNHC"]], ids=lambda c: c.name)
 def test_corrupt_chunk_fails_its_blocks_and_every_later_block(case: Case, model_dir: str, server) -> None:
     pair = make_pair(case, model_dir, server.target)
     pair.save()
@@ -349,7 +421,7 @@ def test_unreachable_server_fails_loads_and_drops_saves_quietly(model_dir: str, 
 
 def test_replica_ranks_load_but_only_the_first_rank_of_a_replica_group_saves(model_dir: str, server) -> None:
     # MLA at TP=2: both ranks hold the same latent cache (vLLM reports kv_tp_replicas=2), one shard.
-    case = CASES[6]
+    case = CASE["FLASHMLA-LBNHC"]
     config = case.kv_cache_config
     config.kv_tp_replicas = 2
     ranks = [make_vllm_config(model_dir, extra={"target": server.target}, tp_size=2, rank=r) for r in (0, 1)]
@@ -369,19 +441,67 @@ def test_replica_ranks_load_but_only_the_first_rank_of_a_replica_group_saves(mod
 
 
 @pytest.mark.parametrize(
-    ("shape", "message"),
+    "shape",
     [
-        ((NUM_BLOCKS, KV_HEADS, BLOCK, HEAD), "matches no layout"),  # K only
-        ((NUM_BLOCKS, KV_HEADS + 1, BLOCK, 2 * HEAD), "matches no layout"),  # another rank's heads
-        ((NUM_BLOCKS, KV_HEADS, 5, 2 * HEAD), "matches no layout"),  # kernel block not dividing 16
-        ((2, 2, BLOCK, KV_HEADS, HEAD), "ambiguous"),  # [2, 2 blocks, ...] or [2 blocks, 2, ...]
+        (NUM_BLOCKS, KV_HEADS, BLOCK, HEAD),  # K only
+        (NUM_BLOCKS, KV_HEADS + 1, BLOCK, 2 * HEAD),  # another rank's heads
+        (NUM_BLOCKS, KV_HEADS, 5, 2 * HEAD),  # kernel block not dividing 16
+        (2, NUM_BLOCKS, BLOCK, KV_HEADS, HEAD),  # older vLLM's [2, blocks, bs, H, D]: not FLASH_ATTN's in 0.33
+        (NUM_BLOCKS, 2, BLOCK, KV_HEADS, HEAD),  # older vLLM's [blocks, 2, bs, H, D]
     ],
 )
-def test_unknown_or_ambiguous_paged_layout_is_refused_at_registration(shape, message, model_dir: str) -> None:
+def test_a_shape_that_is_not_the_backends_layout_is_refused_at_registration(shape, model_dir: str) -> None:
     worker = make_worker(make_vllm_config(model_dir), make_kv_cache_config(NUM_BLOCKS))
     caches = {name: torch.zeros(shape, dtype=torch.float16) for name in LAYER_NAMES}
-    with pytest.raises(ValueError, match=message):
+    message = (
+        f"layer '{LAYER_NAMES[0]}': paged KV tensor of shape {shape} is not attention backend FLASH_ATTN's layout "
+        f"{PagedKind.PACKED.value} for 2 KV heads of size 16, block size 16"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
         worker.register_kv_caches(caches)
+
+
+class ForkedFlashAttentionBackend(FlashAttentionBackend):
+    """A backend that may read the same shape its own way: a subclass proves nothing."""
+
+
+@pytest.mark.parametrize(
+    "backend", [TritonAttentionDiffKVBackend, ForkedFlashAttentionBackend], ids=["vllm-backend", "subclass"]
+)
+def test_an_attention_backend_of_unknown_layout_is_refused_at_registration(backend: type, model_dir: str) -> None:
+    vllm_config = make_vllm_config(model_dir)
+    name_backend(vllm_config, backend)
+    config = make_kv_cache_config(NUM_BLOCKS)
+    worker = make_worker(vllm_config, config)
+    path = f"{backend.__module__}.{backend.__qualname__}"
+    message = (
+        f"layer '{LAYER_NAMES[0]}': attention backend {backend.get_name()} ({path}) is not supported by "
+        "KVCacheConnector: its paged KV layout is unknown to it; supported backends: CPUAttentionBackend, "
+        "CPUMLABackend, CutlassMLABackend, FlashAttentionBackend, FlashAttnMLABackend, FlashInferBackend, "
+        "FlashInferMLABackend, FlashMLABackend, FlexAttentionBackend, TritonAttentionBackend, TritonMLABackend"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        worker.register_kv_caches(allocate_caches(config, KVCacheLayout.LBNHC))
+
+
+def test_a_layer_without_a_known_backend_is_refused_at_registration(model_dir: str) -> None:
+    vllm_config = make_vllm_config(model_dir)
+    config = make_kv_cache_config(NUM_BLOCKS)
+    worker = make_worker(vllm_config, config)
+    del vllm_config.compilation_config.static_forward_context[LAYER_NAMES[1]]
+    with pytest.raises(ValueError, match=f"^layer '{re.escape(LAYER_NAMES[1])}': vLLM exposes no attention backend"):
+        worker.register_kv_caches(allocate_caches(config, KVCacheLayout.LBNHC))
+
+
+def test_an_mla_backend_on_a_plain_attention_spec_is_refused(model_dir: str) -> None:
+    vllm_config = make_vllm_config(model_dir)
+    name_backend(vllm_config, FlashMLABackend)
+    config = make_kv_cache_config(NUM_BLOCKS)
+    worker = make_worker(vllm_config, config)
+    with pytest.raises(
+        ValueError, match="attention backend FLASHMLA is an MLA backend, but the KV-cache spec is not MLA"
+    ):
+        worker.register_kv_caches(allocate_caches(config, KVCacheLayout.LBNHC))
 
 
 def test_registration_refuses_a_missing_layer_or_another_dtype(model_dir: str) -> None:

@@ -57,6 +57,17 @@ class KVCacheConnectorConfig:
         tls_ca_file, tls_cert_file, tls_key_file: CA bundle; client certificate and key for mTLS.
         shm: Move KV bytes through shared memory when the server runs on this host and shares its
             shm directory with this process (docs/shm.md); otherwise, or when false, over gRPC.
+        save_queue_steps: Steps of gathered saves a worker queues for its save thread; when full,
+            the oldest queued save is dropped (counted), never the engine blocked.
+        staging_bytes: Host memory per worker for gathered saves not yet put (pinned on CUDA);
+            when full, the oldest queued save is dropped.
+        write_back: Also save the chunks that generated tokens complete and, when a request
+            finishes, its final partial chunk, so a follow-up turn reuses the whole conversation.
+            None: on for roles that save (kv_producer, kv_both), off for a kv_consumer, which
+            then saves only what it generates when set to true.
+        handoff_timeout_s: How long a consumer's load waits for chunks that a producer's
+            kv_transfer_params name and that are not stored yet (its puts are in flight);
+            then the missing chunks are recomputed.
     """
 
     target: str = DEFAULT_TARGET
@@ -75,6 +86,10 @@ class KVCacheConnectorConfig:
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     shm: bool = True
+    save_queue_steps: int = 8
+    staging_bytes: int = 1 << 30
+    write_back: bool | None = None
+    handoff_timeout_s: float = 5.0
 
     def tls_config(self) -> TLSConfig | bool:
         if not self.tls:
@@ -122,6 +137,10 @@ class KVCacheConnectorConfig:
             tls_cert_file=_optional_string(extra, "tls_cert_file", allow_empty=False),
             tls_key_file=_optional_string(extra, "tls_key_file", allow_empty=False),
             shm=_bool(extra, "shm", True),
+            save_queue_steps=_positive_int(extra, "save_queue_steps", 8),
+            staging_bytes=_positive_int(extra, "staging_bytes", 1 << 30),
+            write_back=None if extra.get("write_back") is None else _bool(extra, "write_back", True),
+            handoff_timeout_s=_positive_float(extra, "handoff_timeout_s", 5.0),
         )
 
 

@@ -9,8 +9,9 @@ on the model runner's thread. Each role's work lives in its own module
 
 Scheduler process (role SCHEDULER), per step, in this order:
     get_num_new_matched_tokens(request, num_computed_tokens)
-        One Lookup per shard of the prompt's chunk keys; returns the tokens beyond vLLM's
-        block-aligned local hit that every shard can load, synchronously (never async).
+        One Lookup per shard of the prompt's chunk keys, once per request (the answer is kept
+        while it waits); returns the tokens beyond vLLM's block-aligned local hit that every
+        shard can load, asynchronously (load_async=True whenever there is something to load).
         Never the whole sequence: a full hit loads all tokens but the last.
     update_state_after_alloc(request, blocks, num_external_tokens)
         Plans the request's load into its blocks; starts tracking what it has to save.
@@ -18,17 +19,23 @@ Scheduler process (role SCHEDULER), per step, in this order:
         The step's loads, plus saves of every chunk whose last token this step computes.
     update_connector_output(connector_output)
         Blocks that failed to load: their chunks are saved again once recomputed.
-    request_finished(request, block_ids) -> (False, None)
-        Forgets the request; blocks are freed at once (saves finished within their step).
+    request_finished(request, block_ids) -> (delay_free, kv_transfer_params)
+        Forgets the request. Blocks are freed at once (each step's saves are copied out within
+        the step), unless write-back saves its final partial chunk in the next step: then
+        delay_free is True and the workers report the request in get_finished once copied out.
+        A producer's kv_transfer_params name the prompt chunks it saved or is still putting
+        ({"kvcache_handoff": {"chunks", "last_key"}}); a consumer given them waits for those.
     get_kv_connector_stats()
         Lookup counters since the last call.
 
 Worker processes (role WORKER):
     register_kv_caches(kv_caches)               once, at start-up: detects the paged layout
-    start_load_kv(forward_context)              before the forward pass: fetch, check, scatter
-    wait_for_layer_load(layer_name)             nothing to wait for: loads are done
+    start_load_kv(forward_context)              queues the step's loads (fetch, check, scatter) on the load thread
+    wait_for_layer_load(layer_name)             nothing to wait for: loaded requests are not in the batch
     save_kv_layer(layer_name, kv_layer, ...)    nothing: saves are gathered in wait_for_save
-    wait_for_save()                             after the forward pass: gather, copy to host, put
+    wait_for_save()                             after the forward pass: gather into host staging, queue the put
+    get_finished(finished_req_ids)              requests whose load is done; finished requests whose last
+                                                chunk was copied out
     get_block_ids_with_load_errors()            blocks whose chunk was missing, corrupt or wrong
     get_kv_connector_stats()                    load and save counters since the last call
     shutdown()                                  closes the channel
@@ -58,6 +65,7 @@ from kvcache_client.connection import auth_metadata, make_channel
 from kvcache_client.retry import NO_RETRY
 from kvcache_client.transport import GrpcTransport
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
+from kvcache_connectors.vllm.events import StoredBlockEvents
 from kvcache_connectors.vllm.metadata import KVCacheConnectorMetadata
 from kvcache_connectors.vllm.namespaces import KVFacts
 from kvcache_connectors.vllm.scheduler import SchedulerSide
@@ -67,6 +75,7 @@ from kvcache_core.breaker import CircuitBreaker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -119,6 +128,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         breaker = CircuitBreaker(failure_threshold=1, reset_s=cooldown, max_reset_s=cooldown)
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self.kv_events = StoredBlockEvents.from_vllm(vllm_config, facts.block_size)  # drained by take_events
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
                 facts,
@@ -128,11 +138,19 @@ class KVCacheConnector(KVConnectorBase_V1):
                 load=transfer.is_kv_consumer,
                 save=transfer.is_kv_producer,
                 save_partial_chunks=config.save_partial_chunks,
+                write_back=config.write_back if config.write_back is not None else transfer.is_kv_producer,
+                handoff_timeout_s=config.handoff_timeout_s,
             )
         else:
             tp_rank = vllm_config.parallel_config.rank % facts.tp_size
             self._worker = WorkerSide(
-                facts, self._client, breaker, tp_rank=tp_rank, transfer_timeout_s=config.transfer_timeout_s
+                facts,
+                self._client,
+                breaker,
+                tp_rank=tp_rank,
+                transfer_timeout_s=config.transfer_timeout_s,
+                staging_bytes=config.staging_bytes,
+                max_queued_saves=config.save_queue_steps,
             )
 
     @property
@@ -170,7 +188,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._worker_side().start_load_kv(meta.loads, meta.settled_load_failures)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Loads are complete when start_load_kv returns, so no layer waits."""
+        """Loads are asynchronous: a request whose KV is loading is not in the batch, so no layer waits."""
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: AttentionMetadata, **kwargs: Any
@@ -181,10 +199,16 @@ class KVCacheConnector(KVConnectorBase_V1):
         if self.has_connector_metadata():
             self._worker_side().wait_for_save(self._metadata().saves)
 
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        sent = self._metadata().sent if self.has_connector_metadata() else ()
+        return self._worker_side().get_finished(sent)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
 
     def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
         self._client.close()
 
     # -- scheduler side ------------------------------------------------------------------------
@@ -207,14 +231,18 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        self._scheduler_side().request_finished(request)
-        return False, None
+        return self._scheduler_side().request_finished(request, block_ids)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """BlockStored events (medium KVCACHE) for the blocks kvcache stored since the last step;
+        vLLM publishes them with its own KV cache events (`--kv-events-config`)."""
+        return self.kv_events.take()
 
     # -- stats (both) --------------------------------------------------------------------------
 
     def get_kv_connector_stats(self) -> KVCacheConnectorStats | None:
-        side = self._scheduler if self._scheduler is not None else self._worker_side()
-        data = side.counters.drain()
+        scheduler = self._scheduler
+        data = scheduler.counters.drain() if scheduler is not None else self._worker_side().drain_counters()
         return None if data is None else KVCacheConnectorStats(data=data)
 
     @classmethod

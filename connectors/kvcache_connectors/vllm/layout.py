@@ -1,21 +1,26 @@
 """vLLM's paged KV tensors <-> kvcache's canonical chunk layout (gather on save, scatter on load).
 
-vLLM hands `register_kv_caches` one tensor per attention layer. Its *logical* shape
-depends on the vLLM version and the attention type; its strides depend on the
-physical layout (NHD/HND, layer- or block-major), which indexing the logical view
-makes irrelevant. The shapes this module knows (H = KV heads of this rank,
-D = head size, bs = vLLM's block size, kbs = the kernel's block size):
+vLLM 0.33 hands `register_kv_caches` one tensor per attention layer, of logical shape
+[blocks * bs/kbs, H, kbs, C] (vllm/v1/kv_cache_layout.py: [L, B, H, N, C] less L; the
+physical order only changes strides, which indexing the logical view makes irrelevant).
+H = KV heads of this rank, D = head size, bs = vLLM's block size, kbs = the kernel's
+block size. Where a token's K and V sit in C (or across N) is the attention backend's
+own convention, not visible in the shape: two backends read the same shape differently.
+So the layout is looked up by the layer's backend class, and the shape is only checked
+against it; a backend not in BACKEND_KINDS is refused when the caches are registered.
 
-    PACKED     [blocks * bs/kbs, H, kbs, 2*D]   vLLM 0.33 FlashAttention/FlashInfer;
-                                                K = [..., :D], V = [..., D:]
-    KV_FIRST   [2, blocks, bs, H, D]            older vLLM (until mid-2026); ROCm
-    KV_SECOND  [blocks, 2, bs, H, D]            older vLLM (briefly, mid-2026)
-    MLA        [blocks * bs/kbs, 1, kbs, D]     vLLM 0.33 MLA: one latent vector per token
-    MLA_3D     [blocks, bs, D]                  older vLLM MLA
+    PACKED      C = 2*D; token t's K = [e, :, t, :D], V = [e, :, t, D:]
+                (FlashAttention, FlashInfer, Triton, FlexAttention: `kv_cache.transpose(1, 2)
+                .split(head_size, dim=-1)`)
+    SPLIT_ROWS  C = 2*D, read as [e, H, 2*kbs, D]: rows 0..kbs-1 are the keys, rows
+                kbs..2*kbs-1 the values (CPU attention: `kv_cache.view(blocks, H,
+                2 * block_size, -1).chunk(2, dim=2)`); token t's K is row t, V row kbs+t
+    MLA         H = 1, C = D: one latent vector per token (MLAAttention.bind_kv_cache
+                squeezes H away)
 
 When the kernel's block is smaller than vLLM's, vLLM splits each block into bs/kbs
 consecutive kernel blocks: token t of block b sits in entry b*bs/kbs + t//kbs at
-offset t%kbs. Any other shape is refused when the caches are registered.
+offset t%kbs.
 
 Per layer, the canonical form of T tokens is [2, H, T, D] (MLA: [T, D]); a chunk
 stacks the layers in front ([L, 2, H, T, D], docs/format.md).
@@ -30,13 +35,46 @@ import torch
 
 
 class PagedKind(enum.Enum):
-    """A logical shape of vLLM's per-layer paged KV tensor (the value describes it)."""
+    """Where one layer's paged tensor keeps a token's K and V (the value describes it)."""
 
-    PACKED = "[blocks, kv_heads, block_size, 2 * head_size]"
-    KV_FIRST = "[2, blocks, block_size, kv_heads, head_size]"
-    KV_SECOND = "[blocks, 2, block_size, kv_heads, head_size]"
+    PACKED = "[blocks, kv_heads, block_size, 2 * head_size] with K = [..., :head_size], V = [..., head_size:]"
+    SPLIT_ROWS = (
+        "[blocks, kv_heads, block_size, 2 * head_size] viewed as [blocks, kv_heads, 2 * block_size, head_size]"
+        " with K = rows [:block_size], V = rows [block_size:]"
+    )
     MLA = "[blocks, 1, block_size, head_size]"
-    MLA_3D = "[blocks, block_size, head_size]"
+
+
+# vLLM 0.33's attention backends whose per-layer split was read from their source, by the
+# backend class's qualified name (as vllm/v1/attention/backends/registry.py names it).
+# Backends with unequal K/V head sizes or packed/quantized pages are absent on purpose.
+_BACKENDS = "vllm.v1.attention.backends."
+BACKEND_KINDS: dict[str, PagedKind] = {
+    # FlashAttentionImpl.forward: kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+    _BACKENDS + "flash_attn.FlashAttentionBackend": PagedKind.PACKED,
+    # FlashInferImpl.forward (not NVFP4, which the connector refuses): kv_cache_permute.split(hs, dim=-1)
+    _BACKENDS + "flashinfer.FlashInferBackend": PagedKind.PACKED,
+    # TritonAttentionImpl: kv_cache.transpose(1, 2).split(self.head_size, dim=-1)
+    _BACKENDS + "triton_attn.TritonAttentionBackend": PagedKind.PACKED,
+    # FlexAttentionImpl.forward: kv_cache.transpose(1, 2).split(hs, dim=-1)
+    _BACKENDS + "flex_attention.FlexAttentionBackend": PagedKind.PACKED,
+    # CPUAttentionBackendImpl.do_kv_cache_update / forward:
+    # kv_cache.view((num_blocks, num_kv_heads, block_size * 2, -1)).chunk(2, dim=2)
+    _BACKENDS + "cpu_attn.CPUAttentionBackend": PagedKind.SPLIT_ROWS,
+    # MLAAttention.bind_kv_cache: kv_cache.squeeze(1), one latent row per slot.
+    _BACKENDS + "mla.flashmla.FlashMLABackend": PagedKind.MLA,
+    _BACKENDS + "mla.triton_mla.TritonMLABackend": PagedKind.MLA,
+    _BACKENDS + "mla.cutlass_mla.CutlassMLABackend": PagedKind.MLA,
+    _BACKENDS + "mla.flashinfer_mla.FlashInferMLABackend": PagedKind.MLA,
+    _BACKENDS + "mla.flashattn_mla.FlashAttnMLABackend": PagedKind.MLA,
+    # CPUMLAImpl.do_kv_cache_update: kv_cache.view(-1, kv_lora_rank + pe_dim)[slots]
+    _BACKENDS + "mla.cpu_mla.CPUMLABackend": PagedKind.MLA,
+}
+
+
+def backend_path(backend: type) -> str:
+    """An attention backend class's qualified name, e.g. vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend."""
+    return f"{backend.__module__}.{backend.__qualname__}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,10 +82,10 @@ class PagedLayout:
     """How one layer's paged tensor holds its tokens.
 
     Attributes:
-        kind: The logical shape.
+        kind: Where a token's K and V sit.
         block_size: vLLM's block size (tokens per block id).
         kernel_block_size: Tokens per entry of the tensor's block dimension.
-        head_size: D; PACKED splits its last dimension at it.
+        head_size: D.
     """
 
     kind: PagedKind
@@ -61,6 +99,17 @@ class PagedLayout:
             return blocks, offsets
         ratio = self.block_size // self.kernel_block_size
         return blocks * ratio + offsets // self.kernel_block_size, offsets % self.kernel_block_size
+
+    def _rows(self, cache: torch.Tensor, offset: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """SPLIT_ROWS: (cache as [E, H, kbs, 2, D], K's and V's (offset, half) in it).
+
+        Row r of the backend's [E, H, 2*kbs, D] view is element (r // 2, r % 2) of
+        [E, H, kbs, 2, D]: the same row-major flattening of the last two dimensions
+        that its `view` relies on, but valid for any strides.
+        """
+        halves = cache.unflatten(-1, (2, self.head_size))
+        k_row, v_row = offset, offset + self.kernel_block_size
+        return halves, torch.stack([k_row // 2, v_row // 2]), torch.stack([k_row % 2, v_row % 2])
 
     def gather(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """Copies the tokens at (block id, offset) out of `cache` in canonical per-layer form.
@@ -77,14 +126,12 @@ class PagedLayout:
         match self.kind:
             case PagedKind.PACKED:
                 return cache[entry, :, offset, :].unflatten(-1, (2, self.head_size)).permute(2, 1, 0, 3)
-            case PagedKind.KV_FIRST:
-                return cache[:, entry, offset].permute(0, 2, 1, 3)
-            case PagedKind.KV_SECOND:
-                return cache[entry, :, offset].permute(1, 2, 0, 3)
+            case PagedKind.SPLIT_ROWS:
+                halves, rows, half = self._rows(cache, offset)
+                # [2, T] indices -> [2, T, H, D]
+                return halves[entry.expand(2, -1), :, rows, half].permute(0, 2, 1, 3)
             case PagedKind.MLA:
                 return cache[entry, 0, offset]
-            case PagedKind.MLA_3D:
-                return cache[entry, offset]
 
     def scatter(self, cache: torch.Tensor, blocks: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
         """Writes canonical per-layer values ([2, H, T, D], MLA: [T, D]) into the tokens' slots.
@@ -95,18 +142,16 @@ class PagedLayout:
         match self.kind:
             case PagedKind.PACKED:
                 cache[entry, :, offset, :] = values.permute(2, 1, 0, 3).flatten(-2)
-            case PagedKind.KV_FIRST:
-                cache[:, entry, offset] = values.permute(0, 2, 1, 3)
-            case PagedKind.KV_SECOND:
-                cache[entry, :, offset] = values.permute(2, 0, 1, 3)
+            case PagedKind.SPLIT_ROWS:
+                halves, rows, half = self._rows(cache, offset)
+                halves[entry.expand(2, -1), :, rows, half] = values.permute(0, 2, 1, 3)
             case PagedKind.MLA:
                 cache[entry, 0, offset] = values
-            case PagedKind.MLA_3D:
-                cache[entry, offset] = values
 
 
-def detect_layout(
+def paged_layout(
     layer_name: str,
+    backend: type | None,
     shape: tuple[int, ...],
     *,
     num_kv_heads: int,
@@ -114,50 +159,46 @@ def detect_layout(
     block_size: int,
     mla: bool,
 ) -> PagedLayout:
-    """Recognises a layer's paged tensor from its logical shape and the KV-cache spec.
+    """The layout of a layer's paged tensor, from its attention backend; the shape must fit it.
+
+    Args:
+        layer_name: The layer, for messages.
+        backend: The layer's attention backend class (vLLM's `layer.get_attn_backend()`), None if unknown.
+        shape: The tensor's logical shape.
+        num_kv_heads, head_size, block_size, mla: From the KV-cache spec.
 
     Raises:
-        ValueError: the shape is none of the known layouts, or fits two of them.
+        ValueError: no backend is known for the layer, the backend is not one whose layout this
+            connector knows, or the tensor's shape is not that layout's for the spec.
     """
-    candidates: list[PagedLayout] = []
-
-    def kernel_split(entries: int, kernel_block: int) -> int | None:
-        # A kernel block that divides vLLM's block, with a whole number of vLLM blocks.
-        if kernel_block < 1 or block_size % kernel_block or entries % (block_size // kernel_block):
-            return None
-        return kernel_block
-
-    if mla:
-        if len(shape) == 4 and shape[1] == 1 and shape[3] == head_size:
-            kbs = kernel_split(shape[0], shape[2])
-            if kbs is not None:
-                candidates.append(PagedLayout(PagedKind.MLA, block_size, kbs, head_size))
-        if len(shape) == 3 and shape[1:] == (block_size, head_size):
-            candidates.append(PagedLayout(PagedKind.MLA_3D, block_size, block_size, head_size))
-    else:
-        if len(shape) == 4 and shape[1] == num_kv_heads and shape[3] == 2 * head_size:
-            kbs = kernel_split(shape[0], shape[2])
-            if kbs is not None:
-                candidates.append(PagedLayout(PagedKind.PACKED, block_size, kbs, head_size))
-        if len(shape) == 5 and shape[2:] == (block_size, num_kv_heads, head_size):
-            if shape[0] == 2:
-                candidates.append(PagedLayout(PagedKind.KV_FIRST, block_size, block_size, head_size))
-            if shape[1] == 2:
-                candidates.append(PagedLayout(PagedKind.KV_SECOND, block_size, block_size, head_size))
-    if len(candidates) == 1:
-        return candidates[0]
-    what = (
-        f"MLA latents of size {head_size}" if mla else f"{num_kv_heads} KV heads of size {head_size}"
-    ) + f", block size {block_size}"
-    if candidates:
+    if backend is None:
         raise ValueError(
-            f"layer {layer_name!r}: paged KV tensor of shape {shape} is ambiguous ({what}): it fits "
-            f"{' and '.join(c.kind.value for c in candidates)}"
+            f"layer {layer_name!r}: vLLM exposes no attention backend for it, so KVCacheConnector cannot "
+            "know where its K and V sit (a layout is never guessed from a shape)"
         )
-    known = [PagedKind.MLA, PagedKind.MLA_3D] if mla else [PagedKind.PACKED, PagedKind.KV_FIRST, PagedKind.KV_SECOND]
+    path = backend_path(backend)
+    kind = BACKEND_KINDS.get(path)
+    name = getattr(backend, "get_name", lambda: path)()
+    if kind is None:
+        supported = ", ".join(sorted(p.rsplit(".", 1)[1] for p in BACKEND_KINDS))
+        raise ValueError(
+            f"layer {layer_name!r}: attention backend {name} ({path}) is not supported by KVCacheConnector: "
+            f"its paged KV layout is unknown to it; supported backends: {supported}"
+        )
+    if (kind is PagedKind.MLA) != mla:
+        raise ValueError(
+            f"layer {layer_name!r}: attention backend {name} is {'' if kind is PagedKind.MLA else 'not '}an MLA "
+            f"backend, but the KV-cache spec is {'' if mla else 'not '}MLA"
+        )
+    heads, content = (1, head_size) if mla else (num_kv_heads, 2 * head_size)
+    if len(shape) == 4 and shape[1] == heads and shape[3] == content:
+        kbs = shape[2]
+        # A kernel block that divides vLLM's block, with a whole number of vLLM blocks.
+        if kbs >= 1 and block_size % kbs == 0 and shape[0] % (block_size // kbs) == 0:
+            return PagedLayout(kind, block_size, kbs, head_size)
     raise ValueError(
-        f"layer {layer_name!r}: paged KV tensor of shape {shape} matches no layout KVCacheConnector knows "
-        f"for {what}; known layouts: {', '.join(k.value for k in known)}"
+        f"layer {layer_name!r}: paged KV tensor of shape {shape} is not attention backend {name}'s layout "
+        f"{kind.value} for {heads} KV heads of size {head_size}, block size {block_size}"
     )
 
 

@@ -48,12 +48,15 @@ class RequestTransfer:
         namespaces: The request's namespace name in each shard (indexed by shard).
         block_ids: The request's block ids (its only KV-cache group), at least up to the last token moved.
         chunks: In token order, without gaps.
+        wait_s: For a load: how long a worker may keep asking for chunks not stored yet (a P/D
+            hand-off whose producer is still writing them); 0 fails a missing chunk at once.
     """
 
     request_id: str
     namespaces: tuple[str, ...]
     block_ids: tuple[int, ...]
     chunks: tuple[ChunkRef, ...]
+    wait_s: float = 0.0
 
     @property
     def start(self) -> int:
@@ -69,13 +72,16 @@ class KVCacheConnectorMetadata(KVConnectorMetadata):
     """One step's work for every worker.
 
     Attributes:
-        loads: Chunks to fetch and scatter into blocks before the forward pass.
+        loads: Chunks to fetch and scatter into blocks in the background (asynchronous loads).
         saves: Chunks whose tokens are all computed by the end of this step: gathered
-            from blocks and stored after the forward pass.
+            from blocks after the forward pass and stored in the background.
+        sent: Finished requests whose blocks vLLM keeps for this step's saves (request_finished
+            returned True): every worker reports them in get_finished once the saves are copied out.
         settled_load_failures: Block ids whose failed loads the scheduler has processed since
             the last step: vLLM recomputes them from here on, so saves from them are sound again.
     """
 
     loads: tuple[RequestTransfer, ...] = ()
     saves: tuple[RequestTransfer, ...] = ()
+    sent: tuple[str, ...] = ()
     settled_load_failures: tuple[int, ...] = ()

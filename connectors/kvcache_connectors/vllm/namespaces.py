@@ -28,7 +28,9 @@ every rank can load.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from vllm.config import VllmConfig
@@ -59,6 +61,9 @@ class KVFacts:
         tp_size: vLLM's tensor-parallel size.
         tp_replicas: Consecutive TP ranks that hold identical KV.
         extra: Instance-wide namespace extras (namespace_extra and vllm.* facts).
+        attention_layers: vLLM's static forward context (layer name -> attention layer), which
+            vLLM fills when it builds the model, before it registers the KV caches; not a
+            namespace fact (excluded from equality and hashing).
     """
 
     model_id: str
@@ -74,6 +79,7 @@ class KVFacts:
     tp_size: int
     tp_replicas: int
     extra: Extra
+    attention_layers: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_vllm(
@@ -140,7 +146,13 @@ class KVFacts:
             tp_size=parallel.tensor_parallel_size,
             tp_replicas=replicas,
             extra=tuple(sorted(extra.items())),
+            attention_layers=vllm_config.compilation_config.static_forward_context,
         )
+
+    def attention_backend(self, layer_name: str) -> type | None:
+        """The attention backend class vLLM chose for a layer, None if vLLM exposes none."""
+        get_backend = getattr(self.attention_layers.get(layer_name), "get_attn_backend", None)
+        return None if get_backend is None else get_backend()
 
     @property
     def num_shards(self) -> int:

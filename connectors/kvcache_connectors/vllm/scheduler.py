@@ -2,18 +2,27 @@
 
 Runs in vLLM's EngineCore process, on the scheduler's thread, once per engine.
 
-    get_num_new_matched_tokens   key the prompt (every shard's namespace), one Lookup per shard,
-                                 answer with the tokens beyond vLLM's local hit that can be loaded
-    update_state_after_alloc     turn that answer and the allocated blocks into a load for this step
-    build_connector_meta         add the saves: chunks whose last token is computed by this step
+    get_num_new_matched_tokens   key the prompt (every shard's namespace), one Lookup per shard
+                                 (remembered while the request waits), answer with the tokens
+                                 beyond vLLM's local hit that can be loaded, asynchronously
+    update_state_after_alloc     turn that answer and the allocated blocks into a load
+    build_connector_meta         add the saves: chunks whose last token is computed by this step,
+                                 generated tokens' included (write-back), and the final partial
+                                 chunk of each request that finished in the last step
     update_connector_output      chunks that failed to load are saved again once recomputed; the
                                  next step's metadata tells the workers the failure is settled
-    request_finished             forget the request
+    request_finished             forget the request; with write-back, plan its final partial
+                                 chunk (prompt + output) and keep its blocks until it is copied out;
+                                 a producer returns the P/D hand-off (kv_transfer_params naming the
+                                 prompt chunks it saved or is still putting), which a consumer's
+                                 lookup trusts and its load waits for (bounded by handoff_timeout_s)
 
-Loads are synchronous (vLLM runs them in start_load_kv before the forward pass),
-so a step's hit is in the blocks before any token attends to it. The scheduler
-never retries a lookup: a failed or late one is a miss, and the circuit breaker
-makes an unreachable server cost one `lookup_timeout_s` per cooldown.
+Loads are asynchronous: vLLM parks a request with a hit in WAITING_FOR_REMOTE_KVS
+(scheduling none of its tokens) while the workers fetch and scatter its chunks in
+the background, and admits it once every worker reported it in get_finished. The
+scheduler never retries a lookup and asks at most once per request and token
+sequence: a failed or late answer is a miss, remembered like a hit, and the circuit
+breaker makes an unreachable server cost one `lookup_timeout_s` per cooldown.
 """
 
 from __future__ import annotations
@@ -22,6 +31,7 @@ import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.sched.output import SchedulerOutput
@@ -34,7 +44,7 @@ from kvcache_connectors.vllm.namespaces import Extra, KVFacts
 from kvcache_connectors.vllm.stats import Counters
 from kvcache_core.breaker import CircuitBreaker
 from kvcache_core.errors import KVCacheError
-from kvcache_core.keys import chunk_keys
+from kvcache_core.keys import chunk_key, chunk_keys
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +75,14 @@ class PromptPlan:
         keys: keys[i][shard] is chunk i's key (the last chunk may be a partial tail).
         num_tokens: Prompt length.
         chunk_tokens: Tokens per full chunk.
+        roots: Each shard's namespace fingerprint (the parent of chunk 0's key).
     """
 
     namespaces: tuple[str, ...]
     keys: tuple[tuple[bytes, ...], ...]
     num_tokens: int
     chunk_tokens: int
+    roots: tuple[bytes, ...] = ()
 
     def chunk_len(self, index: int) -> int:
         return min(self.chunk_tokens, self.num_tokens - index * self.chunk_tokens)
@@ -86,6 +98,44 @@ class PromptPlan:
         return ChunkRef(index=index, keys=self.keys[index], num_tokens=self.chunk_len(index), start=start, end=end)
 
 
+HANDOFF_PARAM = "kvcache_handoff"
+"""The kv_transfer_params key a producer returns from request_finished (see handoff_params)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """A request's lookup answer, kept while the request exists and its plan is the same object.
+
+    Attributes:
+        plan: The prompt's chunks.
+        stored_chunks: Chunks to offer: stored, or named by the producer's hand-off.
+        awaited: Whether some of them may still be on their way (a P/D hand-off).
+    """
+
+    plan: PromptPlan
+    stored_chunks: int
+    awaited: bool = False
+
+
+def handoff_params(plan: PromptPlan, num_chunks: int) -> dict[str, Any]:
+    """What a producer tells the consumer of a P/D hand-off: its first num_chunks chunks are saved
+    or being saved. The consumer checks the last key against its own plan of the same prompt."""
+    return {HANDOFF_PARAM: {"chunks": num_chunks, "last_key": plan.keys[num_chunks - 1][0].hex()}}
+
+
+def handed_off_chunks(request: Request, plan: PromptPlan) -> int:
+    """Chunks of the prompt a producer named in the request's kv_transfer_params; 0 when none,
+    or when they are not this plan's (another prompt, namespace or chunk size)."""
+    params = request.kv_transfer_params
+    handoff = params.get(HANDOFF_PARAM) if isinstance(params, dict) else None
+    if not isinstance(handoff, dict):
+        return 0
+    chunks, last_key = handoff.get("chunks"), handoff.get("last_key")
+    if not isinstance(chunks, int) or not 0 < chunks <= len(plan.keys):
+        return 0
+    return chunks if plan.keys[chunks - 1][0].hex() == last_key else 0
+
+
 @dataclass(frozen=True, slots=True)
 class _Lookup:
     """The answer of the last get_num_new_matched_tokens for a request, for update_state_after_alloc."""
@@ -93,15 +143,24 @@ class _Lookup:
     plan: PromptPlan
     stored_chunks: int
     local_tokens: int
+    awaited: bool = False
 
 
 @dataclass(slots=True)
 class _Tracked:
-    """A request admitted with a plan: what it still has to save, where it loaded."""
+    """A request admitted with a plan: what it still has to save, where it loaded.
 
+    Chunk indices count over the whole sequence (prompt, then generated tokens): full chunk
+    i holds tokens [i * C, (i + 1) * C). The prompt's partial tail, when it has one, is a
+    chunk of its own (same index, fewer tokens, another key), saved once the prompt is computed.
+    """
+
+    request: Request
     plan: PromptPlan
-    next_save: int
+    next_save: int  # first full chunk not saved yet
+    tail_due: bool  # the prompt's partial tail is still to save
     loaded_blocks: dict[int, int] = field(default_factory=dict)  # block id -> chunk index loaded into it
+    generated_keys: list[tuple[bytes, ...]] = field(default_factory=list)  # full chunks past the prompt's
 
 
 class SchedulerSide:
@@ -117,6 +176,8 @@ class SchedulerSide:
         load: bool,
         save: bool,
         save_partial_chunks: bool,
+        write_back: bool = False,
+        handoff_timeout_s: float = 0.0,
     ) -> None:
         """
         Args:
@@ -125,8 +186,12 @@ class SchedulerSide:
             breaker: Guards every call to the server.
             lookup_timeout_s: Deadline of one Lookup.
             load: Offer hits to vLLM (kv_consumer, kv_both).
-            save: Plan saves (kv_producer, kv_both).
+            save: Plan saves of prompts (kv_producer, kv_both).
             save_partial_chunks: Also save a prompt's final partial chunk.
+            write_back: Also save the chunks that generated tokens complete, and a finished
+                request's final partial chunk (a kv_consumer saves only those).
+            handoff_timeout_s: How long a load may wait for chunks a producer's hand-off names
+                that are not stored yet.
         """
         self._facts = facts
         self._client = client
@@ -135,8 +200,12 @@ class SchedulerSide:
         self._load = load
         self._save = save
         self._save_partial = save_partial_chunks
+        self._write_back = write_back
+        self._handoff_timeout_s = handoff_timeout_s
+        self._finishing: list[RequestTransfer] = []  # final partial chunks of finished requests
         self._plans: dict[str, PromptPlan] = {}
         self._lookups: dict[str, _Lookup] = {}
+        self._answers: dict[str, _Answer] = {}
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[RequestTransfer] = []
         self._settled_failures: set[int] = set()
@@ -145,34 +214,61 @@ class SchedulerSide:
     @property
     def open_requests(self) -> int:
         """Requests this side holds state for; 0 once every request finished (nothing leaks)."""
-        return len(self._plans.keys() | self._lookups.keys() | self._tracked.keys())
+        return len(self._plans.keys() | self._lookups.keys() | self._answers.keys() | self._tracked.keys())
 
     # -- hooks ---------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        """Tokens beyond the local hit that kvcache holds for every shard, loaded synchronously."""
+        """Tokens beyond the local hit that kvcache holds for every shard, loaded asynchronously.
+
+        vLLM calls this for a waiting request in every step until it admits it (a request
+        held back for blocks, or preempted and waiting again): the first answer for the
+        request's tokens is reused, so the scheduler's thread asks the server once.
+        """
         plan = self._plan(request)
         if plan is None:
             return 0, False
-        stored = self._lookup(plan)
+        answer = self._answers.get(request.request_id)
+        if answer is None or answer.plan is not plan:
+            stored = self._lookup(plan)
+            # A P/D hand-off: the producer's saves of these chunks may still be in flight. Offer
+            # them anyway; the asynchronous load waits for them (bounded), then vLLM recomputes.
+            named = handed_off_chunks(request, plan) if self._load else 0
+            answer = _Answer(plan, max(stored, named), awaited=named > stored)
+            self._answers[request.request_id] = answer
+        stored = answer.stored_chunks
         # A memo for update_state_after_alloc, which vLLM calls right after for the same request;
         # calling this again simply replaces it.
-        self._lookups[request.request_id] = _Lookup(plan, stored, num_computed_tokens)
+        self._lookups[request.request_id] = _Lookup(plan, stored, num_computed_tokens, answer.awaited)
         if not self._load:
             return 0, False
-        # vLLM must compute at least one token of a sequence itself (its scheduler asserts it for
-        # synchronous loads), so a hit of every token loads all but the last: the last chunk is
-        # then loaded in part, into a partly filled block, and vLLM computes the final token.
+        # vLLM must compute at least one token of a sequence itself, so a hit of every token
+        # loads all but the last: the last chunk is then loaded in part, into a partly filled
+        # block, and vLLM computes the final token.
         loadable = min(plan.tokens_in(stored), request.num_tokens - 1)
-        return max(0, loadable - num_computed_tokens), False
+        num_tokens = max(0, loadable - num_computed_tokens)
+        return num_tokens, num_tokens > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        """Starts tracking an admitted request; plans its load when vLLM accepted a hit."""
+        """Starts tracking an admitted request; plans its load when vLLM accepted a hit.
+
+        For an asynchronous load vLLM calls this twice: at admission with the hit, and again
+        with 0 external tokens when the loaded request is scheduled; the second call finds
+        no fresh lookup memo and changes nothing.
+        """
         lookup = self._lookups.pop(request.request_id, None)
         if lookup is None:
             return
         plan = lookup.plan
-        tracked = _Tracked(plan, next_save=lookup.stored_chunks)
+        c = plan.chunk_tokens
+        # Chunks stored already are not saved again; a consumer saves only what it generates.
+        next_save = min(lookup.stored_chunks, plan.num_tokens // c)
+        if not self._save:
+            next_save = max(next_save, plan.num_tokens // c)
+        tail_due = (
+            self._save and self._save_partial and plan.num_tokens % c > 0 and lookup.stored_chunks < len(plan.keys)
+        )
+        tracked = _Tracked(request, plan, next_save=next_save, tail_due=tail_due)
         self._tracked[request.request_id] = tracked
         self.counters.lookup_tokens += max(0, plan.num_tokens - lookup.local_tokens)
         self.counters.hit_tokens += num_external_tokens
@@ -190,19 +286,22 @@ class SchedulerSide:
         indices = range(start // c, (end - 1) // c + 1)
         chunks = tuple(plan.chunk_ref(i, max(start, i * c), min(end, plan.chunk_end(i))) for i in indices)
         num_blocks = math.ceil(end / bs)
+        wait_s = self._handoff_timeout_s if lookup.awaited else 0.0
         self._pending_loads.append(
-            RequestTransfer(request.request_id, plan.namespaces, tuple(block_ids[:num_blocks]), chunks)
+            RequestTransfer(request.request_id, plan.namespaces, tuple(block_ids[:num_blocks]), chunks, wait_s)
         )
         tracked.loaded_blocks = {block_ids[b]: b * bs // c for b in range(start // bs, num_blocks)}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCacheConnectorMetadata:
         """This step's loads (planned at admission) and saves (chunks completed by this step)."""
-        saves = list(self._plan_saves(scheduler_output)) if self._save else []
+        saves = list(self._plan_saves(scheduler_output)) if self._save or self._write_back else []
         meta = KVCacheConnectorMetadata(
             loads=tuple(self._pending_loads),
-            saves=tuple(saves),
+            saves=(*saves, *self._finishing),
+            sent=tuple(t.request_id for t in self._finishing),
             settled_load_failures=tuple(sorted(self._settled_failures)),
         )
+        self._finishing = []
         self._pending_loads = []
         self._settled_failures = set()
         return meta
@@ -212,14 +311,63 @@ class SchedulerSide:
         if not output.invalid_block_ids:
             return
         self._settled_failures |= output.invalid_block_ids
-        for tracked in self._tracked.values():
+        for request_id, tracked in self._tracked.items():
             failed = [chunk for block, chunk in tracked.loaded_blocks.items() if block in output.invalid_block_ids]
             if failed:
                 tracked.next_save = min(tracked.next_save, *failed)
+                tail = len(tracked.plan.keys) - 1
+                if self._save and self._save_partial and tracked.plan.chunk_len(tail) < tracked.plan.chunk_tokens:
+                    tracked.tail_due = tracked.tail_due or tail in failed
+                # vLLM may send the request back to the waiting queue (nothing of it loaded):
+                # offer it no more than what loaded, or it would load the same chunk again.
+                answer = self._answers.get(request_id)
+                if answer is not None:
+                    self._answers[request_id] = _Answer(answer.plan, min(answer.stored_chunks, *failed))
 
-    def request_finished(self, request: Request) -> None:
-        for table in (self._plans, self._lookups, self._tracked):
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """Forgets the request. Returns (keep its blocks, kv_transfer_params):
+
+        - keep its blocks until the workers copied out its final partial chunk (write-back),
+          which the next step saves and the workers report as sent;
+        - a producer names the prompt chunks it saved or is saving (their puts run in the
+          background), so a P/D consumer's load waits for them instead of missing them.
+        """
+        tracked = self._tracked.get(request.request_id)
+        for table in (self._plans, self._lookups, self._answers, self._tracked):
             table.pop(request.request_id, None)
+        if tracked is None:
+            return False, None
+        plan = tracked.plan
+        params = None
+        if self._save:
+            full = plan.num_tokens // plan.chunk_tokens
+            saved = min(tracked.next_save, full)  # a prefix: full chunks, then the tail
+            if saved == full < len(plan.keys) and self._save_partial and not tracked.tail_due:
+                saved += 1
+            if saved:
+                params = handoff_params(plan, saved)
+        return self._save_final_chunk(request, block_ids, tracked), params
+
+    def _save_final_chunk(self, request: Request, block_ids: list[int], tracked: _Tracked) -> bool:
+        """Plans the save of a finished request's final partial chunk; whether there is one."""
+        if not self._write_back:
+            return False
+        # Tokens with KV; the last sampled token has none. A tail of prompt tokens only was saved
+        # with the prompt (or is not wanted); a request still loading has computed nothing past it.
+        num_computed = request.num_computed_tokens
+        c = tracked.plan.chunk_tokens
+        index, length = divmod(num_computed, c)
+        if length == 0 or num_computed <= tracked.plan.num_tokens:
+            return False
+        tokens = request.all_token_ids[index * c : num_computed]
+        parents = self._full_keys(tracked, index - 1) if index else tracked.plan.roots
+        keys = tuple(chunk_key(parent, tokens) for parent in parents)
+        num_blocks = math.ceil(num_computed / self._facts.block_size)
+        chunk = ChunkRef(index=index, keys=keys, num_tokens=length, start=index * c, end=num_computed)
+        self._finishing.append(
+            RequestTransfer(request.request_id, tracked.plan.namespaces, tuple(block_ids[:num_blocks]), (chunk,))
+        )
+        return True
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -237,6 +385,7 @@ class SchedulerSide:
             keys=tuple(zip(*per_shard, strict=True)),
             num_tokens=request.num_prompt_tokens,
             chunk_tokens=self._facts.chunk_tokens,
+            roots=tuple(ns.fingerprint for ns in namespaces),
         )
         self._plans[request.request_id] = plan
         return plan
@@ -262,30 +411,46 @@ class SchedulerSide:
         self._breaker.success()
         return stored
 
+    def _full_keys(self, tracked: _Tracked, index: int) -> tuple[bytes, ...]:
+        """Every shard's key of full chunk `index` of the request's sequence (prompt and output)."""
+        plan, c = tracked.plan, tracked.plan.chunk_tokens
+        prompt_chunks = plan.num_tokens // c
+        if index < prompt_chunks:
+            return plan.keys[index]
+        tokens = tracked.request.all_token_ids
+        while len(tracked.generated_keys) <= index - prompt_chunks:
+            i = prompt_chunks + len(tracked.generated_keys)
+            parents = self._full_keys(tracked, i - 1) if i else plan.roots
+            chunk = tokens[i * c : (i + 1) * c]
+            tracked.generated_keys.append(tuple(chunk_key(parent, chunk) for parent in parents))
+        return tracked.generated_keys[index - prompt_chunks]
+
     def _plan_saves(self, scheduler_output: SchedulerOutput) -> Iterator[RequestTransfer]:
         for request_id, num_computed in _scheduled(scheduler_output):
             tracked = self._tracked.get(request_id)
             if tracked is None:
                 continue
-            plan = tracked.plan
-            done = min(num_computed + scheduler_output.num_scheduled_tokens[request_id], plan.num_tokens)
-            first = last = tracked.next_save
-            while (
-                last < len(plan.keys)
-                and plan.chunk_end(last) <= done
-                and (self._save_partial or plan.chunk_len(last) == plan.chunk_tokens)
-            ):
-                last += 1
-            if last == first:
+            plan, c = tracked.plan, tracked.plan.chunk_tokens
+            done = num_computed + scheduler_output.num_scheduled_tokens[request_id]
+            done = min(done, tracked.request.num_tokens if self._write_back else plan.num_tokens)
+            chunks: list[ChunkRef] = []
+            for i in range(tracked.next_save, done // c):
+                chunks.append(
+                    ChunkRef(index=i, keys=self._full_keys(tracked, i), num_tokens=c, start=i * c, end=i * c + c)
+                )
+            tracked.next_save = max(tracked.next_save, done // c)
+            if tracked.tail_due and done >= plan.num_tokens:
+                tail = len(plan.keys) - 1
+                chunks.append(plan.chunk_ref(tail, tail * c, plan.num_tokens))
+                tracked.tail_due = False
+            if not chunks:
                 continue
             block_state = scheduler_output.kv_connector_block_state
             block_ids = block_state.get_block_ids(request_id) if block_state is not None else None
             if block_ids is None:
                 raise RuntimeError(f"vLLM gave no block ids for scheduled request {request_id}")
-            num_blocks = math.ceil(plan.chunk_end(last - 1) / self._facts.block_size)
-            chunks = tuple(plan.chunk_ref(i, i * plan.chunk_tokens, plan.chunk_end(i)) for i in range(first, last))
-            tracked.next_save = last
-            yield RequestTransfer(request_id, plan.namespaces, tuple(block_ids[0][:num_blocks]), chunks)
+            num_blocks = math.ceil(max(chunk.end for chunk in chunks) / self._facts.block_size)
+            yield RequestTransfer(request_id, plan.namespaces, tuple(block_ids[0][:num_blocks]), tuple(chunks))
 
 
 def _scheduled(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, int]]:

@@ -33,7 +33,10 @@ class Counters:
         save_failures: Chunks not stored: a failed call, the breaker open, refused by the server,
             or computed from a block that failed to load in the same step.
         save_bytes: Bytes of chunks stored.
-        save_s: Time spent saving (gather, copy to host, put).
+        save_dropped: Chunks not stored because the save queue or the staging memory was full
+            (the oldest queued save is dropped; also counted in save_failures).
+        save_s: Time spent saving (gather and copy to host on the model runner's thread; put on
+            the save thread).
     """
 
     lookups: int = 0
@@ -48,7 +51,13 @@ class Counters:
     save_chunks: int = 0
     save_failures: int = 0
     save_bytes: int = 0
+    save_dropped: int = 0
     save_s: float = 0.0
+
+    def add(self, other: Counters) -> None:
+        """Adds another record's counts to this one."""
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
     def drain(self) -> dict[str, int | float] | None:
         """The non-zero counters, then resets them all; None when nothing happened."""

@@ -1,16 +1,32 @@
 """The worker-side connector: moves chunks between the kvcache server and this rank's paged KV cache.
 
-Runs in every vLLM worker process (one per TP rank), on the model runner's thread.
+Runs in every vLLM worker process (one per TP rank). The hooks run on the model
+runner's thread and never call the server: every Get and Put runs on one of two
+background threads (transfers.py), each with a bounded queue.
 
     register_kv_caches   detect each layer's paged layout; refuse one it does not know
-    start_load_kv        before the forward pass: one Get per namespace for the step's loads,
-                         checks every chunk, scatters the good ones into their blocks; a chunk
-                         that is missing, corrupt or of the wrong shape fails its blocks and
-                         every later block of that request's load
-    wait_for_save        after the forward pass: one gather per layer of every token to save,
-                         one copy to host, one Put per namespace; it returns once the server
-                         answered, so a P/D decode instance asked next finds the prompt stored
-    get_block_ids_with_load_errors   the failed blocks, for vLLM to recompute
+    start_load_kv        hand the step's loads to the load thread: one Get per namespace,
+                         every chunk checked, the good ones scattered into their blocks; a
+                         chunk that is missing, corrupt or of the wrong shape fails its blocks
+                         and every later block of that request's load. Each load has a
+                         deadline (transfer_timeout_s); a P/D hand-off may poll for chunks
+                         still being written, up to its own deadline.
+    wait_for_save        after the forward pass: one gather per layer of every token to save
+                         into reused host staging memory, then hand it to the save thread
+                         (one Put per namespace); a full queue drops the oldest save, counted
+    get_finished         requests whose load is done (finished receiving) and finished
+                         requests whose last chunk was copied out this step (finished sending)
+    get_block_ids_with_load_errors   the failed blocks of the loads get_finished reports, for
+                         vLLM to recompute (reported in the same pass, as vLLM requires)
+
+Scattering on the load thread does not race the forward pass. vLLM 0.33's scheduler
+(vllm/v1/core/sched/scheduler.py, Scheduler.schedule) parks a request with an asynchronous
+load in WAITING_FOR_REMOTE_KVS: load_kv_async sets num_new_tokens = 0 and the request is
+skipped, never appended to `running`; its blocks are allocated with delay_cache_blocks, so
+no other request can hit them; and vLLM frees them, even for an aborted request, only
+after the load is reported in finished_recving. No forward pass reads or writes those
+blocks until get_finished has reported the request. On CUDA the scatter runs on its own
+stream, synchronized before the load counts as done.
 
 Tokens computed after a failed load attended to whatever the failed blocks held, so
 no chunk of a request holding such a block is saved until the scheduler has settled
@@ -20,30 +36,50 @@ scheduling the step after a failure was planned before the scheduler knew of it.
 A save is gathered after the forward pass rather than per layer in save_kv_layer:
 the step's blocks do not change until the step ends, the gather is a few index
 kernels, and it keeps working when vLLM runs full CUDA graphs, which skip the
-per-layer hooks (so the connector needs no piecewise graphs).
+per-layer hooks (so the connector needs no piecewise graphs). The gather copies the
+bytes out before wait_for_save returns (on CUDA, queued on the compute stream ahead of
+any later kernel), so the blocks may be freed and reused as soon as the step ends; only
+a finished request's last chunk, saved in the step after it finished, holds its blocks
+(request_finished delays their free until get_finished reports the request as sent).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from kvcache_client.client import KVCacheClient
 from kvcache_client.tensors import block_to_tensor, tensor_block_parts
-from kvcache_connectors.vllm.layout import PagedLayout, detect_layout, token_slots
+from kvcache_connectors.vllm.layout import PagedLayout, paged_layout, token_slots
 from kvcache_connectors.vllm.metadata import ChunkRef, RequestTransfer
 from kvcache_connectors.vllm.namespaces import KVFacts
 from kvcache_connectors.vllm.stats import Counters
+from kvcache_connectors.vllm.transfers import Job, JobThread, StagingPool
 from kvcache_core.blockwire import BlockData
-from kvcache_core.breaker import BreakerState, CircuitBreaker
+from kvcache_core.breaker import CircuitBreaker
 from kvcache_core.errors import KVCacheError
 from kvcache_core.format import DType, Layout, decode_block
 
 log = logging.getLogger(__name__)
+
+POLL_S = 0.02
+"""How often a P/D hand-off load asks again for chunks its producer is still writing."""
+
+
+@dataclass(slots=True)
+class _LoadJob:
+    """One step's loads, run on the load thread; read by the model runner's thread once done."""
+
+    loads: tuple[RequestTransfer, ...]
+    deadline: float
+    failed: set[int] = field(default_factory=set)
+    counters: Counters = field(default_factory=Counters)
 
 
 class WorkerSide:
@@ -57,6 +93,9 @@ class WorkerSide:
         *,
         tp_rank: int,
         transfer_timeout_s: float,
+        staging_bytes: int = 1 << 30,
+        max_queued_saves: int = 8,
+        max_queued_loads: int = 64,
     ) -> None:
         """
         Args:
@@ -64,7 +103,10 @@ class WorkerSide:
             client: A client with no retries.
             breaker: Guards every call to the server.
             tp_rank: This worker's tensor-parallel rank.
-            transfer_timeout_s: Deadline of one Get or Put.
+            transfer_timeout_s: Deadline of one Get or Put, from when the hook handed it over.
+            staging_bytes: Host memory for gathered saves not yet put.
+            max_queued_saves: Steps of saves waiting for the save thread.
+            max_queued_loads: Steps of loads waiting for the load thread.
         """
         self._facts = facts
         self._client = client
@@ -80,13 +122,22 @@ class WorkerSide:
         self._load_errors: set[int] = set()  # this step's, until vLLM collects them
         self._unsettled: set[int] = set()  # failed blocks the scheduler has not yet settled
         self.counters = Counters()
+        self._loader = JobThread("kvcache-load", max_queued_loads)
+        self._saver = JobThread("kvcache-save", max_queued_saves)
+        self._staging_bytes = staging_bytes
+        self._staging: StagingPool | None = None  # built when the caches' device is known
+        self._lock = threading.Lock()  # guards what the job threads hand back:
+        self._done_loads: list[_LoadJob] = []
+        self._job_counters = Counters()
+        self._load_stream: torch.cuda.Stream | None = None
+        self._loading: set[int] = set()  # blocks of loads handed over and not yet reported
 
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Keeps each layer's tensor with its detected layout, in the chunk's layer order.
+        """Keeps each layer's tensor with its attention backend's layout, in the chunk's layer order.
 
         Raises:
-            ValueError: a layer of the KV-cache group is missing, has another dtype, or a layout
-                this connector does not know.
+            ValueError: a layer of the KV-cache group is missing, has another dtype, an attention
+                backend whose layout this connector does not know, or a shape not that layout's.
         """
         f = self._facts
         missing = [name for name in f.layer_names if name not in kv_caches]
@@ -97,8 +148,9 @@ class WorkerSide:
             cache = kv_caches[name]
             if cache.dtype != f.torch_dtype:
                 raise ValueError(f"layer {name!r}: paged KV tensor is {cache.dtype}, the KV-cache spec {f.torch_dtype}")
-            layout = detect_layout(
+            layout = paged_layout(
                 name,
+                f.attention_backend(name),
                 tuple(cache.shape),
                 num_kv_heads=f.num_kv_heads,
                 head_size=f.head_size,
@@ -112,68 +164,137 @@ class WorkerSide:
     # -- loads ---------------------------------------------------------------------------------
 
     def start_load_kv(self, loads: Sequence[RequestTransfer], settled_failures: Sequence[int] = ()) -> None:
-        """Fetches the step's chunks and writes them into their blocks (synchronously).
+        """Hands the step's loads to the load thread; get_finished reports each request once done.
 
         Args:
-            loads: The step's loads.
+            loads: The step's loads (each request's blocks wait in WAITING_FOR_REMOTE_KVS).
             settled_failures: Failed blocks of earlier steps that vLLM now recomputes.
         """
         self._unsettled.difference_update(settled_failures)
         if not loads:
             return
-        started = time.perf_counter()
-        fetched = self._fetch(loads)
-        blocks: list[torch.Tensor] = []
-        offsets: list[torch.Tensor] = []
-        values: list[torch.Tensor] = []
-        bs, c = self._facts.block_size, self._facts.chunk_tokens
-        for transfer in loads:
-            for position, chunk in enumerate(transfer.chunks):
-                tensor = fetched.get((transfer.namespaces[self._shard], chunk.keys[self._shard]))
-                if tensor is None:
-                    # This chunk and every later one of the request: vLLM recomputes from the first bad block.
-                    failed = transfer.block_ids[chunk.start // bs : math.ceil(transfer.end / bs)]
-                    self._load_errors.update(failed)
-                    self._unsettled.update(failed)
-                    self.counters.load_failures += len(transfer.chunks) - position
-                    break
-                b, o = token_slots(transfer.block_ids, chunk.start, chunk.end, bs)
-                blocks.append(b)
-                offsets.append(o)
-                first = chunk.start - chunk.index * c
-                values.append(tensor.narrow(self._token_dim, first, chunk.end - chunk.start))
-                self.counters.load_chunks += 1
-                self.counters.load_bytes += tensor.nbytes
-        if values:
-            self._scatter(torch.cat(blocks), torch.cat(offsets), torch.cat(values, dim=self._token_dim))
-        self.counters.load_s += time.perf_counter() - started
+        # A hand-off's wait comes on top: its last Get still has the whole transfer deadline.
+        job = _LoadJob(tuple(loads), time.monotonic() + self._timeout_s + max(t.wait_s for t in loads))
+        self._loading.update(b for t in loads for b in t.block_ids)
+        if not self._loader.submit(Job(run=lambda: self._run_load(job), drop=lambda: self._fail_load(job))):
+            log.warning("kvcache load queue full; %d request(s) recompute their prompts", len(loads))
+            self._fail_load(job)
+
+    def get_finished(self, sent: Sequence[str] = ()) -> tuple[set[str] | None, set[str] | None]:
+        """(finished sending, finished receiving): the given requests whose last save was copied out
+        this step, and the requests whose load ended since the last call (their failed blocks go to
+        get_block_ids_with_load_errors, which vLLM calls right after, in the same pass)."""
+        with self._lock:
+            done, self._done_loads = self._done_loads, []
+        received: set[str] = set()
+        for job in done:
+            self._loading.difference_update(b for t in job.loads for b in t.block_ids)
+            self.counters.add(job.counters)
+            self._load_errors |= job.failed
+            self._unsettled |= job.failed
+            received.update(t.request_id for t in job.loads)
+        return set(sent) or None, received or None
 
     def take_load_errors(self) -> set[int]:
-        """Block ids that failed to load since the last call."""
+        """Block ids that failed to load, of the loads get_finished reported."""
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def _fetch(self, loads: Sequence[RequestTransfer]) -> dict[tuple[str, bytes], torch.Tensor]:
-        """The step's chunks that arrived intact and in the expected shape, by (namespace, key)."""
+    def drain_counters(self) -> dict[str, int | float] | None:
+        """Counters since the last call, the save thread's included."""
+        with self._lock:
+            self.counters.add(self._job_counters)
+            self._job_counters = Counters()
+        return self.counters.drain()
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Waits until both job threads are idle (tests, benchmarks, shutdown); whether they are."""
+        deadline = time.monotonic() + timeout_s
+        return self._loader.idle(timeout_s) and self._saver.idle(max(0.0, deadline - time.monotonic()))
+
+    def close(self) -> None:
+        self._loader.close()
+        self._saver.close()
+
+    def _fail_load(self, job: _LoadJob) -> None:
+        bs = self._facts.block_size
+        for transfer in job.loads:
+            job.failed.update(transfer.block_ids[transfer.start // bs : math.ceil(transfer.end / bs)])
+            job.counters.load_failures += len(transfer.chunks)
+        with self._lock:
+            self._done_loads.append(job)
+
+    def _run_load(self, job: _LoadJob) -> None:
+        """On the load thread: fetch, check and scatter one step's loads, then report the job done."""
+        started = time.perf_counter()
+        try:
+            fetched = self._fetch(job)
+            blocks: list[torch.Tensor] = []
+            offsets: list[torch.Tensor] = []
+            values: list[torch.Tensor] = []
+            bs, c = self._facts.block_size, self._facts.chunk_tokens
+            for transfer in job.loads:
+                for position, chunk in enumerate(transfer.chunks):
+                    tensor = fetched.get((transfer.namespaces[self._shard], chunk.keys[self._shard]))
+                    if tensor is None:
+                        # This chunk and every later one of the request: vLLM recomputes from the first bad block.
+                        job.failed.update(transfer.block_ids[chunk.start // bs : math.ceil(transfer.end / bs)])
+                        job.counters.load_failures += len(transfer.chunks) - position
+                        break
+                    b, o = token_slots(transfer.block_ids, chunk.start, chunk.end, bs)
+                    blocks.append(b)
+                    offsets.append(o)
+                    first = chunk.start - chunk.index * c
+                    values.append(tensor.narrow(self._token_dim, first, chunk.end - chunk.start))
+                    job.counters.load_chunks += 1
+                    job.counters.load_bytes += tensor.nbytes
+            if values:
+                self._scatter(torch.cat(blocks), torch.cat(offsets), torch.cat(values, dim=self._token_dim))
+        finally:
+            job.counters.load_s += time.perf_counter() - started
+            with self._lock:
+                self._done_loads.append(job)
+
+    def _fetch(self, job: _LoadJob) -> dict[tuple[str, bytes], torch.Tensor]:
+        """The job's chunks that arrived intact and in the expected shape, by (namespace, key).
+
+        A chunk of a transfer with `wait_s` (a P/D hand-off whose producer is still writing it)
+        that is not stored yet is asked for again every poll_s, until that wait or the job's
+        deadline ends; any other missing chunk fails at once.
+        """
         wanted: dict[str, dict[bytes, ChunkRef]] = {}
-        for transfer in loads:
-            by_key = wanted.setdefault(transfer.namespaces[self._shard], {})
+        waits: dict[str, float] = {}
+        for transfer in job.loads:
+            namespace = transfer.namespaces[self._shard]
+            by_key = wanted.setdefault(namespace, {})
             for chunk in transfer.chunks:
                 by_key[chunk.keys[self._shard]] = chunk
+            waits[namespace] = max(waits.get(namespace, 0.0), transfer.wait_s)
         out: dict[tuple[str, bytes], torch.Tensor] = {}
-        if not self._breaker.allow():
-            return out
+        started = time.monotonic()
         for namespace, by_key in wanted.items():
-            try:
-                blocks = self._client.get_many(namespace, list(by_key), timeout_s=self._timeout_s)
-            except KVCacheError as exc:
-                if self._breaker.failure():
-                    log.warning("kvcache get failed (%s); loads fail for %.1f s", exc, self._breaker.cooldown_s)
-                return out
-            for (key, chunk), block in zip(by_key.items(), blocks, strict=True):
-                if block is not None and self._acceptable(block, chunk):
-                    out[(namespace, key)] = block_to_tensor(block, verify=False)  # the SDK verified it under `key`
-        self._breaker.success()
+            wait_until = min(job.deadline, started + waits[namespace])
+            missing = dict(by_key)
+            while missing:
+                remaining = job.deadline - time.monotonic()
+                if remaining <= 0 or not self._breaker.allow():
+                    return out
+                try:
+                    blocks = self._client.get_many(namespace, list(missing), timeout_s=remaining)
+                except KVCacheError as exc:
+                    if self._breaker.failure():
+                        log.warning("kvcache get failed (%s); loads fail for %.1f s", exc, self._breaker.cooldown_s)
+                    return out
+                self._breaker.success()
+                for (key, chunk), block in zip(list(missing.items()), blocks, strict=True):
+                    if block is None:
+                        continue
+                    del missing[key]
+                    if self._acceptable(block, chunk):
+                        out[(namespace, key)] = block_to_tensor(block, verify=False)  # the SDK verified it
+                if not missing or time.monotonic() + POLL_S > wait_until:
+                    break
+                time.sleep(POLL_S)
         return out
 
     def _acceptable(self, block: bytes, chunk: ChunkRef) -> bool:
@@ -197,60 +318,134 @@ class WorkerSide:
 
     def _scatter(self, blocks: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
         device = self._layers[0][0].device
-        blocks, offsets, values = blocks.to(device), offsets.to(device), values.to(device)
-        for layer, (cache, layout) in enumerate(self._layers):
-            layout.scatter(cache, blocks, offsets, values[layer])
+        if device.type != "cuda":
+            blocks, offsets, values = blocks.to(device), offsets.to(device), values.to(device)
+            for layer, (cache, layout) in enumerate(self._layers):
+                layout.scatter(cache, blocks, offsets, values[layer])
+            return
+        if self._load_stream is None:
+            self._load_stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(self._load_stream):
+            blocks, offsets, values = blocks.to(device), offsets.to(device), values.to(device)
+            for layer, (cache, layout) in enumerate(self._layers):
+                layout.scatter(cache, blocks, offsets, values[layer])
+        self._load_stream.synchronize()  # the KV is in place before get_finished reports the request
 
     # -- saves ---------------------------------------------------------------------------------
 
     def wait_for_save(self, saves: Sequence[RequestTransfer]) -> None:
-        """Stores the step's completed chunks; returns when the server has answered."""
+        """Copies the step's completed chunks to host staging memory and queues their Put.
+
+        Never waits for the server. When the save queue or the staging memory is full, the
+        oldest queued save is dropped (counted in save_dropped); a save that still does not
+        fit is dropped itself.
+        """
         if not saves or not self._writer:
             return
-        good = [s for s in saves if self._unsettled.isdisjoint(s.block_ids)]
+        # Blocks still loading, or whose load failed and is not settled, hold no KV to save.
+        good = [s for s in saves if self._unsettled.isdisjoint(s.block_ids) and self._loading.isdisjoint(s.block_ids)]
         self.counters.save_failures += sum(len(s.chunks) for s in saves) - sum(len(s.chunks) for s in good)
+        num_chunks = sum(len(s.chunks) for s in good)
         if not good:
             return
-        if not self._breaker.allow():
-            self.counters.save_failures += sum(len(s.chunks) for s in good)
+        # The breaker is consulted on the save thread (a probe taken here would be lost there).
+        num_tokens = sum(c.end - c.start for s in good for c in s.chunks)
+        shape = self._facts.chunk_shape(num_tokens)
+        nbytes = math.prod(shape) * self._facts.torch_dtype.itemsize
+        staging = self._staging_pool()
+        buffer = staging.take(nbytes)
+        while (buffer is None or self._saver.full) and (old := self._saver.drop_oldest()) is not None:
+            old.drop()
+            buffer = buffer if buffer is not None else staging.take(nbytes)
+        if buffer is None:
+            self.counters.save_failures += num_chunks
+            self.counters.save_dropped += num_chunks
             return
         started = time.perf_counter()
-        staged = self._gather(good)
-        items: dict[str, list[tuple[bytes, BlockData]]] = {}
-        position = 0
-        for transfer in good:
-            namespace = items.setdefault(transfer.namespaces[self._shard], [])
-            for chunk in transfer.chunks:
-                tensor = staged.narrow(self._token_dim, position, chunk.end - chunk.start)
-                key = chunk.keys[self._shard]
-                namespace.append((key, tensor_block_parts(tensor, key, self._block_layout)))
-                position += chunk.end - chunk.start
-        for namespace, blocks in items.items():
-            if self._breaker.state is BreakerState.OPEN:  # a put of this step failed already
-                self.counters.save_failures += len(blocks)
-                continue
-            try:
-                result = self._client.put_many(namespace, blocks, timeout_s=self._timeout_s)
-            except KVCacheError as exc:
-                self.counters.save_failures += len(blocks)
-                if self._breaker.failure():
-                    log.warning("kvcache put failed (%s); saves are dropped for %.1f s", exc, self._breaker.cooldown_s)
-                continue
-            self._breaker.success()
-            self.counters.save_chunks += result.stored
-            self.counters.save_failures += len(blocks) - result.stored
-            self.counters.save_bytes += result.bytes_sent
+        staged = buffer[:nbytes].view(self._facts.torch_dtype).view(shape)
+        ready = self._gather(good, staged)
         self.counters.save_s += time.perf_counter() - started
+        job = Job(
+            run=lambda: self._run_save(good, staged, buffer, ready),
+            drop=lambda: self._drop_save(num_chunks, buffer, ready),
+        )
+        if not self._saver.submit(job):  # closed
+            job.drop()
 
-    def _gather(self, saves: Sequence[RequestTransfer]) -> torch.Tensor:
-        """Every token to save, in canonical layout on the host: [L, 2, H, T, D] (MLA: [L, T, D])."""
+    def _staging_pool(self) -> StagingPool:
+        if self._staging is None:
+            pin = self._layers[0][0].device.type == "cuda"
+            self._staging = StagingPool(self._staging_bytes, pin=pin)
+        return self._staging
+
+    def _drop_save(self, num_chunks: int, buffer: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+        if ready is not None:
+            ready.synchronize()  # the copy into the buffer must end before the buffer is reused
+        self._staging_pool().give_back(buffer)
+        with self._lock:
+            self._job_counters.save_failures += num_chunks
+            self._job_counters.save_dropped += num_chunks
+
+    def _run_save(
+        self,
+        saves: Sequence[RequestTransfer],
+        staged: torch.Tensor,
+        buffer: torch.Tensor,
+        ready: torch.cuda.Event | None,
+    ) -> None:
+        """On the save thread: one Put per namespace of the staged chunks."""
+        counters = Counters()
+        started = time.perf_counter()
+        try:
+            if ready is not None:
+                ready.synchronize()
+            items: dict[str, list[tuple[bytes, BlockData]]] = {}
+            position = 0
+            for transfer in saves:
+                namespace = items.setdefault(transfer.namespaces[self._shard], [])
+                for chunk in transfer.chunks:
+                    tensor = staged.narrow(self._token_dim, position, chunk.end - chunk.start)
+                    key = chunk.keys[self._shard]
+                    namespace.append((key, tensor_block_parts(tensor, key, self._block_layout)))
+                    position += chunk.end - chunk.start
+            for namespace, blocks in items.items():
+                if not self._breaker.allow():  # a put of this job failed already
+                    counters.save_failures += len(blocks)
+                    continue
+                try:
+                    result = self._client.put_many(namespace, blocks, timeout_s=self._timeout_s)
+                except KVCacheError as exc:
+                    counters.save_failures += len(blocks)
+                    if self._breaker.failure():
+                        log.warning(
+                            "kvcache put failed (%s); saves are dropped for %.1f s", exc, self._breaker.cooldown_s
+                        )
+                    continue
+                self._breaker.success()
+                counters.save_chunks += result.stored
+                counters.save_failures += len(blocks) - result.stored
+                counters.save_bytes += result.bytes_sent
+        finally:
+            self._staging_pool().give_back(buffer)
+            counters.save_s += time.perf_counter() - started
+            with self._lock:
+                self._job_counters.add(counters)
+
+    def _gather(self, saves: Sequence[RequestTransfer], staged: torch.Tensor) -> torch.cuda.Event | None:
+        """Every token to save, in canonical layout, into `staged` on the host: [L, 2, H, T, D]
+        (MLA: [L, T, D]). On CUDA the copies are queued on the current stream; the returned
+        event marks their end."""
         bs = self._facts.block_size
         slots = [token_slots(s.block_ids, c.start, c.end, bs) for s in saves for c in s.chunks]
         blocks = torch.cat([b for b, _ in slots])
         offsets = torch.cat([o for _, o in slots])
-        staged = torch.empty(self._facts.chunk_shape(len(blocks)), dtype=self._facts.torch_dtype)
         device = self._layers[0][0].device
+        cuda = device.type == "cuda"
         blocks, offsets = blocks.to(device), offsets.to(device)
         for layer, (cache, layout) in enumerate(self._layers):
-            staged[layer].copy_(layout.gather(cache, blocks, offsets))
-        return staged
+            staged[layer].copy_(layout.gather(cache, blocks, offsets), non_blocking=cuda)
+        if not cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
