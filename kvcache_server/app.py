@@ -80,6 +80,8 @@ def _policy(section: LowerTierSection) -> LowerTierPolicy:
         compression=CompressionMode(section.compression),
         promote=section.promote,
         timeout_s=section.timeout_s,
+        lookup_timeout_s=section.lookup_timeout_s,
+        codec_threads=section.codec_threads,
         queue_max_bytes=section.queue_max_bytes,
         queue_full=QueueFull(section.queue_full),
         breaker_failures=section.breaker_failures,
@@ -117,6 +119,8 @@ def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: 
             max_concurrency=s3.max_concurrency,
             timeout_s=s3.timeout_s,
             create_bucket=s3.create_bucket,
+            presence_index_bytes=s3.presence_index_bytes,
+            presence_ttl_s=s3.presence_ttl_s,
         )
         lower.append((tier, _policy(s3)))
     e = config.events

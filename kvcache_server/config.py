@@ -100,6 +100,9 @@ class LowerTierSection:
     compression: str = "none"  # "none", "lz4", "shuffle-lz4" (byte-shuffle for 16-bit dtypes, then lz4)
     promote: bool = True  # copy hits found here into the tiers above
     timeout_s: float = 2.0  # per call; a call that takes longer is a miss
+    # A Lookup waits this long for the tier, then counts it a miss (the call goes on, up to timeout_s).
+    lookup_timeout_s: float = 0.15
+    codec_threads: int = 0  # threads compressing/verifying this tier's blocks; 0: half the CPUs, 1 to 4
     queue_max_bytes: int = 256 * _MiB  # write-behind queue bound
     queue_full: str = "drop"  # "drop" (counted) or "sync" (write synchronously instead)
     breaker_failures: int = 3  # consecutive failures that open the circuit breaker
@@ -114,8 +117,10 @@ class LowerTierSection:
             value = getattr(self, field_name)
             if value not in allowed:
                 raise ConfigError(f"{name}.{field_name} must be one of {allowed}, got {value!r}")
-        if self.timeout_s <= 0 or self.breaker_reset_s <= 0:
-            raise ConfigError(f"{name}.timeout_s and {name}.breaker_reset_s must be positive")
+        if self.timeout_s <= 0 or self.breaker_reset_s <= 0 or self.lookup_timeout_s <= 0:
+            raise ConfigError(f"{name}.timeout_s, {name}.lookup_timeout_s and {name}.breaker_reset_s must be positive")
+        if self.codec_threads < 0:
+            raise ConfigError(f"{name}.codec_threads must be >= 0 (0: from the CPU count)")
         if self.queue_max_bytes <= 0 or self.breaker_failures < 1:
             raise ConfigError(f"{name}.queue_max_bytes and {name}.breaker_failures must be positive")
 
@@ -155,6 +160,9 @@ class S3Section(LowerTierSection):
     timeout_s: float = 10.0
     write_mode: str = "behind"
     queue_max_bytes: int = _GiB
+    # Keys known to be in the bucket, answered by Lookup without a HEAD (0 turns it off); trusted this long.
+    presence_index_bytes: int = 64 * _MiB
+    presence_ttl_s: float = 600.0
 
     def validate(self) -> None:
         self._validate_common("s3")
@@ -162,6 +170,8 @@ class S3Section(LowerTierSection):
             raise ConfigError("s3.bucket is required when s3.enabled is true")
         if self.max_concurrency < 1:
             raise ConfigError("s3.max_concurrency must be >= 1")
+        if self.presence_index_bytes < 0 or self.presence_ttl_s <= 0:
+            raise ConfigError("s3.presence_index_bytes must be >= 0 and s3.presence_ttl_s positive")
 
 
 @dataclass(frozen=True, slots=True)

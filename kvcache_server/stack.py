@@ -14,7 +14,15 @@ other. Order is fastest first:
 Failures: a lower tier that raises TierError or exceeds its timeout is a miss
 for that call, counted; its circuit breaker stops calling it after repeated
 failures and probes it again after a back-off, so a dead backend does not add
-its timeout to every request.
+its timeout to every request. Every tier call runs as a task of its own and
+reports its outcome to the breaker when it ends (at the latest after the tier's
+timeout_s), even if its caller stopped waiting: an RPC cancelled at its
+deadline, or a Lookup that gave up after lookup_timeout_s (a miss for that
+Lookup). So a hung backend opens its breaker whatever the callers' deadlines.
+
+The event loop only schedules: compression, decompression and checksum
+verification of blocks run in each lower tier's small thread pool (codec
+threads) unless the batch is too small to be worth the hop (_INLINE_WORK_BYTES).
 
 Integrity: the RAM tier holds blocks verified on entry by the service, in this
 process. A block read from any lower tier is decoded (decompressed) and its
@@ -35,13 +43,15 @@ import asyncio
 import contextlib
 import enum
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvcache_core.breaker import BreakerState, CircuitBreaker
-from kvcache_core.format import BlockFormatError
+from kvcache_core.format import BlockFormatError, Compression, parse_header
 from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
@@ -52,9 +62,46 @@ from kvcache_server.write_queue import DeleteFence, PendingWrite, WriteKind, Wri
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+U = TypeVar("U")
 
 _BATCH_ITEMS = 64
 _BATCH_BYTES = 32 << 20
+
+_INLINE_WORK_BYTES = 256 << 10
+"""Codec work of a batch below this runs on the event loop (about 1 ms here; a thread hop costs ~0.1 ms).
+Compressing or decompressing counts every byte; verifying an uncompressed block counts 1/16 of its
+bytes (XXH3 is that much faster than LZ4), so blocks up to 4 MiB are verified inline. Larger batches
+go to the tier's codec threads in groups of about this much work."""
+
+_MAX_ORPHANS = 64
+"""Per lower tier: calls still running that no caller waits for any more. A tier with this many is
+stuck; further calls are not started (a miss, counted in errors) until some of them end."""
+
+
+def codec_threads(configured: int) -> int:
+    """The codec pool size of a lower tier: `configured`, or for 0 about half the CPUs (1 to 4)."""
+    return configured if configured > 0 else max(1, min(4, (os.cpu_count() or 2) // 2))
+
+
+def _map(fn: Callable[[T], U], items: Sequence[T]) -> list[U]:
+    return [fn(x) for x in items]
+
+
+def _decode_one(read: tuple[bytes, bytes]) -> bytes | BlockFormatError:
+    stored, key = read
+    try:
+        return codec.decode(stored, key)
+    except BlockFormatError as exc:
+        return exc
+
+
+def _decode_cost(stored: bytes) -> int:
+    """The work of decoding a stored block, in _INLINE_WORK_BYTES units (see there)."""
+    try:
+        compressed = parse_header(stored).compression is not Compression.NONE
+    except BlockFormatError:
+        return 0  # fails at once, on the loop
+    return len(stored) if compressed else len(stored) // 16
 
 
 class WriteMode(enum.StrEnum):
@@ -75,6 +122,8 @@ class LowerTierPolicy:
     compression: codec.CompressionMode = codec.CompressionMode.NONE
     promote: bool = True  # copy hits from this tier into the tiers above it
     timeout_s: float = 2.0  # per call, on top of the client's own socket timeouts
+    lookup_timeout_s: float = 0.15  # a Lookup waits this long for the tier, then counts it a miss
+    codec_threads: int = 0  # compression and verification threads for this tier's blocks; 0: from the CPUs
     queue_max_bytes: int = 256 << 20
     queue_full: QueueFull = QueueFull.DROP
     breaker_failures: int = 3
@@ -84,7 +133,7 @@ class LowerTierPolicy:
 @dataclass(slots=True)
 class _Counters:
     errors: int = 0
-    timeouts: int = 0
+    timeouts: int = 0  # calls past timeout_s, Lookups that stopped waiting, calls refused while stuck
     checksum_failures: int = 0
     promotions: int = 0  # blocks copied into this tier from a lower one
     demotions: int = 0  # blocks written here after RAM evicted them
@@ -102,15 +151,28 @@ class _Landing:
     done: asyncio.Future[None]
 
 
+@dataclass(eq=False, slots=True)
+class _Call:
+    """One call to a lower tier, run as a task of its own (see TierStack._start)."""
+
+    op: str
+    task: asyncio.Task[object] | None = None
+    counted: bool = False  # already counted in errors/timeouts (a Lookup stopped waiting)
+    orphaned: bool = False  # no caller waits for it any more
+
+
 @dataclass(slots=True)
 class _Lower:
     tier: Tier
     policy: LowerTierPolicy
     breaker: CircuitBreaker
     queue: WriteQueue
+    codec: ThreadPoolExecutor  # compression, decompression, verification of this tier's blocks
     counters: _Counters = field(default_factory=_Counters)
     worker: asyncio.Task[None] | None = None
     landings: set[_Landing] = field(default_factory=set)  # writes in flight, for Deletes to wait on
+    calls: set[_Call] = field(default_factory=set)  # tier calls in flight
+    orphans: int = 0  # of those, calls no caller waits for any more
 
 
 @dataclass(slots=True)
@@ -186,6 +248,9 @@ class TierStack:
                 policy,
                 CircuitBreaker(policy.breaker_failures, policy.breaker_reset_s),
                 WriteQueue(policy.queue_max_bytes),
+                ThreadPoolExecutor(
+                    codec_threads(policy.codec_threads), thread_name_prefix=f"kvcache-{tier.name}-codec"
+                ),
             )
             for tier, policy in lower
         ]
@@ -213,32 +278,146 @@ class TierStack:
 
     # -- calling a lower tier -----------------------------------------------------------------
 
-    async def _call(self, lower: _Lower, op: str, fn: Callable[..., Awaitable[T]], *args: object) -> T | None:
-        """Runs fn(*args) against a lower tier under its breaker and timeout; None when it failed or was skipped."""
+    def _start(self, lower: _Lower, op: str, fn: Callable[..., Awaitable[object]], *args: object) -> _Call | None:
+        """Starts fn(*args) against a lower tier as a task of its own; None when it is not started.
+
+        Not started: the breaker is open (counted in skipped), or the tier has _MAX_ORPHANS calls
+        running that nobody waits for (counted in timeouts). Synchronous, so a caller can register
+        what the call will land before anything else runs.
+        """
+        if lower.orphans >= _MAX_ORPHANS:
+            lower.counters.timeouts += 1
+            return None
         if not lower.breaker.allow():
             return None
+        call = _Call(op)
+        call.task = asyncio.get_running_loop().create_task(
+            self._run(lower, call, fn, args), name=f"kvcache-{lower.tier.name}-{op}"
+        )
+        lower.calls.add(call)
+        call.task.add_done_callback(lambda _: self._ended(lower, call))
+        return call
+
+    async def _run(self, lower: _Lower, call: _Call, fn: Callable[..., Awaitable[T]], args: tuple) -> T | None:
+        """The task of one tier call: fn(*args) within the tier's timeout_s. Reports the outcome to the
+        breaker when it ends, whether or not a caller still waits; None when it failed."""
         name = lower.tier.name
         start = time.perf_counter()
         try:
-            result = await asyncio.wait_for(fn(*args), lower.policy.timeout_s)
+            async with asyncio.timeout(lower.policy.timeout_s):
+                result = await fn(*args)
         except TimeoutError:
-            self._observer.tier_op(name, op, time.perf_counter() - start, False)
-            lower.counters.timeouts += 1
-            lower.breaker.failure()
-            log.warning("tier %s timed out during %s after %.2fs; treating as miss", name, op, lower.policy.timeout_s)
+            self._failed(lower, call, start, timed_out=True)
+            log.warning(
+                "tier %s timed out during %s after %.2fs; treating as miss", name, call.op, lower.policy.timeout_s
+            )
             return None
         except TierError as exc:
-            self._observer.tier_op(name, op, time.perf_counter() - start, False)
-            lower.counters.errors += 1
-            lower.breaker.failure()
-            log.warning("tier %s failed during %s; treating as miss: %s", name, op, exc)
+            self._failed(lower, call, start, timed_out=False)
+            log.warning("tier %s failed during %s; treating as miss: %s", name, call.op, exc)
             return None
-        self._observer.tier_op(name, op, time.perf_counter() - start, True)
+        except Exception:  # a bug in a tier is a failure too: a breaker probe must always report back
+            self._failed(lower, call, start, timed_out=False)
+            log.exception("tier %s raised during %s; treating as miss", name, call.op)
+            return None
+        self._observer.tier_op(name, call.op, time.perf_counter() - start, True)
         lower.breaker.success()
         return result
 
+    def _failed(self, lower: _Lower, call: _Call, start: float, *, timed_out: bool) -> None:
+        self._observer.tier_op(lower.tier.name, call.op, time.perf_counter() - start, False)
+        if not call.counted:  # a Lookup that stopped waiting counted it already
+            call.counted = True
+            if timed_out:
+                lower.counters.timeouts += 1
+            else:
+                lower.counters.errors += 1
+        lower.breaker.failure()
+
+    @staticmethod
+    def _ended(lower: _Lower, call: _Call) -> None:
+        lower.calls.discard(call)
+        if call.orphaned:
+            lower.orphans -= 1
+
+    @staticmethod
+    def _orphan(lower: _Lower, call: _Call) -> None:
+        assert call.task is not None
+        if not call.orphaned and not call.task.done():
+            call.orphaned = True
+            lower.orphans += 1
+
+    async def _wait(self, lower: _Lower, call: _Call, wait_s: float | None = None) -> object | None:
+        """The started call's result, None when it failed.
+
+        A caller cancelled meanwhile leaves the call running (shielded) until it ends or times out,
+        so its outcome still reaches the breaker. With `wait_s`, a call that has not ended by then
+        is a miss for this caller, counted in timeouts, and likewise goes on without it.
+        """
+        task = call.task
+        assert task is not None
+        try:
+            if wait_s is None:
+                return await asyncio.shield(task)
+            await asyncio.wait((task,), timeout=wait_s)
+        except asyncio.CancelledError:
+            self._orphan(lower, call)
+            raise
+        if task.done():
+            return task.result()
+        self._orphan(lower, call)
+        call.counted = True
+        lower.counters.timeouts += 1
+        log.warning("tier %s did not answer %s within %.2fs; treating as miss", lower.tier.name, call.op, wait_s)
+        return None
+
+    async def _call(
+        self, lower: _Lower, op: str, fn: Callable[..., Awaitable[T]], *args: object, wait_s: float | None = None
+    ) -> T | None:
+        """Runs fn(*args) against a lower tier (_start, _wait); None when it failed, was skipped or late."""
+        call = self._start(lower, op, fn, *args)
+        if call is None:
+            return None
+        return await self._wait(lower, call, wait_s)  # type: ignore[return-value]
+
     def _ram_op(self, op: str, start: float) -> None:
         self._observer.tier_op(self._ram.name, op, time.perf_counter() - start, True)
+
+    # -- CPU work off the event loop ----------------------------------------------------------
+
+    async def _offload(self, lower: _Lower, fn: Callable[[T], U], items: Sequence[T], costs: Sequence[int]) -> list[U]:
+        """fn over items: on the event loop when their total cost is below _INLINE_WORK_BYTES, else in
+        the tier's codec threads, in groups of about that much work (a big batch uses every thread).
+
+        Pure computation: if the caller is cancelled, groups not yet started are dropped and running
+        ones finish unseen; whatever the results were for, the caller does it on the event loop.
+        """
+        if sum(costs) < _INLINE_WORK_BYTES:
+            return [fn(x) for x in items]
+        groups: list[list[T]] = [[]]
+        work = 0
+        for item, cost in zip(items, costs, strict=True):
+            if work >= _INLINE_WORK_BYTES:
+                groups.append([])
+                work = 0
+            groups[-1].append(item)
+            work += cost
+        loop = asyncio.get_running_loop()
+        parts = await asyncio.gather(*(loop.run_in_executor(lower.codec, _map, fn, g) for g in groups))
+        return [out for part in parts for out in part]
+
+    async def _encode(self, lower: _Lower, blocks: Sequence[bytes]) -> list[bytes]:
+        """The stored form of each block in this tier (compressed, if the tier compresses)."""
+        mode = lower.policy.compression
+        if mode is codec.CompressionMode.NONE:
+            return list(blocks)
+        return await self._offload(lower, lambda b: codec.encode(b, mode), blocks, [len(b) for b in blocks])
+
+    async def _decode(self, lower: _Lower, read: Sequence[tuple[bytes, bytes]]) -> list[bytes | BlockFormatError]:
+        """Each (stored, key) read from this tier as its verified, uncompressed block, or why it is not one."""
+        return await self._offload(lower, _decode_one, read, [_decode_cost(stored) for stored, _ in read])
+
+    # -- writing to a lower tier --------------------------------------------------------------
 
     async def _write(
         self, lower: _Lower, namespace: str, items: Sequence[tuple[bytes, bytes]], what: str, epoch: int
@@ -247,27 +426,46 @@ class TierStack:
 
         Returns, per item: True written; False not written (the tier failed, timed out, was
         skipped by its breaker, or refused the item); None fenced off by a Delete (not sent).
-        The fence check and the registration a Delete waits on happen before the first await.
+        Compression comes first (off the event loop when large); then, with no await in between,
+        the fence check, the start of the tier call and its registration as a landing, which
+        Deletes wait for until the call ends, even if this caller is cancelled meanwhile.
         """
         out: list[bool | None] = [None] * len(items)
+        if all(self._fence.blocked(epoch, namespace, key) for key, _ in items):
+            return out
+        encoded = await self._encode(lower, [block for _, block in items])
         live = [i for i, (key, _) in enumerate(items) if not self._fence.blocked(epoch, namespace, key)]
         if not live:
             return out
-        landing = _Landing(namespace, frozenset(items[i][0] for i in live), asyncio.get_running_loop().create_future())
+        batch = [(items[i][0], encoded[i]) for i in live]
+        call = self._start(lower, what, self._land, lower, namespace, batch)
+        if call is None:
+            for i in live:
+                out[i] = False
+            return out
+        assert call.task is not None
+        landing = _Landing(namespace, frozenset(k for k, _ in batch), asyncio.get_running_loop().create_future())
         lower.landings.add(landing)
-        try:
-            encoded = [(items[i][0], codec.encode(items[i][1], lower.policy.compression)) for i in live]
-            done = await self._call(lower, what, lower.tier.put_many, namespace, encoded)
-            written = [False] * len(live) if done is None else done
-            for i, ok in zip(live, written, strict=True):
-                out[i] = ok
-            stored = [(k, b) for (k, b), ok in zip(encoded, written, strict=True) if ok]
-            lower.counters.bytes_written += sum(len(b) for _, b in stored)
-            self.events.publish(EventKind.STORED, lower.tier.kind, namespace, [k for k, _ in stored])
-        finally:
-            lower.landings.discard(landing)
-            landing.done.set_result(None)
+        call.task.add_done_callback(lambda _: self._landed(lower, landing))
+        done = await self._wait(lower, call)
+        written = [False] * len(live) if done is None else done
+        for i, ok in zip(live, written, strict=True):  # type: ignore[call-overload]
+            out[i] = ok
         return out
+
+    async def _land(self, lower: _Lower, namespace: str, batch: list[tuple[bytes, bytes]]) -> list[bool]:
+        """The tier call of a write (run by _run): stores the batch, then counts and publishes what it stored."""
+        written = await lower.tier.put_many(namespace, batch)
+        stored = [(k, b) for (k, b), ok in zip(batch, written, strict=True) if ok]
+        lower.counters.bytes_written += sum(len(b) for _, b in stored)
+        self.events.publish(EventKind.STORED, lower.tier.kind, namespace, [k for k, _ in stored])
+        return written
+
+    @staticmethod
+    def _landed(lower: _Lower, landing: _Landing) -> None:
+        lower.landings.discard(landing)
+        if not landing.done.done():
+            landing.done.set_result(None)
 
     async def _settle(self, lower: _Lower, namespace: str, keys: frozenset[bytes]) -> None:
         """Waits, at most the tier's timeout_s, for its in-flight writes that hold any of `keys`."""
@@ -286,18 +484,37 @@ class TierStack:
     # -- reads ---------------------------------------------------------------------------------
 
     async def lookup(self, namespace: str, keys: Sequence[bytes]) -> list[TierKind]:
-        """The tier of each key in the longest stored prefix (at most one call per tier)."""
+        """The tier of each key in the longest stored prefix.
+
+        At most one call per lower tier, for the keys the tiers above lack, each awaited at most
+        the tier's lookup_timeout_s: a tier that has not answered by then is a miss for this
+        Lookup (counted; the call goes on without it and reports to the breaker). While a tier's
+        breaker is closed, what it knows without a backend call (S3's presence index) is used
+        first. The last tier may stop asking after its first absent key: the prefix ends there.
+        """
         start = time.perf_counter()
         present = self._ram.contains_many_sync(namespace, keys)
         self._ram_op("lookup", start)
         where: list[TierKind | None] = [TierKind.RAM if p else None for p in present]
-        for lower in self._lower:
+        for depth, lower in enumerate(self._lower):
             gap = next((i for i, w in enumerate(where) if w is None), len(keys))
             # Keys before the first gap are answered; ask this tier about the unresolved rest.
             ask = [i for i in range(gap, len(keys)) if where[i] is None]
             if not ask:
                 break
-            found = await self._call(lower, "lookup", lower.tier.contains_many, namespace, [keys[i] for i in ask])
+            if lower.breaker.state is BreakerState.CLOSED:
+                known = lower.tier.known(namespace, [keys[i] for i in ask])
+                for i, hit in zip(ask, known, strict=True):
+                    if hit:
+                        where[i] = lower.tier.kind
+                ask = [i for i, hit in zip(ask, known, strict=True) if not hit]
+                if not ask:
+                    continue
+            last = depth == len(self._lower) - 1
+            contains = lower.tier.contains_prefix if last else lower.tier.contains_many
+            found = await self._call(
+                lower, "lookup", contains, namespace, [keys[i] for i in ask], wait_s=lower.policy.lookup_timeout_s
+            )
             for i, hit in zip(ask, found or [False] * len(ask), strict=True):
                 if hit:
                     where[i] = lower.tier.kind
@@ -337,24 +554,27 @@ class TierStack:
             stored = await self._call(lower, "get", lower.tier.get_many, namespace, [keys[i] for i in missing])
             if stored is None:
                 continue
+            read = [(i, data) for i, data in zip(missing, stored, strict=True) if data is not None]
+            lower.counters.bytes_read += sum(len(data) for _, data in read)
+            # Decompressed and verified off the event loop when large; what follows runs on it again.
+            blocks = await self._decode(lower, [(data, keys[i]) for i, data in read])
+            decoded = {i: block for (i, _), block in zip(read, blocks, strict=True)}
             still: list[int] = []
             corrupt: list[bytes] = []
             hits: list[tuple[bytes, bytes]] = []
-            for i, data in zip(missing, stored, strict=True):
-                if data is None:
+            for i in missing:
+                block = decoded.get(i)
+                if block is None:
                     still.append(i)
                     continue
-                lower.counters.bytes_read += len(data)
-                try:
-                    block = codec.decode(data, keys[i])
-                except BlockFormatError as exc:
+                if isinstance(block, BlockFormatError):
                     lower.counters.checksum_failures += 1
                     log.error(
                         "tier %s returned a corrupt block %s/%s, deleting it: %s",
                         lower.tier.name,
                         namespace,
                         keys[i].hex(),
-                        exc,
+                        block,
                     )
                     corrupt.append(keys[i])
                     still.append(i)
@@ -550,6 +770,12 @@ class TierStack:
                     drain_deadline_s,
                 )
             dropped += pending
+        for lower in self._lower:  # tier calls still running (each bounded by timeout_s): stop them
+            calls = [c.task for c in lower.calls if c.task is not None]
+            for task in calls:
+                task.cancel()
+            await asyncio.gather(*calls, return_exceptions=True)
+            lower.codec.shutdown(wait=False, cancel_futures=True)
         for tier in self.tiers:
             try:
                 await tier.close()

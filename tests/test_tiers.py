@@ -10,7 +10,7 @@ import pytest
 
 from kvcache_server.tiers.base import TierError
 from kvcache_server.tiers.redis import RedisTier
-from kvcache_server.tiers.s3 import S3Tier
+from kvcache_server.tiers.s3 import PresenceIndex, S3Tier
 from tests.backends import RedisProcess, S3Process, free_port, make_certs
 from tests.conftest import keyed
 
@@ -164,3 +164,65 @@ def test_s3_missing_bucket_is_a_tier_error(s3_server: S3Process) -> None:
     tier = S3Tier("no-such-bucket", endpoint_url=s3_server.endpoint, path_style=True)
     with pytest.raises(TierError):
         run(tier.put_many(NS, items(1)))
+
+
+def test_s3_presence_index_answers_lookups_without_heads(s3_server: S3Process) -> None:
+    tier = S3Tier("kv-bucket", endpoint_url=s3_server.endpoint, path_style=True, create_bucket=True, max_concurrency=8)
+    heads: list[str] = []
+    real_head = tier._head
+
+    def counted_head(name: str) -> bool:
+        heads.append(name)
+        return real_head(name)
+
+    tier._head = counted_head  # type: ignore[method-assign]
+    batch = items(4)
+    keys = [k for k, _ in batch]
+    absent = [os.urandom(16) for _ in range(5)]
+
+    async def main() -> None:
+        await tier.put_many(NS, batch)
+        assert tier.known(NS, [*keys, absent[0]]) == [True] * 4 + [False]  # written here: no HEAD needed
+        # Someone else's copy: unknown until a HEAD sees it.
+        other = keyed(b"x" * 100)
+        s3_server.client().put_object(Bucket="kv-bucket", Key=f"kvcache/{NS}/{other[0].hex()}", Body=other[1])
+        assert tier.known(NS, [other[0]]) == [False]
+        assert await tier.contains_prefix(NS, [other[0]]) == [True]
+        assert tier.known(NS, [other[0]]) == [True] and len(heads) == 1
+        # A prefix check HEADs two keys at a time (max_concurrency // 4) and stops at the first absent one.
+        heads.clear()
+        assert await tier.contains_prefix(NS, [absent[0], *absent[1:], other[0]]) == [False] * 6
+        assert len(heads) == 2
+        # A Delete forgets; a Get that misses (the object vanished behind this server's back) does too.
+        assert await tier.delete_many(NS, keys[:1]) == 1
+        s3_server.client().delete_object(Bucket="kv-bucket", Key=f"kvcache/{NS}/{keys[1].hex()}")
+        assert tier.known(NS, keys[:2]) == [False, True]  # the vanished one: a false present...
+        assert await tier.get_many(NS, keys[:2]) == [None, None]  # ...which the Get corrects
+        assert tier.known(NS, keys) == [False, False, True, True]
+        await tier.close()
+
+    run(main())
+
+
+def test_presence_index_is_bounded_in_keys_and_age() -> None:
+    now = [0.0]
+    index = PresenceIndex(20 * PresenceIndex.ENTRY_BYTES, ttl_s=100.0, clock=lambda: now[0])  # 10 keys a generation
+    keys = [os.urandom(16) for _ in range(25)]
+    token = index.begin()
+    index.add(token, NS, keys)
+    assert len(index) == 15  # generations of 10: the oldest one was dropped when the third began
+    assert index.known(NS, keys) == [False] * 10 + [True] * 15
+    now[0] = 99.0
+    assert index.known(NS, keys[24:]) == [True]  # at most ttl_s old
+    now[0] = 100.0
+    assert index.known(NS, keys) == [False] * 25
+    # A request that began before a Delete of a key cannot add it back; one that began after can.
+    index.discard(NS, keys[:1], deleting=True)
+    index.add(token, NS, keys[:2])
+    assert index.known(NS, keys[:2]) == [False, True]
+    index.end(token)
+    later = index.begin()
+    index.add(later, NS, keys[:1])
+    assert index.known(NS, keys[:1]) == [True]
+    index.end(later)
+    assert len(PresenceIndex(0, ttl_s=100.0)) == 0  # 0 bytes: no index

@@ -101,6 +101,19 @@ class Tier(ABC):
         """Presence of each key. Tiers override this with a cheaper batched check."""
         return [block is not None for block in await self.get_many(namespace, keys)]
 
+    async def contains_prefix(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        """Presence of each key, except that keys after the first absent one may be reported absent
+        without being checked (for a prefix, nothing after a miss matters). Defaults to contains_many."""
+        return await self.contains_many(namespace, keys)
+
+    def known(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        """Keys this tier knows it holds without asking its backend (no I/O, on the event loop).
+
+        May err only towards absent, or report a key whose block has since vanished from the
+        backend (a Get of it then misses); never a key this server deleted. Default: knows none.
+        """
+        return [False] * len(keys)
+
     async def prefix_length(self, namespace: str, keys: Sequence[bytes]) -> int:
         """How many leading keys are present."""
         n = 0
