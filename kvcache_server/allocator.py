@@ -1,19 +1,28 @@
-"""glibc malloc settings the server applies to itself, so freed block memory goes back to the OS.
+"""glibc malloc: what the server does so that freed block memory goes back to the OS.
 
 Blocks are large (KiB to tens of MiB) and short-lived in churn: a flood of puts into a small RAM tier
 evicts as fast as it stores. glibc serves allocations below its mmap threshold from heap arenas,
 and the threshold grows by itself up to 32 MiB as large blocks are freed, so after a while every
-block lands in an arena whose freed holes are reused piecemeal and seldom returned: RSS grew to ~5x
-the RAM cap under a 10x flood (bench/bench_memory.py). With a fixed threshold of 128 KiB every block
-of that size or more is its own mapping, unmapped when the block is freed; the trim threshold at the
-same size returns the tops of arenas promptly. Small objects are unaffected.
+block lands in an arena whose freed holes are reused piecemeal and seldom returned to the OS.
 
-Only glibc has mallopt; elsewhere this does nothing (and says so).
+Two remedies, measured by bench/bench_memory.py (RSS) and bench/bench_throughput.py (speed):
+
+- malloc_trim(0) every server.malloc_trim_interval_s (default 1 s, in a worker thread): returns the
+  free pages inside the arenas (not only their tops) to the OS while keeping the heap's reuse. The
+  default: it costs no throughput.
+- a fixed mmap threshold (server.malloc_mmap_threshold_bytes, default 0 = off): every allocation of
+  that size or more is its own mapping, unmapped when freed. RSS follows the RAM cap most closely,
+  but every new block is fresh memory that page-faults in: puts over gRPC ran 2-3x slower with
+  128 KiB. For memory-tight deployments only (a preallocated block arena is the real cure).
+
+Only glibc has mallopt and malloc_trim; elsewhere this does nothing (and says so once).
 """
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import functools
 import logging
 import platform
 
@@ -23,6 +32,34 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 
 
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if platform.libc_ver()[0] != "glibc":
+        log.info("not glibc: malloc is left as it is (the server.malloc_* settings apply to glibc only)")
+        return None
+    try:
+        return ctypes.CDLL(None)
+    except OSError:
+        return None
+
+
+def malloc_trim() -> bool:
+    """Returns the heap's free pages to the OS (glibc); whether any memory was released."""
+    libc = _libc()
+    if libc is None:
+        return False
+    return bool(libc.malloc_trim(0))
+
+
+async def trim_forever(interval_s: float) -> None:
+    """malloc_trim every `interval_s`, in a worker thread (it walks the arenas), until cancelled."""
+    if _libc() is None:
+        return
+    while True:
+        await asyncio.sleep(interval_s)
+        await asyncio.to_thread(malloc_trim)
+
+
 def tune_malloc(mmap_threshold_bytes: int) -> bool:
     """Fixes glibc's mmap and trim thresholds at `mmap_threshold_bytes` (0: leave malloc alone).
 
@@ -30,13 +67,10 @@ def tune_malloc(mmap_threshold_bytes: int) -> bool:
     """
     if mmap_threshold_bytes <= 0:
         return False
-    if platform.libc_ver()[0] != "glibc":
-        log.info("not glibc: malloc left as it is (server.malloc_mmap_threshold_bytes applies to glibc only)")
+    libc = _libc()
+    if libc is None:
         return False
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (OSError, AttributeError):
-        return False
+    mallopt = libc.mallopt
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     ok = bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold_bytes)) and bool(

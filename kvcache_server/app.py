@@ -15,6 +15,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvcache_server import __version__
 from kvcache_server.admission import Admission
+from kvcache_server.allocator import trim_forever
 from kvcache_server.auth import Authenticator, TokenStore
 from kvcache_server.config import LowerTierSection, ServerConfig, ShmSection, TlsSection, is_loopback
 from kvcache_server.events import EventHub
@@ -47,6 +48,7 @@ class RunningServer:
     health_task: asyncio.Task[None] | None = None
     shm: ShmDirectory | None = None
     shm_task: asyncio.Task[None] | None = None
+    trim_task: asyncio.Task[None] | None = None
 
     @property
     def target(self) -> str:
@@ -59,7 +61,7 @@ class RunningServer:
             Queued writes that could not be written within the drain deadline.
         """
         c = self.config.server
-        for task in (self.health_task, self.shm_task):
+        for task in (self.health_task, self.shm_task, self.trim_task):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
@@ -230,6 +232,10 @@ async def create_server(config: ServerConfig) -> RunningServer:
     # Without required tiers the server can serve at once; with them, only after a probe found them up.
     serving = not config.health.required
     await _set_health(health_servicer, serving)
+    if config.server.malloc_trim_interval_s > 0:
+        running.trim_task = asyncio.create_task(
+            trim_forever(config.server.malloc_trim_interval_s), name="kvcache-malloc-trim"
+        )
     running.health_task = asyncio.create_task(
         _watch_health(config, stack, health_servicer, serving), name="kvcache-health"
     )

@@ -45,9 +45,10 @@ class ServerSection:
     drain_deadline_s: float = 10.0  # then write-behind queues may drain within this
     log_level: str = "info"
     log_json: bool = False
-    # glibc only: allocations of this size or more get their own mapping, returned to the OS when
-    # freed (kvcache_server/allocator.py); 0 leaves malloc alone.
-    malloc_mmap_threshold_bytes: int = 128 * 1024
+    # glibc only (kvcache_server/allocator.py): return free heap pages to the OS this often (0: never);
+    # and, when set, give every allocation of this size or more its own mapping (tighter RSS, slower).
+    malloc_trim_interval_s: float = 1.0
+    malloc_mmap_threshold_bytes: int = 0
     # KVCache calls running at once (Info excepted; health and reflection are never counted).
     max_concurrent_rpcs: int = 1024
     # With auth: one tenant's calls running at once; 0 = a quarter of max_concurrent_rpcs.
@@ -61,6 +62,8 @@ class ServerSection:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        if self.malloc_trim_interval_s < 0:
+            raise ConfigError("server.malloc_trim_interval_s must not be negative (0 turns trimming off)")
         if not 0 <= self.malloc_mmap_threshold_bytes <= 32 * _MiB:
             raise ConfigError("server.malloc_mmap_threshold_bytes must be in [0, 32 MiB] (glibc's range)")
         if self.shutdown_grace_s < 0 or self.drain_deadline_s < 0:
