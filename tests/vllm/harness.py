@@ -29,9 +29,11 @@ import torch
 import xxhash
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config.kv_events import KVEventsConfig
 from vllm.config.parallel import ParallelConfig
+from vllm.distributed.kv_events import EventPublisher, KVEventBatch
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, KVConnectorWorkerMetadata
 from vllm.utils.hashing import sha256
 from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
 from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend
@@ -97,8 +99,10 @@ def make_vllm_config(
     rank: int = 0,
     policy: str = "recompute",
     max_num_batched_tokens: int = 64,
+    kv_events: bool = False,
 ) -> VllmConfig:
-    """A VllmConfig for the tiny model with KVCacheConnector loaded through kv_connector_module_path."""
+    """A VllmConfig for the tiny model with KVCacheConnector loaded through kv_connector_module_path;
+    with kv_events, KV cache events on (as --kv-events-config does; Engine records what is published)."""
     model_config = ModelConfig(
         model=model_dir, tokenizer=model_dir, skip_tokenizer_init=True, dtype="float16", max_model_len=2048, seed=0
     )
@@ -127,6 +131,8 @@ def make_vllm_config(
         device_config=DeviceConfig("cpu"),
     )
     config.parallel_config.rank = rank  # what vLLM's worker sets in each worker process
+    if kv_events:
+        config.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     return config
 
 
@@ -243,6 +249,20 @@ def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 # -- the engine --------------------------------------------------------------------------------
 
 
+class RecordingPublisher(EventPublisher):
+    """Keeps every batch vLLM's scheduler publishes (in place of its ZMQ publisher)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.batches: list[KVEventBatch] = []
+
+    def publish(self, events: KVEventBatch) -> None:
+        self.batches.append(events)
+
+    def shutdown(self) -> None:
+        pass
+
+
 @dataclass
 class StepRecord:
     output: SchedulerOutput
@@ -272,6 +292,7 @@ class Engine:
     # Workers still to report a request (vLLM's KVOutputAggregator: every worker must report it).
     _sending: collections.Counter[str] = field(default_factory=collections.Counter)
     _recving: collections.Counter[str] = field(default_factory=collections.Counter)
+    published: RecordingPublisher = field(default_factory=RecordingPublisher)
 
     def __post_init__(self) -> None:
         heads = KV_HEADS // len(self.configs)
@@ -285,6 +306,7 @@ class Engine:
             block_size=BLOCK,
             log_stats=True,
         )
+        self.scheduler.kv_event_publisher = self.published
         self.workers = [make_worker(config, kv_cache_config) for config in self.configs]
         self.caches = [allocate_caches(kv_cache_config, KVCacheLayout.LBNHC) for _ in self.configs]
         for worker, caches in zip(self.workers, self.caches, strict=True):
@@ -340,6 +362,7 @@ class Engine:
         sending: set[str] = set()
         recving: set[str] = set()
         worker_stats = KVCacheConnectorStats()
+        worker_meta: KVConnectorWorkerMetadata | None = None
         for worker in self.workers:
             if not out.has_sync_kv_loads:
                 worker.start_load_kv(None)
@@ -357,12 +380,19 @@ class Engine:
             stats = worker.get_kv_connector_stats()
             if stats is not None:
                 worker_stats.aggregate(stats)
+            # As KVOutputAggregator: the first worker's metadata accumulates every other's.
+            meta = worker.build_connector_worker_meta()
+            if worker_meta is None:
+                worker_meta = meta
+            elif meta is not None:
+                worker_meta = worker_meta.aggregate(meta)
             worker.clear_connector_metadata()
         kv_output = KVConnectorOutput(
             finished_sending=sending or None,
             finished_recving=recving or None,
             invalid_block_ids=invalid,
             kv_connector_stats=None if worker_stats.is_empty() else worker_stats,
+            kv_connector_worker_meta=worker_meta,
         )
         req_ids = list(out.num_scheduled_tokens)
         sampled = [[SAMPLED] if computed[r].stop >= self.requests[r].num_tokens else [] for r in req_ids]
@@ -404,6 +434,10 @@ class Engine:
         self.settle()
         assert self.connector.open_requests == 0, "the connector kept state of finished requests"
         return [s for s in self.steps[first:] if s.output.total_num_scheduled_tokens]
+
+    def kvcache_events(self, first: int = 0) -> list[Any]:
+        """The connector's events (medium KVCACHE) in the batches published since batch `first`."""
+        return [e for batch in self.published.batches[first:] for e in batch.events if e.medium == "KVCACHE"]
 
     def invalid_block_ids(self, first: int = 0) -> set[int]:
         """Every block reported as failed to load since step `first`."""

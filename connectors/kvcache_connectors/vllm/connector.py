@@ -18,7 +18,9 @@ Scheduler process (role SCHEDULER), per step, in this order:
     build_connector_meta(scheduler_output) -> KVCacheConnectorMetadata
         The step's loads, plus saves of every chunk whose last token this step computes.
     update_connector_output(connector_output)
-        Blocks that failed to load: their chunks are saved again once recomputed.
+        Blocks that failed to load: their chunks are saved again once recomputed. Chunks every
+        shard's put stored (kv_connector_worker_meta): their BlockStored events, built when
+        the save was planned, go to take_events.
     request_finished(request, block_ids) -> (delay_free, kv_transfer_params)
         Forgets the request. Blocks are freed at once (each step's saves are copied out within
         the step), unless write-back saves its final partial chunk in the next step: then
@@ -37,6 +39,8 @@ Worker processes (role WORKER):
     get_finished(finished_req_ids)              requests whose load is done; finished requests whose last
                                                 chunk was copied out
     get_block_ids_with_load_errors()            blocks whose chunk was missing, corrupt or wrong
+    build_connector_worker_meta()               chunks whose put the server confirmed or failed, for
+                                                the scheduler side's KV cache events
     get_kv_connector_stats()                    load and save counters since the last call
     shutdown()                                  closes the channel
 
@@ -66,7 +70,7 @@ from kvcache_client.retry import NO_RETRY
 from kvcache_client.transport import GrpcTransport
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
 from kvcache_connectors.vllm.events import StoredBlockEvents
-from kvcache_connectors.vllm.metadata import KVCacheConnectorMetadata
+from kvcache_connectors.vllm.metadata import KVCacheConnectorMetadata, StoredChunks
 from kvcache_connectors.vllm.namespaces import KVFacts
 from kvcache_connectors.vllm.scheduler import SchedulerSide
 from kvcache_connectors.vllm.stats import KVCacheConnectorStats
@@ -140,6 +144,7 @@ class KVCacheConnector(KVConnectorBase_V1):
                 save_partial_chunks=config.save_partial_chunks,
                 write_back=config.write_back if config.write_back is not None else transfer.is_kv_producer,
                 handoff_timeout_s=config.handoff_timeout_s,
+                events=self.kv_events,
             )
         else:
             tp_rank = vllm_config.parallel_config.rank % facts.tp_size
@@ -162,6 +167,11 @@ class KVCacheConnector(KVConnectorBase_V1):
     def open_requests(self) -> int:
         """Requests the scheduler side holds state for (0 when idle; 0 on a worker)."""
         return 0 if self._scheduler is None else self._scheduler.open_requests
+
+    @property
+    def pending_events(self) -> int:
+        """KV cache events waiting for every shard's confirmation (0 on a worker)."""
+        return 0 if self._scheduler is None else self._scheduler.pending_events
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -205,6 +215,11 @@ class KVCacheConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
+
+    def build_connector_worker_meta(self) -> StoredChunks | None:
+        """The chunks this worker's puts stored or failed since the last step (vLLM aggregates
+        every worker's and hands them to the scheduler side's update_connector_output)."""
+        return self._worker_side().take_stored_chunks()
 
     def shutdown(self) -> None:
         if self._worker is not None:

@@ -56,6 +56,11 @@ class StoredBlockEvents:
         events_config = vllm_config.kv_events_config
         return cls(block_size, enabled=events_config is not None and events_config.enable_kv_cache_events)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether vLLM publishes KV cache events, so events are recorded."""
+        return self._enabled
+
     def blocks_stored(self, request: Request, first_block: int, end_block: int) -> None:
         """Records that kvcache holds the request's blocks first_block..end_block-1.
 

@@ -15,9 +15,9 @@ Token t of the request lives in block block_ids[t // block_size] at offset t % b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +37,13 @@ class ChunkRef:
     num_tokens: int
     start: int
     end: int
+
+
+ChunkId = tuple[str, int, int]
+"""A saved chunk as the workers report it back: (request id, chunk index, tokens it holds).
+
+The token count tells apart chunks of the same index: a prompt's partial tail, the full
+chunk that generated tokens complete later, and a finished request's final partial chunk."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,3 +92,30 @@ class KVCacheConnectorMetadata(KVConnectorMetadata):
     saves: tuple[RequestTransfer, ...] = ()
     sent: tuple[str, ...] = ()
     settled_load_failures: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class StoredChunks(KVConnectorWorkerMetadata):
+    """What the workers' save threads heard back from the server since the last step.
+
+    Workers build it in build_connector_worker_meta; vLLM's KVOutputAggregator merges every
+    worker's with `aggregate` and hands the result to the scheduler side in
+    KVConnectorOutput.kv_connector_worker_meta.
+
+    Attributes:
+        stored: Per chunk, the shards whose put of it the server confirmed (every block stored
+            before the call returned).
+        failed: Chunks some shard did not store (put failed or partly stored, save dropped or
+            refused): they are never announced.
+    """
+
+    stored: dict[ChunkId, frozenset[int]] = field(default_factory=dict)
+    failed: set[ChunkId] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> StoredChunks:
+        if not isinstance(other, StoredChunks):
+            raise TypeError(f"cannot aggregate StoredChunks with {type(other).__name__}")
+        stored = dict(self.stored)
+        for chunk, shards in other.stored.items():
+            stored[chunk] = stored.get(chunk, frozenset()) | shards
+        return StoredChunks(stored, self.failed | other.failed)

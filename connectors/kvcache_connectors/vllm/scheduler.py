@@ -10,7 +10,8 @@ Runs in vLLM's EngineCore process, on the scheduler's thread, once per engine.
                                  generated tokens' included (write-back), and the final partial
                                  chunk of each request that finished in the last step
     update_connector_output      chunks that failed to load are saved again once recomputed; the
-                                 next step's metadata tells the workers the failure is settled
+                                 next step's metadata tells the workers the failure is settled;
+                                 chunks every shard's put stored become KV cache events
     request_finished             forget the request; with write-back, plan its final partial
                                  chunk (prompt + output) and keep its blocks until it is copied out;
                                  a producer returns the P/D hand-off (kv_transfer_params naming the
@@ -23,6 +24,13 @@ the background, and admits it once every worker reported it in get_finished. The
 scheduler never retries a lookup and asks at most once per request and token
 sequence: a failed or late answer is a miss, remembered like a hit, and the circuit
 breaker makes an unreachable server cost one `lookup_timeout_s` per cooldown.
+
+KV cache events (with --kv-events-config): each planned save of a chunk with full
+blocks gets its BlockStored event built at once, from the request as it is then (the
+confirmation may come after vLLM freed it). The event waits until every shard's writer
+reported the chunk stored (the workers' StoredChunks, in kv_connector_worker_meta),
+and is dropped when any shard reports it failed, or PENDING_EVENT_STEPS steps after
+its request finished.
 """
 
 from __future__ import annotations
@@ -33,13 +41,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm.distributed.kv_events import BlockStored
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import Request
 
 from kvcache_client.client import KVCacheClient
-from kvcache_connectors.vllm.metadata import ChunkRef, KVCacheConnectorMetadata, RequestTransfer
+from kvcache_connectors.vllm.events import StoredBlockEvents
+from kvcache_connectors.vllm.metadata import ChunkRef, KVCacheConnectorMetadata, RequestTransfer, StoredChunks
 from kvcache_connectors.vllm.namespaces import Extra, KVFacts
 from kvcache_connectors.vllm.stats import Counters
 from kvcache_core.breaker import CircuitBreaker
@@ -47,6 +57,10 @@ from kvcache_core.errors import KVCacheError
 from kvcache_core.keys import chunk_key, chunk_keys
 
 log = logging.getLogger(__name__)
+
+PENDING_EVENT_STEPS = 256
+"""Steps a finished request's unconfirmed events wait for their confirmation (the puts run in the
+background, behind at most save_queue_steps queued saves); later ones are dropped, never sent."""
 
 
 def request_extra(request: Request) -> Extra | None:
@@ -163,6 +177,14 @@ class _Tracked:
     generated_keys: list[tuple[bytes, ...]] = field(default_factory=list)  # full chunks past the prompt's
 
 
+@dataclass(slots=True)
+class _PendingEvent:
+    """A planned save's BlockStored event and the shards whose put of the chunk the server confirmed."""
+
+    event: BlockStored
+    shards: frozenset[int] = frozenset()
+
+
 class SchedulerSide:
     """The scheduler process's half of KVCacheConnector."""
 
@@ -178,6 +200,7 @@ class SchedulerSide:
         save_partial_chunks: bool,
         write_back: bool = False,
         handoff_timeout_s: float = 0.0,
+        events: StoredBlockEvents | None = None,
     ) -> None:
         """
         Args:
@@ -192,6 +215,7 @@ class SchedulerSide:
                 request's final partial chunk (a kv_consumer saves only those).
             handoff_timeout_s: How long a load may wait for chunks a producer's hand-off names
                 that are not stored yet.
+            events: Where BlockStored events of confirmed chunks go (None or disabled: nowhere).
         """
         self._facts = facts
         self._client = client
@@ -209,12 +233,22 @@ class SchedulerSide:
         self._tracked: dict[str, _Tracked] = {}
         self._pending_loads: list[RequestTransfer] = []
         self._settled_failures: set[int] = set()
+        self._events = events if events is not None and events.enabled else None
+        # Request id -> (chunk index, tokens) -> its event until confirmed; the step each finished.
+        self._pending: dict[str, dict[tuple[int, int], _PendingEvent]] = {}
+        self._finished_at: dict[str, int] = {}
+        self._step = 0  # build_connector_meta calls
         self.counters = Counters()
 
     @property
     def open_requests(self) -> int:
         """Requests this side holds state for; 0 once every request finished (nothing leaks)."""
         return len(self._plans.keys() | self._lookups.keys() | self._answers.keys() | self._tracked.keys())
+
+    @property
+    def pending_events(self) -> int:
+        """Events of planned saves not yet confirmed by every shard (bounded: see PENDING_EVENT_STEPS)."""
+        return sum(len(events) for events in self._pending.values())
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -304,10 +338,18 @@ class SchedulerSide:
         self._finishing = []
         self._pending_loads = []
         self._settled_failures = set()
+        self._step += 1
+        expired = [r for r, step in self._finished_at.items() if self._step - step > PENDING_EVENT_STEPS]
+        for request_id in expired:
+            del self._finished_at[request_id]
+            self._pending.pop(request_id, None)
         return meta
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
-        """Chunks whose load failed will be recomputed by vLLM; save them again (repairing the entry)."""
+        """Records the events of chunks every shard stored. Chunks whose load failed will be
+        recomputed by vLLM; save them again (repairing the entry)."""
+        if isinstance(output.kv_connector_worker_meta, StoredChunks):
+            self._confirm(output.kv_connector_worker_meta)
         if not output.invalid_block_ids:
             return
         self._settled_failures |= output.invalid_block_ids
@@ -337,6 +379,9 @@ class SchedulerSide:
             table.pop(request.request_id, None)
         if tracked is None:
             return False, None
+        delay_free = self._save_final_chunk(request, block_ids, tracked)
+        if request.request_id in self._pending:
+            self._finished_at[request.request_id] = self._step
         plan = tracked.plan
         params = None
         if self._save:
@@ -346,7 +391,7 @@ class SchedulerSide:
                 saved += 1
             if saved:
                 params = handoff_params(plan, saved)
-        return self._save_final_chunk(request, block_ids, tracked), params
+        return delay_free, params
 
     def _save_final_chunk(self, request: Request, block_ids: list[int], tracked: _Tracked) -> bool:
         """Plans the save of a finished request's final partial chunk; whether there is one."""
@@ -364,12 +409,46 @@ class SchedulerSide:
         keys = tuple(chunk_key(parent, tokens) for parent in parents)
         num_blocks = math.ceil(num_computed / self._facts.block_size)
         chunk = ChunkRef(index=index, keys=keys, num_tokens=length, start=index * c, end=num_computed)
+        self._expect_event(request, chunk)
         self._finishing.append(
             RequestTransfer(request.request_id, tracked.plan.namespaces, tuple(block_ids[:num_blocks]), (chunk,))
         )
         return True
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _expect_event(self, request: Request, chunk: ChunkRef) -> None:
+        """Builds the event of a chunk about to be saved: its full blocks, which vLLM has hashed."""
+        if self._events is None:
+            return
+        bs, first = self._facts.block_size, chunk.index * self._facts.chunk_tokens
+        event = self._events.event(request, first // bs, (first + chunk.num_tokens) // bs)
+        if event is not None:
+            self._pending.setdefault(request.request_id, {})[(chunk.index, chunk.num_tokens)] = _PendingEvent(event)
+
+    def _confirm(self, reports: StoredChunks) -> None:
+        """Records the events of chunks now stored by every shard; forgets those a shard failed."""
+        if self._events is None:
+            return
+        for request_id, index, num_tokens in reports.failed:
+            self._forget_event(request_id, (index, num_tokens))
+        for (request_id, index, num_tokens), shards in sorted(reports.stored.items()):
+            pending = self._pending.get(request_id, {}).get((index, num_tokens))
+            if pending is None or (request_id, index, num_tokens) in reports.failed:
+                continue
+            pending.shards |= shards
+            if len(pending.shards) == self._facts.num_shards:
+                self._events.add(pending.event)
+                self._forget_event(request_id, (index, num_tokens))
+
+    def _forget_event(self, request_id: str, chunk: tuple[int, int]) -> None:
+        events = self._pending.get(request_id)
+        if events is None:
+            return
+        events.pop(chunk, None)
+        if not events:
+            del self._pending[request_id]
+            self._finished_at.pop(request_id, None)
 
     def _plan(self, request: Request) -> PromptPlan | None:
         extra = request_extra(request)
@@ -445,6 +524,8 @@ class SchedulerSide:
                 tracked.tail_due = False
             if not chunks:
                 continue
+            for chunk in chunks:
+                self._expect_event(tracked.request, chunk)
             block_state = scheduler_output.kv_connector_block_state
             block_ids = block_state.get_block_ids(request_id) if block_state is not None else None
             if block_ids is None:

@@ -18,6 +18,8 @@ background threads (transfers.py), each with a bounded queue.
                          requests whose last chunk was copied out this step (finished sending)
     get_block_ids_with_load_errors   the failed blocks of the loads get_finished reports, for
                          vLLM to recompute (reported in the same pass, as vLLM requires)
+    build_connector_worker_meta      the chunks whose put the server confirmed (or that failed)
+                         since the last step, for the scheduler side's KV cache events
 
 Scattering on the load thread does not race the forward pass. vLLM 0.33's scheduler
 (vllm/v1/core/sched/scheduler.py, Scheduler.schedule) parks a request with an asynchronous
@@ -55,9 +57,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kvcache_client.client import KVCacheClient
+from kvcache_client.results import PutResult
 from kvcache_client.tensors import block_to_tensor, tensor_block_parts
 from kvcache_connectors.vllm.layout import PagedLayout, paged_layout, token_slots
-from kvcache_connectors.vllm.metadata import ChunkRef, RequestTransfer
+from kvcache_connectors.vllm.metadata import ChunkId, ChunkRef, RequestTransfer, StoredChunks
 from kvcache_connectors.vllm.namespaces import KVFacts
 from kvcache_connectors.vllm.stats import Counters
 from kvcache_connectors.vllm.transfers import Job, JobThread, StagingPool
@@ -70,6 +73,19 @@ log = logging.getLogger(__name__)
 
 POLL_S = 0.02
 """How often a P/D hand-off load asks again for chunks its producer is still writing."""
+
+
+def chunk_ids(saves: Sequence[RequestTransfer]) -> list[ChunkId]:
+    return [(s.request_id, c.index, c.num_tokens) for s in saves for c in s.chunks]
+
+
+def put_confirmed(result: PutResult, num_blocks: int) -> bool:
+    """Whether a put's blocks are all stored: one tier took every one of them before the call
+    returned (a block only queued for a write-behind tier may still be dropped). A server that
+    reports no tiers counts them all as stored or not; the result never says which blocks."""
+    if result.tiers:
+        return any(tier.stored == num_blocks for tier in result.tiers)
+    return result.stored == num_blocks
 
 
 @dataclass(slots=True)
@@ -129,6 +145,7 @@ class WorkerSide:
         self._lock = threading.Lock()  # guards what the job threads hand back:
         self._done_loads: list[_LoadJob] = []
         self._job_counters = Counters()
+        self._reports = StoredChunks()  # puts confirmed or failed, until build_connector_worker_meta
         self._load_stream: torch.cuda.Stream | None = None
         self._loading: set[int] = set()  # blocks of loads handed over and not yet reported
 
@@ -199,6 +216,18 @@ class WorkerSide:
         """Block ids that failed to load, of the loads get_finished reported."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_stored_chunks(self) -> StoredChunks | None:
+        """The chunks this shard's puts stored or failed since the last call; None when there are none."""
+        with self._lock:
+            reports, self._reports = self._reports, StoredChunks()
+        return reports if reports.stored or reports.failed else None
+
+    def _report(self, stored: Sequence[ChunkId] = (), failed: Sequence[ChunkId] = ()) -> None:
+        shard = frozenset((self._shard,))
+        with self._lock:
+            self._reports.stored.update((chunk, shard) for chunk in stored)
+            self._reports.failed.update(failed)
 
     def drain_counters(self) -> dict[str, int | float] | None:
         """Counters since the last call, the save thread's included."""
@@ -343,8 +372,13 @@ class WorkerSide:
         if not saves or not self._writer:
             return
         # Blocks still loading, or whose load failed and is not settled, hold no KV to save.
-        good = [s for s in saves if self._unsettled.isdisjoint(s.block_ids) and self._loading.isdisjoint(s.block_ids)]
-        self.counters.save_failures += sum(len(s.chunks) for s in saves) - sum(len(s.chunks) for s in good)
+        good: list[RequestTransfer] = []
+        held: list[RequestTransfer] = []
+        for s in saves:
+            sound = self._unsettled.isdisjoint(s.block_ids) and self._loading.isdisjoint(s.block_ids)
+            (good if sound else held).append(s)
+        self.counters.save_failures += sum(len(s.chunks) for s in held)
+        self._report(failed=chunk_ids(held))
         num_chunks = sum(len(s.chunks) for s in good)
         if not good:
             return
@@ -360,6 +394,7 @@ class WorkerSide:
         if buffer is None:
             self.counters.save_failures += num_chunks
             self.counters.save_dropped += num_chunks
+            self._report(failed=chunk_ids(good))
             return
         started = time.perf_counter()
         staged = buffer[:nbytes].view(self._facts.torch_dtype).view(shape)
@@ -367,7 +402,7 @@ class WorkerSide:
         self.counters.save_s += time.perf_counter() - started
         job = Job(
             run=lambda: self._run_save(good, staged, buffer, ready),
-            drop=lambda: self._drop_save(num_chunks, buffer, ready),
+            drop=lambda: self._drop_save(good, buffer, ready),
         )
         if not self._saver.submit(job):  # closed
             job.drop()
@@ -378,10 +413,14 @@ class WorkerSide:
             self._staging = StagingPool(self._staging_bytes, pin=pin)
         return self._staging
 
-    def _drop_save(self, num_chunks: int, buffer: torch.Tensor, ready: torch.cuda.Event | None) -> None:
+    def _drop_save(
+        self, saves: Sequence[RequestTransfer], buffer: torch.Tensor, ready: torch.cuda.Event | None
+    ) -> None:
         if ready is not None:
             ready.synchronize()  # the copy into the buffer must end before the buffer is reused
         self._staging_pool().give_back(buffer)
+        num_chunks = sum(len(s.chunks) for s in saves)
+        self._report(failed=chunk_ids(saves))
         with self._lock:
             self._job_counters.save_failures += num_chunks
             self._job_counters.save_dropped += num_chunks
@@ -400,28 +439,37 @@ class WorkerSide:
             if ready is not None:
                 ready.synchronize()
             items: dict[str, list[tuple[bytes, BlockData]]] = {}
+            ids: dict[str, list[ChunkId]] = {}  # the chunks of each namespace's put, for the scheduler's events
             position = 0
             for transfer in saves:
                 namespace = items.setdefault(transfer.namespaces[self._shard], [])
+                namespace_ids = ids.setdefault(transfer.namespaces[self._shard], [])
                 for chunk in transfer.chunks:
                     tensor = staged.narrow(self._token_dim, position, chunk.end - chunk.start)
                     key = chunk.keys[self._shard]
                     namespace.append((key, tensor_block_parts(tensor, key, self._block_layout)))
+                    namespace_ids.append((transfer.request_id, chunk.index, chunk.num_tokens))
                     position += chunk.end - chunk.start
             for namespace, blocks in items.items():
                 if not self._breaker.allow():  # a put of this job failed already
                     counters.save_failures += len(blocks)
+                    self._report(failed=ids[namespace])
                     continue
                 try:
                     result = self._client.put_many(namespace, blocks, timeout_s=self._timeout_s)
                 except KVCacheError as exc:
                     counters.save_failures += len(blocks)
+                    self._report(failed=ids[namespace])
                     if self._breaker.failure():
                         log.warning(
                             "kvcache put failed (%s); saves are dropped for %.1f s", exc, self._breaker.cooldown_s
                         )
                     continue
                 self._breaker.success()
+                if put_confirmed(result, len(blocks)):
+                    self._report(stored=ids[namespace])
+                else:
+                    self._report(failed=ids[namespace])
                 counters.save_chunks += result.stored
                 counters.save_failures += len(blocks) - result.stored
                 counters.save_bytes += result.bytes_sent
