@@ -75,7 +75,12 @@ class KVCacheServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Lookup(self, request, context):
-        """Longest stored prefix of `keys`, in one round trip.
+        """Longest stored prefix of `keys`, in one round trip. A hint, not a
+        promise: it checks presence, not content, so a block that is present but
+        fails verification when read (damaged in a lower tier, made for another
+        key, evicted or deleted in between) is counted here and then missing from
+        the Get that follows. Clients treat a block a Get did not return as a miss
+        (recompute it) whatever Lookup said.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
