@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,8 @@ from kvcache_server.tiers.base import Tier
 from kvcache_server.tiers.codec import CompressionMode
 
 log = logging.getLogger(__name__)
+STARTUP_LOGGER = "kvcache_server.startup"
+"""With server.log_json the start-up line is an INFO record of this logger (the CLI also sends it to stdout)."""
 
 
 @dataclass(slots=True)
@@ -169,6 +172,14 @@ async def create_server(config: ServerConfig) -> RunningServer:
     tokens = TokenStore.load(config.auth.tokens_file) if config.auth.enabled else None
     if tokens is None and not is_loopback(config.server.host):
         log.warning("serving %s WITHOUT authentication (auth.allow_unauthenticated)", config.server.host)
+    if config.metrics.enabled and not config.tls.enabled and not is_loopback(config.metrics.host):
+        log.warning(
+            "serving metrics on %s:%d over plain HTTP: anyone who reaches the port reads them "
+            "(bind metrics.host to 127.0.0.1, or configure [tls])",
+            config.metrics.host,
+            config.metrics.port,
+        )
+    _warn_if_memory_short(config)
     metrics = Metrics(tokens) if config.metrics.enabled else None
     observer: Observer = metrics or NullObserver()
     # Our own admission instead of gRPC's maximum_concurrent_rpcs, which refuses health checks too and
@@ -242,6 +253,58 @@ async def create_server(config: ServerConfig) -> RunningServer:
     return running
 
 
+_CGROUP = Path("/sys/fs/cgroup")
+
+
+def memory_limits(cgroup_root: Path = _CGROUP) -> dict[str, int]:
+    """What bounds this process's memory: physical RAM and, where set, its cgroup's limit (v2 or v1)."""
+    limits: dict[str, int] = {}
+    with contextlib.suppress(ValueError, OSError):
+        limits["physical memory"] = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    own, own_v1 = "", ""  # this process's cgroups, "0::/..." (v2) and "N:memory:/..." (v1) in /proc/self/cgroup
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/cgroup").read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            if controllers == "":
+                own = path.strip().lstrip("/")
+            elif "memory" in controllers.split(","):
+                own_v1 = path.strip().lstrip("/")
+    v1 = cgroup_root / "memory"
+    candidates = [cgroup_root / own / "memory.max", cgroup_root / "memory.max"]
+    candidates += [v1 / own_v1 / "memory.limit_in_bytes", v1 / "memory.limit_in_bytes"]
+    for path in candidates:
+        try:
+            text = path.read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < limits.get("physical memory", 1 << 62):  # "max" / v1's huge value: none
+            limits[f"cgroup limit ({path})"] = int(text)
+            break
+    return limits
+
+
+def _warn_if_memory_short(config: ServerConfig, cgroup_root: Path = _CGROUP) -> None:
+    """Warns when the RAM tier plus the in-flight budget plus the lower tiers' queues exceed the memory there is."""
+    queues = sum(s.queue_max_bytes for s in (config.redis, config.s3) if s.enabled)
+    need = config.ram.capacity_bytes + config.limits.inflight_bytes + queues
+    for source, available in memory_limits(cgroup_root).items():
+        if need > available:
+            log.warning(
+                "ram.capacity_bytes (%s) + limits.inflight_bytes (%s) + lower tiers' queue_max_bytes (%s) = %s "
+                "exceeds the %s of %s: the process may be OOM-killed before the RAM tier is full (docs/limits.md)",
+                _gib(config.ram.capacity_bytes),
+                _gib(config.limits.inflight_bytes),
+                _gib(queues),
+                _gib(need),
+                source,
+                _gib(available),
+            )
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
 def _open_shm(section: ShmSection) -> ShmDirectory | None:
     """The shared-memory directory, or None (disabled, or unusable: logged, the server serves without it)."""
     if not section.enabled:
@@ -296,7 +359,10 @@ async def serve(config: ServerConfig) -> None:
         loop.add_signal_handler(sig, stop.set)
     running = await create_server(config)
     # Printed once the server takes calls and signals are handled: a supervisor may act on it at once.
-    print(describe(running), flush=True)
+    if config.server.log_json:
+        logging.getLogger(STARTUP_LOGGER).info("%s", describe(running))
+    else:
+        print(describe(running), flush=True)
     await stop.wait()
     log.info("shutting down (grace %.1fs)", config.server.shutdown_grace_s)
     dropped = await running.stop()

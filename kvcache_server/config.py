@@ -10,12 +10,14 @@ one name in each source:
 
 Fields ending in `_bytes` accept integers or sizes with a unit ("512MiB",
 "4GiB", "1.5GB"). Unknown sections or fields are errors, so a typo never goes
-silently unapplied.
+silently unapplied; so is any KVCACHE_* environment variable that names no field and
+is not one of ENV_NOT_FIELDS.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import re
 import tomllib
@@ -452,13 +454,30 @@ def _apply(config: ServerConfig, updates: Mapping[str, Mapping[str, Any]], sourc
     return dataclasses.replace(config, **changes)
 
 
+ENV_NOT_FIELDS = {
+    "KVCACHE_CONFIG": "the server's TOML file (--config)",
+    "KVCACHE_TARGET": "the CLI's server address (docs/cli.md)",
+    "KVCACHE_TOKEN": "the SDK's and CLI's API token",
+    "KVCACHE_SHM": "the SDK's shared-memory switch (docs/shm.md)",
+}
+"""KVCACHE_* variables that are not KVCACHE_<SECTION>_<FIELD> config fields; any other unknown one is an error."""
+
+
 def _from_env(config: ServerConfig, env: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    updates: dict[str, dict[str, str]] = {}
+    known: dict[str, tuple[str, str]] = {}
     for f in dataclasses.fields(config):
         for sub in dataclasses.fields(getattr(config, f.name)):
-            var = f"KVCACHE_{f.name}_{sub.name}".upper()
-            if var in env:
-                updates.setdefault(f.name, {})[sub.name] = env[var]
+            known[f"KVCACHE_{f.name}_{sub.name}".upper()] = (f.name, sub.name)
+    updates: dict[str, dict[str, str]] = {}
+    for var in sorted(env):
+        if var in known:
+            section, name = known[var]
+            updates.setdefault(section, {})[name] = env[var]
+        elif var.startswith("KVCACHE_") and var not in ENV_NOT_FIELDS:
+            # Compared without the common prefix, which would make every name look close.
+            close = difflib.get_close_matches(var[8:], [k[8:] for k in known], n=1, cutoff=0.6)
+            hint = f"; did you mean KVCACHE_{close[0]}?" if close else "; names are KVCACHE_<SECTION>_<FIELD>"
+            raise ConfigError(f"environment: unknown variable {var}{hint} (docs/tiers.md)")
     return updates
 
 

@@ -23,6 +23,7 @@ sees them per namespace.
 
 from __future__ import annotations
 
+import platform
 import socket
 import socketserver
 import ssl
@@ -32,16 +33,29 @@ from dataclasses import fields
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    Info,
+    ProcessCollector,
+    disable_created_metrics,
+    make_wsgi_app,
+)
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvcache_server import __version__
 from kvcache_server.admission import Admission
 from kvcache_server.auth import Right, TokenStore
 from kvcache_server.config import TlsSection
 from kvcache_server.events import EventHub
 from kvcache_server.stack import TierStack
 from kvcache_server.tiers.base import TierStats
+
+# No `*_created` series next to every counter and histogram: one timestamp per series that nothing here
+# queries (process_start_time_seconds says when counting began). Process-wide, as prometheus_client has it.
+disable_created_metrics()
 
 MAX_NAMESPACE_LABELS = 256
 ALL_NAMESPACES = "_all"
@@ -64,9 +78,10 @@ _TIER_COUNTERS = {
     "write_errors": "Queued writes to the tier that failed",
     "queue_dropped": "Writes refused because the write-behind queue was full, or dropped at shutdown",
 }
+# TierStats byte counters, exported as kvcache_tier_<name>_bytes_total{tier} (metric name, help text).
 _TIER_BYTES = {
-    "bytes_read": "Bytes read from the tier, as stored",
-    "bytes_written": "Bytes written to the tier, as stored",
+    "bytes_read": ("read", "Bytes read from the tier, as stored"),
+    "bytes_written": ("written", "Bytes written to the tier, as stored"),
 }
 _BREAKER = {"closed": 0, "open": 1, "half_open": 2}
 assert set(_TIER_COUNTERS) | set(_TIER_BYTES) <= {f.name for f in fields(TierStats)}
@@ -92,8 +107,8 @@ class _StatsCollector(Collector):
             for s in stats:
                 family.add_metric([s.name], getattr(s, name))
             yield family
-        for name, help_text in _TIER_BYTES.items():
-            family = CounterMetricFamily(f"kvcache_tier_{name}", help_text, labels=["tier"], unit="bytes")
+        for name, (metric, help_text) in _TIER_BYTES.items():
+            family = CounterMetricFamily(f"kvcache_tier_{metric}", help_text, labels=["tier"], unit="bytes")
             for s in stats:
                 family.add_metric([s.name], getattr(s, name))
             yield family
@@ -231,7 +246,17 @@ class Metrics:
         self._ns_counts: dict[str, list[int]] = {}  # namespace label -> [keys asked, hit keys]
         # Resident memory, virtual memory, open and max fds, CPU seconds, start time (Linux /proc).
         process = ProcessCollector(registry=None)
-        for collector in (self._requests, self._request_seconds, self._tier_seconds, self._lookup_hit_chunks, process):
+        build = Info("kvcache_build", "The server's version and Python, as labels (value 1)", registry=None)
+        build.info({"version": __version__, "python": platform.python_version()})
+        collectors = (
+            self._requests,
+            self._request_seconds,
+            self._tier_seconds,
+            self._lookup_hit_chunks,
+            process,
+            build,
+        )
+        for collector in collectors:
             self._register(collector)
         self.registry.register(_NamespaceCollector(self._ns_counts, self._lock, aggregate=False))
         if self.public_registry is not self.registry:

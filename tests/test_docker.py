@@ -99,11 +99,9 @@ def test_kvcache_service_config_ports_and_mount() -> None:
     kvcache = service("kvcache")
     assert kvcache["build"] == {"context": "..", "dockerfile": "docker/Dockerfile"}
     assert (DOCKER / ".." / kvcache["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile"
-    assert (cfg.server.host, cfg.metrics.enabled, cfg.metrics.host) == ("0.0.0.0", True, "0.0.0.0")
-    assert published(kvcache) == {
-        cfg.server.port: ("127.0.0.1", cfg.server.port),
-        cfg.metrics.port: ("127.0.0.1", cfg.metrics.port),
-    }
+    # Metrics are plain HTTP: loopback inside the container, not published (docs/deployment.md, "Metrics").
+    assert (cfg.server.host, cfg.metrics.enabled, cfg.metrics.host) == ("0.0.0.0", True, "127.0.0.1")
+    assert published(kvcache) == {cfg.server.port: ("127.0.0.1", cfg.server.port)}
     assert (cfg.server.port, cfg.metrics.port) == (51051, 9400)
     assert kvcache["volumes"] == [f"./kvcache.toml:{IMAGE_CONFIG_PATH}:ro"]
     assert json.loads(one(DOCKER / "Dockerfile", "CMD")) == ["--config", IMAGE_CONFIG_PATH]
@@ -112,6 +110,18 @@ def test_kvcache_service_config_ports_and_mount() -> None:
         "minio": {"condition": "service_healthy"},
         "minio-init": {"condition": "service_completed_successfully"},
     }
+
+
+def test_memory_limit_covers_the_configured_budgets() -> None:
+    """mem_limit >= RAM + in-flight budget + the lower tiers' queues + ~80 MiB baseline (docs/limits.md)."""
+    cfg = config()
+    limit = service("kvcache")["mem_limit"]
+    match = re.fullmatch(r"(\d+)([mg])", limit)
+    assert match, limit
+    limit_bytes = int(match.group(1)) << {"m": 20, "g": 30}[match.group(2)]
+    queues = sum(s.queue_max_bytes for s in (cfg.redis, cfg.s3) if s.enabled)
+    need = cfg.ram.capacity_bytes + cfg.limits.inflight_bytes + queues + (80 << 20)
+    assert need <= limit_bytes <= need + (1 << 30)  # covered, without a large unexplained margin
 
 
 def test_stop_grace_period_covers_the_shutdown() -> None:

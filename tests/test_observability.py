@@ -77,8 +77,8 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     assert delta("kvcache_tier_puts_total", tier="ram") == 5
     assert delta("kvcache_tier_hits_total", tier="ram") == 5
     assert delta("kvcache_tier_misses_total", tier="ram") == 1
-    assert delta("kvcache_tier_bytes_read_bytes_total", tier="ram") == sum(len(b) for b in blocks)
-    assert delta("kvcache_tier_bytes_written_bytes_total", tier="ram") == sum(len(b) for b in blocks)
+    assert delta("kvcache_tier_read_bytes_total", tier="ram") == sum(len(b) for b in blocks)
+    assert delta("kvcache_tier_written_bytes_total", tier="ram") == sum(len(b) for b in blocks)
     assert metric(after, "kvcache_tier_blocks", tier="ram") == 3
     ram = server.stack.ram.stats()
     assert metric(after, "kvcache_tier_used_bytes", tier="ram") == ram.used_bytes
