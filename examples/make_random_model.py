@@ -83,9 +83,13 @@ def parameter_count(size: str) -> int:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="folder to write (created)")
-    p.add_argument("--size", choices=sorted(SIZES), default="small")
-    p.add_argument("--dtype", choices=DTYPES, default="float32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--size", choices=sorted(SIZES), default="small", help="model size, see Sizes above (default %(default)s)"
+    )
+    p.add_argument("--dtype", choices=DTYPES, default="float32", help="dtype of the weights (default %(default)s)")
+    p.add_argument(
+        "--seed", type=int, default=0, help="seed of the random weights: same seed, same model (default %(default)s)"
+    )
     args = p.parse_args()
     out = make_random_model(args.out, size=args.size, dtype=args.dtype, seed=args.seed)
     params = parameter_count(args.size)

@@ -127,11 +127,13 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint folder or hub id (default: a random small Llama in a temp folder)")
     p.add_argument("--target", help="kvcache server host:port (default: start one here)")
-    p.add_argument("--prompt-tokens", type=int, default=1000)
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt")
-    p.add_argument("--check", action="store_true", help="also generate here without kvcache and compare")
+    p.add_argument("--prompt-tokens", type=int, default=1000, help="length of the random prompt (default %(default)s)")
+    p.add_argument(
+        "--new-tokens", type=int, default=16, help="tokens the decode process generates (default %(default)s)"
+    )
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per kvcache chunk (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompt (default %(default)s)")
+    p.add_argument("--check", action="store_true", help="also generate here without kvcache and compare (default: off)")
     args = p.parse_args()
 
     with ExitStack() as stack:

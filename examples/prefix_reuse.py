@@ -30,12 +30,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint folder or hub id (default: a random small Llama in a temp folder)")
     p.add_argument("--target", help="kvcache server host:port (default: start one here)")
-    p.add_argument("--system-tokens", type=int, default=2048)
-    p.add_argument("--questions", type=int, default=6)
-    p.add_argument("--question-tokens", type=int, default=40)
-    p.add_argument("--new-tokens", type=int, default=8)
-    p.add_argument("--chunk-tokens", type=int, default=256)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--system-tokens", type=int, default=2048, help="length of the shared system prompt (default %(default)s)"
+    )
+    p.add_argument(
+        "--questions", type=int, default=6, help="requests, each with its own question (default %(default)s)"
+    )
+    p.add_argument("--question-tokens", type=int, default=40, help="length of each question (default %(default)s)")
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens generated per request (default %(default)s)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per kvcache chunk (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random prompts (default %(default)s)")
     args = p.parse_args()
 
     import transformers

@@ -1,4 +1,9 @@
-"""AsyncKVCacheClient: the asyncio SDK, the same API as KVCacheClient with `await`."""
+"""AsyncKVCacheClient: the asyncio SDK, the same API as KVCacheClient with `await`.
+
+It may be built anywhere (module level, outside any loop); its grpc.aio channel is made on first use,
+inside the running loop, and the client then belongs to that loop: a use from another loop raises
+RuntimeError. Deadlines, retries and errors are KVCacheClient's (see its docstrings).
+"""
 
 from __future__ import annotations
 
@@ -16,10 +21,11 @@ from kvcache_client.client import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
     NamespaceLike,
+    call_timeout_s,
     namespace_name,
     verified,
 )
-from kvcache_client.connection import TLSConfig, auth_metadata, make_aio_channel
+from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata
 from kvcache_client.errors import DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.transport import (
@@ -41,7 +47,13 @@ T = TypeVar("T")
 
 
 class AsyncKVCacheClient:
-    """An asyncio client of one kvcache server. Use it from one event loop."""
+    """An asyncio client of one kvcache server, bound to the event loop it is first used in.
+
+    Each call's Raises section says what it can raise. In short: ValueError for bad arguments (nothing
+    is sent); RuntimeError for a use from another event loop; the server's statuses as
+    kvcache_client.errors types (RPCError subclasses); Unavailable once UNAVAILABLE was retried until
+    the deadline; DeadlineExceeded when the deadline passed. A miss is never an exception.
+    """
 
     def __init__(
         self,
@@ -55,26 +67,56 @@ class AsyncKVCacheClient:
         shm: bool = True,
         transport: AsyncTransport | None = None,
     ) -> None:
-        """See KVCacheClient.__init__; the channel is a grpc.aio channel."""
+        """See KVCacheClient.__init__. Needs no event loop: the grpc.aio channel is made on first use.
+
+        Raises:
+            ValueError: `timeout_s` is not positive, or `tls` names a cert_file without key_file.
+            OSError: a file of `tls` cannot be read.
+        """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
         self.target = target
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
-        self._transport: AsyncTransport = transport or AsyncGrpcTransport(
-            make_aio_channel(target, tls=tls, max_message_bytes=max_message_bytes),
-            metadata=auth_metadata(token),
-            shm=shm,
-        )
+        self._transport: AsyncTransport | None = transport
+        self._loop: asyncio.AbstractEventLoop | None = None  # set on first use
+        self._closed = False
+        if transport is None:
+            channel = aio_channel_factory(target, tls=tls, max_message_bytes=max_message_bytes)
+            metadata = auth_metadata(token)
+            self._make_transport: Callable[[], AsyncTransport] = lambda: AsyncGrpcTransport(
+                channel(), metadata=metadata, shm=shm
+            )
         self.corrupt_blocks = 0
 
     @classmethod
     def connect(cls, target: str = DEFAULT_TARGET, **kwargs: object) -> AsyncKVCacheClient:
-        """Same as the constructor; reads better at call sites."""
+        """Same as the constructor; reads better at call sites.
+
+        Raises:
+            ValueError, OSError: as the constructor.
+        """
         return cls(target, **kwargs)  # type: ignore[arg-type]
 
-    async def _call(self, timeout_s: float | None, fn: Callable[[float], Awaitable[T]]) -> T:
-        deadline = time.monotonic() + (timeout_s or self._timeout_s)
+    def _bound(self) -> AsyncTransport:
+        """The transport, made on the first use in the running loop, which the client is then bound to."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+        elif loop is not self._loop:
+            raise RuntimeError(
+                "this AsyncKVCacheClient is bound to the event loop it was first used in;"
+                " make one client per event loop"
+            )
+        if self._closed:
+            raise ValueError("this AsyncKVCacheClient is closed")
+        if self._transport is None:
+            self._transport = self._make_transport()
+        return self._transport
+
+    async def _call(self, timeout_s: float, fn: Callable[[AsyncTransport, float], Awaitable[T]]) -> T:
+        transport = self._bound()
+        deadline = time.monotonic() + timeout_s
         attempts = 0
         last: RPCError | None = None
         while True:
@@ -85,7 +127,7 @@ class AsyncKVCacheClient:
                 raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the call finished")
             attempts += 1
             try:
-                return await fn(remaining)
+                return await fn(transport, remaining)
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
                 if not self._retry.should_retry(err.code, attempts):
@@ -102,27 +144,54 @@ class AsyncKVCacheClient:
     def chunk_keys(
         tokens: Sequence[int] | np.ndarray, namespace: _keys.Namespace, *, include_partial: bool = True
     ) -> list[bytes]:
-        """Chunk keys of a prompt (kvcache_core.keys.chunk_keys)."""
+        """Chunk keys of a prompt (kvcache_core.keys.chunk_keys); local, nothing is sent.
+
+        Raises:
+            ValueError: a token id is not an unsigned 32-bit integer.
+        """
         return _keys.chunk_keys(tokens, namespace, include_partial=include_partial)
 
     async def lookup(
         self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None
     ) -> LookupResult:
-        """The longest stored prefix of `keys`, in one round trip."""
+        """The longest stored prefix of `keys`, in one round trip.
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            RuntimeError: the client is bound to another event loop.
+            InvalidRequest: a key is not 16 bytes, or too many keys for the server's limit.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            Nothing stored is not an error: prefix_length is then 0.
+        """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
         if not keys:
             return LookupResult(0)
         ns = namespace_name(namespace)
-        return await self._call(timeout_s, lambda t: self._transport.lookup(ns, keys, t))
+        return await self._call(timeout_s, lambda tr, t: tr.lookup(ns, keys, t))
 
     async def put_many(
         self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], *, timeout_s: float | None = None
     ) -> PutResult:
         """Stores (key, block) pairs: blocks from format.encode_block, or (header, payload) parts from
-        format.encode_block_parts (the payload is then copied once, straight into the message)."""
+        format.encode_block_parts (the payload is then copied once, straight into the message).
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            RuntimeError: the client is bound to another event loop.
+            InvalidRequest: a key is not 16 bytes, or a block is not a valid block (format v2).
+            DataCorrupted: a block does not match its checksum under its key.
+            ResourceExhausted: a block is over the server's max_block_bytes, or the request over its limits.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+        """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
         if not items:
             return PutResult(0, 0, 0)
         ns = namespace_name(namespace)
-        return await self._call(timeout_s, lambda t: self._transport.put(ns, items, t))
+        return await self._call(timeout_s, lambda tr, t: tr.put(ns, items, t))
 
     async def get_many(
         self,
@@ -134,24 +203,58 @@ class AsyncKVCacheClient:
     ) -> list[memoryview | None]:
         """Each key's verified block, or None. With prefix_only, stops at the first miss.
 
-        Blocks are read-only memoryviews into the received messages: no copy is made on the way in.
+        Blocks are read-only memoryviews, without a copy, of this client's own receive buffers: the
+        received message, or on the same-host path (docs/shm.md) this client's get segment. Nothing
+        else sees those bytes: the server's stored copy is never changed through them. Use bytearray(block)
+        or a clone of get_tensors' tensor for bytes to modify (see get_tensors).
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            RuntimeError: the client is bound to another event loop.
+            InvalidRequest: a key is not 16 bytes, or too many keys for the server's limit.
+            ResourceExhausted: the answer would be over a message or request limit.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            A missing block, or one that fails its checksum (counted in corrupt_blocks), is None, not an error.
         """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
         if not keys:
             return []
         ns = namespace_name(namespace)
-        fetched = await self._call(timeout_s, lambda t: self._transport.get(ns, keys, prefix_only, t))
+        fetched = await self._call(timeout_s, lambda tr, t: tr.get(ns, keys, prefix_only, t))
         return verified(fetched, keys, self._count_corrupt)
 
     async def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
-        """Removes keys from every tier; returns how many were stored."""
+        """Removes keys from every tier; returns how many were stored.
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            RuntimeError: the client is bound to another event loop.
+            InvalidRequest: a key is not 16 bytes, or too many keys for the server's limit.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            A key that is not stored is not an error: it is not counted.
+        """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
         if not keys:
             return 0
         ns = namespace_name(namespace)
-        return await self._call(timeout_s, lambda t: self._transport.delete(ns, keys, t))
+        return await self._call(timeout_s, lambda tr, t: tr.delete(ns, keys, t))
 
     async def stats(self, *, timeout_s: float | None = None) -> ServerStats:
-        """The server's counters."""
-        return await self._call(timeout_s, self._transport.stats)
+        """The server's counters.
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            RuntimeError: the client is bound to another event loop.
+            PermissionDenied: with auth, the token lacks the admin right.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, ...), as kvcache_client.errors maps it.
+        """
+        return await self._call(call_timeout_s(timeout_s, self._timeout_s), lambda tr, t: tr.stats(t))
 
     async def put_tensors(
         self,
@@ -162,7 +265,13 @@ class AsyncKVCacheClient:
         layout: Layout = Layout.CANONICAL,
         timeout_s: float | None = None,
     ) -> PutResult:
-        """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message."""
+        """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message.
+
+        Raises:
+            ValueError: not one tensor per key, a dtype the block format lacks, or `timeout_s` not positive.
+            ModuleNotFoundError: torch is not installed.
+            RuntimeError, RPCError: as put_many (InvalidRequest, ResourceExhausted, Unavailable, ...).
+        """
         from kvcache_client.tensors import tensor_block_parts
 
         if len(keys) != len(tensors):
@@ -178,16 +287,40 @@ class AsyncKVCacheClient:
         prefix_only: bool = False,
         timeout_s: float | None = None,
     ) -> list[torch.Tensor | None]:
-        """One CPU tensor per key, or None; each tensor views the received bytes without a copy."""
+        """One CPU tensor per key, or None; each tensor views the received bytes without a copy.
+
+        The tensors are read-only by contract, but torch has no read-only tensors: a write (`add_`,
+        `copy_`, `t[...] = x`) is not refused. It changes this client's receive buffer in place (the
+        received message, or this client's get segment on the same-host path), so the block's
+        memoryview and every tensor of that block change with it, and the bytes no longer match their
+        checksum; the server's stored block and other callers' tensors are never affected. To modify,
+        take a copy first: `t.clone()`, or copy it into its destination (`dst.copy_(t)`).
+
+        Raises:
+            ValueError: `timeout_s` is not positive, or this torch build lacks a block's dtype.
+            ModuleNotFoundError: torch is not installed.
+            RuntimeError, RPCError: as get_many (InvalidRequest, Unavailable, ...); a miss is None.
+        """
         from kvcache_client.tensors import block_to_tensor
 
         blocks = await self.get_many(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s)
         return [None if b is None else block_to_tensor(b, verify=False) for b in blocks]
 
     async def close(self) -> None:
-        await self._transport.close()
+        """Closes the channel (if a call made one) and removes this client's shared-memory segments;
+        blocks and tensors it returned stay valid. Calls after close raise ValueError.
+
+        Raises:
+            RuntimeError: the client is bound to another event loop (close it from its own loop).
+        """
+        if self._loop is not None and asyncio.get_running_loop() is not self._loop:
+            self._bound()  # raises the other-loop error
+        self._closed = True
+        if self._transport is not None:
+            await self._transport.close()
 
     async def __aenter__(self) -> AsyncKVCacheClient:
+        self._bound()  # the channel, in this loop
         return self
 
     async def __aexit__(self, *exc: object) -> None:

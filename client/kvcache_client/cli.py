@@ -294,6 +294,9 @@ def cmd_health(ctx: Context, args: argparse.Namespace) -> int:
 # -- argument parsing ------------------------------------------------------------------------------
 
 
+NAMESPACE_HELP = "the server-side namespace name (a Namespace's fingerprint hex, or any name the writer used)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     globals_ = global_options()
     fmt = argparse.RawDescriptionHelpFormatter
@@ -318,23 +321,38 @@ def build_parser() -> argparse.ArgumentParser:
     p = command("lookup", cmd_lookup, "the stored prefix of a prompt (token ids) or of a list of keys")
     model = p.add_argument_group("a prompt: the namespace fields (docs/keys.md) and its token ids")
     model.add_argument("--model", metavar="ID", help="model_id of the namespace")
-    model.add_argument("--kv-dtype", default="bfloat16", help="KV element type (default bfloat16)")
-    model.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
-    model.add_argument("--num-layers", type=int, metavar="N")
-    model.add_argument("--num-kv-heads", type=int, metavar="H", help="KV heads of this shard")
-    model.add_argument("--head-size", type=int, metavar="D")
-    model.add_argument("--tp-size", type=int, default=1)
-    model.add_argument("--tp-rank", type=int, default=0)
-    model.add_argument("--model-revision", default="")
-    model.add_argument("--cache-salt", default="")
-    model.add_argument("--layout", choices=[CANONICAL_LAYOUT, MLA_LAYOUT], default=CANONICAL_LAYOUT)
+    model.add_argument("--kv-dtype", default="bfloat16", metavar="DTYPE", help="KV element type (default %(default)s)")
+    model.add_argument(
+        "--chunk-tokens", type=int, default=256, metavar="N", help="tokens per chunk (default %(default)s)"
+    )
+    model.add_argument("--num-layers", type=int, metavar="N", help="layers of the model (required with --model)")
+    model.add_argument("--num-kv-heads", type=int, metavar="H", help="KV heads of this shard (required with --model)")
+    model.add_argument("--head-size", type=int, metavar="D", help="elements per head (required with --model)")
+    model.add_argument(
+        "--tp-size", type=int, default=1, metavar="N", help="tensor-parallel world size (default %(default)s)"
+    )
+    model.add_argument(
+        "--tp-rank", type=int, default=0, metavar="R", help="this shard's tensor-parallel rank (default %(default)s)"
+    )
+    model.add_argument(
+        "--model-revision", default="", metavar="REV", help="checkpoint revision (default: none, unknown)"
+    )
+    model.add_argument(
+        "--cache-salt", default="", metavar="SALT", help="per-tenant or per-request isolation string (default: none)"
+    )
+    model.add_argument(
+        "--layout",
+        choices=[CANONICAL_LAYOUT, MLA_LAYOUT],
+        default=CANONICAL_LAYOUT,
+        help="KV layout of the blocks (default %(default)s)",
+    )
     model.add_argument(
         "--extra",
         type=arg_type(key_value),
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="namespace extra field",
+        help="namespace extra field; repeat for more (default: none)",
     )
     model.add_argument(
         "--tokens-file",
@@ -349,19 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     key = arg_type(inputs.parse_key)
     p = command("put", cmd_put, "store one block from a file")
-    p.add_argument("--namespace", required=True, metavar="NAME")
+    p.add_argument("--namespace", required=True, metavar="NAME", help=NAMESPACE_HELP)
     p.add_argument("--key", required=True, type=key, metavar="HEX", help="the chunk key, 32 hex digits")
     p.add_argument("--raw", action="store_true", help="store the file's bytes as an opaque uint8 block")
     p.add_argument("file", metavar="FILE", help="an encoded block (or any bytes with --raw); - reads stdin")
 
     p = command("get", cmd_get, f"fetch one block; exit {MISS} when it is not stored")
-    p.add_argument("--namespace", required=True, metavar="NAME")
+    p.add_argument("--namespace", required=True, metavar="NAME", help=NAMESPACE_HELP)
     p.add_argument("--key", required=True, type=key, metavar="HEX", help="the chunk key, 32 hex digits")
     p.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     p.add_argument("--payload", action="store_true", help="write the payload only, without the block header")
 
     p = command("delete", cmd_delete, "remove keys from every tier")
-    p.add_argument("--namespace", required=True, metavar="NAME")
+    p.add_argument("--namespace", required=True, metavar="NAME", help=NAMESPACE_HELP)
     p.add_argument("--key", required=True, type=key, nargs="+", metavar="HEX", help="chunk keys, 32 hex digits each")
 
     p = command("bench", cmd_bench, "put then get random blocks; MB/s and latency per call")

@@ -9,10 +9,17 @@
         hit = client.lookup(ns, keys).prefix_length
         tensors = client.get_tensors(ns, keys[:hit])
 
-Every call has a deadline (`timeout_s`, per call or the client's default) that
-covers all its attempts; statuses in the retry policy are retried with
-backoff inside it. Every block received is verified against its checksum; a
-block that fails is returned as a miss and counted in `corrupt_blocks`.
+Every call has a deadline (`timeout_s`, per call or the client's default when
+None; it must be positive) that covers all its attempts; statuses in the retry
+policy are retried with backoff inside it. Every block received is verified
+against its checksum; a block that fails is returned as a miss and counted in
+`corrupt_blocks`.
+
+Errors: the server's statuses arrive as the types of kvcache_client.errors
+(InvalidRequest, DataCorrupted, ResourceExhausted, Unauthenticated,
+PermissionDenied, DeadlineExceeded, Unavailable, all RPCError and KVCacheError);
+bad arguments raise ValueError before anything is sent. A miss is never an
+exception: lookup returns a shorter prefix, get_many None.
 """
 
 from __future__ import annotations
@@ -54,6 +61,19 @@ NamespaceLike = _keys.Namespace | str
 __all__ = ["DEFAULT_TARGET", "KVCacheClient", "LookupResult", "PutResult", "ServerStats"]
 
 
+def call_timeout_s(timeout_s: float | None, default_s: float) -> float:
+    """A call's deadline in seconds: `timeout_s`, or `default_s` (the client's) when it is None.
+
+    Raises:
+        ValueError: `timeout_s` is not positive (0 means neither "no deadline" nor "the default").
+    """
+    if timeout_s is None:
+        return default_s
+    if not timeout_s > 0:  # NaN included
+        raise ValueError(f"timeout_s must be positive, or None for the client's default; got {timeout_s!r}")
+    return timeout_s
+
+
 def namespace_name(namespace: NamespaceLike) -> str:
     """The server-side namespace string: a Namespace's fingerprint hex, or a str as given."""
     return namespace.name if isinstance(namespace, _keys.Namespace) else namespace
@@ -82,7 +102,13 @@ def verified(
 
 
 class KVCacheClient:
-    """A blocking client of one kvcache server. Thread-safe; share one per process."""
+    """A blocking client of one kvcache server. Thread-safe; share one per process.
+
+    Each call's Raises section says what it can raise. In short: ValueError for bad arguments (nothing
+    is sent); the server's statuses as kvcache_client.errors types (RPCError subclasses); Unavailable
+    once UNAVAILABLE was retried until the deadline; DeadlineExceeded when the deadline passed. A miss
+    is never an exception.
+    """
 
     def __init__(
         self,
@@ -108,6 +134,10 @@ class KVCacheClient:
             shm: Move block bytes through shared memory when the server is on this host and shares
                 its shm directory (docs/shm.md); False keeps them on gRPC (as KVCACHE_SHM=0 does).
             transport: Replaces the gRPC transport (tests, other data paths).
+
+        Raises:
+            ValueError: `timeout_s` is not positive, or `tls` names a cert_file without key_file.
+            OSError: a file of `tls` cannot be read.
         """
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
@@ -123,13 +153,17 @@ class KVCacheClient:
 
     @classmethod
     def connect(cls, target: str = DEFAULT_TARGET, **kwargs: object) -> KVCacheClient:
-        """Same as the constructor; reads better at call sites."""
+        """Same as the constructor; reads better at call sites.
+
+        Raises:
+            ValueError, OSError: as the constructor.
+        """
         return cls(target, **kwargs)  # type: ignore[arg-type]
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _call(self, timeout_s: float | None, fn: Callable[[float], T]) -> T:
-        deadline = time.monotonic() + (timeout_s or self._timeout_s)
+    def _call(self, timeout_s: float, fn: Callable[[float], T]) -> T:
+        deadline = time.monotonic() + timeout_s
         attempts = 0
         last: RPCError | None = None
         while True:
@@ -159,13 +193,27 @@ class KVCacheClient:
     def chunk_keys(
         tokens: Sequence[int] | np.ndarray, namespace: _keys.Namespace, *, include_partial: bool = True
     ) -> list[bytes]:
-        """Chunk keys of a prompt (kvcache_core.keys.chunk_keys)."""
+        """Chunk keys of a prompt (kvcache_core.keys.chunk_keys); local, nothing is sent.
+
+        Raises:
+            ValueError: a token id is not an unsigned 32-bit integer.
+        """
         return _keys.chunk_keys(tokens, namespace, include_partial=include_partial)
 
     def lookup(
         self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None
     ) -> LookupResult:
-        """The longest stored prefix of `keys`, in one round trip."""
+        """The longest stored prefix of `keys`, in one round trip.
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            InvalidRequest: a key is not 16 bytes, or too many keys for the server's limit.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            Nothing stored is not an error: prefix_length is then 0.
+        """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
         if not keys:
             return LookupResult(0)
         ns = namespace_name(namespace)
@@ -175,7 +223,18 @@ class KVCacheClient:
         self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], *, timeout_s: float | None = None
     ) -> PutResult:
         """Stores (key, block) pairs: blocks from format.encode_block, or (header, payload) parts from
-        format.encode_block_parts (the payload is then copied once, straight into the message)."""
+        format.encode_block_parts (the payload is then copied once, straight into the message).
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            InvalidRequest: a key is not 16 bytes, or a block is not a valid block (format v2).
+            DataCorrupted: a block does not match its checksum under its key.
+            ResourceExhausted: a block is over the server's max_block_bytes, or the request over its limits.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+        """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
         if not items:
             return PutResult(0, 0, 0)
         ns = namespace_name(namespace)
@@ -191,8 +250,21 @@ class KVCacheClient:
     ) -> list[memoryview | None]:
         """Each key's verified block, or None. With prefix_only, stops at the first miss.
 
-        Blocks are read-only memoryviews into the received messages: no copy is made on the way in.
+        Blocks are read-only memoryviews, without a copy, of this client's own receive buffers: the
+        received message, or on the same-host path (docs/shm.md) this client's get segment. Nothing
+        else sees those bytes: the server's stored copy is never changed through them. Use bytearray(block)
+        or a clone of get_tensors' tensor for bytes to modify (see get_tensors).
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            InvalidRequest: a key is not 16 bytes, or too many keys for the server's limit.
+            ResourceExhausted: the answer would be over a message or request limit.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            A missing block, or one that fails its checksum (counted in corrupt_blocks), is None, not an error.
         """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
         if not keys:
             return []
         ns = namespace_name(namespace)
@@ -200,15 +272,33 @@ class KVCacheClient:
         return verified(fetched, keys, self._count_corrupt)
 
     def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
-        """Removes keys from every tier; returns how many were stored."""
+        """Removes keys from every tier; returns how many were stored.
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            InvalidRequest: a key is not 16 bytes, or too many keys for the server's limit.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            A key that is not stored is not an error: it is not counted.
+        """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
         if not keys:
             return 0
         ns = namespace_name(namespace)
         return self._call(timeout_s, lambda t: self._transport.delete(ns, keys, t))
 
     def stats(self, *, timeout_s: float | None = None) -> ServerStats:
-        """The server's counters."""
-        return self._call(timeout_s, self._transport.stats)
+        """The server's counters.
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            PermissionDenied: with auth, the token lacks the admin right.
+            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
+            DeadlineExceeded: the call did not finish within its deadline.
+            RPCError: any other status (Unauthenticated, ...), as kvcache_client.errors maps it.
+        """
+        return self._call(call_timeout_s(timeout_s, self._timeout_s), self._transport.stats)
 
     def put_tensors(
         self,
@@ -219,7 +309,13 @@ class KVCacheClient:
         layout: Layout = Layout.CANONICAL,
         timeout_s: float | None = None,
     ) -> PutResult:
-        """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message."""
+        """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message.
+
+        Raises:
+            ValueError: not one tensor per key, a dtype the block format lacks, or `timeout_s` not positive.
+            ModuleNotFoundError: torch is not installed.
+            RPCError: as put_many (InvalidRequest, ResourceExhausted, Unavailable, DeadlineExceeded, ...).
+        """
         from kvcache_client.tensors import tensor_block_parts
 
         if len(keys) != len(tensors):
@@ -235,13 +331,32 @@ class KVCacheClient:
         prefix_only: bool = False,
         timeout_s: float | None = None,
     ) -> list[torch.Tensor | None]:
-        """One CPU tensor per key, or None; each tensor views the received bytes without a copy."""
+        """One CPU tensor per key, or None; each tensor views the received bytes without a copy.
+
+        The tensors are read-only by contract, but torch has no read-only tensors: a write (`add_`,
+        `copy_`, `t[...] = x`) is not refused. It changes this client's receive buffer in place (the
+        received message, or this client's get segment on the same-host path), so the block's
+        memoryview and every tensor of that block change with it, and the bytes no longer match their
+        checksum; the server's stored block and other callers' tensors are never affected. To modify,
+        take a copy first: `t.clone()`, or copy it into its destination (`dst.copy_(t)`).
+
+        Raises:
+            ValueError: `timeout_s` is not positive, or this torch build lacks a block's dtype.
+            ModuleNotFoundError: torch is not installed.
+            RPCError: as get_many (InvalidRequest, Unavailable, DeadlineExceeded, ...); a miss is None.
+        """
         from kvcache_client.tensors import block_to_tensor
 
         blocks = self.get_many(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s)
         return [None if b is None else block_to_tensor(b, verify=False) for b in blocks]
 
     def close(self) -> None:
+        """Closes the channel and removes this client's shared-memory segments; blocks and tensors it
+        returned stay valid. Calls after close fail (grpc's ValueError: the channel is closed).
+
+        Raises:
+            nothing of its own; closing twice is harmless.
+        """
         self._transport.close()
 
     def __enter__(self) -> KVCacheClient:

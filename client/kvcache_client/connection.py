@@ -11,7 +11,7 @@ mTLS give the client's own certificate and key.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,3 +98,20 @@ def make_aio_channel(target: str, *, tls: TLSConfig | bool, max_message_bytes: i
     if config is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, config.credentials(), options=options)
+
+
+def aio_channel_factory(
+    target: str, *, tls: TLSConfig | bool, max_message_bytes: int
+) -> Callable[[], grpc.aio.Channel]:
+    """make_aio_channel, deferred: a grpc.aio channel binds to the event loop running when it is made,
+    so AsyncKVCacheClient makes it on first use. TLS files are read now, so a bad one fails here.
+
+    Raises:
+        OSError: a TLS file cannot be read.
+    """
+    config = TLSConfig() if tls is True else tls or None
+    options = _options(max_message_bytes, config)
+    if config is None:
+        return lambda: grpc.aio.insecure_channel(target, options=options)
+    credentials = config.credentials()
+    return lambda: grpc.aio.secure_channel(target, credentials, options=options)

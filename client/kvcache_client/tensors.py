@@ -48,8 +48,10 @@ def tensor_to_block(tensor: torch.Tensor, key: bytes, layout: Layout = Layout.CA
 def block_to_tensor(data: bytes | memoryview, key: bytes | None = None, *, verify: bool = True) -> torch.Tensor:
     """Decodes a block into a CPU tensor that views `data`'s payload without a copy.
 
-    The tensor shares memory with `data`: treat it as read-only (clone it, or
-    copy it into its destination, before writing to it).
+    The tensor shares memory with `data` and is read-only by contract, but torch has no read-only
+    tensors, so a write is not refused: it changes `data`'s buffer in place (a received message or a
+    client's get segment: that client's own memory, never the server's stored block), and with it
+    every view of that buffer. Clone it, or copy it into its destination, before writing to it.
 
     Raises:
         BlockFormatError, ChecksumMismatch: `data` is not a valid block under `key` (verify on).
@@ -60,7 +62,9 @@ def block_to_tensor(data: bytes | memoryview, key: bytes | None = None, *, verif
     if header.raw_len == 0:
         return torch.empty(header.shape, dtype=dtype)
     with warnings.catch_warnings():
-        # torch warns that bytes are not writable; the tensor is documented as read-only.
+        # torch warns on every call that the buffer is not writable and that writes through the
+        # tensor are undefined; the docstrings state the rule instead (read-only by contract, clone to
+        # modify) and what a write does (changes this client's buffer, never the server's block).
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(payload, dtype=torch.uint8)
     return flat.view(dtype).reshape(header.shape)

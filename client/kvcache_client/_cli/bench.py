@@ -7,7 +7,8 @@
 
 Payloads are random bytes, one distinct block per position in a batch, reused across batches: the
 benchmark holds `batch` blocks in memory, not `blocks`. Keys are random, in a namespace of their own.
-Throughput counts payload bytes (MB/s = 10^6 bytes/s) over the summed duration of the calls.
+Throughput counts the payload bytes that moved (MB/s = 10^6 bytes/s) over the summed duration of the
+calls: a get that missed moved nothing, so it adds to `missing` and to the time, not to the bytes.
 """
 
 from __future__ import annotations
@@ -62,7 +63,11 @@ class Progress:
 
 @dataclass(frozen=True, slots=True)
 class PhaseResult:
-    """The timings of one phase (put or get)."""
+    """The timings of one phase (put or get).
+
+    `blocks` counts the blocks asked for, `missing` those of them a get did not find, and `payload_bytes`
+    only the payload of the others (blocks - missing): what actually moved.
+    """
 
     calls: int
     blocks: int
@@ -126,7 +131,7 @@ def _phase(
             elapsed = time.monotonic() - start
             passes = blocks / len(keys)
             fraction = min(elapsed / plan.seconds, 1.0) if plan.seconds else passes
-            rate = blocks * plan.block_bytes / sum(durations) / 1e6
+            rate = (blocks - missing) * plan.block_bytes / sum(durations) / 1e6
             done = f"{blocks:,} blocks" if plan.seconds else f"{blocks:,}/{len(keys):,} blocks"
             progress.update(label, fraction, f"{done}  {rate:,.1f} MB/s")
             if elapsed >= plan.seconds and passes >= 1:
@@ -135,7 +140,7 @@ def _phase(
                 return PhaseResult(
                     calls=len(durations),
                     blocks=blocks,
-                    payload_bytes=blocks * plan.block_bytes,
+                    payload_bytes=(blocks - missing) * plan.block_bytes,
                     seconds=sum(durations),
                     p50_ms=1000 * percentile(ordered, 50),
                     p99_ms=1000 * percentile(ordered, 99),
