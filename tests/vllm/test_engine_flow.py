@@ -265,6 +265,26 @@ def test_block_with_a_valid_checksum_but_the_wrong_shape_is_refused(model_dir: s
     assert engine.stats.data["load_failures"] == 4
 
 
+def test_a_load_that_fails_after_the_fetch_fails_every_block_it_did_not_write(model_dir: str, server) -> None:
+    """The scatter raising (a device out of memory, say) after the chunks arrived intact: the load must not be
+    reported as done with no failed block, or vLLM would run the request on whatever its blocks last held."""
+    saved_prompt(model_dir, server)
+    engine = make_engine(model_dir, role="kv_consumer", extra={"target": server.target})
+    side = engine.workers[0]._worker_side()
+
+    def out_of_memory(*args: object) -> None:
+        raise RuntimeError("out of memory (simulated)")
+
+    side._scatter = out_of_memory
+    engine.add("r", PROMPT)
+    engine.run()
+
+    assert engine.invalid_block_ids() == set(engine.last_block_ids("r")[:7])
+    assert engine.computed_positions("r") == list(range(100))
+    assert bitwise_equal(engine.paged_kv("r", 0, 100), engine.expected_kv("r", 0, 100))
+    assert (engine.stats.data.get("load_chunks", 0), engine.stats.data["load_failures"]) == (0, 4)
+
+
 def test_another_chunks_intact_block_is_refused(model_dir: str, server) -> None:
     """Chunk 1's intact block under chunk 0's key (right shape, dtype and layout): before format v2 it was
     scattered as chunk 0's KV. Now the SDK's key check refuses it and the engine recomputes."""

@@ -254,8 +254,15 @@ class WorkerSide:
             self._done_loads.append(job)
 
     def _run_load(self, job: _LoadJob) -> None:
-        """On the load thread: fetch, check and scatter one step's loads, then report the job done."""
+        """On the load thread: fetch, check and scatter one step's loads, then report the job done.
+
+        Whatever fails after the fetch (a tensor that does not fit, the scatter, an out-of-memory on
+        the device) fails every block of the job's transfers: a load is reported as done only with
+        each block it did not write in `failed`, or vLLM would run the request on blocks that hold
+        whatever KV they last held.
+        """
         started = time.perf_counter()
+        loaded = Counters()  # counted into the job's only once the scatter succeeded
         try:
             fetched = self._fetch(job)
             blocks: list[torch.Tensor] = []
@@ -275,10 +282,18 @@ class WorkerSide:
                     offsets.append(o)
                     first = chunk.start - chunk.index * c
                     values.append(tensor.narrow(self._token_dim, first, chunk.end - chunk.start))
-                    job.counters.load_chunks += 1
-                    job.counters.load_bytes += tensor.nbytes
+                    loaded.load_chunks += 1
+                    loaded.load_bytes += tensor.nbytes
             if values:
                 self._scatter(torch.cat(blocks), torch.cat(offsets), torch.cat(values, dim=self._token_dim))
+            job.counters.load_chunks += loaded.load_chunks
+            job.counters.load_bytes += loaded.load_bytes
+        except Exception:
+            log.exception("kvcache load failed; vLLM recomputes the job's blocks")
+            bs = self._facts.block_size
+            for transfer in job.loads:
+                job.failed.update(transfer.block_ids[transfer.start // bs : math.ceil(transfer.end / bs)])
+            job.counters.load_failures += loaded.load_chunks  # the chunks it had fetched but did not write
         finally:
             job.counters.load_s += time.perf_counter() - started
             with self._lock:
