@@ -12,9 +12,29 @@ import asyncio
 import contextlib
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor
 from typing import TypeVar
 
 T = TypeVar("T")
+
+
+async def in_pool(executor: Executor, fn: Callable[..., T], *args: object) -> T:
+    """fn(*args) in `executor`, awaited to its end even when the awaiting task is cancelled.
+
+    For blocking I/O that cannot be interrupted (a Redis pipeline, an S3 PUT): a caller that gives up
+    (a timeout cancels it) still ends only when the thread has, so whoever tracks the call (the tier
+    stack's writes, which Deletes wait for) knows when its effect has really landed.
+    """
+    future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
+                await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # retrieved: the caller is cancelled whatever the thread ended with
+        raise
 
 
 async def run_to_end(fn: Callable[[threading.Event], T]) -> T:

@@ -33,8 +33,10 @@ Deletes stay deleted: puts, gets (which may promote) and write-behind batches
 open an operation on the DeleteFence (write_queue.py) and check it right before
 each write lands; a Delete fences its keys off while it runs, drops their queued
 writes, and waits (bounded by each tier's timeout_s) for lower-tier writes of
-its keys that were already in flight before deleting there. So no write or
-promotion that began before a Delete returned lands after it (docs/tiers.md).
+its keys that were already in flight before deleting there; a write that
+outlived that wait and lands after the Delete returned is deleted again when
+it ends (_landed). So no write or promotion that began before a Delete returned
+stays after it (docs/tiers.md says where this weakens).
 """
 
 from __future__ import annotations
@@ -138,6 +140,7 @@ class _Counters:
     promotions: int = 0  # blocks copied into this tier from a lower one
     demotions: int = 0  # blocks written here after RAM evicted them
     write_errors: int = 0  # write-behind / demotion writes that failed
+    late_deletes: int = 0  # keys deleted again after a write that outlived its timeout landed past a Delete
     bytes_written: int = 0  # as stored (after compression)
     bytes_read: int = 0
 
@@ -149,6 +152,7 @@ class _Landing:
     namespace: str
     keys: frozenset[bytes]
     done: asyncio.Future[None]
+    late: set[bytes] = field(default_factory=set)  # keys a Delete stopped waiting for (deleted again on landing)
 
 
 @dataclass(eq=False, slots=True)
@@ -158,6 +162,7 @@ class _Call:
     op: str
     task: asyncio.Task[object] | None = None
     counted: bool = False  # already counted in errors/timeouts (a Lookup stopped waiting)
+    reported: bool = False  # its timeout already reached the breaker (the call still runs: a write in a thread)
     orphaned: bool = False  # no caller waits for it any more
 
 
@@ -256,6 +261,7 @@ class TierStack:
         ]
         self._demote = demote_on_evict and bool(self._lower)
         self._closing = False
+        self._late_deletes: set[asyncio.Task[None]] = set()  # deletes redone after a late write
         self._fence = DeleteFence()
 
     @property
@@ -303,11 +309,15 @@ class TierStack:
         breaker when it ends, whether or not a caller still waits; None when it failed."""
         name = lower.tier.name
         start = time.perf_counter()
+        # A write in a thread outlives the timeout (the tier waits for it, so that Deletes can): its
+        # timeout reaches the breaker at the deadline all the same.
+        overdue = asyncio.get_running_loop().call_later(lower.policy.timeout_s, self._overdue, lower, call, start)
         try:
             async with asyncio.timeout(lower.policy.timeout_s):
                 result = await fn(*args)
         except TimeoutError:
-            self._failed(lower, call, start, timed_out=True)
+            if not call.reported:
+                self._failed(lower, call, start, timed_out=True)
             log.warning(
                 "tier %s timed out during %s after %.2fs; treating as miss", name, call.op, lower.policy.timeout_s
             )
@@ -320,9 +330,16 @@ class TierStack:
             self._failed(lower, call, start, timed_out=False)
             log.exception("tier %s raised during %s; treating as miss", name, call.op)
             return None
+        finally:
+            overdue.cancel()
         self._observer.tier_op(name, call.op, time.perf_counter() - start, True)
         lower.breaker.success()
         return result
+
+    def _overdue(self, lower: _Lower, call: _Call, start: float) -> None:
+        if call.task is not None and not call.task.done() and not call.reported:
+            call.reported = True
+            self._failed(lower, call, start, timed_out=True)
 
     def _failed(self, lower: _Lower, call: _Call, start: float, *, timed_out: bool) -> None:
         self._observer.tier_op(lower.tier.name, call.op, time.perf_counter() - start, False)
@@ -447,7 +464,8 @@ class TierStack:
         landing = _Landing(namespace, frozenset(k for k, _ in batch), asyncio.get_running_loop().create_future())
         lower.landings.add(landing)
         call.task.add_done_callback(lambda _: self._landed(lower, landing))
-        done = await self._wait(lower, call)
+        # The put waits at most timeout_s; the write may go on in its thread, tracked by its landing.
+        done = await self._wait(lower, call, lower.policy.timeout_s)
         written = [False] * len(live) if done is None else done
         for i, ok in zip(live, written, strict=True):  # type: ignore[call-overload]
             out[i] = ok
@@ -461,21 +479,53 @@ class TierStack:
         self.events.publish(EventKind.STORED, lower.tier.kind, namespace, [k for k, _ in stored])
         return written
 
-    @staticmethod
-    def _landed(lower: _Lower, landing: _Landing) -> None:
+    def _landed(self, lower: _Lower, landing: _Landing) -> None:
+        """A write's call ended (its thread too). If a Delete of its keys stopped waiting for it (after
+        timeout_s) and deleted them, the write may have landed after that: delete them there again, so
+        the Delete stays done."""
         lower.landings.discard(landing)
         if not landing.done.done():
             landing.done.set_result(None)
+        if not landing.late:
+            return
+        task = asyncio.get_running_loop().create_task(
+            self._delete_late(lower, landing.namespace, sorted(landing.late)),
+            name=f"kvcache-{lower.tier.name}-redelete",
+        )
+        self._late_deletes.add(task)
+        task.add_done_callback(self._late_deletes.discard)
+
+    async def _delete_late(self, lower: _Lower, namespace: str, keys: list[bytes]) -> None:
+        """Deletes again, past the breaker (the tier just answered), keys a late write brought back."""
+        log.warning(
+            "tier %s: a write of %d key(s) ended after their Delete had gone on; deleting them there again",
+            lower.tier.name,
+            len(keys),
+        )
+        try:
+            async with asyncio.timeout(lower.policy.timeout_s):
+                await lower.tier.delete_many(namespace, keys)
+            lower.counters.late_deletes += len(keys)
+        except (TimeoutError, TierError) as exc:
+            log.warning(
+                "tier %s: deleting %d key(s) again failed (%s); they may be served again",
+                lower.tier.name,
+                len(keys),
+                exc,
+            )
 
     async def _settle(self, lower: _Lower, namespace: str, keys: frozenset[bytes]) -> None:
         """Waits, at most the tier's timeout_s, for its in-flight writes that hold any of `keys`."""
-        waits = [w.done for w in lower.landings if w.namespace == namespace and not w.keys.isdisjoint(keys)]
-        if not waits:
+        landings = [w for w in lower.landings if w.namespace == namespace and not w.keys.isdisjoint(keys)]
+        if not landings:
             return
-        _, pending = await asyncio.wait(waits, timeout=lower.policy.timeout_s)
+        _, pending = await asyncio.wait([w.done for w in landings], timeout=lower.policy.timeout_s)
         if pending:
+            for w in landings:
+                if w.done in pending:
+                    w.late |= w.keys & keys  # deleted again when the write ends (_landed)
             log.warning(
-                "delete: %d writes to tier %s still in flight after %.1fs; deleting anyway (a late write may land)",
+                "delete: %d writes to tier %s still in flight after %.1fs; deleting anyway (again when they land)",
                 len(pending),
                 lower.tier.name,
                 lower.policy.timeout_s,
@@ -776,6 +826,8 @@ class TierStack:
                 task.cancel()
             await asyncio.gather(*calls, return_exceptions=True)
             lower.codec.shutdown(wait=False, cancel_futures=True)
+        if self._late_deletes:  # deletes redone after late writes: before the tiers close
+            await asyncio.wait(set(self._late_deletes), timeout=max(0.0, deadline - loop.time()))
         for tier in self.tiers:
             try:
                 await tier.close()

@@ -13,13 +13,17 @@ import asyncio
 import hashlib
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from kvcache_client import KVCacheClient
 from kvcache_client.results import PutResult, TierPutResult
-from kvcache_server.tiers.base import Tier
+from kvcache_core.threads import in_pool
+from kvcache_server.stack import LowerTierPolicy, TierStack, WriteMode
+from kvcache_server.tiers.base import Tier, TierKind, TierStats
 from kvcache_server.tiers.ram import RamTier
 from kvcache_server.write_queue import DeleteFence
 from tests.backends import RedisProcess, S3Process, wait_for
@@ -371,3 +375,61 @@ def test_fence_keeps_tombstones_only_while_older_operations_run() -> None:
     fence.deleting("ns", [k])
     fence.deleted("ns", [k])  # nothing open: no tombstone at all
     assert fence.tombstones == 0
+
+
+class _SlowWriteTier(Tier):
+    """A tier whose writes take longer than the stack's timeout, in a thread, as Redis's and S3's do when
+    their backend is slow; it keeps the tier contract (put_many ends when its write has landed)."""
+
+    name, kind = "redis", TierKind.REDIS
+
+    def __init__(self, write_s: float) -> None:
+        self.data: dict[tuple[str, bytes], bytes] = {}
+        self._write_s = write_s
+        self._pool = ThreadPoolExecutor(2)
+
+    def _put(self, namespace: str, items: list[tuple[bytes, bytes]]) -> None:
+        time.sleep(self._write_s)
+        for key, block in items:
+            self.data[(namespace, key)] = block
+
+    async def put_many(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        await in_pool(self._pool, self._put, namespace, list(items))
+        return [True] * len(items)
+
+    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [self.data.get((namespace, k)) for k in keys]
+
+    async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return sum(self.data.pop((namespace, k), None) is not None for k in keys)
+
+    def stats(self) -> TierStats:
+        return TierStats(name=self.name, kind=self.kind)
+
+
+def test_a_write_that_outlives_its_timeout_and_lands_after_a_delete_is_deleted_again() -> None:
+    """Found in review: a write-through put whose tier write ran past timeout_s kept going in its thread; the
+    Delete waited timeout_s for it and went on; the write landed after the Delete returned and a later Get
+    served and promoted the deleted block. Now the stack deletes such keys again when the write ends."""
+
+    async def main() -> tuple[bool, bool, object, int, int]:
+        tier = _SlowWriteTier(write_s=0.5)
+        stack = TierStack(1 << 20, [(tier, LowerTierPolicy(write_mode=WriteMode.THROUGH, timeout_s=0.1))])
+        await stack.start()
+        key = os.urandom(16)
+        outcome = await stack.put(NS, [(key, raw_block(key, b"deleted" * 10))])
+        assert [(t.name, t.stored, t.failed) for t in outcome.tiers] == [("ram", 1, 0), ("redis", 0, 1)]
+        await stack.delete(NS, [key])
+        held_right_after = (NS, key) in tier.data  # the write is still sleeping in its thread
+        lower = stack._lower[0]
+        for _ in range(150):  # bounded (3 s): the write lands after 0.5 s, then the key is deleted again
+            if lower.counters.late_deletes and not stack._late_deletes:
+                break
+            await asyncio.sleep(0.02)
+        got = await stack.get(NS, [key])
+        redone = lower.counters.late_deletes
+        await stack.close()
+        return held_right_after, (NS, key) in tier.data, got[0], redone, stack.fence.tombstones
+
+    held_right_after, held_later, got, redone, tombstones = asyncio.run(main())
+    assert (held_right_after, held_later, got, redone, tombstones) == (False, False, None, 1, 0)

@@ -18,6 +18,12 @@ Misses and failures:
     A missing block is None, never an exception. A tier whose backend fails
     raises TierError; the stack turns that into a miss and counts it.
 
+Writes end when they have landed:
+    `put_many` does not end, even when the stack's timeout cancels it, before
+    the backend write it started is over (kvcache_core.threads.in_pool waits for
+    the thread): the stack then knows when a write that a Delete waited for has
+    really landed, and deletes it again if it landed after the Delete returned.
+
 Batched calls are the real methods: one call per request, never one per key.
 """
 

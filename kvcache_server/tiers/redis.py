@@ -29,6 +29,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvcache_core.threads import in_pool
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
 
 try:
@@ -139,7 +140,9 @@ class RedisTier(Tier):
     async def put_many(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
         named = [(self._key(namespace, k), block) for k, block in items]
         try:
-            await self._run(self._put_blocking, named)
+            # Waited to its end even when the stack's timeout cancels the call: a SET that lands after
+            # the call was given up is still a write a Delete must wait for (kvcache_server/stack.py).
+            await in_pool(self._pool, self._put_blocking, named)
         except RedisError as exc:
             raise TierError(f"redis SET pipeline on {self._url_for_logs}: {exc}") from exc
         self._stats.puts += len(items)

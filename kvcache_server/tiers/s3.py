@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+from kvcache_core.threads import in_pool
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
 from kvcache_server.write_queue import DeleteFence
 
@@ -272,7 +273,8 @@ class S3Tier(Tier):
         await self._ensure_bucket()
         token = self.index.begin()
         try:
-            await asyncio.gather(*(self._run(self._put, self._object(namespace, k), b) for k, b in items))
+            # Each PUT waited to its end even when the stack's timeout cancels the call (RedisTier.put_many).
+            await asyncio.gather(*(in_pool(self._pool, self._put, self._object(namespace, k), b) for k, b in items))
             self.index.add(token, namespace, [k for k, _ in items])
         except (BotoCoreError, ClientError) as exc:
             raise TierError(f"s3 PUT in bucket {self._bucket}: {exc}") from exc
