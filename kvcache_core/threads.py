@@ -18,6 +18,22 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+async def _to_end(future: asyncio.Future[T], on_cancel: Callable[[], None] | None = None) -> T:
+    """Awaits an executor future; if the awaiting task is cancelled, calls on_cancel, still waits for the
+    thread to end (cancelled again: still waits), then lets CancelledError propagate."""
+    try:
+        return await asyncio.shield(future)
+    except asyncio.CancelledError:
+        if on_cancel is not None:
+            on_cancel()
+        while not future.done():
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait([future])
+        if not future.cancelled():
+            future.exception()  # retrieved: the caller is cancelled whatever the thread ended with
+        raise
+
+
 async def in_pool(executor: Executor, fn: Callable[..., T], *args: object) -> T:
     """fn(*args) in `executor`, awaited to its end even when the awaiting task is cancelled.
 
@@ -25,16 +41,7 @@ async def in_pool(executor: Executor, fn: Callable[..., T], *args: object) -> T:
     (a timeout cancels it) still ends only when the thread has, so whoever tracks the call (the tier
     stack's writes, which Deletes wait for) knows when its effect has really landed.
     """
-    future = asyncio.get_running_loop().run_in_executor(executor, fn, *args)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        while not future.done():
-            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
-                await asyncio.wait([future])
-        if not future.cancelled():
-            future.exception()  # retrieved: the caller is cancelled whatever the thread ended with
-        raise
+    return await _to_end(asyncio.get_running_loop().run_in_executor(executor, fn, *args))
 
 
 async def run_to_end(fn: Callable[[threading.Event], T]) -> T:
@@ -45,14 +52,4 @@ async def run_to_end(fn: Callable[[threading.Event], T]) -> T:
     the thread still works. If the thread never ran (the executor was shut down), fn is not called.
     """
     stop = threading.Event()
-    future = asyncio.get_running_loop().run_in_executor(None, fn, stop)
-    try:
-        return await asyncio.shield(future)
-    except asyncio.CancelledError:
-        stop.set()
-        while not future.done():
-            with contextlib.suppress(asyncio.CancelledError):  # cancelled again: still wait
-                await asyncio.wait([future])
-        if not future.cancelled():
-            future.exception()  # retrieved: the call is cancelled whatever the thread ended with
-        raise
+    return await _to_end(asyncio.get_running_loop().run_in_executor(None, fn, stop), stop.set)

@@ -406,6 +406,10 @@ class _SlowWriteTier(Tier):
     def stats(self) -> TierStats:
         return TierStats(name=self.name, kind=self.kind)
 
+    def shutdown(self) -> None:
+        """Waits for the writes still running in the tier's threads."""
+        self._pool.shutdown(wait=True)
+
 
 def test_a_write_that_outlives_its_timeout_and_lands_after_a_delete_is_deleted_again() -> None:
     """Found in review: a write-through put whose tier write ran past timeout_s kept going in its thread; the
@@ -421,15 +425,44 @@ def test_a_write_that_outlives_its_timeout_and_lands_after_a_delete_is_deleted_a
         assert [(t.name, t.stored, t.failed) for t in outcome.tiers] == [("ram", 1, 0), ("redis", 0, 1)]
         await stack.delete(NS, [key])
         held_right_after = (NS, key) in tier.data  # the write is still sleeping in its thread
-        lower = stack._lower[0]
-        for _ in range(150):  # bounded (3 s): the write lands after 0.5 s, then the key is deleted again
-            if lower.counters.late_deletes and not stack._late_deletes:
-                break
+        await asyncio.to_thread(tier.shutdown)  # until the write has landed in the tier (0.5 s)
+        for _ in range(50):  # then the stack's reaction to it, if any: a few loop turns (bounded, 1 s)
             await asyncio.sleep(0.02)
+            if (NS, key) not in tier.data:
+                break
+        assert (NS, key) not in tier.data, "the write landed after the Delete and stayed"
         got = await stack.get(NS, [key])
-        redone = lower.counters.late_deletes
+        redone = stack._lower[0].counters.late_deletes
         await stack.close()
         return held_right_after, (NS, key) in tier.data, got[0], redone, stack.fence.tombstones
 
     held_right_after, held_later, got, redone, tombstones = asyncio.run(main())
     assert (held_right_after, held_later, got, redone, tombstones) == (False, False, None, 1, 0)
+
+
+def test_a_redis_write_that_outlives_its_timeout_does_not_undo_a_delete(
+    make_server, redis_server: RedisProcess
+) -> None:
+    """The same through the real Redis tier: its SET pipeline (blocking redis-py, in the tier's thread) takes
+    0.5 s against a 0.1 s timeout. Old code: the put gave up, the Delete found nothing in flight and returned,
+    then the SET landed and the deleted block was served again from Redis."""
+    server: ServerThread = make_server(redis=redis_cfg(redis_server, timeout_s=0.1), ram={"capacity_bytes": 1 << 20})
+    redis = tier_of(server, "redis")
+    real = redis._put_blocking  # type: ignore[attr-defined]
+    landed = threading.Event()
+
+    def slow_put(named: list[tuple[str, bytes]]) -> None:
+        time.sleep(0.5)
+        real(named)
+        landed.set()
+
+    redis._put_blocking = slow_put  # type: ignore[attr-defined]
+    data = blocks(3)
+    keys = [k for k, _ in data]
+    with KVCacheClient(server.target) as client:
+        assert client.put_many(NS, data).tier("redis").stored == 0  # the put gave up on Redis after 0.1 s
+        client.delete(NS, keys)
+        assert landed.wait(10)  # the SET landed after the Delete returned
+        wait_for(lambda: in_redis(redis_server, keys) == 0, timeout_s=10, what="the late SET deleted again")
+        assert served(client, keys) == (0, 0)
+    assert server.stack.fence.tombstones == 0
