@@ -53,6 +53,9 @@ The rules, found by feeding crafted bytes to kvcache_pb2.*.FromString:
 Decoding only decodes. That a Block may not set `shm` together with data, more or total_length
 is validation: parse_put_request decodes such a block as a MixedBlock, check_put_message refuses
 it, and decode_put_request (what the server registers) does both.
+
+Longer than the project's ~500-line module guideline: one codec whose decoder must match protobuf's rules
+exactly (the docstring lists them); the rules and the code that follows them are kept together.
 """
 
 from __future__ import annotations

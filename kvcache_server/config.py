@@ -12,6 +12,9 @@ Fields ending in `_bytes` accept integers or sizes with a unit ("512MiB",
 "4GiB", "1.5GB"). Unknown sections or fields are errors, so a typo never goes
 silently unapplied; so is any KVCACHE_* environment variable that names no field and
 is not one of ENV_NOT_FIELDS.
+
+Longer than the project's ~500-line module guideline: one typed section per TOML table, each with its
+validation next to its fields, and the loader that merges file, environment and flags.
 """
 
 from __future__ import annotations

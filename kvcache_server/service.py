@@ -11,6 +11,10 @@ message is decoded no further than the stream's block limit allows, large ones o
 loop, and large blocks are verified off it too; a Get fetches from lower tiers window by window
 and sends each window before fetching the next; a Put stream that goes quiet, or a Get whose
 client stops reading, is cut off with DEADLINE_EXCEEDED and what it held is released.
+
+Longer than the project's ~500-line module guideline: each RPC's validation, status codes and budget
+accounting are read together with the wire contract; the Put and Get data paths (budget, windows, shm,
+parts) are the candidates to move out when the bulk path of issue 14 adds a third transport.
 """
 
 from __future__ import annotations

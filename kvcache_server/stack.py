@@ -37,6 +37,11 @@ its keys that were already in flight before deleting there; a write that
 outlived that wait and lands after the Delete returned is deleted again when
 it ends (_landed). So no write or promotion that began before a Delete returned
 stays after it (docs/tiers.md says where this weakens).
+
+Longer than the project's ~500-line module guideline: the breaker-guarded tier calls, the delete fence's
+landings and the read/write/demotion paths check each other's invariants (what lands, what a Delete waits
+for) with no await in between; split across modules they would have to share private state. A split along
+reads/writes belongs with the block-arena rework (issue 14), which replaces much of this file.
 """
 
 from __future__ import annotations

@@ -31,6 +31,10 @@ confirmation may come after vLLM freed it). The event waits until every shard's 
 reported the chunk stored (the workers' StoredChunks, in kv_connector_worker_meta),
 and is dropped when any shard reports it failed, or PENDING_EVENT_STEPS steps after
 its request finished.
+
+Longer than the project's ~500-line module guideline: the scheduler side's per-request state machine
+(lookups, async loads, saves, write-back, hand-off, pending events) is one lifecycle that vLLM drives
+through these methods; split, each part would reach into the others' request records.
 """
 
 from __future__ import annotations

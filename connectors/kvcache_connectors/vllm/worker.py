@@ -43,6 +43,9 @@ bytes out before wait_for_save returns (on CUDA, queued on the compute stream ah
 any later kernel), so the blocks may be freed and reused as soon as the step ends; only
 a finished request's last chunk, saved in the step after it finished, holds its blocks
 (request_finished delays their free until get_finished reports the request as sent).
+
+Longer than the project's ~500-line module guideline by a little: loads and saves share the staging,
+the unsettled-block bookkeeping and the job threads, which are kept in one place on purpose.
 """
 
 from __future__ import annotations
