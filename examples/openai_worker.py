@@ -8,7 +8,7 @@
 It plays the part vLLM plays in docker/docker-compose.yml, on a CPU, with the endpoints the router uses:
 
     POST /v1/completions, /v1/chat/completions   greedy decoding, `stream: true` for server-sent events
-    POST /tokenize                               vLLM's: {"prompt"} or {"messages"} -> {"tokens", "count", "max_model_len"}
+    POST /tokenize                               as vLLM's: {"prompt"} or {"messages"} -> {"tokens", "count", ...}
     GET  /v1/models, /health                     the served model; 200 while serving
     GET  /kvcache/namespace                      the kvcache namespace this worker stores under (Namespace.to_dict())
 
@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import threading
@@ -126,7 +127,9 @@ class Engine:
         vocab = self.model.config.vocab_size
         if isinstance(prompt, list) and all(isinstance(t, int) and 0 <= t < vocab for t in prompt):
             return list(prompt)
-        raise RequestError(400, "prompt must be one string or one list of token ids", code="invalid_prompt", param="prompt")
+        raise RequestError(
+            400, "prompt must be one string or one list of token ids", code="invalid_prompt", param="prompt"
+        )
 
     def piece(self, token: int) -> str:
         """A token's text: a space and its word."""
@@ -387,10 +390,8 @@ def main() -> None:
         print(f"openai-worker serving {worker.engine.name} ({args.role}) on {host}:{port}", flush=True)
         await asyncio.Event().wait()
 
-    try:
+    with contextlib.suppress(KeyboardInterrupt):
         asyncio.run(serve())
-    except KeyboardInterrupt:
-        pass
 
 
 if __name__ == "__main__":

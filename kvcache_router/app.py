@@ -1,0 +1,498 @@
+"""The router's request path: OpenAI-compatible endpoints in front of prefill and decode workers.
+
+Per /v1/completions or /v1/chat/completions request (docs/router.md):
+
+    read the body (at most http.max_body_bytes)        -> 413 / 400 on a bad body, 404 for an unknown model
+    tokenize it on a decode worker (POST /tokenize)     -> 400 when the prompt leaves no room in the context
+    Lookup its chunk keys in kvcache (prefix.py)        -> skip prefill when all but the last chunk are stored
+    else: a prefill worker, max_tokens 1                -> retried on another one; none left: decode only
+    the original request (+ the prefill's kv_transfer_params) to a decode worker, its answer streamed
+    back byte for byte, with X-KVCache-* headers saying what was done
+
+Every upstream call has a deadline ([workers] *_timeout_s); a worker that cannot be reached is
+ejected (workers.py). Errors are OpenAI-style bodies, {"error": {"message", "type", "param", "code"}};
+a worker's own 4xx answer reaches the client unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from kvcache_core.keys import Namespace
+from kvcache_router.config import RouterConfig
+from kvcache_router.metrics import RequestReport, RouterMetrics
+from kvcache_router.prefix import PrefixOracle
+from kvcache_router.workers import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+_PREFILL_MAX_ANSWER_BYTES = 4 << 20  # a one-token answer; anything larger is not one
+_RETRYABLE_STATUS = frozenset({408, 429})  # and every 5xx: the worker's trouble, not the request's
+_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})
+
+
+class RouterError(Exception):
+    """A request the router answers itself with an OpenAI-style error."""
+
+    def __init__(self, status: int, message: str, *, code: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.code, self.param = status, code, param
+
+    def response(self, report: RequestReport | None = None) -> web.Response:
+        kind = "invalid_request_error" if self.status < 500 else "server_error"
+        body = {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
+        return web.json_response(body, status=self.status, headers=report.headers() if report else None)
+
+
+class UpstreamAnswer(Exception):
+    """A worker's 4xx answer to pass to the client unchanged: the request is at fault, not the worker."""
+
+    def __init__(self, status: int, body: bytes, content_type: str) -> None:
+        super().__init__(status)
+        self.status, self.body, self.content_type = status, body, content_type
+
+
+class Router:
+    """The aiohttp application and the state it shares: worker pools, the kvcache oracle, metrics.
+
+    Args:
+        config: The validated configuration.
+        oracle: Lookups in kvcache; None when no kvcache target is configured.
+        namespace: The workers' namespace when configured ([namespace]); else read from a worker.
+    """
+
+    def __init__(self, config: RouterConfig, oracle: PrefixOracle | None, namespace: Namespace | None) -> None:
+        self.config = config
+        w = config.workers
+        self.metrics = RouterMetrics()
+        self.prefill = WorkerPool("prefill", w.prefill, self.metrics, health_failures=w.health_failures)
+        self.decode = WorkerPool("decode", w.decode, self.metrics, health_failures=w.health_failures)
+        self.oracle = oracle
+        if oracle is not None:
+            oracle.namespace = namespace
+        self.models: set[str] = set()
+        self._slots = asyncio.Semaphore(config.http.max_concurrent_requests)
+        self._session: aiohttp.ClientSession | None = None
+        self._health_task: asyncio.Task[None] | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------------
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.list_models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/metrics", self.prometheus)
+        app.on_startup.append(self._start)
+        app.on_cleanup.append(self._stop)
+        return app
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        assert self._session is not None, "the router's app has not started"
+        return self._session
+
+    async def _start(self, _: web.Application) -> None:
+        # No connection limit of the session's own: http.max_concurrent_requests bounds the calls.
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        await self.check_workers()
+        self._health_task = asyncio.create_task(self._health_loop(), name="health-checks")
+
+    async def _stop(self, _: web.Application) -> None:
+        if self._health_task is not None:
+            self._health_task.cancel()
+            await asyncio.gather(self._health_task, return_exceptions=True)
+        if self._session is not None:
+            await self._session.close()
+        if self.oracle is not None:
+            await self.oracle.client.close()
+
+    async def check_workers(self) -> None:
+        """One round of health checks, then what the workers serve (models, the namespace)."""
+        w = self.config.workers
+        await asyncio.gather(
+            self.prefill.check(self.session, w.health_timeout_s), self.decode.check(self.session, w.health_timeout_s)
+        )
+        await self._learn_models()
+        if self.oracle is not None and self.oracle.namespace is None:
+            await self._learn_namespace()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.workers.health_interval_s)
+            await self.check_workers()
+
+    async def _get_json(self, worker: Worker, path: str) -> Any:
+        timeout = aiohttp.ClientTimeout(total=self.config.workers.health_timeout_s)
+        async with self.session.get(f"{worker.url}{path}", timeout=timeout) as resp:
+            if resp.status != 200:
+                raise aiohttp.ClientResponseError(resp.request_info, (), status=resp.status)
+            return await resp.json(content_type=None)
+
+    async def _learn_models(self) -> None:
+        models: set[str] = set()
+        for worker in (*self.decode.healthy(), *self.prefill.healthy()):
+            try:
+                models.update(card["id"] for card in (await self._get_json(worker, "/v1/models"))["data"])
+            except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+                log.debug("no model list from %s: %s", worker.url, exc)
+        if models:
+            self.models = models
+
+    async def _learn_namespace(self) -> None:
+        assert self.oracle is not None
+        for worker in self.decode.healthy():
+            try:
+                self.oracle.namespace = Namespace(**(await self._get_json(worker, "/kvcache/namespace")))
+            except (aiohttp.ClientError, TimeoutError, ValueError, TypeError) as exc:
+                log.warning("no kvcache namespace from %s (set [namespace] for vLLM workers): %s", worker.url, exc)
+                continue
+            log.info("kvcache namespace %s from %s", self.oracle.namespace.name, worker.url)
+            return
+
+    # -- small endpoints ----------------------------------------------------------------------------
+
+    async def health(self, _: web.Request) -> web.Response:
+        """200 while a decode worker is in rotation (prefill workers are optional: decode-only fallback)."""
+        state = {
+            role: {w.url: {"healthy": w.healthy, "outstanding": w.outstanding} for w in pool.workers}
+            for role, pool in (("prefill", self.prefill), ("decode", self.decode))
+        }
+        ok = bool(self.decode.healthy())
+        return web.json_response({"status": "ok" if ok else "unavailable", "workers": state}, status=200 if ok else 503)
+
+    async def prometheus(self, _: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), content_type="text/plain", charset="utf-8")
+
+    async def list_models(self, _: web.Request) -> web.Response:
+        worker = self.decode.pick()
+        if worker is None:
+            return RouterError(503, "no decode worker is available", code="no_worker").response()
+        try:
+            return web.json_response(await self._get_json(worker, "/v1/models"))
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return RouterError(502, f"the model list failed: {exc}", code="upstream_error").response()
+
+    # -- completions --------------------------------------------------------------------------------
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._admit(request, "completions")
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._admit(request, "chat")
+
+    async def _admit(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+        report = RequestReport(request.headers.get("X-Request-Id") or uuid.uuid4().hex, endpoint)
+        start = time.monotonic()
+        try:
+            await asyncio.wait_for(self._slots.acquire(), self.config.http.queue_timeout_s)
+        except TimeoutError:
+            return self._done(report, start, RouterError(503, "the router is at capacity", code="overloaded"))
+        try:
+            return await self._route(request, report, start)
+        finally:
+            self._slots.release()
+
+    def _done(self, report: RequestReport, start: float, outcome: RouterError | UpstreamAnswer) -> web.Response:
+        report.status = outcome.status
+        if isinstance(outcome, RouterError):
+            report.error = outcome.code
+            response = outcome.response(report)
+        else:
+            report.error = "upstream_rejected"
+            response = web.Response(
+                body=outcome.body,
+                status=outcome.status,
+                headers={"Content-Type": outcome.content_type, **report.headers()},
+            )
+        self._log(report, start, None)
+        return response
+
+    def _log(self, report: RequestReport, start: float, ttft_s: float | None) -> None:
+        self.metrics.finished(report)
+        log.info(
+            "%s %s %d route=%s prompt_tokens=%s cached_tokens=%s lookup=%s prefill=%s attempts=%d decode=%s "
+            "ttft_s=%s total_s=%.3f%s",
+            report.request_id,
+            report.endpoint,
+            report.status,
+            report.route,
+            report.prompt_tokens,
+            report.cached_tokens,
+            report.lookup,
+            report.prefill_worker or "-",
+            report.prefill_attempts,
+            report.decode_worker or "-",
+            f"{ttft_s:.3f}" if ttft_s is not None else "-",
+            time.monotonic() - start,
+            f" error={report.error}" if report.error else "",
+        )
+
+    async def _route(self, request: web.Request, report: RequestReport, start: float) -> web.StreamResponse:
+        chat = report.endpoint == "chat"
+        try:
+            body = await self._read_body(request)
+            kv_params = await self._prepare(body, report, chat=chat)
+        except (RouterError, UpstreamAnswer) as exc:
+            return self._done(report, start, exc)
+        if kv_params is not None:
+            body = {**body, "kv_transfer_params": kv_params}
+        return await self._decode(request, body, report, start)
+
+    async def _read_body(self, request: web.Request) -> dict[str, Any]:
+        cap = self.config.http.max_body_bytes
+        too_large = RouterError(413, f"the request body exceeds {cap} bytes", code="request_too_large")
+        if request.content_length is not None and request.content_length > cap:
+            raise too_large
+        data = bytearray()
+        async for piece in request.content.iter_chunked(1 << 16):
+            data += piece
+            if len(data) > cap:
+                raise too_large
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RouterError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise RouterError(400, "the body must be a JSON object", code="invalid_json")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RouterError(400, "model must be a string", code="invalid_model", param="model")
+        if model is not None and self.models and model not in self.models:
+            raise RouterError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+        return body
+
+    async def _prepare(self, body: dict[str, Any], report: RequestReport, *, chat: bool) -> dict[str, Any] | None:
+        """Everything before decode: tokenize, look up, prefill. Returns the kv_transfer_params to pass on."""
+        tokens = await self._tokens_and_coverage(body, report, chat=chat)
+        if report.route == "skip":
+            return None
+        return await self._prefill(body, report, tokens)
+
+    async def _tokens_and_coverage(self, body: dict[str, Any], report: RequestReport, *, chat: bool) -> int:
+        """Tokenizes the prompt and looks it up; sets the report's tokens and route. Returns the prompt's tokens."""
+        report.route = "prefill"
+        if self.oracle is None:
+            return 0
+        started = time.monotonic()
+        report.lookup = "failed"
+        answer = await self._tokenize(body, chat=chat)
+        if answer is None:
+            self.metrics.lookup_failures.labels("tokenize").inc()
+            return 0
+        tokens, max_model_len = answer
+        report.prompt_tokens = len(tokens)
+        requested = body.get("max_completion_tokens") if chat else None
+        requested = requested if requested is not None else body.get("max_tokens")
+        requested = requested if isinstance(requested, int) and not isinstance(requested, bool) else 1
+        if max_model_len and len(tokens) + max(requested, 1) > max_model_len:
+            raise RouterError(
+                400,
+                f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+                f"{len(tokens) + max(requested, 1)} tokens ({len(tokens)} in the prompt, {max(requested, 1)} "
+                "in the completion). Please reduce the length of the prompt or the completion.",
+                code="context_length_exceeded",
+                param="messages" if chat else "prompt",
+            )
+        salt = body.get("cache_salt")
+        coverage = await self.oracle.coverage(tokens, cache_salt=salt if isinstance(salt, str) else "")
+        self.metrics.lookup_seconds.observe(time.monotonic() - started)
+        if coverage is None:
+            self.metrics.lookup_failures.labels("lookup").inc()
+            return len(tokens)
+        report.lookup = "ok"
+        report.cached_tokens = coverage.cached_tokens
+        if coverage.skip_prefill:
+            report.route = "skip"
+        return len(tokens)
+
+    async def _tokenize(self, body: dict[str, Any], *, chat: bool) -> tuple[list[int], int] | None:
+        """The prompt's token ids and the model's context length from a worker's /tokenize; None on failure.
+
+        Raises:
+            UpstreamAnswer: the worker refused the request as malformed (its OpenAI error goes back).
+        """
+        worker = self.decode.pick() or self.prefill.pick()
+        if worker is None:
+            return None
+        if chat:
+            query = {"messages": body.get("messages"), "add_generation_prompt": True}
+        else:
+            query = {"prompt": body.get("prompt")}
+        if "model" in body:
+            query["model"] = body["model"]
+        w = self.config.workers
+        timeout = aiohttp.ClientTimeout(total=w.tokenize_timeout_s, sock_connect=w.connect_timeout_s)
+        try:
+            async with self.session.post(f"{worker.url}/tokenize", json=query, timeout=timeout) as resp:
+                data = await resp.read()
+                if 400 <= resp.status < 500 and _is_openai_error(data):
+                    raise UpstreamAnswer(resp.status, data, resp.content_type)
+                if resp.status != 200:
+                    log.warning("tokenize on %s answered %d: routing as uncached", worker.url, resp.status)
+                    return None
+                answer = json.loads(data)
+            tokens = answer["tokens"]
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise ValueError("tokens is not a list of integers")
+            return tokens, int(answer.get("max_model_len") or 0)
+        except aiohttp.ClientConnectionError as exc:
+            (self.decode if worker.role == "decode" else self.prefill).failed(worker, "connect", eject=True)
+            log.warning("tokenize on %s failed: %s", worker.url, exc)
+        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
+            log.warning("tokenize on %s failed: %s: %s", worker.url, type(exc).__name__, exc)
+        return None
+
+    async def _prefill(self, body: dict[str, Any], report: RequestReport, prompt_tokens: int) -> dict[str, Any] | None:
+        """The prompt on a prefill worker, max_tokens 1; another worker on failure; decode-only when none is left."""
+        w = self.config.workers
+        query = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+        query.update(max_tokens=1, stream=False, n=1)
+        if "max_completion_tokens" in query:
+            query["max_completion_tokens"] = 1
+        path = "/v1/chat/completions" if report.endpoint == "chat" else "/v1/completions"
+        timeout = aiohttp.ClientTimeout(total=w.prefill_timeout_s, sock_connect=w.connect_timeout_s)
+        tried: list[Worker] = []
+        while len(tried) < w.prefill_attempts:
+            worker = self.prefill.pick(exclude=tried)
+            if worker is None:
+                break
+            if tried:
+                self.metrics.prefill_retries.inc()
+            tried.append(worker)
+            report.prefill_attempts = len(tried)
+            started = time.monotonic()
+            try:
+                with self.prefill.serving(worker):
+                    async with self.session.post(f"{worker.url}{path}", json=query, timeout=timeout) as resp:
+                        data = await _read_capped(resp, _PREFILL_MAX_ANSWER_BYTES)
+                        status, content_type = resp.status, resp.content_type
+            except aiohttp.ClientConnectionError as exc:
+                # Refused, reset or cut mid-answer: the worker is down or dying.
+                log.warning("%s: prefill on %s failed: %s", report.request_id, worker.url, exc)
+                self.prefill.failed(worker, "connect", eject=True)
+                continue
+            except ValueError as exc:
+                log.warning("%s: prefill on %s: %s", report.request_id, worker.url, exc)
+                self.prefill.failed(worker, "oversized", eject=False)
+                continue
+            except TimeoutError:
+                log.warning(
+                    "%s: prefill on %s timed out after %.1fs", report.request_id, worker.url, w.prefill_timeout_s
+                )
+                self.prefill.failed(worker, "timeout", eject=False)
+                continue
+            if status == 200:
+                self.metrics.prefill_seconds.observe(time.monotonic() - started)
+                report.prefill_worker = worker.url
+                try:
+                    params = json.loads(data).get("kv_transfer_params")
+                except (ValueError, AttributeError):
+                    params = None
+                return params if isinstance(params, dict) else None
+            if 400 <= status < 500 and status not in _RETRYABLE_STATUS:
+                raise UpstreamAnswer(status, data, content_type)
+            log.warning("%s: prefill on %s answered %d", report.request_id, worker.url, status)
+            self.prefill.failed(worker, f"status_{status}", eject=False)
+        report.route = "decode-only"
+        report.error = "no prefill worker answered" if tried else "no prefill worker available"
+        log.warning("%s: %s; the decode worker computes the prompt", report.request_id, report.error)
+        return None
+
+    async def _decode(
+        self, request: web.Request, body: dict[str, Any], report: RequestReport, start: float
+    ) -> web.StreamResponse:
+        """The request on a decode worker; its answer streamed back unchanged, the report in the headers."""
+        w = self.config.workers
+        timeout = aiohttp.ClientTimeout(
+            total=w.decode_timeout_s, sock_connect=w.connect_timeout_s, sock_read=w.decode_read_timeout_s
+        )
+        path = "/v1/chat/completions" if report.endpoint == "chat" else "/v1/completions"
+        tried: list[Worker] = []
+        while True:
+            worker = self.decode.pick(exclude=tried)
+            if worker is None:
+                message = "no decode worker answered" if tried else "no decode worker is available"
+                return self._done(report, start, RouterError(503, message, code="no_worker"))
+            tried.append(worker)
+            try:
+                with self.decode.serving(worker):
+                    async with self.session.post(f"{worker.url}{path}", json=body, timeout=timeout) as resp:
+                        report.decode_worker = worker.url
+                        return await self._relay(request, resp, worker, report, start)
+            except aiohttp.ClientConnectionError as exc:
+                # Refused, or closed before an answer: nothing reached the client, another worker may take it.
+                log.warning("%s: decode on %s failed: %s", report.request_id, worker.url, exc)
+                self.decode.failed(worker, "connect", eject=isinstance(exc, aiohttp.ClientConnectorError))
+            except TimeoutError:
+                self.decode.failed(worker, "timeout", eject=False)
+                error = RouterError(
+                    504, f"the decode worker sent nothing for {w.decode_read_timeout_s}s", code="timeout"
+                )
+                return self._done(report, start, error)
+            except aiohttp.ClientError as exc:
+                self.decode.failed(worker, "error", eject=False)
+                return self._done(
+                    report, start, RouterError(502, f"the decode worker failed: {exc}", code="upstream_error")
+                )
+
+    async def _relay(
+        self, request: web.Request, resp: aiohttp.ClientResponse, worker: Worker, report: RequestReport, start: float
+    ) -> web.StreamResponse:
+        ttft_s = time.monotonic() - start
+        report.status = resp.status
+        headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
+        headers.update(report.headers())
+        out = web.StreamResponse(status=resp.status, headers=headers)
+        await out.prepare(request)
+        self.metrics.ttft.labels(report.route).observe(ttft_s)
+        try:
+            try:
+                async for piece in resp.content.iter_any():
+                    await out.write(piece)
+            except (aiohttp.ClientError, TimeoutError) as exc:
+                # Cut mid-answer: the status is sent; end an event stream with an error event, as vLLM does.
+                report.error = f"decode answer cut: {type(exc).__name__}"
+                self.decode.failed(worker, "cut", eject=False)
+                if resp.content_type == "text/event-stream":
+                    event = {
+                        "error": {
+                            "message": report.error,
+                            "type": "server_error",
+                            "param": None,
+                            "code": "upstream_error",
+                        }
+                    }
+                    await out.write(f"data: {json.dumps(event)}\n\n".encode())
+            await out.write_eof()
+        except ConnectionError:  # the client went away: leaving the upstream call closes it too
+            report.error = "the client disconnected"
+        self._log(report, start, ttft_s)
+        return out
+
+
+def _is_openai_error(data: bytes) -> bool:
+    try:
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        return False
+    return isinstance(body, dict) and isinstance(body.get("error"), dict)
+
+
+async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
+    """The whole body, or ValueError past `cap` bytes."""
+    data = bytearray()
+    async for piece in resp.content.iter_any():
+        data += piece
+        if len(data) > cap:
+            raise ValueError(f"the answer exceeds {cap} bytes")
+    return bytes(data)
