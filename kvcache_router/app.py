@@ -273,22 +273,22 @@ class Router:
 
     async def _prepare(self, body: dict[str, Any], report: RequestReport, *, chat: bool) -> dict[str, Any] | None:
         """Everything before decode: tokenize, look up, prefill. Returns the kv_transfer_params to pass on."""
-        tokens = await self._tokens_and_coverage(body, report, chat=chat)
+        await self._tokens_and_coverage(body, report, chat=chat)
         if report.route == "skip":
             return None
-        return await self._prefill(body, report, tokens)
+        return await self._prefill(body, report)
 
-    async def _tokens_and_coverage(self, body: dict[str, Any], report: RequestReport, *, chat: bool) -> int:
-        """Tokenizes the prompt and looks it up; sets the report's tokens and route. Returns the prompt's tokens."""
+    async def _tokens_and_coverage(self, body: dict[str, Any], report: RequestReport, *, chat: bool) -> None:
+        """Tokenizes the prompt and looks it up; sets the report's tokens, cached tokens and route."""
         report.route = "prefill"
         if self.oracle is None:
-            return 0
+            return
         started = time.monotonic()
         report.lookup = "failed"
         answer = await self._tokenize(body, chat=chat)
         if answer is None:
             self.metrics.lookup_failures.labels("tokenize").inc()
-            return 0
+            return
         tokens, max_model_len = answer
         report.prompt_tokens = len(tokens)
         requested = body.get("max_completion_tokens") if chat else None
@@ -308,12 +308,11 @@ class Router:
         self.metrics.lookup_seconds.observe(time.monotonic() - started)
         if coverage is None:
             self.metrics.lookup_failures.labels("lookup").inc()
-            return len(tokens)
+            return
         report.lookup = "ok"
         report.cached_tokens = coverage.cached_tokens
         if coverage.skip_prefill:
             report.route = "skip"
-        return len(tokens)
 
     async def _tokenize(self, body: dict[str, Any], *, chat: bool) -> tuple[list[int], int] | None:
         """The prompt's token ids and the model's context length from a worker's /tokenize; None on failure.
@@ -342,8 +341,8 @@ class Router:
                     return None
                 answer = json.loads(data)
             tokens = answer["tokens"]
-            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-                raise ValueError("tokens is not a list of integers")
+            if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
+                raise ValueError("tokens is not a list of token ids")
             return tokens, int(answer.get("max_model_len") or 0)
         except aiohttp.ClientConnectionError as exc:
             (self.decode if worker.role == "decode" else self.prefill).failed(worker, "connect", eject=True)
@@ -352,7 +351,7 @@ class Router:
             log.warning("tokenize on %s failed: %s: %s", worker.url, type(exc).__name__, exc)
         return None
 
-    async def _prefill(self, body: dict[str, Any], report: RequestReport, prompt_tokens: int) -> dict[str, Any] | None:
+    async def _prefill(self, body: dict[str, Any], report: RequestReport) -> dict[str, Any] | None:
         """The prompt on a prefill worker, max_tokens 1; another worker on failure; decode-only when none is left."""
         w = self.config.workers
         query = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}

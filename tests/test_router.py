@@ -402,3 +402,17 @@ def test_client_disconnect_mid_stream_releases_the_decode_worker(
     while metric(router, "kvcache_router_worker_outstanding", role="decode", worker=decode.url) != 0:
         assert time.monotonic() < deadline, "the decode call outlived its client"
         time.sleep(0.05)
+
+
+def test_namespace_from_the_config_for_workers_that_do_not_publish_it(
+    model_dir: str, kv_server: str, prefill: OpenAIWorkerProcess, decode: OpenAIWorkerProcess, ref: Reference
+) -> None:
+    """What a router in front of vLLM does ([namespace] in its config): the same keys, the same skip."""
+    namespace = {"model_id": model_dir, "kv_dtype": "float32", "chunk_tokens": CHUNK, "num_layers": 2}
+    namespace |= {"num_kv_heads": 2, "head_size": 16}
+    flags = [f"--set=namespace.{k}={v}" for k, v in namespace.items()] + ["--set=kvcache.namespace_source=config"]
+    with RouterProcess([prefill.url], [decode.url], kv_server, *flags) as router:
+        prompt = words(2 * CHUNK + 11, seed=500)
+        assert completion(router, prompt)[0]["X-KVCache-Route"] == "prefill"
+        headers, got, _ = completion(router, prompt)
+        assert headers["X-KVCache-Route"] == "skip" and got == ref.generate(ref.encode(prompt))
