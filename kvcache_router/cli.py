@@ -85,7 +85,9 @@ def setup_logging(config: RouterConfig) -> None:
 
 async def serve(config: RouterConfig, router: Router) -> None:
     """Serves until SIGTERM or SIGINT, then stops taking requests and closes the upstream connections."""
-    runner = web.AppRunner(router.app(), access_log=None, handle_signals=False)
+    runner = web.AppRunner(
+        router.app(), access_log=None, handle_signals=False, shutdown_timeout=config.http.shutdown_grace_s
+    )
     await runner.setup()
     site = web.TCPSite(runner, config.http.host, config.http.port)
     await site.start()

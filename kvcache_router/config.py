@@ -44,6 +44,8 @@ class HttpSection:
     # Requests handled at once; more wait for a slot up to queue_timeout_s, then get 503.
     max_concurrent_requests: int = 256
     queue_timeout_s: float = 30.0
+    # After SIGTERM: no new connections; requests in flight may finish within this, then are cut.
+    shutdown_grace_s: float = 20.0
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -52,6 +54,8 @@ class HttpSection:
             raise ConfigError(
                 "http.max_body_bytes, http.max_concurrent_requests and http.queue_timeout_s must be positive"
             )
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("http.shutdown_grace_s must not be negative")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
             raise ConfigError(f"http.log_level {self.log_level!r} is not a log level")
 

@@ -371,6 +371,8 @@ def test_kvcache_down_routes_as_uncached(
         assert got == ref.generate(ref.encode(prompt))
         assert headers["X-KVCache-Route"] == "prefill" and headers["X-KVCache-Lookup"] == "failed"
         assert "X-KVCache-Cached-Tokens" not in headers
+        assert metric(router, "kvcache_router_lookup_failures_total", stage="lookup") == 1
+        assert router.stop() == 0  # SIGTERM: a clean exit
 
 
 def test_no_decode_worker_is_a_503(prefill: OpenAIWorkerProcess, kv_server: str) -> None:
