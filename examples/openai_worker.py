@@ -21,8 +21,9 @@ is synchronous: when the prefill answers, its chunks are stored).
 
 Only greedy decoding: sampling parameters (temperature, top_p, ...) are accepted and ignored, `n` must
 be 1, and there is no end-of-sequence token, so every completion has `max_tokens` tokens (default 16).
-`return_token_ids: true` adds `prompt_token_ids` and each choice's `token_ids` (vLLM's extension). The
-model runs one request at a time on one thread; at most --max-queue requests wait, more get 503.
+`return_token_ids: true` adds `prompt_token_ids` and each choice's `token_ids` (vLLM's extension).
+`--api-key` protects /v1/* as vLLM's does. The model runs one request at a time on one thread; at
+most --max-queue requests wait, more get 503.
 The first line printed is "openai-worker serving MODEL (ROLE) on HOST:PORT".
 """
 
@@ -187,8 +188,16 @@ class Worker:
         self.max_queue = max_queue
         self.pending = 0
 
-    def app(self) -> web.Application:
-        app = web.Application(client_max_size=MAX_BODY_BYTES)
+    def app(self, api_key: str | None) -> web.Application:
+        @web.middleware
+        async def check_key(request: web.Request, handler: Any) -> web.StreamResponse:
+            # As vLLM's --api-key: the OpenAI routes need the key, /health and the rest do not.
+            authorized = request.headers.get("Authorization") == f"Bearer {api_key}"
+            if api_key and request.path.startswith("/v1/") and not authorized:
+                return error_response(401, "a valid API key is required", code="invalid_api_key")
+            return await handler(request)
+
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[check_key])
         app.router.add_get("/health", self.health)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/kvcache/namespace", self.namespace)
@@ -372,6 +381,7 @@ def main() -> None:
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per kvcache chunk (default %(default)s)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (default %(default)s)")
+    p.add_argument("--api-key", help="require `Authorization: Bearer KEY` on /v1/* (as vLLM's --api-key)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default %(default)s)")
     p.add_argument("--max-queue", type=int, default=32, help="generation requests waiting at most (default 32)")
     p.add_argument(
@@ -382,7 +392,7 @@ def main() -> None:
     worker = Worker(Engine(args), args.max_queue)
 
     async def serve() -> None:
-        runner = web.AppRunner(worker.app(), access_log=None)
+        runner = web.AppRunner(worker.app(args.api_key), access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, args.host, args.port)
         await site.start()

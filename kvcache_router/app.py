@@ -28,6 +28,7 @@ from aiohttp import web
 
 from kvcache_core.keys import Namespace
 from kvcache_router.config import RouterConfig
+from kvcache_router.errors import RouterError, UpstreamAnswer, is_openai_error, openai_errors
 from kvcache_router.metrics import RequestReport, RouterMetrics
 from kvcache_router.prefix import PrefixOracle
 from kvcache_router.workers import Worker, WorkerPool
@@ -36,28 +37,8 @@ log = logging.getLogger(__name__)
 
 _PREFILL_MAX_ANSWER_BYTES = 4 << 20  # a one-token answer; anything larger is not one
 _RETRYABLE_STATUS = frozenset({408, 429})  # and every 5xx: the worker's trouble, not the request's
-_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"})
-
-
-class RouterError(Exception):
-    """A request the router answers itself with an OpenAI-style error."""
-
-    def __init__(self, status: int, message: str, *, code: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status, self.code, self.param = status, code, param
-
-    def response(self, report: RequestReport | None = None) -> web.Response:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        body = {"error": {"message": str(self), "type": kind, "param": self.param, "code": self.code}}
-        return web.json_response(body, status=self.status, headers=report.headers() if report else None)
-
-
-class UpstreamAnswer(Exception):
-    """A worker's 4xx answer to pass to the client unchanged: the request is at fault, not the worker."""
-
-    def __init__(self, status: int, body: bytes, content_type: str) -> None:
-        super().__init__(status)
-        self.status, self.body, self.content_type = status, body, content_type
+_HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+_FORWARDED_HEADERS = ("Authorization",)  # a worker's API key (vLLM --api-key) is the client's to give
 
 
 class Router:
@@ -86,7 +67,7 @@ class Router:
     # -- life cycle ---------------------------------------------------------------------------------
 
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[openai_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.list_models)
@@ -103,7 +84,10 @@ class Router:
 
     async def _start(self, _: web.Application) -> None:
         # No connection limit of the session's own: http.max_concurrent_requests bounds the calls.
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), auto_decompress=False)
+        # Bodies are relayed as they come: no decompression here, and none asked of the workers.
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0), auto_decompress=False, headers={"Accept-Encoding": "identity"}
+        )
         await self.check_workers()
         self._health_task = asyncio.create_task(self._health_loop(), name="health-checks")
 
@@ -239,14 +223,16 @@ class Router:
 
     async def _route(self, request: web.Request, report: RequestReport, start: float) -> web.StreamResponse:
         chat = report.endpoint == "chat"
+        upstream = {"X-Request-Id": report.request_id}
+        upstream.update({h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers})
         try:
             body = await self._read_body(request)
-            kv_params = await self._prepare(body, report, chat=chat)
+            kv_params = await self._prepare(body, report, upstream, chat=chat)
         except (RouterError, UpstreamAnswer) as exc:
             return self._done(report, start, exc)
         if kv_params is not None:
             body = {**body, "kv_transfer_params": kv_params}
-        return await self._decode(request, body, report, start)
+        return await self._decode(request, body, report, upstream, start)
 
     async def _read_body(self, request: web.Request) -> dict[str, Any]:
         cap = self.config.http.max_body_bytes
@@ -271,21 +257,25 @@ class Router:
             raise RouterError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
         return body
 
-    async def _prepare(self, body: dict[str, Any], report: RequestReport, *, chat: bool) -> dict[str, Any] | None:
+    async def _prepare(
+        self, body: dict[str, Any], report: RequestReport, upstream: dict[str, str], *, chat: bool
+    ) -> dict[str, Any] | None:
         """Everything before decode: tokenize, look up, prefill. Returns the kv_transfer_params to pass on."""
-        await self._tokens_and_coverage(body, report, chat=chat)
+        await self._tokens_and_coverage(body, report, upstream, chat=chat)
         if report.route == "skip":
             return None
-        return await self._prefill(body, report)
+        return await self._prefill(body, report, upstream)
 
-    async def _tokens_and_coverage(self, body: dict[str, Any], report: RequestReport, *, chat: bool) -> None:
+    async def _tokens_and_coverage(
+        self, body: dict[str, Any], report: RequestReport, upstream: dict[str, str], *, chat: bool
+    ) -> None:
         """Tokenizes the prompt and looks it up; sets the report's tokens, cached tokens and route."""
         report.route = "prefill"
         if self.oracle is None:
             return
         started = time.monotonic()
         report.lookup = "failed"
-        answer = await self._tokenize(body, chat=chat)
+        answer = await self._tokenize(body, upstream, chat=chat)
         if answer is None:
             self.metrics.lookup_failures.labels("tokenize").inc()
             return
@@ -314,7 +304,9 @@ class Router:
         if coverage.skip_prefill:
             report.route = "skip"
 
-    async def _tokenize(self, body: dict[str, Any], *, chat: bool) -> tuple[list[int], int] | None:
+    async def _tokenize(
+        self, body: dict[str, Any], upstream: dict[str, str], *, chat: bool
+    ) -> tuple[list[int], int] | None:
         """The prompt's token ids and the model's context length from a worker's /tokenize; None on failure.
 
         Raises:
@@ -332,9 +324,10 @@ class Router:
         w = self.config.workers
         timeout = aiohttp.ClientTimeout(total=w.tokenize_timeout_s, sock_connect=w.connect_timeout_s)
         try:
-            async with self.session.post(f"{worker.url}/tokenize", json=query, timeout=timeout) as resp:
+            url = f"{worker.url}/tokenize"
+            async with self.session.post(url, json=query, headers=upstream, timeout=timeout) as resp:
                 data = await resp.read()
-                if 400 <= resp.status < 500 and _is_openai_error(data):
+                if 400 <= resp.status < 500 and is_openai_error(data):
                     raise UpstreamAnswer(resp.status, data, resp.content_type)
                 if resp.status != 200:
                     log.warning("tokenize on %s answered %d: routing as uncached", worker.url, resp.status)
@@ -351,7 +344,9 @@ class Router:
             log.warning("tokenize on %s failed: %s: %s", worker.url, type(exc).__name__, exc)
         return None
 
-    async def _prefill(self, body: dict[str, Any], report: RequestReport) -> dict[str, Any] | None:
+    async def _prefill(
+        self, body: dict[str, Any], report: RequestReport, upstream: dict[str, str]
+    ) -> dict[str, Any] | None:
         """The prompt on a prefill worker, max_tokens 1; another worker on failure; decode-only when none is left."""
         w = self.config.workers
         query = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
@@ -372,7 +367,8 @@ class Router:
             started = time.monotonic()
             try:
                 with self.prefill.serving(worker):
-                    async with self.session.post(f"{worker.url}{path}", json=query, timeout=timeout) as resp:
+                    url = f"{worker.url}{path}"
+                    async with self.session.post(url, json=query, headers=upstream, timeout=timeout) as resp:
                         data = await _read_capped(resp, _PREFILL_MAX_ANSWER_BYTES)
                         status, content_type = resp.status, resp.content_type
             except aiohttp.ClientConnectionError as exc:
@@ -408,7 +404,7 @@ class Router:
         return None
 
     async def _decode(
-        self, request: web.Request, body: dict[str, Any], report: RequestReport, start: float
+        self, request: web.Request, body: dict[str, Any], report: RequestReport, upstream: dict[str, str], start: float
     ) -> web.StreamResponse:
         """The request on a decode worker; its answer streamed back unchanged, the report in the headers."""
         w = self.config.workers
@@ -425,7 +421,8 @@ class Router:
             tried.append(worker)
             try:
                 with self.decode.serving(worker):
-                    async with self.session.post(f"{worker.url}{path}", json=body, timeout=timeout) as resp:
+                    url = f"{worker.url}{path}"
+                    async with self.session.post(url, json=body, headers=upstream, timeout=timeout) as resp:
                         report.decode_worker = worker.url
                         return await self._relay(request, resp, worker, report, start)
             except aiohttp.ClientConnectionError as exc:
@@ -477,14 +474,6 @@ class Router:
             report.error = "the client disconnected"
         self._log(report, start, ttft_s)
         return out
-
-
-def _is_openai_error(data: bytes) -> bool:
-    try:
-        body = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(body, dict) and isinstance(body.get("error"), dict)
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:

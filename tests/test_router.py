@@ -107,9 +107,11 @@ def words(n: int, seed: int) -> str:
 # -- HTTP --------------------------------------------------------------------------------------------
 
 
-def post(url: str, body: bytes | dict[str, Any], timeout_s: float = 60) -> tuple[int, dict[str, str], bytes]:
+def post(
+    url: str, body: bytes | dict[str, Any], timeout_s: float = 60, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as resp:
             return resp.status, dict(resp.headers), resp.read()
@@ -301,6 +303,9 @@ def test_bad_requests_get_openai_errors_and_the_router_stays_up(router: RouterPr
     status, _, raw = post(url, {"prompt": {"not": "a prompt"}})  # the worker's own refusal, passed through
     assert status == 400 and _error(status, raw)["code"] == "invalid_prompt"
 
+    status, _, raw = post(f"{router.url}/v1/embeddings", {"input": "bada"})
+    assert status == 404 and _error(status, raw)["code"] == "not_found"
+
     assert metric(router, "kvcache_router_requests_total", code="404", endpoint="completions", route="none") >= 1
     assert get(f"{router.url}/health")[0] == 200
     prompt = words(CHUNK + 1, seed=11)
@@ -418,3 +423,18 @@ def test_namespace_from_the_config_for_workers_that_do_not_publish_it(
         assert completion(router, prompt)[0]["X-KVCache-Route"] == "prefill"
         headers, got, _ = completion(router, prompt)
         assert headers["X-KVCache-Route"] == "skip" and got == ref.generate(ref.encode(prompt))
+
+
+def test_the_clients_api_key_reaches_the_workers(model_dir: str, kv_server: str, ref: Reference) -> None:
+    """Workers started with an API key (vLLM's --api-key) get the client's Authorization header."""
+    args = ("--chunk-tokens", str(CHUNK), "--api-key", "sesame")
+    with (
+        OpenAIWorkerProcess(model_dir, "decode", kv_server, *args) as locked,
+        RouterProcess([], [locked.url], kv_server) as router,
+    ):
+        body = {"prompt": words(CHUNK + 3, seed=600), "max_tokens": NEW_TOKENS}
+        status, _, raw = post(f"{router.url}/v1/completions", body)
+        assert status == 401 and json.loads(raw)["error"]["code"] == "invalid_api_key"  # the worker's, unchanged
+        status, headers, raw = post(f"{router.url}/v1/completions", body, headers={"Authorization": "Bearer sesame"})
+        assert status == 200 and headers["X-KVCache-Route"] == "decode-only"
+        assert json.loads(raw)["choices"][0]["text"] == ref.text(ref.generate(ref.encode(body["prompt"])))
