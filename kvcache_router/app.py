@@ -28,7 +28,7 @@ from aiohttp import web
 
 from kvcache_core.keys import Namespace
 from kvcache_router.config import RouterConfig
-from kvcache_router.errors import RouterError, UpstreamAnswer, is_openai_error, openai_errors
+from kvcache_router.errors import RouterError, UpstreamAnswer, openai_errors
 from kvcache_router.metrics import RequestReport, RouterMetrics
 from kvcache_router.prefix import PrefixOracle
 from kvcache_router.workers import Worker, WorkerPool
@@ -38,6 +38,18 @@ log = logging.getLogger(__name__)
 _PREFILL_MAX_ANSWER_BYTES = 4 << 20  # a one-token answer; anything larger is not one
 _RETRYABLE_STATUS = frozenset({408, 429})  # and every 5xx: the worker's trouble, not the request's
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
+# What a request's tokens depend on besides its text: sent to /tokenize as they came (vLLM's names).
+_TOKENIZE_FIELDS = (
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+)
 _FORWARDED_HEADERS = ("Authorization",)  # a worker's API key (vLLM --api-key) is the client's to give
 
 
@@ -307,30 +319,31 @@ class Router:
     async def _tokenize(
         self, body: dict[str, Any], upstream: dict[str, str], *, chat: bool
     ) -> tuple[list[int], int] | None:
-        """The prompt's token ids and the model's context length from a worker's /tokenize; None on failure.
+        """The prompt's token ids and the model's context length (0: unknown); None when there are none.
 
-        Raises:
-            UpstreamAnswer: the worker refused the request as malformed (its OpenAI error goes back).
+        A prompt given as token ids is taken as it is. Text and chat messages go to a worker's
+        /tokenize with the request's fields that change tokenization. A refusal there never fails
+        the request: the completion endpoint, not /tokenize, has the last word on what it accepts.
         """
+        prompt = body.get("prompt")
+        if not chat and isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+            return (prompt, 0) if all(0 <= t < 1 << 32 for t in prompt) else None
+        if not chat and not isinstance(prompt, str):
+            return None  # a batch of prompts: nothing to look up as one
         worker = self.decode.pick() or self.prefill.pick()
         if worker is None:
             return None
+        query: dict[str, Any] = {k: body[k] for k in _TOKENIZE_FIELDS if k in body}
         if chat:
-            query = {"messages": body.get("messages"), "add_generation_prompt": True}
-        else:
-            query = {"prompt": body.get("prompt")}
-        if "model" in body:
-            query["model"] = body["model"]
+            query.setdefault("add_generation_prompt", True)
         w = self.config.workers
         timeout = aiohttp.ClientTimeout(total=w.tokenize_timeout_s, sock_connect=w.connect_timeout_s)
         try:
             url = f"{worker.url}/tokenize"
             async with self.session.post(url, json=query, headers=upstream, timeout=timeout) as resp:
                 data = await resp.read()
-                if 400 <= resp.status < 500 and is_openai_error(data):
-                    raise UpstreamAnswer(resp.status, data, resp.content_type)
                 if resp.status != 200:
-                    log.warning("tokenize on %s answered %d: routing as uncached", worker.url, resp.status)
+                    log.info("tokenize on %s answered %d: routing as uncached", worker.url, resp.status)
                     return None
                 answer = json.loads(data)
             tokens = answer["tokens"]

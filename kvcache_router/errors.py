@@ -5,7 +5,6 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
@@ -52,12 +51,3 @@ async def openai_errors(request: web.Request, handler: Any) -> web.StreamRespons
         return RouterError(
             500, "the router failed on this request (its log has the details)", code="internal_error"
         ).response()
-
-
-def is_openai_error(data: bytes) -> bool:
-    """Whether a worker's answer body is an OpenAI error (rather than, say, a plain-text 404 of a missing route)."""
-    try:
-        body = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        return False
-    return isinstance(body, dict) and isinstance(body.get("error"), dict)

@@ -256,6 +256,16 @@ def test_shared_system_prompt_skips_prefill_for_a_new_question(router: RouterPro
     assert got == ref.generate(ref.encode(second))
 
 
+def test_prompt_of_token_ids_is_looked_up_as_it_is(router: RouterProcess, ref: Reference) -> None:
+    tokens = ref.encode(words(2 * CHUNK + 5, seed=12))
+    body = {"prompt": tokens, "max_tokens": NEW_TOKENS, "return_token_ids": True}
+    for route in ("prefill", "skip"):
+        status, headers, raw = post(f"{router.url}/v1/completions", body)
+        assert status == 200 and headers["X-KVCache-Route"] == route
+        assert headers["X-KVCache-Prompt-Tokens"] == str(len(tokens))
+        assert json.loads(raw)["choices"][0]["token_ids"] == ref.generate(tokens)
+
+
 def test_cache_salt_separates_key_spaces(router: RouterProcess, ref: Reference) -> None:
     prompt = words(2 * CHUNK + 2, seed=9)
     assert completion(router, prompt)[0]["X-KVCache-Route"] == "prefill"
