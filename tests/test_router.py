@@ -357,6 +357,55 @@ def test_prefill_worker_killed_mid_run_fails_no_request(
         assert headers["X-KVCache-Prefill-Attempts"] == "1" and headers["X-KVCache-Prefill-Worker"] == prefill.url
 
 
+def wait_for_metric(router: RouterProcess, value: float, name: str, **labels: str) -> None:
+    deadline = time.monotonic() + 30
+    while metric(router, name, **labels) != value:
+        assert time.monotonic() < deadline, f"{name}{labels} never became {value}"
+        time.sleep(0.05)
+
+
+def test_hung_prefill_worker_times_out_then_fails_its_health_checks(
+    model_dir: str, kv_server: str, prefill: OpenAIWorkerProcess, decode: OpenAIWorkerProcess, ref: Reference
+) -> None:
+    """A worker that accepts connections but never answers (SIGSTOP): the prefill deadline, then ejection."""
+    with OpenAIWorkerProcess(model_dir, "prefill", kv_server, "--chunk-tokens", str(CHUNK)) as hung:
+        assert hung.proc is not None
+        # Health checks too rare to matter: the request's own deadline must save it.
+        slow_checks = ("--set", "workers.health_interval_s=600", "--set", "workers.prefill_timeout_s=1")
+        with RouterProcess([hung.url, prefill.url], [decode.url], kv_server, *slow_checks) as router:
+            hung.proc.send_signal(signal.SIGSTOP)
+            try:
+                outcomes = [completion(router, words(2 * CHUNK + 1, seed=700 + i)) for i in range(2)]
+            finally:
+                hung.proc.send_signal(signal.SIGCONT)
+            # Least outstanding with ties taken in turn: one of the two tried the hung worker first.
+            attempts = sorted(h["X-KVCache-Prefill-Attempts"] for h, _, _ in outcomes)
+            assert attempts == ["1", "2"]
+            assert {h["X-KVCache-Prefill-Worker"] for h, _, _ in outcomes} == {prefill.url}
+            assert (
+                metric(
+                    router, "kvcache_router_upstream_failures_total", role="prefill", worker=hung.url, reason="timeout"
+                )
+                == 1
+            )
+        with RouterProcess([hung.url, prefill.url], [decode.url], kv_server, *FAST_HEALTH) as router:
+            hung.proc.send_signal(signal.SIGSTOP)
+            try:
+                wait_for_metric(router, 0, "kvcache_router_worker_healthy", role="prefill", worker=hung.url)
+                for i in range(3):  # none of them waits for the hung worker
+                    prompt = words(2 * CHUNK + 2, seed=710 + i)
+                    headers, got, _ = completion(router, prompt)
+                    assert (
+                        headers["X-KVCache-Prefill-Attempts"] == "1"
+                        and headers["X-KVCache-Prefill-Worker"] == prefill.url
+                    )
+                    assert got == ref.generate(ref.encode(prompt))
+            finally:
+                hung.proc.send_signal(signal.SIGCONT)
+            wait_for_metric(router, 1, "kvcache_router_worker_healthy", role="prefill", worker=hung.url)  # back
+            assert metric(router, "kvcache_router_worker_ejections_total", role="prefill", worker=hung.url) == 1
+
+
 def _closed_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
