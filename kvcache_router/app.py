@@ -31,6 +31,7 @@ from kvcache_router.config import RouterConfig
 from kvcache_router.errors import RouterError, UpstreamAnswer, openai_errors
 from kvcache_router.metrics import RequestReport, RouterMetrics
 from kvcache_router.prefix import PrefixOracle
+from kvcache_router.tokens import given_tokens, needs_tokenizer, tokenize
 from kvcache_router.workers import Worker, WorkerPool
 
 log = logging.getLogger(__name__)
@@ -38,18 +39,6 @@ log = logging.getLogger(__name__)
 _PREFILL_MAX_ANSWER_BYTES = 4 << 20  # a one-token answer; anything larger is not one
 _RETRYABLE_STATUS = frozenset({408, 429})  # and every 5xx: the worker's trouble, not the request's
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
-# What a request's tokens depend on besides its text: sent to /tokenize as they came (vLLM's names).
-_TOKENIZE_FIELDS = (
-    "model",
-    "prompt",
-    "messages",
-    "add_special_tokens",
-    "add_generation_prompt",
-    "continue_final_message",
-    "chat_template",
-    "chat_template_kwargs",
-    "tools",
-)
 _FORWARDED_HEADERS = ("Authorization",)  # a worker's API key (vLLM --api-key) is the client's to give
 
 
@@ -75,6 +64,7 @@ class Router:
         self._slots = asyncio.Semaphore(config.http.max_concurrent_requests)
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
+        self._namespace_missing_logged = False
 
     # -- life cycle ---------------------------------------------------------------------------------
 
@@ -135,13 +125,16 @@ class Router:
             return await resp.json(content_type=None)
 
     async def _learn_models(self) -> None:
-        models: set[str] = set()
-        for worker in (*self.decode.healthy(), *self.prefill.healthy()):
+        async def models_of(worker: Worker) -> list[str]:
             try:
-                models.update(card["id"] for card in (await self._get_json(worker, "/v1/models"))["data"])
+                return [card["id"] for card in (await self._get_json(worker, "/v1/models"))["data"]]
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
                 log.debug("no model list from %s: %s", worker.url, exc)
-        if models:
+                return []
+
+        lists = await asyncio.gather(*(models_of(w) for w in (*self.decode.healthy(), *self.prefill.healthy())))
+        models = {name for names in lists for name in names}
+        if models:  # none answered: keep what was known
             self.models = models
 
     async def _learn_namespace(self) -> None:
@@ -150,7 +143,10 @@ class Router:
             try:
                 self.oracle.namespace = Namespace(**(await self._get_json(worker, "/kvcache/namespace")))
             except (aiohttp.ClientError, TimeoutError, ValueError, TypeError) as exc:
-                log.warning("no kvcache namespace from %s (set [namespace] for vLLM workers): %s", worker.url, exc)
+                # Once at warning level: a vLLM worker never has it, and the checks run every few seconds.
+                level = logging.DEBUG if self._namespace_missing_logged else logging.WARNING
+                self._namespace_missing_logged = True
+                log.log(level, "no kvcache namespace from %s (set [namespace] for vLLM workers): %s", worker.url, exc)
                 continue
             log.info("kvcache namespace %s from %s", self.oracle.namespace.name, worker.url)
             return
@@ -319,43 +315,21 @@ class Router:
     async def _tokenize(
         self, body: dict[str, Any], upstream: dict[str, str], *, chat: bool
     ) -> tuple[list[int], int] | None:
-        """The prompt's token ids and the model's context length (0: unknown); None when there are none.
-
-        A prompt given as token ids is taken as it is. Text and chat messages go to a worker's
-        /tokenize with the request's fields that change tokenization. A refusal there never fails
-        the request: the completion endpoint, not /tokenize, has the last word on what it accepts.
-        """
-        prompt = body.get("prompt")
-        if not chat and isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
-            return (prompt, 0) if all(0 <= t < 1 << 32 for t in prompt) else None
-        if not chat and not isinstance(prompt, str):
-            return None  # a batch of prompts: nothing to look up as one
+        """The prompt's token ids and context length (tokens.py); None when there are none."""
+        given = given_tokens(body, chat=chat)
+        if given is not None or not needs_tokenizer(body, chat=chat):
+            return (given, 0) if given is not None else None
         worker = self.decode.pick() or self.prefill.pick()
         if worker is None:
             return None
-        query: dict[str, Any] = {k: body[k] for k in _TOKENIZE_FIELDS if k in body}
-        if chat:
-            query.setdefault("add_generation_prompt", True)
         w = self.config.workers
         timeout = aiohttp.ClientTimeout(total=w.tokenize_timeout_s, sock_connect=w.connect_timeout_s)
         try:
-            url = f"{worker.url}/tokenize"
-            async with self.session.post(url, json=query, headers=upstream, timeout=timeout) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    log.info("tokenize on %s answered %d: routing as uncached", worker.url, resp.status)
-                    return None
-                answer = json.loads(data)
-            tokens = answer["tokens"]
-            if not isinstance(tokens, list) or not all(type(t) is int and 0 <= t < 1 << 32 for t in tokens):
-                raise ValueError("tokens is not a list of token ids")
-            return tokens, int(answer.get("max_model_len") or 0)
+            return await tokenize(self.session, worker.url, body, chat=chat, headers=upstream, timeout=timeout)
         except aiohttp.ClientConnectionError as exc:
-            (self.decode if worker.role == "decode" else self.prefill).failed(worker, "connect", eject=True)
             log.warning("tokenize on %s failed: %s", worker.url, exc)
-        except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, TypeError) as exc:
-            log.warning("tokenize on %s failed: %s: %s", worker.url, type(exc).__name__, exc)
-        return None
+            (self.decode if worker.role == "decode" else self.prefill).failed(worker, "connect", eject=True)
+            return None
 
     async def _prefill(
         self, body: dict[str, Any], report: RequestReport, upstream: dict[str, str]
