@@ -21,7 +21,8 @@ is synchronous: when the prefill answers, its chunks are stored).
 
 Only greedy decoding: sampling parameters (temperature, top_p, ...) are accepted and ignored, `n` must
 be 1, and there is no end-of-sequence token, so every completion has `max_tokens` tokens (default 16).
-`return_token_ids: true` adds `prompt_token_ids` and each choice's `token_ids` (vLLM's extension).
+`return_token_ids: true` adds `prompt_token_ids` and each choice's `token_ids` (vLLM's extension);
+`cache_salt` is part of the namespace the request's KV goes under, as in vLLM.
 `--api-key` protects /v1/* as vLLM's does. The model runs one request at a time on one thread; at
 most --max-queue requests wait, more get 503.
 The first line printed is "openai-worker serving MODEL (ROLE) on HOST:PORT".
@@ -39,10 +40,12 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from aiohttp import web
+
+from kvcache_core.keys import Namespace
 
 log = logging.getLogger("openai_worker")
 
@@ -71,8 +74,10 @@ class Generation:
         tokens: The new tokens.
         cached_tokens: Prompt tokens whose KV came from kvcache.
         stored_chunks: Chunks of the prompt saved (prefill workers), or None when the save failed.
+        namespace: The namespace of the request's KV (the worker's, with the request's cache_salt).
     """
 
+    namespace: Namespace
     tokens: list[int] = field(default_factory=list)
     cached_tokens: int = 0
     stored_chunks: int | None = 0
@@ -98,7 +103,7 @@ class Engine:
         self.max_model_len = self.model.config.max_position_embeddings
         self.namespace = namespace_for_model(self.model, model_id=self.name, chunk_tokens=args.chunk_tokens)
         self.client = KVCacheClient(args.kvcache, timeout_s=args.kvcache_timeout_s)
-        self._connector = TransformersKVConnector(self.client, self.namespace)
+        self._connector_type = TransformersKVConnector
         self.delay_s = args.delay_s
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
 
@@ -137,9 +142,17 @@ class Engine:
         return " " + self.tokenizer.convert_ids_to_tokens(token)
 
     def generate(
-        self, prompt: list[int], max_tokens: int, on_token: Callable[[int], None], cancelled: threading.Event
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        on_token: Callable[[int], None],
+        cancelled: threading.Event,
+        cache_salt: str,
     ) -> Generation:
-        """Greedy decoding after the prompt, loading its stored prefix and (prefill) saving its KV."""
+        """Greedy decoding after the prompt, loading its stored prefix and (prefill) saving its KV.
+
+        The request's `cache_salt` is part of the namespace its KV goes under, as in vLLM.
+        """
         import torch
         from transformers import DynamicCache
 
@@ -148,17 +161,18 @@ class Engine:
 
         if self.delay_s:
             time.sleep(self.delay_s)
-        out = Generation()
+        out = Generation(namespace=replace(self.namespace, cache_salt=cache_salt))
+        connector = self._connector_type(self.client, out.namespace)
         with torch.no_grad():
-            cache, out.cached_tokens = self._connector.load(prompt)
+            cache, out.cached_tokens = connector.load(prompt)
             cache = cache if cache is not None else DynamicCache()
             kw = cache_kwargs(self.model, cache)
             ids = torch.tensor([prompt[out.cached_tokens :]])
             logits = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw).logits[0, -1]
             if self.role == "prefill":
                 try:
-                    self._connector.save(prompt, cache)
-                    out.stored_chunks = len(self.client.chunk_keys(prompt, self.namespace))
+                    connector.save(prompt, cache)
+                    out.stored_chunks = len(self.client.chunk_keys(prompt, out.namespace))
                 except KVCacheError as exc:  # the decode worker will compute the prompt itself
                     log.warning("saving the prompt's KV failed: %s", exc)
                     out.stored_chunks = None
@@ -172,12 +186,12 @@ class Engine:
                 token = int(self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **kw).logits[0, -1].argmax())
         return out
 
-    def handoff(self, prompt: list[int], stored_chunks: int | None) -> dict[str, Any] | None:
+    def handoff(self, prompt: list[int], out: Generation) -> dict[str, Any] | None:
         """kv_transfer_params of a prefill answer, in the vLLM connector's form (docs/vllm.md)."""
-        if self.role != "prefill" or not stored_chunks:
+        if self.role != "prefill" or not out.stored_chunks:
             return None
-        last_key = self.client.chunk_keys(prompt, self.namespace)[stored_chunks - 1]
-        return {"kvcache_handoff": {"chunks": stored_chunks, "last_key": last_key.hex()}}
+        last_key = self.client.chunk_keys(prompt, out.namespace)[out.stored_chunks - 1]
+        return {"kvcache_handoff": {"chunks": out.stored_chunks, "last_key": last_key.hex()}}
 
 
 class Worker:
@@ -253,6 +267,9 @@ class Worker:
             body = await self._body(request)
             prompt = self.engine.encode(body, chat=chat)
             max_tokens = self._max_tokens(body, chat=chat, prompt_tokens=len(prompt))
+            body["cache_salt"] = body.get("cache_salt") or ""
+            if not isinstance(body["cache_salt"], str):
+                raise RequestError(400, "cache_salt must be a string", code="invalid_cache_salt", param="cache_salt")
             if body.get("n", 1) != 1:
                 raise RequestError(400, "this worker generates one choice (n = 1)", code="invalid_n", param="n")
             if self.pending >= self.max_queue:
@@ -285,11 +302,16 @@ class Worker:
         return value
 
     async def _run(
-        self, prompt: list[int], max_tokens: int, on_token: Callable[[int], None], cancelled: threading.Event
+        self,
+        body: dict[str, Any],
+        prompt: list[int],
+        max_tokens: int,
+        on_token: Callable[[int], None],
+        cancelled: threading.Event,
     ) -> Generation:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(
-            self.engine.executor, self.engine.generate, prompt, max_tokens, on_token, cancelled
+            self.engine.executor, self.engine.generate, prompt, max_tokens, on_token, cancelled, body["cache_salt"]
         )
 
     def _envelope(self, body: dict[str, Any], *, chat: bool, chunk: bool) -> dict[str, Any]:
@@ -302,7 +324,7 @@ class Worker:
         }
 
     async def _complete(self, body: dict[str, Any], prompt: list[int], max_tokens: int, *, chat: bool) -> web.Response:
-        out = await self._run(prompt, max_tokens, lambda _: None, threading.Event())
+        out = await self._run(body, prompt, max_tokens, lambda _: None, threading.Event())
         text = "".join(self.engine.piece(t) for t in out.tokens)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
@@ -312,7 +334,7 @@ class Worker:
             choice["token_ids"] = out.tokens
             answer["prompt_token_ids"] = prompt
         answer["usage"] = self._usage(prompt, out)
-        answer["kv_transfer_params"] = self.engine.handoff(prompt, out.stored_chunks)
+        answer["kv_transfer_params"] = self.engine.handoff(prompt, out)
         return web.json_response(answer)
 
     def _usage(self, prompt: list[int], out: Generation) -> dict[str, Any]:
@@ -340,7 +362,7 @@ class Worker:
         def on_token(token: int) -> None:  # on the model thread
             loop.call_soon_threadsafe(queue.put_nowait, token)
 
-        job = asyncio.ensure_future(self._run(prompt, max_tokens, on_token, cancelled))
+        job = asyncio.ensure_future(self._run(body, prompt, max_tokens, on_token, cancelled))
         try:
             if chat:
                 await send({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})

@@ -272,6 +272,10 @@ def test_cache_salt_separates_key_spaces(router: RouterProcess, ref: Reference) 
     headers, got, _ = completion(router, prompt, cache_salt="tenant-b")
     assert headers["X-KVCache-Route"] == "prefill" and headers["X-KVCache-Cached-Tokens"] == "0"
     assert got == ref.generate(ref.encode(prompt))
+    headers, got, _ = completion(router, prompt, cache_salt="tenant-b")  # the salted KV is stored now
+    assert headers["X-KVCache-Route"] == "skip" and got == ref.generate(ref.encode(prompt))
+    headers, _, _ = completion(router, prompt, cache_salt="tenant-c")
+    assert headers["X-KVCache-Route"] == "prefill"
 
 
 def test_models_and_health(router: RouterProcess, ref: Reference) -> None:
