@@ -109,3 +109,13 @@ def test_cli_reports_a_bad_config_and_exits_2() -> None:
         [sys.executable, "-m", "kvcache_router", "--decode", "nonsense"], capture_output=True, text=True, timeout=30
     )
     assert proc.returncode == 2 and "kvcache-router: workers: 'nonsense' is not a base URL" in proc.stderr
+
+
+def test_router_imports_only_what_its_image_installs() -> None:
+    """docker/router.Dockerfile installs the base dependencies and aiohttp: no torch, no tier clients."""
+    code = (
+        "import sys, kvcache_router.cli, kvcache_router.app;"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'redis', 'boto3'}))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30)
+    assert result.stdout.strip() == "[]"
