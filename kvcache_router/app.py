@@ -343,8 +343,9 @@ class Router:
         path = "/v1/chat/completions" if report.endpoint == "chat" else "/v1/completions"
         timeout = aiohttp.ClientTimeout(total=w.prefill_timeout_s, sock_connect=w.connect_timeout_s)
         tried: list[Worker] = []
+        stale: list[Worker] = []
         while len(tried) < w.prefill_attempts:
-            worker = self.prefill.pick(exclude=tried)
+            worker = self.prefill.pick(exclude=tried) or _second_chance(stale)
             if worker is None:
                 break
             if tried:
@@ -359,9 +360,9 @@ class Router:
                         data = await _read_capped(resp, _PREFILL_MAX_ANSWER_BYTES)
                         status, content_type = resp.status, resp.content_type
             except aiohttp.ClientConnectionError as exc:
-                # Refused, reset or cut mid-answer: the worker is down or dying.
                 log.warning("%s: prefill on %s failed: %s", report.request_id, worker.url, exc)
-                self.prefill.failed(worker, "connect", eject=True)
+                _note_stale(exc, worker, tried, stale)
+                self.prefill.failed(worker, _reason(exc), eject=isinstance(exc, aiohttp.ClientConnectorError))
                 continue
             except ValueError as exc:
                 log.warning("%s: prefill on %s: %s", report.request_id, worker.url, exc)
@@ -400,8 +401,9 @@ class Router:
         )
         path = "/v1/chat/completions" if report.endpoint == "chat" else "/v1/completions"
         tried: list[Worker] = []
+        stale: list[Worker] = []
         while True:
-            worker = self.decode.pick(exclude=tried)
+            worker = self.decode.pick(exclude=tried) or _second_chance(stale)
             if worker is None:
                 message = "no decode worker answered" if tried else "no decode worker is available"
                 return self._done(report, start, RouterError(503, message, code="no_worker"))
@@ -413,9 +415,10 @@ class Router:
                         report.decode_worker = worker.url
                         return await self._relay(request, resp, worker, report, start)
             except aiohttp.ClientConnectionError as exc:
-                # Refused, or closed before an answer: nothing reached the client, another worker may take it.
+                # Nothing reached the client: the same worker (a stale connection) or another may take it.
                 log.warning("%s: decode on %s failed: %s", report.request_id, worker.url, exc)
-                self.decode.failed(worker, "connect", eject=isinstance(exc, aiohttp.ClientConnectorError))
+                _note_stale(exc, worker, tried, stale)
+                self.decode.failed(worker, _reason(exc), eject=isinstance(exc, aiohttp.ClientConnectorError))
             except TimeoutError:
                 self.decode.failed(worker, "timeout", eject=False)
                 error = RouterError(
@@ -461,6 +464,30 @@ class Router:
             report.error = "the client disconnected"
         self._log(report, start, ttft_s)
         return out
+
+
+def _note_stale(exc: aiohttp.ClientConnectionError, worker: Worker, tried: list[Worker], stale: list[Worker]) -> None:
+    """Keeps `worker` for one more try when no other is left, if it closed the connection before answering
+    for the first time in this request. That is how a kept-alive connection looks when the worker closed
+    it just as the request went out (uvicorn, vLLM's server, closes idle ones after 5 s); a second time,
+    or a refused or reset connection, is the worker's trouble.
+    """
+    if isinstance(exc, aiohttp.ServerDisconnectedError) and tried.count(worker) == 1:
+        stale.append(worker)
+
+
+def _second_chance(stale: list[Worker]) -> Worker | None:
+    """A worker kept by _note_stale that is still in rotation, taken once."""
+    while stale:
+        worker = stale.pop(0)
+        if worker.healthy:
+            return worker
+    return None
+
+
+def _reason(exc: aiohttp.ClientConnectionError) -> str:
+    """The metrics' name for a connection failure: refused (down), or closed or reset mid-call (dying)."""
+    return "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "disconnect"
 
 
 async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:

@@ -126,3 +126,25 @@ def test_report_headers() -> None:
         "X-KVCache-Decode-Worker": "http://d",
     }
     assert "X-KVCache-Prefill-Skipped" not in RequestReport("r2", "completions").headers()
+
+
+def test_a_worker_that_closed_a_kept_alive_connection_gets_one_second_chance() -> None:
+    from aiohttp import ClientConnectorError, ServerDisconnectedError
+
+    from kvcache_router.app import _note_stale, _second_chance
+
+    pool = WorkerPool("decode", ["http://a"], RouterMetrics(), health_failures=2)
+    (a,) = pool.workers
+    a.healthy = True
+    tried, stale = [a], []
+    _note_stale(ServerDisconnectedError(), a, tried, stale)
+    assert _second_chance(stale) is a and _second_chance(stale) is None  # once
+    tried.append(a)
+    _note_stale(ServerDisconnectedError(), a, tried, stale)  # the second time in one request: the worker's fault
+    assert stale == []
+    refused = ClientConnectorError.__new__(ClientConnectorError)
+    _note_stale(refused, a, [a], stale)
+    assert stale == []
+    _note_stale(ServerDisconnectedError(), a, [a], stale)
+    a.healthy = False  # ejected meanwhile (its health checks): no second chance
+    assert _second_chance(stale) is None
