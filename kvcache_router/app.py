@@ -186,7 +186,8 @@ class Router:
         report = RequestReport(request.headers.get("X-Request-Id") or uuid.uuid4().hex, endpoint)
         start = time.monotonic()
         try:
-            await asyncio.wait_for(self._slots.acquire(), self.config.http.queue_timeout_s)
+            async with asyncio.timeout(self.config.http.queue_timeout_s):
+                await self._slots.acquire()
         except TimeoutError:
             return self._done(report, start, RouterError(503, "the router is at capacity", code="overloaded"))
         try:
