@@ -502,3 +502,26 @@ def test_the_clients_api_key_reaches_the_workers(model_dir: str, kv_server: str,
         status, headers, raw = post(f"{router.url}/v1/completions", body, headers={"Authorization": "Bearer sesame"})
         assert status == 200 and headers["X-KVCache-Route"] == "decode-only"
         assert json.loads(raw)["choices"][0]["text"] == ref.text(ref.generate(ref.encode(body["prompt"])))
+
+
+def test_requests_beyond_the_concurrency_bound_wait_then_get_503(
+    kv_server: str, prefill: OpenAIWorkerProcess, decode: OpenAIWorkerProcess
+) -> None:
+    bound = ("--set", "http.max_concurrent_requests=1", "--set", "http.queue_timeout_s=0.2")
+    with RouterProcess([prefill.url], [decode.url], kv_server, *bound) as router:
+        body = json.dumps({"prompt": words(CHUNK, seed=800), "max_tokens": 480, "stream": True}).encode()
+        host, port = router.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:
+            s.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
+            )
+            received = b""
+            while b"data: " not in received:  # the one slot is taken, for 480 tokens
+                piece = s.recv(65536)
+                assert piece, received
+                received += piece
+            status, _, raw = post(f"{router.url}/v1/completions", {"prompt": words(3, seed=801)})
+            assert status == 503 and json.loads(raw)["error"]["code"] == "overloaded"
+        assert metric(router, "kvcache_router_requests_total", code="503", endpoint="completions", route="none") == 1
