@@ -3,7 +3,7 @@
 The keys are exactly those the workers store under (kvcache_core.keys: chained over every token
 before them, in the workers' namespace), so a Lookup answers "the first N chunks of this prompt are
 stored". The router skips the prefill worker when N covers every chunk but the last: the decode
-worker then computes at most one chunk (fewer than chunk_tokens tokens) itself. A prompt of one
+worker then computes at most one chunk (at most chunk_tokens tokens) itself. A prompt of one
 chunk or less is therefore never prefilled elsewhere.
 
 A failed or late Lookup counts as nothing stored: the request is prefilled as if the cache were cold,
