@@ -81,7 +81,8 @@ class Router:
 
     @property
     def session(self) -> aiohttp.ClientSession:
-        assert self._session is not None, "the router's app has not started"
+        if self._session is None:
+            raise RuntimeError("the router's app has not started")
         return self._session
 
     async def _start(self, _: web.Application) -> None:

@@ -525,3 +525,26 @@ def test_requests_beyond_the_concurrency_bound_wait_then_get_503(
             status, _, raw = post(f"{router.url}/v1/completions", {"prompt": words(3, seed=801)})
             assert status == 503 and json.loads(raw)["error"]["code"] == "overloaded"
         assert metric(router, "kvcache_router_requests_total", code="503", endpoint="completions", route="none") == 1
+
+
+def test_each_request_is_one_log_line_under_its_request_id(
+    kv_server: str, prefill: OpenAIWorkerProcess, decode: OpenAIWorkerProcess
+) -> None:
+    with RouterProcess([prefill.url], [decode.url], kv_server, "--log-level", "info") as router:
+        prompt = words(2 * CHUNK + 3, seed=900)
+        for request_id in ("req-1", "req-2"):
+            status, headers, _ = post(
+                f"{router.url}/v1/completions", {"prompt": prompt}, headers={"X-Request-Id": request_id}
+            )
+            assert status == 200 and headers["X-Request-Id"] == request_id
+        deadline = time.monotonic() + 10
+        while "req-2 " not in (log := router.stderr_tail(100_000)):  # written once the answer is out
+            assert time.monotonic() < deadline, log
+            time.sleep(0.05)
+    first = re.search(r"req-1 completions 200 route=prefill prompt_tokens=35 cached_tokens=0 lookup=ok (.*)\n", log)
+    assert first, log
+    assert re.fullmatch(
+        rf"prefill={prefill.url} attempts=1 decode={decode.url} ttft_s=[\d.]+ total_s=[\d.]+", first.group(1)
+    ), first.group(1)
+    second = re.search(r"req-2 completions 200 route=skip prompt_tokens=35 cached_tokens=35 lookup=ok (.*)\n", log)
+    assert second and second.group(1).startswith(f"prefill=- attempts=0 decode={decode.url} "), log
