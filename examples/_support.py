@@ -5,6 +5,8 @@
 - `random_prompt`: fixed-seed token ids, standing in for a tokenizer's output.
 - `greedy`: a forward pass over the tokens a cache does not hold, then greedy decoding; it reports the
   time to the first token and that token's logits, which `model.generate` does not expose cheaply.
+- `OpenAIWorkerProcess`, `RouterProcess`: examples/openai_worker.py and kvcache-router in child
+  processes on free ports, for tests/test_router.py and bench/bench_router.py.
 
 This module imports no sibling module, so it loads both as `_support` (scripts in this folder) and as
 `examples._support` (tests, the benchmark).
@@ -12,13 +14,17 @@ This module imports no sibling module, so it loads both as `_support` (scripts i
 
 from __future__ import annotations
 
+import re
+import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvcache_server.launcher import LocalKVCacheServer
+from kvcache_server.launcher import ChildServer, LocalKVCacheServer
 
 if TYPE_CHECKING:
     import torch
@@ -41,6 +47,57 @@ class KVCacheServerProcess(LocalKVCacheServer):
             "warning",
             start_timeout_s=start_timeout_s,
         )
+
+
+class OpenAIWorkerProcess(ChildServer):
+    """examples/openai_worker.py in a child process on a free port; a context manager.
+
+    Args:
+        model: The model folder (examples/make_chat_model.py).
+        role: "prefill" or "decode".
+        kvcache: The kvcache server's host:port.
+        args: More worker flags (--chunk-tokens 16, --delay-s 2, ...).
+    """
+
+    def __init__(self, model: str, role: str, kvcache: str, *args: str, start_timeout_s: float = 120.0) -> None:
+        script = Path(__file__).resolve().parent / "openai_worker.py"
+        argv = [sys.executable, str(script), "--model", model, "--role", role, "--kvcache", kvcache, *args]
+        super().__init__(f"openai-worker-{role}", argv)
+        self.start_timeout_s = start_timeout_s
+        self.url = ""
+
+    def __enter__(self) -> OpenAIWorkerProcess:
+        match = self.launch(re.compile(r" on (\S+):(\d+)$"), self.start_timeout_s)
+        assert match is not None
+        self.url = f"http://{match.group(1)}:{match.group(2)}"
+        return self
+
+
+class RouterProcess(ChildServer):
+    """`python -m kvcache_router --port 0` in a child process; a context manager.
+
+    Args:
+        prefill: Prefill worker URLs.
+        decode: Decode worker URLs.
+        kvcache: The kvcache server's host:port, or "" for no lookups.
+        args: More router flags (--set workers.health_interval_s=0.2, ...).
+    """
+
+    def __init__(
+        self, prefill: Sequence[str], decode: Sequence[str], kvcache: str, *args: str, start_timeout_s: float = 60.0
+    ) -> None:
+        argv = [sys.executable, "-m", "kvcache_router", "--port", "0", "--log-level", "warning"]
+        argv += [f"--prefill={url}" for url in prefill] + [f"--decode={url}" for url in decode]
+        argv += ["--kvcache", kvcache] if kvcache else []
+        super().__init__("kvcache-router", [*argv, *args])
+        self.start_timeout_s = start_timeout_s
+        self.url = ""
+
+    def __enter__(self) -> RouterProcess:
+        match = self.launch(re.compile(r" serving \S+ on (\S+):(\d+) "), self.start_timeout_s)
+        assert match is not None
+        self.url = f"http://{match.group(1)}:{match.group(2)}"
+        return self
 
 
 def random_prompt(num_tokens: int, vocab_size: int, seed: int) -> list[int]:

@@ -465,6 +465,9 @@ ENV_NOT_FIELDS = {
 }
 """KVCACHE_* variables that are not KVCACHE_<SECTION>_<FIELD> config fields; any other unknown one is an error."""
 
+ENV_ROUTER_PREFIX = "KVCACHE_ROUTER_"
+"""kvcache-router's variables (docs/router.md): its own config checks them, the server leaves them alone."""
+
 
 def _from_env(config: ServerConfig, env: Mapping[str, str]) -> dict[str, dict[str, str]]:
     known: dict[str, tuple[str, str]] = {}
@@ -476,7 +479,7 @@ def _from_env(config: ServerConfig, env: Mapping[str, str]) -> dict[str, dict[st
         if var in known:
             section, name = known[var]
             updates.setdefault(section, {})[name] = env[var]
-        elif var.startswith("KVCACHE_") and var not in ENV_NOT_FIELDS:
+        elif var.startswith("KVCACHE_") and var not in ENV_NOT_FIELDS and not var.startswith(ENV_ROUTER_PREFIX):
             # Compared without the common prefix, which would make every name look close.
             close = difflib.get_close_matches(var[8:], [k[8:] for k in known], n=1, cutoff=0.6)
             hint = f"; did you mean KVCACHE_{close[0]}?" if close else "; names are KVCACHE_<SECTION>_<FIELD>"

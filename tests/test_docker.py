@@ -24,6 +24,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from kvcache_router.config import load_config as load_router_config
 from kvcache_server.config import ConfigError, ServerConfig, load_config
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,7 +92,15 @@ def kv_transfer_config(worker: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_services() -> None:
-    assert set(compose()["services"]) == {"kvcache", "redis", "minio", "minio-init", "vllm-prefill", "vllm-decode"}
+    assert set(compose()["services"]) == {
+        "kvcache",
+        "redis",
+        "minio",
+        "minio-init",
+        "vllm-prefill",
+        "vllm-decode",
+        "router",
+    }
 
 
 def test_kvcache_service_config_ports_and_mount() -> None:
@@ -259,7 +268,7 @@ def test_every_package_is_installed_by_the_image() -> None:
     """The image installs the project non-editable: a package missing from pyproject is missing there."""
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     roots = {name: REPO / path for name, path in setuptools["package-dir"].items()}
-    roots.update({name: REPO / name for name in ("kvcache_server", "kvcache_proto")})
+    roots.update({name: REPO / name for name in ("kvcache_server", "kvcache_proto", "kvcache_router")})
     found = set()
     for name, root in roots.items():
         for init in root.rglob("__init__.py"):
@@ -269,6 +278,7 @@ def test_every_package_is_installed_by_the_image() -> None:
     scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
     assert scripts["kvcache-server"] == "kvcache_server.cli:main"
     assert scripts["kvcache"] == "kvcache_client.cli:main"  # the HEALTHCHECK's command
+    assert scripts["kvcache-router"] == "kvcache_router.cli:main"  # the router image's ENTRYPOINT
 
 
 def _exe(name: str, module: str) -> list[str]:
@@ -313,3 +323,64 @@ def test_image_command_serves_and_passes_its_healthcheck() -> None:
             if server.poll() is None:
                 server.kill()
     assert "Traceback" not in server.stderr.read()  # type: ignore[union-attr]
+
+
+# -- the router ------------------------------------------------------------------------------------
+
+ROUTER_CONFIG = DOCKER / "router.toml"
+ROUTER_CONFIG_PATH = "/etc/kvcache/router.toml"
+
+
+def router_config() -> Any:
+    """docker/router.toml read as the router service reads it: with the service's environment."""
+    env = {k: interpolate(v) for k, v in service("router")["environment"].items()}
+    return load_router_config(path=ROUTER_CONFIG, env=env)
+
+
+def worker_port(name: str) -> int:
+    command = [interpolate(arg) for arg in service(name)["command"]]
+    return int(command[command.index("--port") + 1])
+
+
+def test_router_fronts_the_vllm_workers_and_the_kvcache_service() -> None:
+    router = service("router")
+    assert router["build"] == {"context": "..", "dockerfile": "docker/router.Dockerfile"}
+    assert router["volumes"] == [f"./router.toml:{ROUTER_CONFIG_PATH}:ro"]
+    cfg = router_config()
+    assert cfg.workers.prefill == (f"http://vllm-prefill:{worker_port('vllm-prefill')}",)
+    assert cfg.workers.decode == (f"http://vllm-decode:{worker_port('vllm-decode')}",)
+    assert cfg.kvcache.target == f"kvcache:{config().server.port}"
+    # The namespace the vLLM connector derives: its model_id is vLLM's --model (docs/vllm.md).
+    assert cfg.kvcache.namespace_source == "config"
+    namespace = cfg.namespace.build()
+    assert namespace.model_id == interpolate(service("vllm-decode")["command"][0]) == "/models/model"
+    connector_config = pytest.importorskip("kvcache_connectors.vllm.config")
+    extra = kv_transfer_config(service("vllm-decode"))["kv_connector_extra_config"]
+    assert connector_config.KVCacheConnectorConfig.from_extra_config(extra, block_size=16).chunk_tokens == (
+        namespace.chunk_tokens
+    )
+    assert published(router) == {cfg.http.port: ("127.0.0.1", 8000)}
+    assert cfg.http.host == "0.0.0.0"  # inside the container only: published on 127.0.0.1
+    assert router["depends_on"]["kvcache"] == {"condition": "service_healthy"}
+    assert {router["depends_on"][n]["condition"] for n in ("vllm-prefill", "vllm-decode")} == {"service_started"}
+
+
+def test_router_image_definition() -> None:
+    dockerfile = DOCKER / "router.Dockerfile"
+    assert one(dockerfile, "FROM") == "python:3.11-slim"
+    assert 'pip install "/src[router]"' in " ".join(args for word, args in instructions(dockerfile) if word == "RUN")
+    assert json.loads(one(dockerfile, "ENTRYPOINT")) == ["kvcache-router"]
+    assert json.loads(one(dockerfile, "CMD")) == ["--config", ROUTER_CONFIG_PATH]
+    assert one(dockerfile, "USER") not in {"root", "0"}
+    # Every package the project ships is copied in, and let through the build context.
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    sources = {
+        setuptools["package-dir"].get(p.split(".")[0], p.split(".")[0]).split("/")[0] for p in setuptools["packages"]
+    }
+    copied = {args.split()[0] for word, args in instructions(dockerfile) if word == "COPY"}
+    assert sources <= copied
+    allowed = (DOCKER / "router.Dockerfile.dockerignore").read_text().split()
+    assert {f"!{name}/" for name in sources} <= set(allowed)
+    healthcheck = json.loads(one(dockerfile, "HEALTHCHECK").partition(" CMD ")[2])
+    port = router_config().http.port
+    assert f"127.0.0.1:{port}/health" in healthcheck[-1] and one(dockerfile, "EXPOSE") == str(port)

@@ -1,0 +1,309 @@
+"""The router's configuration: one typed, frozen config, read once at start-up, as the server's is.
+
+Sources, later ones winning: built-in defaults, a TOML file (`--config` or KVCACHE_ROUTER_CONFIG),
+environment variables, command-line flags. Every field has one name in each source:
+
+    TOML                                  environment                           flag
+    [http] port = 8000                    KVCACHE_ROUTER_HTTP_PORT=8000         --set http.port=8000  (or --port)
+    [workers] prefill = ["http://p:8000"] KVCACHE_ROUTER_WORKERS_PREFILL=...    --prefill http://p:8000 (repeatable)
+
+Lists take a TOML array or a comma-separated string; fields ending in `_bytes` take sizes ("8MiB").
+Unknown sections, fields and KVCACHE_ROUTER_* variables are errors (kvcache-server, in turn, leaves
+KVCACHE_ROUTER_* variables to the router).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from kvcache_core.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace
+from kvcache_server.config import ConfigError, parse_assignment, parse_size
+
+ENV_PREFIX = "KVCACHE_ROUTER_"
+ENV_CONFIG = "KVCACHE_ROUTER_CONFIG"
+
+__all__ = ["ENV_PREFIX", "ConfigError", "RouterConfig", "load_config"]
+
+
+@dataclass(frozen=True, slots=True)
+class HttpSection:
+    """The router's own HTTP server."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 picks a free port (printed at start-up)
+    max_body_bytes: int = 8 << 20  # a larger request body gets 413
+    log_level: str = "info"
+    log_json: bool = False  # one JSON object per log line (kvcache-server's format)
+    # Requests handled at once; more wait for a slot up to queue_timeout_s, then get 503.
+    max_concurrent_requests: int = 256
+    queue_timeout_s: float = 30.0
+    # After SIGTERM: no new connections; requests in flight may finish within this, then are cut.
+    shutdown_grace_s: float = 20.0
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"http.port must be in [0, 65535], got {self.port}")
+        if self.max_body_bytes <= 0 or self.max_concurrent_requests <= 0 or self.queue_timeout_s <= 0:
+            raise ConfigError(
+                "http.max_body_bytes, http.max_concurrent_requests and http.queue_timeout_s must be positive"
+            )
+        if self.shutdown_grace_s < 0:
+            raise ConfigError("http.shutdown_grace_s must not be negative")
+        if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
+            raise ConfigError(f"http.log_level {self.log_level!r} is not a log level")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkersSection:
+    """The OpenAI-compatible workers behind the router, and the deadlines of every call to them."""
+
+    prefill: tuple[str, ...] = ()  # base URLs, e.g. "http://vllm-prefill:8000"; none: decode only
+    decode: tuple[str, ...] = ()
+    connect_timeout_s: float = 2.0  # every upstream call: to open the connection
+    tokenize_timeout_s: float = 5.0  # a /tokenize call, whole
+    prefill_timeout_s: float = 120.0  # a prefill (max_tokens 1) call, whole
+    prefill_attempts: int = 2  # prefill workers tried per request before going decode-only
+    # A decode call: the longest a worker may stay silent (before its response headers, and between
+    # two reads of its body), and the whole call.
+    decode_read_timeout_s: float = 120.0
+    decode_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 2.0
+    # Consecutive failed health checks that eject a worker; one success brings it back. A worker
+    # that refuses a request's connection is ejected at once.
+    health_failures: int = 2
+
+    def validate(self) -> None:
+        if not self.decode:
+            raise ConfigError("workers.decode needs at least one URL (--decode)")
+        for url in (*self.prefill, *self.decode):
+            parsed = urlparse(url)
+            if parsed.scheme not in ("http", "https") or not parsed.netloc or parsed.path not in ("", "/"):
+                raise ConfigError(f"workers: {url!r} is not a base URL like http://host:port")
+        for name in (
+            "connect_timeout_s",
+            "tokenize_timeout_s",
+            "prefill_timeout_s",
+            "decode_read_timeout_s",
+            "decode_timeout_s",
+            "health_interval_s",
+            "health_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"workers.{name} must be positive")
+        if self.prefill_attempts < 1 or self.health_failures < 1:
+            raise ConfigError("workers.prefill_attempts and workers.health_failures must be >= 1")
+
+
+_NAMESPACE_SOURCES = ("worker", "config")
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheSection:
+    """The kvcache server the router asks how much of a prompt is stored."""
+
+    target: str = ""  # host:port; empty: no lookups (always prefill)
+    lookup_timeout_s: float = 0.5  # a late answer counts as nothing stored
+    # "worker": read the namespace from a worker's GET /kvcache/namespace (examples/openai_worker.py);
+    # "config": from [namespace] (vLLM workers, which do not publish theirs).
+    namespace_source: str = "worker"
+    token_env: str = "KVCACHE_TOKEN"  # environment variable with the API token of a server with auth
+    tls: bool = False
+    tls_ca_file: str = ""
+
+    def validate(self) -> None:
+        if self.lookup_timeout_s <= 0:
+            raise ConfigError("kvcache.lookup_timeout_s must be positive")
+        if self.namespace_source not in _NAMESPACE_SOURCES:
+            raise ConfigError(
+                f"kvcache.namespace_source must be one of {_NAMESPACE_SOURCES}, got {self.namespace_source!r}"
+            )
+        if self.tls_ca_file and not Path(self.tls_ca_file).is_file():
+            raise ConfigError(f"kvcache.tls_ca_file: {self.tls_ca_file} is not a readable file")
+
+
+@dataclass(frozen=True, slots=True)
+class NamespaceSection:
+    """The workers' namespace (docs/keys.md) when kvcache.namespace_source = "config".
+
+    For vLLM workers: the first tensor-parallel shard's, i.e. what the vLLM connector derives for
+    rank 0 (docs/vllm.md): num_kv_heads per rank, tp_size the workers', tp_rank 0.
+    """
+
+    model_id: str = ""
+    model_revision: str = ""
+    kv_dtype: str = ""
+    chunk_tokens: int = 256
+    num_layers: int = 0
+    num_kv_heads: int = 0
+    head_size: int = 0
+    tp_size: int = 1
+    layout: str = CANONICAL_LAYOUT
+    # "key=value" pairs, the connector's namespace_extra (and what it adds itself, e.g. the quantization).
+    extra: tuple[str, ...] = ()
+
+    def build(self) -> Namespace:
+        """The Namespace these fields describe.
+
+        Raises:
+            ConfigError: a field is missing or invalid.
+        """
+        pairs = {}
+        for item in self.extra:
+            key, sep, value = item.partition("=")
+            if not sep:
+                raise ConfigError(f"namespace.extra: {item!r} is not key=value")
+            pairs[key] = value
+        try:
+            return Namespace(
+                model_id=self.model_id,
+                model_revision=self.model_revision,
+                kv_dtype=self.kv_dtype,
+                chunk_tokens=self.chunk_tokens,
+                num_layers=self.num_layers,
+                num_kv_heads=self.num_kv_heads,
+                head_size=self.head_size,
+                tp_size=self.tp_size,
+                tp_rank=0,
+                layout=self.layout,
+                extra=pairs,
+            )
+        except ValueError as exc:
+            raise ConfigError(f"[namespace]: {exc}") from None
+
+    def validate(self) -> None:
+        if self.layout not in (CANONICAL_LAYOUT, MLA_LAYOUT):
+            raise ConfigError(f"namespace.layout must be {CANONICAL_LAYOUT!r} or {MLA_LAYOUT!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Everything the router reads at start-up."""
+
+    http: HttpSection = field(default_factory=HttpSection)
+    workers: WorkersSection = field(default_factory=WorkersSection)
+    kvcache: KVCacheSection = field(default_factory=KVCacheSection)
+    namespace: NamespaceSection = field(default_factory=NamespaceSection)
+
+    def validate(self) -> RouterConfig:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate()
+        if self.kvcache.target and self.kvcache.namespace_source == "config":
+            self.namespace.build()
+        return self
+
+
+def _coerce(where: str, kind: str, value: Any) -> Any:
+    try:
+        if where.endswith("_bytes"):
+            return parse_size(value)
+        if kind == "tuple[str, ...]":
+            items = value if isinstance(value, list | tuple) else str(value).split(",")
+            return tuple(str(v).strip() for v in items if str(v).strip())
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).strip().lower()
+            if text not in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
+                raise ConfigError(f"{where}: {value!r} is not a boolean")
+            return text in {"1", "true", "yes", "on"}
+        if kind == "int":
+            if isinstance(value, bool):
+                raise ConfigError(f"{where}: {value!r} is not an integer")
+            return int(value)
+        if kind == "float":
+            return float(value)
+        if isinstance(value, list | dict):
+            raise ConfigError(f"{where}: {value!r} is not a string")
+        return str(value)
+    except ConfigError:
+        raise
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: {value!r} is not a valid {kind}") from None
+
+
+def _apply(config: RouterConfig, updates: Mapping[str, Mapping[str, Any]], source: str) -> RouterConfig:
+    sections = {f.name for f in dataclasses.fields(config)}
+    changes: dict[str, Any] = {}
+    for section, values in updates.items():
+        if section not in sections:
+            raise ConfigError(f"{source}: unknown section [{section}]; known: {sorted(sections)}")
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"{source}: [{section}] must be a table")
+        current = changes.get(section, getattr(config, section))
+        fields = {f.name: str(f.type) for f in dataclasses.fields(current)}
+        kwargs = {}
+        for name, value in values.items():
+            if name not in fields:
+                raise ConfigError(f"{source}: unknown field {section}.{name}; known: {sorted(fields)}")
+            kwargs[name] = _coerce(f"{section}.{name}", fields[name], value)
+        changes[section] = dataclasses.replace(current, **kwargs)
+    return dataclasses.replace(config, **changes)
+
+
+def _from_env(config: RouterConfig, env: Mapping[str, str]) -> dict[str, dict[str, str]]:
+    known = {
+        f"{ENV_PREFIX}{s.name}_{f.name}".upper(): (s.name, f.name)
+        for s in dataclasses.fields(config)
+        for f in dataclasses.fields(getattr(config, s.name))
+    }
+    updates: dict[str, dict[str, str]] = {}
+    for var in sorted(env):
+        if var in known:
+            section, name = known[var]
+            updates.setdefault(section, {})[name] = env[var]
+        elif var.startswith(ENV_PREFIX) and var != ENV_CONFIG:
+            short = len(ENV_PREFIX)
+            close = difflib.get_close_matches(var[short:], [k[short:] for k in known], n=1, cutoff=0.6)
+            hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else f"; names are {ENV_PREFIX}<SECTION>_<FIELD>"
+            raise ConfigError(f"environment: unknown variable {var}{hint} (docs/router.md)")
+    return updates
+
+
+def assignments(items: list[str]) -> dict[str, dict[str, str]]:
+    """`--set section.field=value` flags as {section: {field: value}}."""
+    out: dict[str, dict[str, str]] = {}
+    for item in items:
+        section, name, value = parse_assignment(item)
+        out.setdefault(section, {})[name] = value
+    return out
+
+
+def load_config(
+    *,
+    path: str | Path | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Mapping[str, Any]] | None = None,
+) -> RouterConfig:
+    """Builds the validated config from defaults, a TOML file, the environment and overrides.
+
+    Args:
+        path: A TOML file; when None, KVCACHE_ROUTER_CONFIG from `env` names one, if set.
+        env: Environment variables (os.environ in production).
+        overrides: {section: {field: value}} from command-line flags.
+
+    Raises:
+        ConfigError: for any unknown or invalid setting, naming it.
+    """
+    env = env or {}
+    config = RouterConfig()
+    path = path or env.get(ENV_CONFIG)
+    if path:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+        config = _apply(config, data, str(path))
+    config = _apply(config, _from_env(config, env), "environment")
+    if overrides:
+        config = _apply(config, overrides, "command line")
+    return config.validate()

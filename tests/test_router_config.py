@@ -1,0 +1,121 @@
+"""kvcache-router's configuration: TOML, environment and flags, as strict as the server's."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcache_core.keys import Namespace
+from kvcache_router.cli import overrides, parse_args
+from kvcache_router.config import ConfigError, load_config
+from kvcache_server.config import load_config as load_server_config
+
+pytestmark = pytest.mark.timeout(30)
+
+DECODE = {"workers": {"decode": "http://127.0.0.1:8200"}}
+
+
+def test_defaults_need_a_decode_worker() -> None:
+    with pytest.raises(ConfigError, match=r"workers.decode needs at least one URL"):
+        load_config(env={})
+    cfg = load_config(env={}, overrides=DECODE)
+    assert cfg.workers.decode == ("http://127.0.0.1:8200",) and cfg.workers.prefill == ()
+    assert (cfg.http.host, cfg.http.port, cfg.http.max_body_bytes) == ("127.0.0.1", 8000, 8 << 20)
+    assert cfg.kvcache.target == ""
+
+
+def test_toml_then_environment_then_flags(tmp_path: Path) -> None:
+    path = tmp_path / "router.toml"
+    path.write_text(
+        '[http]\nport = 9000\nmax_body_bytes = "1MiB"\n'
+        '[workers]\nprefill = ["http://p1:8000", "http://p2:8000"]\ndecode = ["http://d:8000"]\n'
+        '[kvcache]\ntarget = "kvcache:51051"\n'
+    )
+    env = {"KVCACHE_ROUTER_HTTP_PORT": "9100", "KVCACHE_ROUTER_WORKERS_DECODE": "http://d1:8000, http://d2:8000"}
+    args = parse_args(["--port", "9200", "--prefill", "http://p3:8000", "--set", "workers.prefill_attempts=3"])
+    cfg = load_config(path=path, env=env, overrides=overrides(args))
+    assert cfg.http.port == 9200 and cfg.http.max_body_bytes == 1 << 20
+    assert cfg.workers.prefill == ("http://p3:8000",) and cfg.workers.decode == ("http://d1:8000", "http://d2:8000")
+    assert cfg.workers.prefill_attempts == 3 and cfg.kvcache.target == "kvcache:51051"
+    assert load_config(env={"KVCACHE_ROUTER_CONFIG": str(path)}).http.port == 9000
+
+
+@pytest.mark.parametrize(
+    ("updates", "message"),
+    [
+        ({"htp": {"port": 1}}, r"unknown section \[htp\]"),
+        ({"http": {"prot": 1}}, "unknown field http.prot"),
+        ({"http": {"port": "eighty"}}, "http.port: 'eighty' is not a valid int"),
+        ({"http": {"port": 70000}}, r"http.port must be in \[0, 65535\]"),
+        ({"workers": {"decode": "d:8000"}}, "is not a base URL"),
+        ({"workers": {"decode": "http://d:8000/v1"}}, "is not a base URL"),
+        ({"workers": {"prefill_timeout_s": 0}}, "workers.prefill_timeout_s must be positive"),
+        ({"kvcache": {"namespace_source": "guess"}}, "kvcache.namespace_source must be one of"),
+        ({"kvcache": {"target": "k:1", "namespace_source": "config"}}, r"\[namespace\]: Namespace.model_id"),
+    ],
+)
+def test_bad_settings_are_named(updates: dict, message: str) -> None:
+    merged = {**DECODE, **updates}
+    if "workers" in updates:
+        merged["workers"] = {**DECODE["workers"], **updates["workers"]}
+    with pytest.raises(ConfigError, match=message):
+        load_config(env={}, overrides=merged)
+
+
+def test_unknown_router_variable_is_an_error_with_a_hint() -> None:
+    with pytest.raises(ConfigError, match="did you mean KVCACHE_ROUTER_HTTP_PORT"):
+        load_config(env={"KVCACHE_ROUTER_HTTP_PROT": "1"}, overrides=DECODE)
+
+
+def test_server_and_router_variables_live_side_by_side() -> None:
+    """One environment (a shell, a .env file) may hold both; each program checks only its own."""
+    env = {"KVCACHE_ROUTER_HTTP_PORT": "9000", "KVCACHE_SERVER_PORT": "51052", "KVCACHE_TOKEN": "t"}
+    assert load_server_config(env=env).server.port == 51052
+    assert load_config(env=env, overrides=DECODE).http.port == 9000
+    with pytest.raises(ConfigError, match="unknown variable KVCACHE_ROUTERX"):
+        load_server_config(env={"KVCACHE_ROUTERX": "1"})
+
+
+def test_namespace_from_config_is_the_connectors_namespace() -> None:
+    fields = {
+        "model_id": "/models/model",
+        "kv_dtype": "bfloat16",
+        "chunk_tokens": "256",
+        "num_layers": "32",
+        "num_kv_heads": "8",
+        "head_size": "128",
+        "extra": "deployment=blue",
+    }
+    cfg = load_config(
+        env={}, overrides={**DECODE, "kvcache": {"target": "k:1", "namespace_source": "config"}, "namespace": fields}
+    )
+    want = Namespace(
+        model_id="/models/model",
+        kv_dtype="bfloat16",
+        chunk_tokens=256,
+        num_layers=32,
+        num_kv_heads=8,
+        head_size=128,
+        extra={"deployment": "blue"},
+    )
+    assert cfg.namespace.build() == want and cfg.namespace.build().name == want.name
+
+
+def test_cli_reports_a_bad_config_and_exits_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvcache_router", "--decode", "nonsense"], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 2 and "kvcache-router: workers: 'nonsense' is not a base URL" in proc.stderr
+
+
+def test_router_imports_only_what_its_image_installs() -> None:
+    """docker/router.Dockerfile installs the base dependencies and aiohttp: no torch, no tier clients."""
+    code = (
+        "import sys, kvcache_router.cli, kvcache_router.app;"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'redis', 'boto3'}))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=30)
+    assert result.stdout.strip() == "[]"
