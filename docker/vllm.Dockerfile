@@ -6,7 +6,9 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 
 COPY pyproject.toml README.md /tmp/kvcache/
 COPY kvcache_server /tmp/kvcache/kvcache_server
+COPY kvcache_core /tmp/kvcache/kvcache_core
 COPY kvcache_proto /tmp/kvcache/kvcache_proto
+COPY kvcache_router /tmp/kvcache/kvcache_router
 COPY client /tmp/kvcache/client
 COPY connectors /tmp/kvcache/connectors
 # --no-deps: the image's torch, numpy and CUDA stack stay as vLLM ships them. The second pip adds the

@@ -268,7 +268,7 @@ def test_every_package_is_installed_by_the_image() -> None:
     """The image installs the project non-editable: a package missing from pyproject is missing there."""
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
     roots = {name: REPO / path for name, path in setuptools["package-dir"].items()}
-    roots.update({name: REPO / name for name in ("kvcache_server", "kvcache_proto", "kvcache_router")})
+    roots.update({name: REPO / name for name in ("kvcache_core", "kvcache_server", "kvcache_proto", "kvcache_router")})
     found = set()
     for name, root in roots.items():
         for init in root.rglob("__init__.py"):
@@ -279,6 +279,19 @@ def test_every_package_is_installed_by_the_image() -> None:
     assert scripts["kvcache-server"] == "kvcache_server.cli:main"
     assert scripts["kvcache"] == "kvcache_client.cli:main"  # the HEALTHCHECK's command
     assert scripts["kvcache-router"] == "kvcache_router.cli:main"  # the router image's ENTRYPOINT
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "vllm.Dockerfile", "router.Dockerfile"])
+def test_every_image_copies_every_package(dockerfile: str) -> None:
+    """Each image's pip install sees every source folder pyproject ships, through its build context's filter."""
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    sources = {
+        setuptools["package-dir"].get(p.split(".")[0], p.split(".")[0]).split("/")[0] for p in setuptools["packages"]
+    }
+    copied = {args.split()[0] for word, args in instructions(DOCKER / dockerfile) if word == "COPY"}
+    assert sources - copied == set()
+    allowed = set((DOCKER / f"{dockerfile}.dockerignore").read_text().split())
+    assert {f"!{name}/" for name in sources} - allowed == set()
 
 
 def _exe(name: str, module: str) -> list[str]:
@@ -372,15 +385,6 @@ def test_router_image_definition() -> None:
     assert json.loads(one(dockerfile, "ENTRYPOINT")) == ["kvcache-router"]
     assert json.loads(one(dockerfile, "CMD")) == ["--config", ROUTER_CONFIG_PATH]
     assert one(dockerfile, "USER") not in {"root", "0"}
-    # Every package the project ships is copied in, and let through the build context.
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    sources = {
-        setuptools["package-dir"].get(p.split(".")[0], p.split(".")[0]).split("/")[0] for p in setuptools["packages"]
-    }
-    copied = {args.split()[0] for word, args in instructions(dockerfile) if word == "COPY"}
-    assert sources <= copied
-    allowed = (DOCKER / "router.Dockerfile.dockerignore").read_text().split()
-    assert {f"!{name}/" for name in sources} <= set(allowed)
     healthcheck = json.loads(one(dockerfile, "HEALTHCHECK").partition(" CMD ")[2])
     port = router_config().http.port
     assert f"127.0.0.1:{port}/health" in healthcheck[-1] and one(dockerfile, "EXPOSE") == str(port)
