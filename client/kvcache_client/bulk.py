@@ -274,7 +274,7 @@ class BulkPool:
         """
         for attempt in (0, 1):
             with self._lock:
-                conn = self._idle.pop() if self._idle else None
+                conn = self._idle.pop() if self._idle and attempt == 0 else None
             reused = conn is not None
             if conn is None:
                 conn = _Conn.open(self.address, self._tls, self._server_name, self._token, deadline)
@@ -282,8 +282,9 @@ class BulkPool:
                 result = op(conn)
             except BulkUnreachable:
                 conn.close()
-                if reused and attempt == 0:
+                if reused and attempt == 0:  # the server closed it (a restart?): so it did the others
                     self._counters.add("reconnects", 1)
+                    self._drop_idle()
                     continue
                 raise
             except BaseException:
@@ -311,12 +312,16 @@ class BulkPool:
                 raise exc
         return [f.result() for f in futures]
 
-    def close(self) -> None:
+    def _drop_idle(self) -> None:
         with self._lock:
-            self._closed = True
             idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._drop_idle()
         self._executor.shutdown(wait=False)
 
 

@@ -262,7 +262,11 @@ class Session:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"bulk protocol version {version}; this server speaks 1")
         auth = self._s.authenticator
         if auth is not None:
-            self._metadata = {"authorization": f"Bearer {token}"} if token else {}
+            if not token.strip():
+                raise Refused(
+                    grpc.StatusCode.UNAUTHENTICATED, "missing credentials: send the API token in the HELLO frame"
+                )
+            self._metadata = {"authorization": f"Bearer {token}"}
             try:
                 self._principal = auth.check("Info", self._metadata)
             except AuthError as exc:

@@ -1,0 +1,404 @@
+"""The bulk path (docs/bulk.md): real servers on free ports, the SDK and raw sockets speaking the frames."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvcache_client import (
+    AsyncKVCacheClient,
+    DeadlineExceeded,
+    KVCacheClient,
+    PermissionDenied,
+    TLSConfig,
+)
+from kvcache_client.bulk import stripes
+from kvcache_core import bulkwire as bw
+from kvcache_server.auth import token_digest
+from tests.backends import free_port, make_certs, wait_for
+from tests.conftest import ServerThread, keyed
+
+pytestmark = pytest.mark.timeout(60)
+
+RW, RO = "kvc_bulk_rw_token", "kvc_bulk_read_only"
+NO_SHM = {"shm": {"enabled": False}}  # the same-host path would be preferred; these tests are about bulk
+
+
+def bulk_server(make_server, **extra) -> ServerThread:
+    config = {"ram": {"capacity_bytes": 512 << 20}, **NO_SHM}
+    for section, values in extra.items():
+        config[section] = {**config.get(section, {}), **values}
+    return make_server(**config)
+
+
+def blocks(n: int, size: int) -> list[tuple[bytes, bytes]]:
+    return [keyed(os.urandom(size)) for _ in range(n)]
+
+
+def auth_config(tmp: Path) -> dict:
+    path = tmp / "tokens.toml"
+    text = ""
+    for name, token, rights in (("rw", RW, '["read", "write"]'), ("ro", RO, '["read"]')):
+        text += (
+            f'[[tokens]]\nname = "{name}"\ntenant = "t"\nsha256 = "{token_digest(token).hex()}"\nrights = {rights}\n'
+        )
+    path.write_text(text)
+    return {"auth": {"enabled": True, "tokens_file": str(path)}}
+
+
+# -- raw frames --------------------------------------------------------------------------------
+
+
+class Raw:
+    """A bulk client made of a plain socket, to send what the SDK never would."""
+
+    def __init__(self, server: ServerThread, *, tls: ssl.SSLContext | None = None) -> None:
+        sock = socket.create_connection(("127.0.0.1", server.running.bulk.port), timeout=10)
+        self.sock = tls.wrap_socket(sock, server_hostname="127.0.0.1") if tls else sock
+
+    def send(self, kind: bw.FrameType, payload: bytes = b"", length: int | None = None) -> None:
+        self.sock.sendall(bw.header(kind, len(payload) if length is None else length) + payload)
+
+    def hello(self, token: str = "") -> None:
+        self.send(bw.FrameType.HELLO, bw.hello(token))
+        kind, payload = self.read()
+        assert kind is bw.FrameType.READY, (kind, payload)
+
+    def read(self) -> tuple[bw.FrameType, bytes]:
+        head = bytearray(bw.HEADER_BYTES)
+        bw.recv_exact(self.sock, memoryview(head), "header")
+        kind, length = bw.parse_header(head, 1 << 30)
+        payload = bytearray(length)
+        bw.recv_exact(self.sock, memoryview(payload), "payload")
+        return kind, bytes(payload)
+
+    def error(self) -> tuple[grpc.StatusCode, str]:
+        kind, payload = self.read()
+        assert kind is bw.FrameType.ERROR, kind
+        code, message = bw.parse_error(payload)
+        status = next(s for s in grpc.StatusCode if s.value[0] == code)
+        return status, message
+
+    def closed(self) -> bool:
+        """The server closed the connection (after its ERROR frame)."""
+        self.sock.settimeout(5)
+        try:
+            return self.sock.recv(1) == b""
+        except ConnectionResetError:
+            return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def counters(server: ServerThread) -> dict[str, int]:
+    return server.running.bulk.counters.snapshot()
+
+
+def settled(server: ServerThread, **expected: int) -> None:
+    """Waits (bounded) until the server's bulk counters, its budget and sink reach the expected values."""
+    bulk = server.running.bulk
+
+    def check() -> bool:
+        c = counters(server)
+        return all(c[k] == v for k, v in expected.items()) and c["connections"] == 0
+
+    wait_for(check, 10, f"bulk counters {expected}, got {counters(server)}")
+    wait_for(lambda: server.call(_budget_used(server)) == 0, 5, "the in-flight budget to be released")
+    assert bulk.sink.reserved == bulk.sink.committed + bulk.sink.abandoned
+
+
+async def _budget_used(server: ServerThread) -> int:
+    return server.running.bulk._budget.used
+
+
+def stored(server: ServerThread, namespace: str, keys: list[bytes]) -> int:
+    return sum(server.call(server.stack.ram.contains_many(namespace, keys)))
+
+
+# -- tests -------------------------------------------------------------------------------------
+
+
+def test_round_trip_over_bulk_is_byte_exact_and_counted(make_server) -> None:
+    server = bulk_server(make_server)
+    items = blocks(4, 3 << 20) + blocks(3, 100)
+    keys = [k for k, _ in items]
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        info_port = server.running.bulk.port
+        result = client.put_many("n", items)
+        assert (result.stored, result.rejected, result.tier("ram").stored) == (7, 0, 7)
+        got = client.get_many("n", [*keys, os.urandom(16)])
+        assert [bytes(g) for g in got[:-1]] == [b for _, b in items] and got[-1] is None
+        assert client.get_many("n", [keys[0], os.urandom(16), keys[1]], prefix_only=True)[1:] == [None, None]
+        c = client.bulk.counters
+        nbytes = sum(len(b) for _, b in items)
+        assert client.bulk.state == "on" and client.bulk.pool.address == ("127.0.0.1", info_port)
+        assert (c.bulk_bytes_sent, c.grpc_bytes_sent, c.fallbacks) == (nbytes, 0, 0)
+        assert c.bulk_bytes_received == nbytes + len(items[0][1])
+        stats = client.stats()
+        assert (stats.bulk_bytes_received, stats.bulk_bytes_sent) == (nbytes, c.bulk_bytes_received)
+        assert client.corrupt_blocks == 0
+    assert stored(server, "n", keys) == 7
+
+
+def test_async_client_round_trip_over_bulk(make_server) -> None:
+    server = bulk_server(make_server)
+    items = blocks(3, 2 << 20)
+
+    async def main() -> list[bytes | None]:
+        async with AsyncKVCacheClient(server.target, timeout_s=10) as client:
+            assert (await client.put_many("n", items)).stored == 3
+            got = await client.get_many("n", [k for k, _ in items])
+            assert (
+                client.bulk.counters.bulk_bytes_sent
+                == client.bulk.counters.bulk_bytes_received
+                == 6 * (1 << 20) + 3 * (len(items[0][1]) - (2 << 20))
+            )
+            return [None if g is None else bytes(g) for g in got]
+
+    assert asyncio.run(main()) == [b for _, b in items]
+    assert counters(server)["bytes_received"] == sum(len(b) for _, b in items)
+
+
+def test_small_calls_stay_on_grpc(make_server) -> None:
+    server = bulk_server(make_server)
+    with KVCacheClient(server.target) as client:
+        client.put_many("n", blocks(2, 1000))
+        assert client.bulk.counters.grpc_bytes_sent > 0 and client.bulk.counters.bulk_bytes_sent == 0
+    assert counters(server)["accepted"] == 0
+
+
+def test_auth_same_tokens_and_rights_as_grpc(make_server, tmp_path: Path) -> None:
+    server = bulk_server(make_server, **auth_config(tmp_path))
+    for token, code in (
+        ("", "missing credentials: send the API token in the HELLO frame"),
+        ("kvc_wrong", "invalid token"),
+    ):
+        raw = Raw(server)
+        raw.send(bw.FrameType.HELLO, bw.hello(token))
+        assert raw.error() == (grpc.StatusCode.UNAUTHENTICATED, code)
+        assert raw.closed()
+        raw.close()
+    items = blocks(2, 1 << 20)
+    with KVCacheClient(server.target, token=RO) as reader:
+        with pytest.raises(PermissionDenied, match="lacks the 'write' right for Put"):
+            reader.put_many("n", items)
+        assert reader.bulk.counters.fallbacks == 0  # refused by the server, not a reason to try gRPC
+    with KVCacheClient(server.target, token=RW) as writer:
+        assert writer.put_many("n", items).stored == 2
+        assert writer.bulk.counters.bulk_bytes_sent == sum(len(b) for _, b in items)
+    with KVCacheClient(server.target, token=RO) as reader:
+        assert [bytes(g) for g in reader.get_many("n", [k for k, _ in items])] == [b for _, b in items]
+        assert reader.bulk.counters.bulk_bytes_received > 0
+    assert stored(server, "t:n", [k for k, _ in items]) == 2  # scoped by the tenant, as on gRPC
+    settled(server, errors=4)  # two HELLOs, and the reader's put striped over two connections
+
+
+def test_tls_with_the_grpc_certificate(make_server, tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+    tls = {"cert_file": str(certs["server.crt"]), "key_file": str(certs["server.key"])}
+    server = bulk_server(make_server, tls=tls)
+    items = blocks(3, 1 << 20)
+    with KVCacheClient(server.target, tls=TLSConfig(ca_file=str(certs["ca.crt"])), timeout_s=10) as client:
+        assert client.put_many("n", items).stored == 3
+        assert [bytes(g) for g in client.get_many("n", [k for k, _ in items])] == [b for _, b in items]
+        assert client.bulk.counters.bulk_bytes_sent == client.bulk.counters.bulk_bytes_received > 0
+        assert server.running.bulk.tls
+    # A plaintext peer on the TLS port gets nothing; a client trusting another CA does not connect.
+    raw = Raw(server)
+    raw.send(bw.FrameType.HELLO, bw.hello(""))
+    assert raw.closed()
+    raw.close()
+    rogue = ssl.create_default_context(cafile=str(certs["rogue-ca.crt"]))
+    with pytest.raises(ssl.SSLCertVerificationError):
+        Raw(server, tls=rogue)
+    settled(server, aborted=2)
+
+
+def test_client_gone_mid_frame_commits_nothing_and_releases_everything(make_server) -> None:
+    server = bulk_server(make_server)
+    (k1, b1), (k2, b2) = blocks(2, 1 << 20)
+    raw = Raw(server)
+    raw.hello()
+    raw.send(bw.FrameType.PUT, bw.put("n", [(k1, len(b1)), (k2, len(b2))]))
+    raw.send(bw.FrameType.DATA, b1)  # the first block whole
+    raw.send(bw.FrameType.DATA, b2[: len(b2) // 2], length=len(b2))  # half of the second, then gone
+    wait_for(lambda: counters(server)["bytes_received"] == len(b1), 10, "the first block to arrive")
+    raw.close()
+    settled(server, aborted=1, puts=0)
+    sink = server.running.bulk.sink
+    assert (sink.reserved, sink.committed, sink.abandoned) == (2, 0, 2)
+    assert stored(server, "n", [k1, k2]) == 0  # not even the complete first block
+    with KVCacheClient(server.target) as client:  # the server keeps serving
+        assert client.put_many("n", [(k1, b1), (k2, b2)]).stored == 2
+    assert (sink.reserved, sink.committed, sink.abandoned) == (4, 2, 2)
+
+
+@pytest.mark.parametrize(
+    "lie",
+    ["data_shorter", "data_longer", "over_max_frame", "put_count", "checksum", "not_data", "bad_magic"],
+)
+def test_a_frame_that_lies_closes_the_connection_and_loses_nothing(make_server, lie: str) -> None:
+    server = bulk_server(make_server, bulk={"max_frame_bytes": (64 << 20) + (2 << 20)})
+    (k1, b1), (k2, b2) = blocks(2, 256 << 10)
+    raw = Raw(server)
+    raw.hello()
+    announce = bw.put("n", [(k1, len(b1)), (k2, len(b2))])
+    expected = grpc.StatusCode.INVALID_ARGUMENT
+    if lie == "put_count":
+        raw.send(bw.FrameType.PUT, announce[:-1])  # one byte short of its entries
+    elif lie == "over_max_frame":
+        raw.send(bw.FrameType.PUT, announce)
+        raw.send(bw.FrameType.DATA, b"", length=1 << 40)
+        expected = grpc.StatusCode.RESOURCE_EXHAUSTED
+    elif lie == "bad_magic":
+        raw.sock.sendall(b"HTTP" + bytes(12))
+    else:
+        raw.send(bw.FrameType.PUT, announce)
+        raw.send(bw.FrameType.DATA, b1)
+        if lie == "data_shorter":
+            raw.send(bw.FrameType.DATA, b2[:-1])
+        elif lie == "data_longer":
+            raw.send(bw.FrameType.DATA, b2 + b"x")
+        elif lie == "not_data":
+            raw.send(bw.FrameType.GET, bw.get("n", [k2], False))
+        else:
+            raw.send(bw.FrameType.DATA, b2[:-1] + bytes([b2[-1] ^ 1]))
+            expected = grpc.StatusCode.DATA_LOSS
+    code, message = raw.error()
+    assert code is expected, message
+    assert raw.closed()
+    raw.close()
+    settled(server, errors=1, puts=0)
+    assert server.running.bulk.sink.committed == 0 and stored(server, "n", [k1, k2]) == 0
+    assert counters(server)["checksum_failures"] == (lie == "checksum")
+    with KVCacheClient(server.target) as client:
+        assert client.put_many("n", [(k1, b1), (k2, b2)]).stored == 2
+
+
+def test_a_client_that_never_reads_is_cut_off(make_server) -> None:
+    server = bulk_server(make_server, bulk={"stall_timeout_s": 0.5})
+    items = blocks(6, 8 << 20)  # far more than the sockets' buffers hold
+    with KVCacheClient(server.target, timeout_s=20) as client:
+        client.put_many("n", items)
+    raw = Raw(server)
+    raw.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+    raw.hello()
+    raw.send(bw.FrameType.GET, bw.get("n", [k for k, _ in items], False))
+    start = time.monotonic()
+    wait_for(lambda: counters(server)["cut_off"] == 1, 15, "the stalled GET to be cut off")
+    assert time.monotonic() - start < 10
+    assert counters(server)["bytes_sent"] < sum(len(b) for _, b in items)
+    settled(server, cut_off=1, gets=0)
+    raw.close()
+
+
+def test_server_restart_the_sdk_reconnects(make_server) -> None:
+    grpc_port, bulk_port = free_port(), free_port()
+    ports = {"server": {"port": grpc_port}, "bulk": {"port": bulk_port}}
+    first = bulk_server(make_server, **ports)
+    items = blocks(2, 1 << 20)
+    keys = [k for k, _ in items]
+    with KVCacheClient(first.target, timeout_s=10) as client:
+        assert client.put_many("n", items).stored == 2
+        first.stop()
+        second = bulk_server(make_server, **ports)
+        assert client.put_many("n", items).stored == 2  # the pooled connection is dead: replaced in the call
+        assert [bytes(g) for g in client.get_many("n", keys)] == [b for _, b in items]
+        c = client.bulk.counters
+        assert c.reconnects >= 1 and c.fallbacks == 0 and c.grpc_bytes_sent == 0
+        assert c.bulk_bytes_sent == 2 * sum(len(b) for _, b in items)
+    assert stored(second, "n", keys) == 2
+
+
+def test_fallback_to_grpc_when_the_bulk_port_is_unreachable_then_back(make_server) -> None:
+    grpc_port, bulk_port = free_port(), free_port()
+    first = bulk_server(make_server, server={"port": grpc_port}, bulk={"port": bulk_port})
+    items = blocks(2, 1 << 20)
+    nbytes = sum(len(b) for _, b in items)
+    with KVCacheClient(first.target, timeout_s=10) as client:
+        client.bulk.retry_after_s = 0.2
+        assert client.put_many("n", items).stored == 2  # bulk
+        first.stop()
+        # The server comes back without a bulk port reachable where Info said, then with a new one.
+        second = bulk_server(make_server, server={"port": grpc_port})
+        assert second.running.bulk.port != bulk_port
+        assert client.put_many("n", items).stored == 2  # bulk refused: over gRPC
+        c = client.bulk.counters
+        assert (c.fallbacks, c.grpc_bytes_sent, client.bulk.state) == (1, nbytes, "down")
+        assert "cannot connect" in client.bulk.reason
+        assert [bytes(g) for g in client.get_many("n", [k for k, _ in items])] == [b for _, b in items]
+        assert c.grpc_bytes_received == nbytes  # still down: gRPC
+        time.sleep(0.3)
+        assert client.put_many("n", items).stored == 2  # Info asked again: the new port
+        assert client.bulk.state == "on" and client.bulk.pool.address[1] == second.running.bulk.port
+        assert c.bulk_bytes_sent == 2 * nbytes
+    assert counters(second)["bytes_received"] == nbytes
+
+
+def test_bulk_off_in_the_client_or_the_server(make_server, monkeypatch) -> None:
+    server = bulk_server(make_server)
+    items = blocks(2, 1 << 20)
+    with KVCacheClient(server.target, bulk=False) as client:
+        client.put_many("n", items)
+        assert (client.bulk.state, client.bulk.counters.bulk_bytes_sent) == ("off", 0)
+    monkeypatch.setenv("KVCACHE_BULK", "0")
+    with KVCacheClient(server.target) as client:
+        client.put_many("n", items)
+        assert client.bulk.counters.grpc_bytes_sent > 0 and client.bulk.counters.bulk_bytes_sent == 0
+    monkeypatch.delenv("KVCACHE_BULK")
+    plain = bulk_server(make_server, bulk={"enabled": False})
+    with KVCacheClient(plain.target) as client:
+        client.put_many("n", items)
+        assert client.bulk.state == "off" and client.bulk.reason == "the server has no bulk port"
+    assert counters(server)["accepted"] == 0
+
+
+def test_the_deadline_covers_the_bulk_call(make_server) -> None:
+    server = bulk_server(make_server, limits={"admission_wait_s": 30.0})
+    budget = server.running.bulk._budget
+    items = blocks(2, 1 << 20)
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        client.put_many("n", blocks(1, 1 << 20))  # bulk on
+        server.call(_hold(budget, budget.capacity))  # the server waits for room: the client must not
+        start = time.monotonic()
+        with pytest.raises(DeadlineExceeded):
+            client.put_many("n", items, timeout_s=0.5)
+        assert time.monotonic() - start < 3
+        server.call(_release(budget, budget.capacity))
+        assert client.put_many("n", items).stored == 2
+
+
+async def _hold(budget, n: int) -> None:
+    await budget.reserve(n, "test")
+
+
+async def _release(budget, n: int) -> None:
+    budget.release(n)
+
+
+def test_stripes_spread_bytes_and_bound_requests() -> None:
+    lanes = stripes([10, 10, 10, 10], 2, 64)
+    assert sorted(sum(len(r) for r in lane) for lane in lanes) == [2, 2]
+    assert stripes([5, 100, 5], 4, 8) == [[[1]], [[0]], [[2]]]
+    assert stripes([4, 4, 4], 1, 8) == [[[0, 1], [2]]]
+    assert sorted(i for lane in stripes(list(range(1, 50)), 3, 40) for r in lane for i in r) == list(range(49))
+
+
+def test_frames_round_trip() -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    assert bw.parse_put(bw.put("ns", [(k, 7) for k in keys])) == ("ns", [(k, 7) for k in keys])
+    assert bw.parse_get(bw.get("ns", keys, True)) == ("ns", True, keys)
+    done = bw.PutDone(2, 1, 99, ((1, 2, 0, 0, 1, 0),))
+    assert bw.parse_put_done(bw.put_done(done)) == done
+    with pytest.raises(bw.FrameError, match="exceeds the limit"):
+        bw.parse_header(bw.header(bw.FrameType.DATA, 11), 10)
+    with pytest.raises(bw.FrameError, match="unknown frame type"):
+        bw.parse_header(bw.MAGIC + bytes([0x7F]) + bytes(11), 10)
