@@ -402,3 +402,20 @@ def test_frames_round_trip() -> None:
         bw.parse_header(bw.header(bw.FrameType.DATA, 11), 10)
     with pytest.raises(bw.FrameError, match="unknown frame type"):
         bw.parse_header(bw.MAGIC + bytes([0x7F]) + bytes(11), 10)
+
+
+def test_connections_over_the_cap_are_refused_and_the_sdk_falls_back(make_server) -> None:
+    server = bulk_server(make_server, bulk={"max_connections": 1})
+    held = Raw(server)
+    held.hello()  # the one connection the server serves
+    over = Raw(server)
+    code, message = over.error()
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "max_connections=1" in message
+    assert over.closed()
+    over.close()
+    items = blocks(2, 1 << 20)
+    with KVCacheClient(server.target, bulk_connections=1) as client:
+        assert client.put_many("n", items).stored == 2  # over gRPC: the bulk port is full
+        assert client.bulk.counters.fallbacks == 1 and client.bulk.state == "down"
+    held.close()
+    settled(server, refused_connections=2, accepted=1)

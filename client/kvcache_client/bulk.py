@@ -18,19 +18,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import TypeVar
 
-import grpc
-
+from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, stripes
 from kvcache_client.connection import TOKEN_ENV, TLSConfig
-from kvcache_client.errors import DeadlineExceeded, error_for
 from kvcache_client.results import TIER_NAMES, Fetched, LookupResult, PutResult, ServerStats, TierPutResult
 from kvcache_client.transport import AsyncGrpcTransport, GrpcTransport
 from kvcache_core import bulkwire as bw
@@ -46,12 +40,6 @@ DEFAULT_REQUEST_BYTES = 64 << 20
 """A put is sent as requests of at most this many bytes (one block when a block is larger): the
 server counts each request against its in-flight budget while receiving it."""
 DEFAULT_RETRY_AFTER_S = 2.0
-
-T = TypeVar("T")
-
-
-class BulkUnreachable(Exception):
-    """The bulk stream failed (refused, reset, closed, garbled): the call may go over gRPC instead."""
 
 
 def bearer_token(token: str | None) -> str:
@@ -77,278 +65,6 @@ def client_tls_context(tls: TLSConfig) -> ssl.SSLContext:
     if tls.cert_file:
         context.load_cert_chain(tls.cert_file, tls.key_file)
     return context
-
-
-@dataclass(slots=True)
-class BulkCounters:
-    """Which path moved this client's block bytes (block bytes only, no framing)."""
-
-    bulk_bytes_sent: int = 0
-    bulk_bytes_received: int = 0
-    grpc_bytes_sent: int = 0  # the gRPC transport's, its same-host shared-memory path included
-    grpc_bytes_received: int = 0
-    fallbacks: int = 0  # calls that tried the bulk path and went over gRPC
-    reconnects: int = 0  # pooled connections found closed and replaced within a call
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, name: str, n: int) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + n)
-
-
-class _Conn:
-    """One bulk connection, after HELLO/READY. Not thread-safe: the pool lends it to one call."""
-
-    def __init__(self, sock: socket.socket, ready: bw.Ready) -> None:
-        self.sock = sock
-        self.ready = ready
-        self._header = bytearray(bw.HEADER_BYTES)
-
-    @classmethod
-    def open(
-        cls, address: tuple[str, int], tls: ssl.SSLContext | None, server_name: str, token: str, deadline: float
-    ) -> _Conn:
-        """Connects, handshakes TLS, sends HELLO and reads READY.
-
-        Raises:
-            BulkUnreachable: no connection, TLS or framing failure.
-            RPCError: the server refused the HELLO (Unauthenticated, ResourceExhausted, ...).
-            DeadlineExceeded: the deadline passed.
-        """
-        try:
-            sock = socket.create_connection(address, timeout=_remaining(deadline))
-        except TimeoutError:
-            raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed connecting to bulk") from None
-        except OSError as exc:
-            raise BulkUnreachable(f"cannot connect to bulk {address[0]}:{address[1]}: {exc}") from None
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            if tls is not None:
-                sock = tls.wrap_socket(sock, server_hostname=server_name)
-            conn = cls(sock, bw.Ready(1 << 20, 0, 0))
-            payload = bw.hello(token)
-            conn.send([bw.header(bw.FrameType.HELLO, len(payload)), payload], deadline)
-            kind, reply = conn.read_control(deadline)
-            if kind is not bw.FrameType.READY:
-                raise BulkUnreachable(f"bulk server answered HELLO with {kind.name}")
-            conn.ready = bw.parse_ready(reply)
-            return conn
-        except BaseException:
-            sock.close()
-            raise
-
-    def close(self) -> None:
-        self.sock.close()
-
-    def send(self, buffers: list[bytes | memoryview], deadline: float) -> None:
-        self.sock.settimeout(_remaining(deadline))
-        try:
-            bw.send_buffers(self.sock, buffers)
-        except TimeoutError:
-            raise _deadline("sending") from None
-        except (BrokenPipeError, ConnectionResetError):
-            # The server may have refused the request and closed: its ERROR frame says why.
-            self.read_control(deadline)
-            raise BulkUnreachable("bulk connection closed while sending") from None
-        except OSError as exc:
-            raise BulkUnreachable(f"bulk send failed: {exc}") from None
-
-    def recv(self, view: memoryview, what: str, deadline: float) -> None:
-        self.sock.settimeout(_remaining(deadline))
-        try:
-            bw.recv_exact(self.sock, view, what)
-        except TimeoutError:
-            raise _deadline(f"receiving {what}") from None
-        except OSError as exc:  # PeerClosed included
-            raise BulkUnreachable(f"bulk receive failed: {exc}") from None
-
-    def read_header(self, deadline: float) -> tuple[bw.FrameType, int]:
-        self.recv(memoryview(self._header), "a frame header", deadline)
-        try:
-            kind, length = bw.parse_header(self._header, self.ready.max_frame_bytes)
-        except bw.FrameError as exc:
-            raise BulkUnreachable(f"bulk server sent garbage: {exc}") from None
-        if kind is bw.FrameType.ERROR:
-            payload = bytearray(min(length, 1 << 16))
-            self.recv(memoryview(payload), "an ERROR frame", deadline)
-            code, message = bw.parse_error(bytes(payload))
-            raise error_for(_status(code), message)
-        return kind, length
-
-    def read_control(self, deadline: float) -> tuple[bw.FrameType, bytes]:
-        kind, length = self.read_header(deadline)
-        if length > 1 << 20:
-            raise BulkUnreachable(f"bulk {kind.name} frame of {length} bytes is not a control frame")
-        payload = bytearray(length)
-        self.recv(memoryview(payload), f"a {kind.name} frame", deadline)
-        return kind, bytes(payload)
-
-    # -- requests ------------------------------------------------------------------------------
-
-    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], deadline: float) -> bw.PutDone:
-        sizes = [data_len(d) for _, d in items]
-        payload = bw.put(namespace, [(key, n) for (key, _), n in zip(items, sizes, strict=True)])
-        buffers: list[bytes | memoryview] = [bw.header(bw.FrameType.PUT, len(payload)), payload]
-        for (_, data), n in zip(items, sizes, strict=True):
-            buffers.append(bw.header(bw.FrameType.DATA, n))
-            buffers.extend(data if isinstance(data, tuple) else (data,))  # type: ignore[arg-type]
-        self.send(buffers, deadline)
-        kind, reply = self.read_control(deadline)
-        if kind is not bw.FrameType.PUT_DONE:
-            raise BulkUnreachable(f"bulk server answered PUT with {kind.name}")
-        try:
-            return bw.parse_put_done(reply)
-        except bw.FrameError as exc:
-            raise BulkUnreachable(str(exc)) from None
-
-    def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float) -> dict[int, Fetched]:
-        payload = bw.get(namespace, keys, prefix_only)
-        self.send([bw.header(bw.FrameType.GET, len(payload)), payload], deadline)
-        found: dict[int, Fetched] = {}
-        item = bytearray(bw.GET_ITEM.size)
-        while True:
-            kind, length = self.read_header(deadline)
-            if kind is bw.FrameType.GET_DONE:
-                payload = bytearray(length)
-                self.recv(memoryview(payload), "GET_DONE", deadline)
-                if bw.parse_get_done(bytes(payload)) != len(found):
-                    raise BulkUnreachable("bulk GET_DONE disagrees with the blocks received")
-                return found
-            if kind is not bw.FrameType.GET_ITEM or length < bw.GET_ITEM.size:
-                raise BulkUnreachable(f"bulk server sent {kind.name} ({length} bytes) within a GET")
-            self.recv(memoryview(item), "a GET_ITEM header", deadline)
-            index, tier = bw.GET_ITEM.unpack(item)
-            if index >= len(keys) or index in found:
-                raise BulkUnreachable(f"bulk server sent block {index} of a GET of {len(keys)} keys")
-            block = bytearray(length - bw.GET_ITEM.size)
-            self.recv(memoryview(block), f"block {index}", deadline)
-            found[index] = (memoryview(block).toreadonly(), TIER_NAMES.get(tier, "unknown"))
-
-
-def _remaining(deadline: float) -> float:
-    left = deadline - time.monotonic()
-    if left <= 0:
-        raise _deadline("waiting")
-    return left
-
-
-def _deadline(doing: str) -> DeadlineExceeded:
-    return DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed {doing} on the bulk path")
-
-
-def _status(code: int) -> grpc.StatusCode:
-    for status in grpc.StatusCode:
-        if status.value[0] == code:
-            return status
-    return grpc.StatusCode.UNKNOWN
-
-
-class BulkPool:
-    """Connections to one bulk listener, lent to one call at a time; several run in parallel."""
-
-    def __init__(
-        self,
-        address: tuple[str, int],
-        *,
-        token: str,
-        tls: ssl.SSLContext | None,
-        server_name: str,
-        connections: int,
-        counters: BulkCounters,
-    ) -> None:
-        self.address = address
-        self._token = token
-        self._tls = tls
-        self._server_name = server_name
-        self.connections = connections
-        self._counters = counters
-        self._idle: list[_Conn] = []
-        self._lock = threading.Lock()
-        self._closed = False
-        self._executor = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="kvcache-bulk")
-
-    def run(self, op: Callable[[_Conn], T], deadline: float) -> T:
-        """Runs `op` on a pooled (or new) connection; one whose server went away is replaced once.
-
-        A connection that failed in any way is closed, never returned to the pool.
-        """
-        for attempt in (0, 1):
-            with self._lock:
-                conn = self._idle.pop() if self._idle and attempt == 0 else None
-            reused = conn is not None
-            if conn is None:
-                conn = _Conn.open(self.address, self._tls, self._server_name, self._token, deadline)
-            try:
-                result = op(conn)
-            except BulkUnreachable:
-                conn.close()
-                if reused and attempt == 0:  # the server closed it (a restart?): so it did the others
-                    self._counters.add("reconnects", 1)
-                    self._drop_idle()
-                    continue
-                raise
-            except BaseException:
-                conn.close()
-                raise
-            with self._lock:
-                if self._closed:
-                    conn.close()
-                else:
-                    self._idle.append(conn)
-            return result
-        raise AssertionError("unreachable")
-
-    def parallel(self, ops: list[Callable[[_Conn], T]], deadline: float) -> list[T]:
-        """Runs each op on its own connection, at once; raises the first failure (after all ended)."""
-        if len(ops) == 1:
-            return [self.run(ops[0], deadline)]
-        futures = [self._executor.submit(self.run, op, deadline) for op in ops]
-        errors = [f.exception() for f in futures]
-        for exc in errors:
-            if exc is not None and not isinstance(exc, BulkUnreachable):
-                raise exc
-        for exc in errors:
-            if exc is not None:
-                raise exc
-        return [f.result() for f in futures]
-
-    def _drop_idle(self) -> None:
-        with self._lock:
-            idle, self._idle = self._idle, []
-        for conn in idle:
-            conn.close()
-
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-        self._drop_idle()
-        self._executor.shutdown(wait=False)
-
-
-def stripes(sizes: Sequence[int], n: int, request_bytes: int) -> list[list[list[int]]]:
-    """Item indices per connection (at most n), each as requests of about request_bytes at most:
-    items go to the least loaded connection, largest first, so connections carry similar bytes."""
-    n = max(1, min(n, len(sizes)))
-    loads = [0] * n
-    lanes: list[list[int]] = [[] for _ in range(n)]
-    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
-        lane = loads.index(min(loads))
-        lanes[lane].append(i)
-        loads[lane] += sizes[i]
-    out: list[list[list[int]]] = []
-    for lane in lanes:
-        requests: list[list[int]] = []
-        size = 0
-        for i in sorted(lane):
-            if requests and size + sizes[i] <= request_bytes:
-                requests[-1].append(i)
-                size += sizes[i]
-            else:
-                requests.append([i])
-                size = sizes[i]
-        if requests:
-            out.append(requests)
-    return out
 
 
 class BulkLink:
@@ -392,8 +108,11 @@ class BulkLink:
         return self.state == "unknown" or (self.state == "down" and time.monotonic() >= self._retry_at)
 
     def configure(self, info: pb.InfoResponse | None, shm_on: bool) -> None:
-        """Takes the server's Info answer: on when it advertises a bulk port this client can reach."""
+        """Takes the server's Info answer: on when it advertises a bulk port this client can reach.
+        Concurrent calls that all asked Info: the first one's answer is taken, the others are ignored."""
         with self._lock:
+            if not self.needs_info:
+                return
             if self.pool is not None:
                 self.pool.close()
                 self.pool = None
@@ -445,7 +164,7 @@ class BulkLink:
         deadline = time.monotonic() + timeout_s
         sizes = [data_len(d) for _, d in items]
 
-        def lane(requests: list[list[int]]) -> Callable[[_Conn], list[bw.PutDone]]:
+        def lane(requests: list[list[int]]) -> Callable[[BulkConnection], list[bw.PutDone]]:
             return lambda conn: [conn.put(namespace, [items[i] for i in r], deadline) for r in requests]
 
         lanes = stripes(sizes, pool.connections, self.request_bytes)
@@ -460,7 +179,7 @@ class BulkLink:
         n = 1 if prefix_only else max(1, min(pool.connections, len(keys)))  # prefix_only: one ordered stream
         bounds = [len(keys) * i // n for i in range(n + 1)]
 
-        def lane(lo: int, hi: int) -> Callable[[_Conn], dict[int, Fetched]]:
+        def lane(lo: int, hi: int) -> Callable[[BulkConnection], dict[int, Fetched]]:
             return lambda conn: {lo + i: f for i, f in conn.get(namespace, keys[lo:hi], prefix_only, deadline).items()}
 
         parts = pool.parallel([lane(bounds[i], bounds[i + 1]) for i in range(n) if bounds[i] < bounds[i + 1]], deadline)
@@ -497,18 +216,18 @@ class BulkTransport:
     """A blocking transport: gRPC for control calls and small transfers, bulk frames for large ones."""
 
     def __init__(self, grpc_transport: GrpcTransport, link: BulkLink) -> None:
-        self._grpc = grpc_transport
+        self.inner = grpc_transport  # the gRPC transport: control calls, small transfers, the fallback
         self.link = link
         self.shm = grpc_transport.shm
 
     def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
         if self.link.needs_info:
             refresh = self.link.state == "down"
-            self.link.configure(self._grpc.info(timeout_s, refresh=refresh), self._grpc.shm.on)
+            self.link.configure(self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
         return self.link.usable(nbytes)
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
-        return self._grpc.lookup(namespace, keys, timeout_s)
+        return self.inner.lookup(namespace, keys, timeout_s)
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
         nbytes = sum(data_len(d) for _, d in items)
@@ -519,7 +238,7 @@ class BulkTransport:
                 return self.link.put(pool, namespace, items, timeout_s - (time.monotonic() - start))
             except BulkUnreachable as exc:
                 self.link.down(str(exc))
-        result = self._grpc.put(namespace, items, timeout_s - (time.monotonic() - start))
+        result = self.inner.put(namespace, items, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_sent", nbytes)
         return result
 
@@ -531,19 +250,19 @@ class BulkTransport:
                 return self.link.get(pool, namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
             except BulkUnreachable as exc:
                 self.link.down(str(exc))
-        fetched = self._grpc.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
+        fetched = self.inner.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
         return fetched
 
     def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
-        return self._grpc.delete(namespace, keys, timeout_s)
+        return self.inner.delete(namespace, keys, timeout_s)
 
     def stats(self, timeout_s: float) -> ServerStats:
-        return self._grpc.stats(timeout_s)
+        return self.inner.stats(timeout_s)
 
     def close(self) -> None:
         self.link.close()
-        self._grpc.close()
+        self.inner.close()
 
 
 class AsyncBulkTransport:
@@ -551,18 +270,18 @@ class AsyncBulkTransport:
     recv_into/sendmsg), bounded by the call's deadline; a cancelled call's thread ends by then."""
 
     def __init__(self, grpc_transport: AsyncGrpcTransport, link: BulkLink) -> None:
-        self._grpc = grpc_transport
+        self.inner = grpc_transport  # the gRPC transport: control calls, small transfers, the fallback
         self.link = link
         self.shm = grpc_transport.shm
 
     async def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
         if self.link.needs_info:
             refresh = self.link.state == "down"
-            self.link.configure(await self._grpc.info(timeout_s, refresh=refresh), self._grpc.shm.on)
+            self.link.configure(await self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
         return self.link.usable(nbytes)
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
-        return await self._grpc.lookup(namespace, keys, timeout_s)
+        return await self.inner.lookup(namespace, keys, timeout_s)
 
     async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
         nbytes = sum(data_len(d) for _, d in items)
@@ -574,7 +293,7 @@ class AsyncBulkTransport:
                 return await asyncio.to_thread(self.link.put, pool, namespace, items, left)
             except BulkUnreachable as exc:
                 self.link.down(str(exc))
-        result = await self._grpc.put(namespace, items, timeout_s - (time.monotonic() - start))
+        result = await self.inner.put(namespace, items, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_sent", nbytes)
         return result
 
@@ -589,16 +308,16 @@ class AsyncBulkTransport:
                 return await asyncio.to_thread(self.link.get, pool, namespace, keys, prefix_only, left)
             except BulkUnreachable as exc:
                 self.link.down(str(exc))
-        fetched = await self._grpc.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
+        fetched = await self.inner.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
         return fetched
 
     async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
-        return await self._grpc.delete(namespace, keys, timeout_s)
+        return await self.inner.delete(namespace, keys, timeout_s)
 
     async def stats(self, timeout_s: float) -> ServerStats:
-        return await self._grpc.stats(timeout_s)
+        return await self.inner.stats(timeout_s)
 
     async def close(self) -> None:
         self.link.close()
-        await self._grpc.close()
+        await self.inner.close()

@@ -5,7 +5,7 @@ block's bytes with recv_into straight into `slot.view`, verifies it in place, an
 commits the request's slots under their keys (a put is visible all at once or not at all). A slot
 of a request that fails (a lying frame, a checksum mismatch, a peer gone mid-frame) is abandoned.
 
-BufferSink implements this over plain buffers and the tier stack's put (the RAM tier stores the
+BufferSink implements this over fresh buffers and the tier stack's put (the RAM tier stores the
 buffer itself, without a copy). A preallocated shared-memory arena can implement the same protocol
 to receive straight into its slots.
 """
@@ -15,6 +15,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from typing import Protocol
+
+import numpy as np
 
 from kvcache_server.stack import PutOutcome, TierStack
 
@@ -45,11 +47,12 @@ class _Buffer:
     __slots__ = ("view",)
 
     def __init__(self, nbytes: int) -> None:
-        self.view = memoryview(bytearray(nbytes))
+        # Uninitialised: recv_into writes every byte once (a bytearray would be zeroed first, twice the cost).
+        self.view = memoryview(np.empty(nbytes, np.uint8))
 
 
 class BufferSink:
-    """Slots are fresh bytearrays; commit hands read-only views of them to the stack's put."""
+    """Slots are fresh uninitialised buffers; commit hands read-only views of them to the stack's put."""
 
     def __init__(self, stack: TierStack) -> None:
         self._stack = stack
