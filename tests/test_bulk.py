@@ -419,3 +419,18 @@ def test_connections_over_the_cap_are_refused_and_the_sdk_falls_back(make_server
         assert client.bulk.counters.fallbacks == 1 and client.bulk.state == "down"
     held.close()
     settled(server, refused_connections=2, accepted=1)
+
+
+def test_a_put_that_goes_quiet_mid_block_is_cut_off(make_server) -> None:
+    server = bulk_server(make_server, bulk={"stall_timeout_s": 0.5})
+    ((key, block),) = blocks(1, 1 << 20)
+    raw = Raw(server)
+    raw.hello()
+    raw.send(bw.FrameType.PUT, bw.put("n", [(key, len(block))]))
+    raw.send(bw.FrameType.DATA, block[:1000], length=len(block))  # then nothing, connection left open
+    code, message = raw.error()
+    assert code is grpc.StatusCode.DEADLINE_EXCEEDED and "bulk.stall_timeout_s" in message
+    assert raw.closed()
+    raw.close()
+    settled(server, cut_off=1, puts=0)
+    assert server.running.bulk.sink.abandoned == 1 and stored(server, "n", [key]) == 0
