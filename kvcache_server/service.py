@@ -74,6 +74,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
 _TIER_STATS_FIELDS = [f for f in dataclasses.fields(TierStats) if f.name != "kind"]
 
 
+_BULK_STATS = ("bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off")
+
+
 class _Counters:
     def __init__(self) -> None:
         self.failed_requests = 0
@@ -147,6 +150,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             "inflight_peak_bytes": self.budget.peak,
             "inflight_refused": self.budget.refused,
             "cut_off_calls": self.cut_off,
+            **dict.fromkeys(_BULK_STATS, 0),
+            **self._bulk_stats(),
         }
 
     # -- validation ---------------------------------------------------------------------------

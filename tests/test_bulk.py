@@ -7,6 +7,7 @@ import os
 import socket
 import ssl
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -434,3 +435,23 @@ def test_a_put_that_goes_quiet_mid_block_is_cut_off(make_server) -> None:
     raw.close()
     settled(server, cut_off=1, puts=0)
     assert server.running.bulk.sink.abandoned == 1 and stored(server, "n", [key]) == 0
+
+
+def test_metrics_and_stats_count_the_bulk_path(make_server) -> None:
+    server = bulk_server(make_server, metrics={"enabled": True, "port": 0})
+    items = blocks(2, 1 << 20)
+    nbytes = sum(len(b) for _, b in items)
+    with KVCacheClient(server.target) as client:
+        client.put_many("n", items)
+        client.get_many("n", [k for k, _ in items])
+    raw = Raw(server)
+    raw.sock.sendall(b"GET / HTTP/1.0\r\n\r\n")  # not a bulk frame: an ERROR and a close
+    assert raw.error()[0] is grpc.StatusCode.INVALID_ARGUMENT
+    raw.close()
+    settled(server, errors=1)
+    url = f"http://127.0.0.1:{server.running.metrics_port}/metrics"
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    metrics = dict(line.rsplit(" ", 1) for line in text.splitlines() if line.startswith("kvcache_bulk"))
+    assert float(metrics['kvcache_bulk_bytes_total{direction="received"}']) == nbytes
+    assert float(metrics['kvcache_bulk_bytes_total{direction="sent"}']) == nbytes
+    assert float(metrics["kvcache_bulk_errors_total"]) == 1 and float(metrics["kvcache_bulk_connections"]) == 0
