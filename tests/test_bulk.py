@@ -6,6 +6,7 @@ import asyncio
 import os
 import socket
 import ssl
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -455,3 +456,31 @@ def test_metrics_and_stats_count_the_bulk_path(make_server) -> None:
     assert float(metrics['kvcache_bulk_bytes_total{direction="received"}']) == nbytes
     assert float(metrics['kvcache_bulk_bytes_total{direction="sent"}']) == nbytes
     assert float(metrics["kvcache_bulk_errors_total"]) == 1 and float(metrics["kvcache_bulk_connections"]) == 0
+
+
+def test_concurrent_callers_share_the_pool_and_get_exactly_their_bytes(make_server) -> None:
+    server = bulk_server(make_server)
+    per_thread = [blocks(3, (1 << 20) + i * 4096) for i in range(4)]
+    errors: list[BaseException] = []
+    with KVCacheClient(server.target, timeout_s=20, bulk_connections=3) as client:
+
+        def work(items: list[tuple[bytes, bytes]]) -> None:
+            try:
+                for _ in range(3):
+                    assert client.put_many("n", items).stored == 3
+                    got = client.get_many("n", [k for k, _ in items])
+                    assert [bytes(g) for g in got] == [b for _, b in items]
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=work, args=(items,)) for items in per_thread]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert errors == []
+        nbytes = 3 * sum(len(b) for items in per_thread for _, b in items)
+        c = client.bulk.counters
+        assert (c.bulk_bytes_sent, c.bulk_bytes_received, c.grpc_bytes_sent, c.fallbacks) == (nbytes, nbytes, 0, 0)
+    assert counters(server)["bytes_received"] == counters(server)["bytes_sent"] == nbytes
+    settled(server, errors=0)
