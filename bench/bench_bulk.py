@@ -11,10 +11,11 @@ own random key), every server in its own process, every client synchronous, as a
 (`shm=False`: nothing through shared memory):
 
     raw socket    this script's --raw-server child: one plain TCP connection, the client sends an
-                  8-byte length and each block with sendall, the server recv_into's a fresh buffer
-                  per block and keeps it, one byte of acknowledgement per call; get sends them back
-                  the same way (fresh buffer per block, recv_into). No framing, no checksums, no
-                  thread hop: the floor for a Python client and server.
+                  8-byte length and each block with sendall; the server recv_into's a fresh
+                  uninitialised buffer per block (numpy.empty, as the kvcache server's bulk path)
+                  and keeps it, one byte of acknowledgement per call; get sends them back the same
+                  way, into fresh buffers. No framing, no checksums, no thread hop: the floor for a
+                  Python client and server.
     bare gRPC     bench/echo_server.py with identity serializers, blocks as 1 MiB messages prebuilt
                   outside the timed region (the fastest way gRPC Python moves them).
     SDK gRPC      KVCacheClient(bulk=False, shm=False) against `python -m kvcache_server`.
@@ -39,6 +40,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import grpc
+import numpy as np
 from _common import GB, MiB, ServerProcess, exit_on_sigterm, python_cmd
 
 from kvcache_client import KVCacheClient
@@ -65,7 +67,7 @@ def raw_server() -> None:
     """One connection at a time: b"P" + count + (length, bytes)* stores; b"G" sends them back."""
     listener = socket.create_server(("127.0.0.1", 0))
     print(f"raw-server serving on 127.0.0.1:{listener.getsockname()[1]}", flush=True)
-    stored: list[bytearray] = []
+    stored: list[np.ndarray] = []
     head = bytearray(9)
     while True:
         conn, _ = listener.accept()
@@ -79,13 +81,14 @@ def raw_server() -> None:
                         stored = []
                         for _ in range(count):
                             _recv_exact(conn, memoryview(head)[:8])
-                            buf = bytearray(_LEN.unpack_from(head)[0])
+                            buf = np.empty(_LEN.unpack_from(head)[0], np.uint8)
                             _recv_exact(conn, memoryview(buf))
                             stored.append(buf)
                         conn.sendall(b"k")
                     else:
                         for buf in stored:
-                            conn.sendmsg([_LEN.pack(len(buf)), buf])
+                            conn.sendall(_LEN.pack(len(buf)))
+                            conn.sendall(buf)
             except ConnectionError:
                 continue
 
@@ -98,16 +101,17 @@ class RawSocket:
     def put(self, blocks: list[bytes]) -> None:
         self.sock.sendall(b"P" + _LEN.pack(len(blocks)))
         for b in blocks:
-            self.sock.sendmsg([_LEN.pack(len(b)), b])
+            self.sock.sendall(_LEN.pack(len(b)))
+            self.sock.sendall(b)
         _recv_exact(self.sock, memoryview(bytearray(1)))
 
-    def get(self, n: int) -> list[bytearray]:
+    def get(self, n: int) -> list[np.ndarray]:
         self.sock.sendall(b"G" + _LEN.pack(n))
         out = []
         head = bytearray(8)
         for _ in range(n):
             _recv_exact(self.sock, memoryview(head))
-            buf = bytearray(_LEN.unpack(head)[0])
+            buf = np.empty(_LEN.unpack(head)[0], np.uint8)
             _recv_exact(self.sock, memoryview(buf))
             out.append(buf)
         return out
@@ -198,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         for put, get in systems.values():
             put()
             get()
-        assert [bytes(b) for b in raw.get(len(blocks))] == blocks
+        assert [b.tobytes() for b in raw.get(len(blocks))] == blocks
         for n, c in bulk_clients.items():
             assert [bytes(g) for g in c.get_many("bench-bulk", keys)] == blocks
             assert c.bulk is not None and c.bulk.state == "on", (n, c.bulk and c.bulk.reason)
