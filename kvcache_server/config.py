@@ -352,8 +352,9 @@ class BulkSection:
     # "" binds the gRPC server's host; port 0 picks a free port (advertised in Info).
     host: str = ""
     port: int = 0
-    # Largest frame accepted: one block (DATA) or one request's keys; larger ones close the connection.
-    max_frame_bytes: int = 64 * _MiB + _MiB
+    # Largest frame accepted (one block, or one request's keys); larger ones close the connection.
+    # 0: limits.max_block_bytes + 1 MiB.
+    max_frame_bytes: int = 0
     # A connection with no request for idle_timeout_s is closed; one whose peer sends or reads
     # nothing for stall_timeout_s in the middle of a frame is cut off and what it held released.
     idle_timeout_s: float = 300.0
@@ -364,9 +365,15 @@ class BulkSection:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError("bulk.port must be 0..65535")
-        for name in ("max_frame_bytes", "idle_timeout_s", "stall_timeout_s", "max_connections"):
+        for name in ("idle_timeout_s", "stall_timeout_s", "max_connections"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"bulk.{name} must be positive")
+        if self.max_frame_bytes < 0:
+            raise ConfigError("bulk.max_frame_bytes must not be negative (0: limits.max_block_bytes + 1 MiB)")
+
+    def frame_limit(self, max_block_bytes: int) -> int:
+        """The largest frame the listener accepts."""
+        return self.max_frame_bytes or max_block_bytes + _MiB
 
 
 def is_loopback(host: str) -> bool:
@@ -401,7 +408,7 @@ class ServerConfig:
         for name in self.health.required:
             if not getattr(self, name).enabled:
                 raise ConfigError(f"health.required_tiers names {name}, but {name}.enabled is false")
-        if self.bulk.enabled and self.bulk.max_frame_bytes < self.limits.max_block_bytes + 8:
+        if self.bulk.enabled and 0 < self.bulk.max_frame_bytes < self.limits.max_block_bytes + 8:
             raise ConfigError("bulk.max_frame_bytes must hold one largest block (limits.max_block_bytes + 8)")
         if not self.auth.enabled and not self.auth.allow_unauthenticated and not is_loopback(self.server.host):
             raise ConfigError(

@@ -24,6 +24,7 @@ from kvcache_client import (
 from kvcache_client.bulk import stripes
 from kvcache_core import bulkwire as bw
 from kvcache_server.auth import token_digest
+from kvcache_server.config import ConfigError, load_config
 from tests.backends import free_port, make_certs, wait_for
 from tests.conftest import ServerThread, keyed
 
@@ -484,3 +485,12 @@ def test_concurrent_callers_share_the_pool_and_get_exactly_their_bytes(make_serv
         assert (c.bulk_bytes_sent, c.bulk_bytes_received, c.grpc_bytes_sent, c.fallbacks) == (nbytes, nbytes, 0, 0)
     assert counters(server)["bytes_received"] == counters(server)["bytes_sent"] == nbytes
     settled(server, errors=0)
+
+
+def test_bulk_config_follows_the_block_limit() -> None:
+    config = load_config(env={}, overrides={"limits": {"max_block_bytes": "128MiB", "inflight_bytes": "512MiB"}})
+    assert config.bulk.frame_limit(config.limits.max_block_bytes) == (129 << 20)
+    with pytest.raises(ConfigError, match=r"bulk\.max_frame_bytes must hold one largest block"):
+        load_config(env={}, overrides={"bulk": {"max_frame_bytes": "1MiB"}})
+    with pytest.raises(ConfigError, match=r"bulk\.stall_timeout_s must be positive"):
+        load_config(env={"KVCACHE_BULK_STALL_TIMEOUT_S": "0"})

@@ -102,7 +102,15 @@ class Shared:
 
 
 class _Stalled(Exception):
-    """The peer sent or read nothing for the stall deadline in the middle of a request."""
+    """The peer sent or read nothing for the stall deadline in the middle of a request.
+
+    `mid_send`: our own frame was cut in the middle, so no ERROR frame can follow it (the peer would
+    read its bytes as the rest of a block): the connection is just closed.
+    """
+
+    def __init__(self, message: str, mid_send: bool = False) -> None:
+        super().__init__(message)
+        self.mid_send = mid_send
 
 
 class Session:
@@ -116,6 +124,7 @@ class Session:
         self._metadata: dict[str, str] = {}
         self._header = bytearray(bw.HEADER_BYTES)
         self._control_limit = bw.control_limit(shared.limits.max_keys_per_request)
+        self._max_frame = shared.bulk.frame_limit(shared.limits.max_block_bytes)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -137,7 +146,7 @@ class Session:
             raise _Stalled(f"no bytes for {bulk.stall_timeout_s:g} s (bulk.stall_timeout_s)") from None
         finally:
             self.sock.settimeout(bulk.stall_timeout_s)
-        return bw.parse_header(self._header, self._s.bulk.max_frame_bytes)
+        return bw.parse_header(self._header, self._max_frame)
 
     def _recv(self, view: memoryview, what: str) -> None:
         try:
@@ -161,7 +170,8 @@ class Session:
             bw.send_buffers(self.sock, buffers)
         except TimeoutError:
             raise _Stalled(
-                f"the client read nothing for {self._s.bulk.stall_timeout_s:g} s (bulk.stall_timeout_s)"
+                f"the client read nothing for {self._s.bulk.stall_timeout_s:g} s (bulk.stall_timeout_s)",
+                mid_send=True,
             ) from None
 
     def _authorize(self, method: str) -> None:
@@ -218,7 +228,8 @@ class Session:
         except _Stalled as exc:
             counters.add("cut_off")
             log.warning("bulk %s: %s; cut off", self.peer, exc)
-            self._fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"{exc}: the connection is cut off", drain=False)
+            if not exc.mid_send:
+                self._fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"{exc}: the connection is cut off", drain=False)
         except (bw.PeerClosed, OSError) as exc:  # gone mid-frame, reset, TLS failure
             counters.add("aborted")
             log.info("bulk %s: connection lost: %s", self.peer, exc)
@@ -272,7 +283,7 @@ class Session:
             except AuthError as exc:
                 raise Refused(grpc.StatusCode[exc.code_name], str(exc)) from None
         limits = self._s.limits
-        payload = bw.ready(bw.Ready(self._s.bulk.max_frame_bytes, limits.max_block_bytes, limits.max_keys_per_request))
+        payload = bw.ready(bw.Ready(self._max_frame, limits.max_block_bytes, limits.max_keys_per_request))
         self._send([bw.header(bw.FrameType.READY, len(payload)), payload])
 
     # -- PUT -----------------------------------------------------------------------------------
