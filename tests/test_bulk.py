@@ -494,3 +494,51 @@ def test_bulk_config_follows_the_block_limit() -> None:
         load_config(env={}, overrides={"bulk": {"max_frame_bytes": "1MiB"}})
     with pytest.raises(ConfigError, match=r"bulk\.stall_timeout_s must be positive"):
         load_config(env={"KVCACHE_BULK_STALL_TIMEOUT_S": "0"})
+
+
+def test_a_bulk_get_from_redis_holds_one_window_per_connection(make_server, redis_server) -> None:
+    server = bulk_server(
+        make_server,
+        ram={"capacity_bytes": 16 << 20},
+        limits={"max_block_bytes": 4 << 20, "get_window_bytes": 8 << 20, "inflight_bytes": 64 << 20},
+        redis={"enabled": True, "url": redis_server.url, "write_mode": "through", "timeout_s": 10},
+    )
+    items = blocks(12, (4 << 20) - 4096)  # 48 MiB: RAM keeps the newest few, Redis all of them
+    keys = [k for k, _ in items]
+    budget = server.running.bulk._budget
+    with KVCacheClient(server.target, timeout_s=30, bulk_connections=1) as client:
+        for i in range(0, 12, 3):
+            assert client.put_many("n", items[i : i + 3]).tier("redis").stored == 3
+        assert stored(server, "n", keys) < 12
+
+        async def reset_peak() -> None:
+            budget.peak = budget.used
+
+        server.call(reset_peak())
+        got = client.get_many("n", keys)
+        assert [bytes(g) for g in got] == [b for _, b in items]
+        assert client.bulk.counters.grpc_bytes_received == 0
+    assert 0 < budget.peak <= 8 << 20  # one window (two 4 MiB blocks), never the 48 MiB the GET asked for
+    settled(server, errors=0)
+
+
+def test_async_client_falls_back_and_honours_its_deadline(make_server) -> None:
+    server = bulk_server(make_server, limits={"admission_wait_s": 30.0})
+    budget = server.running.bulk._budget
+    items = blocks(2, 1 << 20)
+
+    async def main() -> None:
+        async with AsyncKVCacheClient(server.target, timeout_s=10) as client:
+            assert (await client.put_many("n", items)).stored == 2  # bulk on
+            server.call(_hold(budget, budget.capacity))
+            start = time.monotonic()
+            with pytest.raises(DeadlineExceeded):
+                await client.put_many("n", items, timeout_s=0.5)
+            assert time.monotonic() - start < 3
+            server.call(_release(budget, budget.capacity))
+            server.call(server.running.bulk.stop())  # the bulk port goes away: gRPC from now on
+            assert (await client.put_many("n", items)).stored == 2
+            c = client.bulk.counters
+            assert (c.fallbacks, c.grpc_bytes_sent) == (1, sum(len(b) for _, b in items))
+
+    asyncio.run(main())
