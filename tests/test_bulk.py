@@ -542,3 +542,28 @@ def test_async_client_falls_back_and_honours_its_deadline(make_server) -> None:
             assert (c.fallbacks, c.grpc_bytes_sent) == (1, sum(len(b) for _, b in items))
 
     asyncio.run(main())
+
+
+def test_mtls_needs_a_client_certificate_from_the_ca(make_server, tmp_path: Path) -> None:
+    certs = make_certs(tmp_path)
+    tls = {
+        "cert_file": str(certs["server.crt"]),
+        "key_file": str(certs["server.key"]),
+        "client_ca_file": str(certs["ca.crt"]),
+    }
+    server = bulk_server(make_server, tls=tls)
+    ca = str(certs["ca.crt"])
+    good = TLSConfig(ca_file=ca, cert_file=str(certs["client.crt"]), key_file=str(certs["client.key"]))
+    items = blocks(2, 1 << 20)
+    with KVCacheClient(server.target, tls=good, timeout_s=10) as client:
+        assert client.put_many("n", items).stored == 2
+        assert client.bulk.counters.bulk_bytes_sent == sum(len(b) for _, b in items)
+    for cert in (None, "rogue-client"):  # no client certificate, or one from another CA
+        context = ssl.create_default_context(cafile=ca)
+        if cert:
+            context.load_cert_chain(str(certs[f"{cert}.crt"]), str(certs[f"{cert}.key"]))
+        with pytest.raises((ssl.SSLError, OSError)):
+            raw = Raw(server, tls=context)  # TLS 1.3: the refusal may arrive with the first read
+            raw.send(bw.FrameType.HELLO, bw.hello(""))
+            raw.read()
+    settled(server, aborted=2, puts=2)  # the put striped over two connections
