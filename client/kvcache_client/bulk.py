@@ -125,15 +125,15 @@ class BulkLink:
             if shm_on:
                 self._off("the same-host shared-memory path is on")
                 return
-            if info.bulk_tls and self._tls is None:
-                self._off("the server's bulk port wants TLS, this client is plaintext")
+            if info.bulk_tls != (self._tls is not None):  # never a token in clear from a TLS client
+                self._off(f"the bulk port is {'TLS' if info.bulk_tls else 'plaintext'}, this client is not")
                 return
             host = info.bulk_host or self._target[0]
             tls = self._tls
             self.pool = BulkPool(
                 (host, info.bulk_port),
                 token=self._token,
-                tls=client_tls_context(tls) if tls is not None and info.bulk_tls else None,
+                tls=client_tls_context(tls) if tls is not None else None,
                 server_name=(tls.server_name if tls is not None and tls.server_name else host),
                 connections=self.connections,
                 counters=self.counters,
