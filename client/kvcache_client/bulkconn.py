@@ -248,10 +248,11 @@ class BulkPool:
                 conn.close()
                 raise
             with self._lock:
-                if self._closed:
-                    conn.close()
-                else:
+                keep = not self._closed and len(self._idle) < self.connections
+                if keep:
                     self._idle.append(conn)
+            if not keep:  # more callers at once than `connections`: the extra ones are not kept
+                conn.close()
             return result
         raise AssertionError("unreachable")
 
