@@ -567,3 +567,15 @@ def test_mtls_needs_a_client_certificate_from_the_ca(make_server, tmp_path: Path
             raw.send(bw.FrameType.HELLO, bw.hello(""))
             raw.read()
     settled(server, aborted=2, puts=2)  # the put striped over two connections
+
+
+def test_idle_connections_are_closed_and_the_sdk_replaces_them(make_server) -> None:
+    server = bulk_server(make_server, bulk={"idle_timeout_s": 0.3})
+    items = blocks(2, 1 << 20)
+    with KVCacheClient(server.target, bulk_connections=1) as client:
+        assert client.put_many("n", items).stored == 2
+        wait_for(lambda: counters(server)["connections"] == 0, 5, "the idle connection to be closed")
+        assert client.put_many("n", items).stored == 2
+        c = client.bulk.counters
+        assert (c.reconnects, c.fallbacks, c.grpc_bytes_sent) == (1, 0, 0)
+    settled(server, accepted=2, errors=0, aborted=0)
