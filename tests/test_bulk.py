@@ -6,6 +6,7 @@ import asyncio
 import os
 import socket
 import ssl
+import sys
 import threading
 import time
 import urllib.request
@@ -25,6 +26,7 @@ from kvcache_client.bulk import stripes
 from kvcache_core import bulkwire as bw
 from kvcache_server.auth import token_digest
 from kvcache_server.config import ConfigError, load_config
+from kvcache_server.launcher import ChildServer
 from tests.backends import free_port, make_certs, wait_for
 from tests.conftest import ServerThread, keyed
 
@@ -579,3 +581,36 @@ def test_idle_connections_are_closed_and_the_sdk_replaces_them(make_server) -> N
         c = client.bulk.counters
         assert (c.reconnects, c.fallbacks, c.grpc_bytes_sent) == (1, 0, 0)
     settled(server, accepted=2, errors=0, aborted=0)
+
+
+def test_a_killed_and_restarted_server_process(tmp_path: Path) -> None:
+    """A real `python -m kvcache_server`, configured from the environment, SIGKILLed mid-session."""
+    grpc_port, bulk_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvcache_server", "--port", str(grpc_port), "--log-level", "warning"]
+    env = {**os.environ, "KVCACHE_BULK_PORT": str(bulk_port), "KVCACHE_SHM_ENABLED": "0"}
+    repo = str(Path(__file__).resolve().parent.parent)
+
+    def start() -> ChildServer:
+        child = ChildServer("kvcache-server", argv, env=env, cwd=repo)
+        assert child.launch(rf"bulk 127\.0\.0\.1:{bulk_port}\b") is not None
+        return child
+
+    items = blocks(3, 1 << 20)
+    first = start()
+    try:
+        with KVCacheClient(f"127.0.0.1:{grpc_port}", timeout_s=15) as client:
+            assert client.put_many("n", items).stored == 3
+            first.proc.kill()
+            first.proc.wait(10)
+            second = start()
+            try:
+                assert client.put_many("n", items).stored == 3  # the pooled connections died with it
+                got = client.get_many("n", [k for k, _ in items])
+                assert [bytes(g) for g in got] == [b for _, b in items]
+                c = client.bulk.counters
+                assert c.reconnects >= 1 and (c.fallbacks, c.grpc_bytes_sent, c.grpc_bytes_received) == (0, 0, 0)
+                assert client.stats().bulk_bytes_received == sum(len(b) for _, b in items)
+            finally:
+                second.stop()
+    finally:
+        first.stop()
