@@ -25,11 +25,20 @@ own random key), every server in its own process, every client synchronous, as a
 
 Rounds are interleaved (rotating order); each round times --iters calls per system and op; the
 table shows payload bytes / median call time (GB/s = 10^9 B/s) and ratios to the raw socket.
+
+Then the concurrency sweep (--sweep, default 1, 4 and 16 client processes): every process puts and
+gets its own --sweep-blocks x --sweep-block-mib blocks --sweep-iters times once all are ready, once
+with bulk=False and once over the bulk path; the table shows the aggregate GB/s (put and get bytes
+of all processes over the wall time from the first start to the last end) and the p99 call latency.
+The server runs with limits.inflight_bytes=1GiB and admission_wait_s=30 so that 16 clients queue
+instead of being refused.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import multiprocessing
 import os
 import socket
 import statistics
@@ -38,6 +47,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import grpc
 import numpy as np
@@ -117,6 +127,66 @@ class RawSocket:
         return out
 
 
+# -- the concurrency sweep ---------------------------------------------------------------------
+
+
+def sweep_client(target: str, bulk: bool, blocks: int, block_bytes: int, iters: int, barrier: Any, out: Any) -> None:
+    """One client process: its own blocks, a warm-up, then `iters` put+get pairs once all are ready."""
+    with KVCacheClient(target, shm=False, bulk=bulk, timeout_s=120) as client:
+        items = []
+        for _ in range(blocks):
+            key = os.urandom(16)
+            items.append((key, encode_block(os.urandom(block_bytes), key=key, dtype="uint8", shape=(block_bytes,))))
+        keys = [k for k, _ in items]
+        client.put_many("bench-sweep", items)
+        client.get_many("bench-sweep", keys)
+        barrier.wait()
+        puts, gets = [], []
+        start = time.monotonic()
+        for _ in range(iters):
+            t0 = time.monotonic()
+            client.put_many("bench-sweep", items)
+            t1 = time.monotonic()
+            if any(g is None for g in client.get_many("bench-sweep", keys)):
+                raise RuntimeError("a block went missing")
+            puts.append(t1 - t0)
+            gets.append(time.monotonic() - t1)
+        assert client.bulk is not None
+        over_grpc = client.bulk.counters.grpc_bytes_sent + client.bulk.counters.grpc_bytes_received
+        out.put((start, time.monotonic(), puts, gets, 2 * iters * sum(len(b) for _, b in items), over_grpc))
+
+
+def _p99_ms(times: list[float]) -> float:
+    ordered = sorted(times)
+    return ordered[min(len(ordered) - 1, math.ceil(0.99 * len(ordered)) - 1)] * 1e3
+
+
+def sweep(target: str, counts: list[int], blocks: int, block_bytes: int, iters: int) -> None:
+    """Aggregate GB/s (put+get bytes over the wall time of all clients) and p99 call latency, per path."""
+    ctx = multiprocessing.get_context("spawn")
+    print(f"\nconcurrency sweep: each client process {blocks} x {block_bytes / MiB:g} MiB, {iters} put+get pairs")
+    print("\n| clients | path | aggregate GB/s | put p99 ms | get p99 ms |\n|---:|---|---:|---:|---:|")
+    for n in counts:
+        for label, bulk in (("SDK gRPC", False), ("SDK bulk", True)):
+            barrier, out = ctx.Barrier(n), ctx.Queue()
+            args = (target, bulk, blocks, block_bytes, iters, barrier, out)
+            procs = [ctx.Process(target=sweep_client, args=args) for _ in range(n)]
+            for p in procs:
+                p.start()
+            results = [out.get(timeout=600) for _ in procs]
+            for p in procs:
+                p.join(60)
+                if p.exitcode != 0:
+                    raise RuntimeError(f"a sweep client failed (exit {p.exitcode})")
+            if bulk and any(r[5] for r in results):
+                raise RuntimeError("bulk sweep clients moved bytes over gRPC")
+            wall = max(r[1] for r in results) - min(r[0] for r in results)
+            rate = sum(r[4] for r in results) / wall / GB
+            puts = [t for r in results for t in r[2]]
+            gets = [t for r in results for t in r[3]]
+            print(f"| {n} | {label} | {rate:.2f} | {_p99_ms(puts):.0f} | {_p99_ms(gets):.0f} |")
+
+
 # -- runs --------------------------------------------------------------------------------------
 
 
@@ -135,13 +205,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--iters", type=int, default=2, help="timed calls per system, op and round")
     parser.add_argument("--connections", default="1,2,4", help="bulk connection counts to measure")
-    parser.add_argument("--quick", action="store_true", help="3 rounds of 1 call")
+    parser.add_argument("--quick", action="store_true", help="3 rounds of 1 call, sweep of 1 and 4 clients")
+    parser.add_argument("--sweep", default="1,4,16", help="client process counts of the concurrency sweep; '' skips it")
+    parser.add_argument("--sweep-blocks", type=int, default=4)
+    parser.add_argument("--sweep-block-mib", type=float, default=4.0)
+    parser.add_argument("--sweep-iters", type=int, default=3)
     args = parser.parse_args(argv)
     if args.raw_server:
         raw_server()
         return 0
     if args.quick:
-        args.rounds, args.iters = 3, 1
+        args.rounds, args.iters, args.sweep = 3, 1, "1,4"
     exit_on_sigterm()
     block_bytes = int(args.block_mib * MiB)
     keys = [os.urandom(16) for _ in range(args.blocks)]
@@ -162,7 +236,18 @@ def main(argv: list[str] | None = None) -> int:
         )
         servers.append(echo_proc)
         kv_argv = python_cmd(
-            "-m", "kvcache_server", "--port", "0", "--ram-capacity", "4GiB", "--max-block-bytes", "64MiB"
+            "-m",
+            "kvcache_server",
+            "--port",
+            "0",
+            "--ram-capacity",
+            "4GiB",
+            "--max-block-bytes",
+            "64MiB",
+            "--set",
+            "limits.inflight_bytes=1GiB",
+            "--set",
+            "limits.admission_wait_s=30",
         )
         kv_proc, kv_port = start(
             "kvcache-server", kv_argv, r"serving \S+ on [^\s:]+:(\d+)", {**env, "KVCACHE_SHM_ENABLED": "0"}
@@ -243,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
         for c in (sdk_grpc, *bulk_clients.values()):
             c.close()
         channel.close()
+        counts = [int(n) for n in args.sweep.split(",") if n.strip()]
+        if counts:
+            sweep(target, counts, args.sweep_blocks, int(args.sweep_block_mib * MiB), args.sweep_iters)
     finally:
         for proc in servers:
             proc.stop()
