@@ -138,7 +138,7 @@ class KVCacheClient:
                 its shm directory (docs/shm.md); False keeps them on gRPC (as KVCACHE_SHM=0 does).
             bulk: Move the block bytes of large puts and gets over the server's bulk port when Info
                 advertises one and shm is not in use (docs/bulk.md); False (or KVCACHE_BULK=0) keeps
-                them on gRPC. `bulk_counters` says which path moved them.
+                them on gRPC. `client.bulk.counters` says which path moved them.
             bulk_connections: Connections to the bulk port; a call's blocks are striped across them.
             transport: Replaces the gRPC transport (tests, other data paths).
 
