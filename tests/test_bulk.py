@@ -22,7 +22,7 @@ from kvcache_client import (
     PermissionDenied,
     TLSConfig,
 )
-from kvcache_client.bulk import stripes
+from kvcache_client.bulkconn import BulkConnection, BulkUnreachable, stripes
 from kvcache_core import bulkwire as bw
 from kvcache_server.auth import token_digest
 from kvcache_server.config import ConfigError, load_config
@@ -614,3 +614,37 @@ def test_a_killed_and_restarted_server_process(tmp_path: Path) -> None:
                 second.stop()
     finally:
         first.stop()
+
+
+@pytest.mark.parametrize(
+    "lie", ["index_out_of_range", "duplicate_index", "done_miscounts", "over_max_frame", "garbage"]
+)
+def test_the_sdk_refuses_a_server_that_lies(lie: str) -> None:
+    """The client side of the framing, against a peer on a real socket pair that answers a GET wrongly."""
+    ours, theirs = socket.socketpair()
+    keys = [os.urandom(16), os.urandom(16)]
+    block = b"x" * 100
+    item = bw.header(bw.FrameType.GET_ITEM, bw.GET_ITEM.size + len(block)) + bw.GET_ITEM.pack(0, 1) + block
+    answers = {
+        "index_out_of_range": bw.header(bw.FrameType.GET_ITEM, 8 + 4) + bw.GET_ITEM.pack(2, 1) + b"abcd",
+        "duplicate_index": item + item,
+        "done_miscounts": item + bw.header(bw.FrameType.GET_DONE, 4) + bw.get_done(2),
+        "over_max_frame": bw.header(bw.FrameType.GET_ITEM, 1 << 30),
+        "garbage": b"HTTP/1.1 400 Bad Request\r\n\r\n",
+    }
+
+    def serve() -> None:
+        head = bytearray(bw.HEADER_BYTES)
+        bw.recv_exact(theirs, memoryview(head), "GET header")
+        _, length = bw.parse_header(head, 1 << 20)
+        bw.recv_exact(theirs, memoryview(bytearray(length)), "GET")
+        theirs.sendall(answers[lie])
+
+    thread = threading.Thread(target=serve)
+    thread.start()
+    conn = BulkConnection(ours, bw.Ready(1 << 20, 1 << 20, 1024))
+    with pytest.raises(BulkUnreachable):
+        conn.get("n", keys, False, time.monotonic() + 5)
+    thread.join(5)
+    ours.close()
+    theirs.close()
