@@ -129,7 +129,12 @@ class Session:
     # -- plumbing ------------------------------------------------------------------------------
 
     def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self._s.loop).result(_LOOP_CALL_S)
+        future = asyncio.run_coroutine_threadsafe(coro, self._s.loop)
+        try:
+            return future.result(_LOOP_CALL_S)
+        except TimeoutError:
+            future.cancel()  # a budget reservation still waiting must not be taken after we gave up
+            raise
 
     def _release(self, held: Holding) -> None:
         self._s.loop.call_soon_threadsafe(held.release_all)
