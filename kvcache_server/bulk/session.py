@@ -47,8 +47,8 @@ T = TypeVar("T")
 MAX_NAMESPACE_BYTES = 128  # as the gRPC service (kvcache_server.service)
 _MAX_WINDOW_KEYS = 1024
 _LOOP_CALL_S = 120.0
-"""Longest wait for the event loop's part of a request (budget, stack put or get): a backstop only;
-the budget waits at most limits.admission_wait_s and the tiers have their own timeouts."""
+"""Longest wait, beyond limits.admission_wait_s, for the event loop's part of a request (budget, stack
+put or get): a backstop only; the budget waits at most admission_wait_s, the tiers have their own timeouts."""
 _DRAIN_S = 2.0
 _DRAIN_BYTES = 1 << 16
 
@@ -131,7 +131,7 @@ class Session:
     def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
         future = asyncio.run_coroutine_threadsafe(coro, self._s.loop)
         try:
-            return future.result(_LOOP_CALL_S)
+            return future.result(self._s.limits.admission_wait_s + _LOOP_CALL_S)
         except TimeoutError:
             future.cancel()  # a budget reservation still waiting must not be taken after we gave up
             raise
