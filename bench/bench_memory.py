@@ -73,7 +73,7 @@ def flood(target: str, pid: int, cap: int, flood_x: int, shm: bool) -> dict[str,
             out.append((key, encode_block_parts(memoryview(payload)[:n], key=key, dtype="uint8", shape=(n,))))
         return out
 
-    with KVCacheClient(target, timeout_s=60, shm=shm) as client:
+    with KVCacheClient(target, timeout_s=60, shm=shm, bulk=False) as client:
         client.put_many("warm", batch())
         start = rss_bytes(pid)
         sampler = Sampler(pid)

@@ -514,7 +514,7 @@ def run(args: argparse.Namespace) -> int:
             servers.append(proc)
             print(f"  started: {proc.first_line}")
             for name in sdk_wanted:
-                client = KVCacheClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S, shm=name == SDK)
+                client = KVCacheClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S, shm=name == SDK, bulk=False)
                 closers.append(client.close)
                 stats = client.stats()  # connects, and checks the server answers
                 systems.append(SdkSystem(client, name))

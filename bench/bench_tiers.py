@@ -516,7 +516,7 @@ def run(args: argparse.Namespace) -> int:
         )
         clients = {}
         for name, port in ports.items():
-            c = KVCacheClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S, shm=not args.no_shm)
+            c = KVCacheClient(f"127.0.0.1:{port}", timeout_s=CALL_TIMEOUT_S, shm=not args.no_shm, bulk=False)
             closers.append(c.close)
             clients[name] = c
 

@@ -209,7 +209,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., write_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., breaker: _Optional[str] = ..., skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent", "inflight_bytes", "inflight_peak_bytes", "inflight_refused", "cut_off_calls")
+    __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent", "inflight_bytes", "inflight_peak_bytes", "inflight_refused", "cut_off_calls", "bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +223,11 @@ class StatsResponse(_message.Message):
     INFLIGHT_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     INFLIGHT_REFUSED_FIELD_NUMBER: _ClassVar[int]
     CUT_OFF_CALLS_FIELD_NUMBER: _ClassVar[int]
+    BULK_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    BULK_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    BULK_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
+    BULK_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    BULK_CUT_OFF_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -236,25 +241,36 @@ class StatsResponse(_message.Message):
     inflight_peak_bytes: int
     inflight_refused: int
     cut_off_calls: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., put_checksum_failures: _Optional[int] = ..., failed_requests: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_bytes_received: _Optional[int] = ..., shm_bytes_sent: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., inflight_peak_bytes: _Optional[int] = ..., inflight_refused: _Optional[int] = ..., cut_off_calls: _Optional[int] = ...) -> None: ...
+    bulk_bytes_received: int
+    bulk_bytes_sent: int
+    bulk_connections: int
+    bulk_errors: int
+    bulk_cut_off: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., put_checksum_failures: _Optional[int] = ..., failed_requests: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_bytes_received: _Optional[int] = ..., shm_bytes_sent: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., inflight_peak_bytes: _Optional[int] = ..., inflight_refused: _Optional[int] = ..., cut_off_calls: _Optional[int] = ..., bulk_bytes_received: _Optional[int] = ..., bulk_bytes_sent: _Optional[int] = ..., bulk_connections: _Optional[int] = ..., bulk_errors: _Optional[int] = ..., bulk_cut_off: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts")
+    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
     SHM_DIR_FIELD_NUMBER: _ClassVar[int]
     BLOCK_PARTS_FIELD_NUMBER: _ClassVar[int]
+    BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    BULK_HOST_FIELD_NUMBER: _ClassVar[int]
+    BULK_TLS_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_block_bytes: int
     max_keys_per_request: int
     shm_dir: str
     block_parts: bool
-    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ...) -> None: ...
+    bulk_port: int
+    bulk_host: str
+    bulk_tls: bool
+    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("namespace",)

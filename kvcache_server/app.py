@@ -18,6 +18,7 @@ from kvcache_server import __version__
 from kvcache_server.admission import Admission
 from kvcache_server.allocator import trim_forever
 from kvcache_server.auth import Authenticator, TokenStore
+from kvcache_server.bulk import BulkListener
 from kvcache_server.config import LowerTierSection, ServerConfig, ShmSection, TlsSection, is_loopback
 from kvcache_server.events import EventHub
 from kvcache_server.interceptor import RequestContextInterceptor
@@ -52,6 +53,7 @@ class RunningServer:
     shm: ShmDirectory | None = None
     shm_task: asyncio.Task[None] | None = None
     trim_task: asyncio.Task[None] | None = None
+    bulk: BulkListener | None = None
 
     @property
     def target(self) -> str:
@@ -70,6 +72,8 @@ class RunningServer:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         await self.health.enter_graceful_shutdown()
+        if self.bulk is not None:
+            await self.bulk.stop()
         await self.server.stop(c.shutdown_grace_s if grace_s is None else grace_s)
         dropped = await self.stack.close(c.drain_deadline_s if drain_deadline_s is None else drain_deadline_s)
         if self.metrics is not None:
@@ -226,6 +230,11 @@ async def create_server(config: ServerConfig) -> RunningServer:
             metrics_port = metrics.serve(config.metrics.host, config.metrics.port, config.tls)
         except OSError as exc:
             raise OSError(f"cannot bind metrics on {config.metrics.host}:{config.metrics.port}: {exc}") from None
+    bulk = None
+    if config.bulk.enabled:
+        bulk = BulkListener(config, stack, service.budget, Authenticator(tokens) if tokens else None)
+        await bulk.start()
+        service.bulk = bulk
     await server.start()
     running = RunningServer(
         server=server,
@@ -237,6 +246,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
         metrics=metrics,
         metrics_port=metrics_port,
         shm=shm,
+        bulk=bulk,
     )
     if shm is not None:
         running.shm_task = asyncio.create_task(_sweep_shm(shm, config.shm.stale_after_s), name="kvcache-shm-sweep")
@@ -345,6 +355,7 @@ def describe(running: RunningServer) -> str:
     security = ("tls" if not c.tls.client_ca_file else "mtls") if c.tls.enabled else "plaintext"
     security += ", auth" if c.auth.enabled else ", no auth"
     security += f"; shm {running.shm.path}" if running.shm is not None else ""
+    security += f"; bulk {running.bulk.host}:{running.bulk.port}" if running.bulk is not None else ""
     return (
         f"kvcache-server {__version__} serving {SERVICE_NAME} on {c.server.host}:{running.port} "
         f"(tiers: {', '.join(tiers)}; max block {c.limits.max_block_bytes / (1 << 20):.0f} MiB; {security}{metrics})"

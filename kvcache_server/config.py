@@ -344,6 +344,38 @@ class ShmSection:
             raise ConfigError("shm.stale_after_s must be positive")
 
 
+@dataclass(frozen=True, slots=True)
+class BulkSection:
+    """The bulk path for remote clients: block bytes on plain TCP (or TLS) frames (docs/bulk.md)."""
+
+    enabled: bool = True
+    # "" binds the gRPC server's host; port 0 picks a free port (advertised in Info).
+    host: str = ""
+    port: int = 0
+    # Largest frame accepted (one block, or one request's keys); larger ones close the connection.
+    # 0: limits.max_block_bytes + 1 MiB.
+    max_frame_bytes: int = 0
+    # A connection with no request for idle_timeout_s is closed; one whose peer sends or reads
+    # nothing for stall_timeout_s in the middle of a frame is cut off and what it held released.
+    idle_timeout_s: float = 300.0
+    stall_timeout_s: float = 10.0
+    # Connections served at once (one thread each); more are refused with RESOURCE_EXHAUSTED.
+    max_connections: int = 64
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError("bulk.port must be 0..65535")
+        for name in ("idle_timeout_s", "stall_timeout_s", "max_connections"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"bulk.{name} must be positive")
+        if self.max_frame_bytes < 0:
+            raise ConfigError("bulk.max_frame_bytes must not be negative (0: limits.max_block_bytes + 1 MiB)")
+
+    def frame_limit(self, max_block_bytes: int) -> int:
+        """The largest frame the listener accepts."""
+        return self.max_frame_bytes or max_block_bytes + _MiB
+
+
 def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
@@ -368,6 +400,7 @@ class ServerConfig:
     auth: AuthSection = field(default_factory=AuthSection)
     tls: TlsSection = field(default_factory=TlsSection)
     shm: ShmSection = field(default_factory=ShmSection)
+    bulk: BulkSection = field(default_factory=BulkSection)
 
     def validate(self) -> ServerConfig:
         for f in dataclasses.fields(self):
@@ -375,6 +408,8 @@ class ServerConfig:
         for name in self.health.required:
             if not getattr(self, name).enabled:
                 raise ConfigError(f"health.required_tiers names {name}, but {name}.enabled is false")
+        if self.bulk.enabled and 0 < self.bulk.max_frame_bytes < self.limits.max_block_bytes + 8:
+            raise ConfigError("bulk.max_frame_bytes must hold one largest block (limits.max_block_bytes + 8)")
         if not self.auth.enabled and not self.auth.allow_unauthenticated and not is_loopback(self.server.host):
             raise ConfigError(
                 f"refusing to serve {self.server.host} without authentication: enable [auth] (docs/security.md), "
@@ -462,6 +497,7 @@ ENV_NOT_FIELDS = {
     "KVCACHE_TARGET": "the CLI's server address (docs/cli.md)",
     "KVCACHE_TOKEN": "the SDK's and CLI's API token",
     "KVCACHE_SHM": "the SDK's shared-memory switch (docs/shm.md)",
+    "KVCACHE_BULK": "the SDK's bulk-path switch (docs/bulk.md)",
 }
 """KVCACHE_* variables that are not KVCACHE_<SECTION>_<FIELD> config fields; any other unknown one is an error."""
 

@@ -141,6 +141,23 @@ class _StatsCollector(Collector):
         family.add_metric(["received"], service["shm_bytes_received"])
         family.add_metric(["sent"], service["shm_bytes_sent"])
         yield family
+        family = CounterMetricFamily(
+            "kvcache_bulk_bytes", "Block bytes moved on the bulk path (docs/bulk.md)", labels=["direction"]
+        )
+        family.add_metric(["received"], service["bulk_bytes_received"])
+        family.add_metric(["sent"], service["bulk_bytes_sent"])
+        yield family
+        yield GaugeMetricFamily(
+            "kvcache_bulk_connections", "Bulk connections open now", value=service["bulk_connections"]
+        )
+        yield CounterMetricFamily(
+            "kvcache_bulk_errors", "Bulk requests answered with an ERROR frame", value=service["bulk_errors"]
+        )
+        yield CounterMetricFamily(
+            "kvcache_bulk_cut_off",
+            "Bulk connections cut off by bulk.stall_timeout_s",
+            value=service["bulk_cut_off"],
+        )
         yield GaugeMetricFamily(
             "kvcache_inflight_bytes",
             "Bytes held for calls in flight, against limits.inflight_bytes",

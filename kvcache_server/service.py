@@ -46,6 +46,7 @@ from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import current_principal
 from kvcache_server.budget import Holding, MemoryBudget
+from kvcache_server.bulk import BulkListener
 from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow, TooManySubscribers
 from kvcache_server.observe import NullObserver, Observer
@@ -71,6 +72,9 @@ MAX_NAMESPACE_BYTES = 128
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
 # TierStats travels field by field under the same names; `kind` is `tier` on the wire.
 _TIER_STATS_FIELDS = [f for f in dataclasses.fields(TierStats) if f.name != "kind"]
+
+
+_BULK_STATS = ("bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off")
 
 
 class _Counters:
@@ -133,6 +137,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         self.budget = MemoryBudget(limits.inflight_bytes, limits.admission_wait_s)
         self._block_sizes: OrderedDict[str, int] = OrderedDict()  # namespace -> largest block seen
         self.cut_off = 0  # Put streams gone quiet and Gets not read, ended by the server
+        self.bulk: BulkListener | None = None  # the bulk path, advertised in Info (set by the app)
 
     def counters(self) -> dict[str, int]:
         """Service-level counters, for metrics."""
@@ -145,6 +150,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             "inflight_peak_bytes": self.budget.peak,
             "inflight_refused": self.budget.refused,
             "cut_off_calls": self.cut_off,
+            **dict.fromkeys(_BULK_STATS, 0),
+            **self._bulk_stats(),
         }
 
     # -- validation ---------------------------------------------------------------------------
@@ -668,7 +675,20 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             inflight_peak_bytes=self.budget.peak,
             inflight_refused=self.budget.refused,
             cut_off_calls=self.cut_off,
+            **self._bulk_stats(),
         )
+
+    def _bulk_stats(self) -> dict[str, int]:
+        if self.bulk is None:
+            return {}
+        c = self.bulk.counters.snapshot()
+        return {
+            "bulk_bytes_received": c["bytes_received"],
+            "bulk_bytes_sent": c["bytes_sent"],
+            "bulk_connections": c["connections"],
+            "bulk_errors": c["errors"],
+            "bulk_cut_off": c["cut_off"],
+        }
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         return pb.InfoResponse(
@@ -677,4 +697,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             max_keys_per_request=self._limits.max_keys_per_request,
             shm_dir=str(self._shm.path) if self._shm is not None else "",
             block_parts=True,
+            bulk_port=self.bulk.port if self.bulk is not None else 0,
+            bulk_host=self.bulk.advertised_host if self.bulk is not None else "",
+            bulk_tls=self.bulk is not None and self.bulk.tls,
         )

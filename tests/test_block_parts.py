@@ -45,9 +45,9 @@ def test_info_offers_parts_and_the_sdk_uses_them(make_server) -> None:
     server = make_server(shm={"enabled": False})
     block = raw_block(KEY, os.urandom(5 * DEFAULT_PART_BYTES + 12345))  # over PARTS_ABOVE_BYTES: 6 parts
     small = raw_block(b"s" * 16, b"small")
-    with KVCacheClient(server.target) as client:
+    with KVCacheClient(server.target, bulk=False) as client:  # the gRPC path (bulk: test_bulk.py)
         assert client.put_many("ns", [(KEY, block), (b"s" * 16, small)]).stored == 2
-        assert client._transport.part_bytes == DEFAULT_PART_BYTES
+        assert client._transport.inner.part_bytes == DEFAULT_PART_BYTES
         assert bytes(client.get_many("ns", [KEY])[0]) == block
     # What the SDK sent: the large block as parts, one message each, then the small block.
     messages = list(put_messages("ns", [(KEY, block), (b"s" * 16, small)], part_bytes=DEFAULT_PART_BYTES))

@@ -167,7 +167,7 @@ def test_a_get_from_redis_of_many_large_blocks_holds_one_window(redis_server: Re
     try:
         keys = [os.urandom(16) for _ in range(48)]
         payload = os.urandom(8 << 20)
-        with KVCacheClient(server.target, timeout_s=60, shm=False) as client:
+        with KVCacheClient(server.target, timeout_s=60, shm=False, bulk=False) as client:
             for i in range(0, 48, 4):  # through the server: RAM keeps the newest few, Redis all of them
                 batch = [(k, raw_block(k, payload[: (8 << 20) - 64])) for k in keys[i : i + 4]]
                 assert client.put_many(NS, batch).tier("redis").stored == 4

@@ -309,15 +309,15 @@ def test_a_failed_call_retires_its_segment_and_a_completed_one_returns_it(shm_se
         # A get whose deadline passes (simulated: the stream fails with DEADLINE_EXCEEDED).
         assert client.get_many("ns", [items[0][0]])[0] is not None
         (kept,) = pool._idle
-        real_get = client._transport._get
+        real_get = client._transport.inner._get
 
         def deadline(request: object, **kwargs: object) -> object:
             raise _Status(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
-        client._transport._get = deadline
+        client._transport.inner._get = deadline
         with pytest.raises(DeadlineExceeded):
             client.get_many("ns", [items[0][0]])
-        client._transport._get = real_get
+        client._transport.inner._get = real_get
         assert kept.fd < 0 and kept.name not in _segments(shm_server) and pool._idle == []
         # The next call gets a fresh segment, and the path is still on; nothing was a fallback.
         assert [bytes(b) for b in client.get_many("ns", [k for k, _ in items])] == [b for _, b in items]

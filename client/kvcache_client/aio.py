@@ -17,6 +17,7 @@ import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.bulk import DEFAULT_CONNECTIONS, AsyncBulkTransport, BulkLink, bearer_token
 from kvcache_client.client import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
@@ -65,6 +66,8 @@ class AsyncKVCacheClient:
         token: str | None = None,
         tls: TLSConfig | bool = False,
         shm: bool = True,
+        bulk: bool = True,
+        bulk_connections: int = DEFAULT_CONNECTIONS,
         transport: AsyncTransport | None = None,
     ) -> None:
         """See KVCacheClient.__init__. Needs no event loop: the grpc.aio channel is made on first use.
@@ -81,11 +84,15 @@ class AsyncKVCacheClient:
         self._transport: AsyncTransport | None = transport
         self._loop: asyncio.AbstractEventLoop | None = None  # set on first use
         self._closed = False
+        self.bulk: BulkLink | None = None  # the bulk path's state and counters (None with a custom transport)
         if transport is None:
             channel = aio_channel_factory(target, tls=tls, max_message_bytes=max_message_bytes)
             metadata = auth_metadata(token)
-            self._make_transport: Callable[[], AsyncTransport] = lambda: AsyncGrpcTransport(
-                channel(), metadata=metadata, shm=shm
+            link = self.bulk = BulkLink(
+                target, token=bearer_token(token), tls=tls, enabled=bulk, connections=bulk_connections
+            )
+            self._make_transport: Callable[[], AsyncTransport] = lambda: AsyncBulkTransport(
+                AsyncGrpcTransport(channel(), metadata=metadata, shm=shm), link
             )
         self.corrupt_blocks = 0
 

@@ -33,6 +33,7 @@ import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.bulk import DEFAULT_CONNECTIONS, BulkLink, BulkTransport, bearer_token
 from kvcache_client.connection import TLSConfig, auth_metadata, make_channel
 from kvcache_client.errors import BlockFormatError, DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
@@ -120,6 +121,8 @@ class KVCacheClient:
         token: str | None = None,
         tls: TLSConfig | bool = False,
         shm: bool = True,
+        bulk: bool = True,
+        bulk_connections: int = DEFAULT_CONNECTIONS,
         transport: Transport | None = None,
     ) -> None:
         """Connects lazily to `target` ("host:port").
@@ -133,6 +136,10 @@ class KVCacheClient:
             tls: True (verify against the system roots) or a TLSConfig; False for plaintext.
             shm: Move block bytes through shared memory when the server is on this host and shares
                 its shm directory (docs/shm.md); False keeps them on gRPC (as KVCACHE_SHM=0 does).
+            bulk: Move the block bytes of large puts and gets over the server's bulk port when Info
+                advertises one and shm is not in use (docs/bulk.md); False (or KVCACHE_BULK=0) keeps
+                them on gRPC. `client.bulk.counters` says which path moved them.
+            bulk_connections: Connections to the bulk port; a call's blocks are striped across them.
             transport: Replaces the gRPC transport (tests, other data paths).
 
         Raises:
@@ -144,11 +151,16 @@ class KVCacheClient:
         self.target = target
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
-        self._transport: Transport = transport or GrpcTransport(
-            make_channel(target, tls=tls, max_message_bytes=max_message_bytes),
-            metadata=auth_metadata(token),
-            shm=shm,
-        )
+        self.bulk: BulkLink | None = None  # the bulk path's state and counters (None with a custom transport)
+        if transport is None:
+            self.bulk = BulkLink(target, token=bearer_token(token), tls=tls, enabled=bulk, connections=bulk_connections)
+            grpc_transport = GrpcTransport(
+                make_channel(target, tls=tls, max_message_bytes=max_message_bytes),
+                metadata=auth_metadata(token),
+                shm=shm,
+            )
+            transport = BulkTransport(grpc_transport, self.bulk)
+        self._transport: Transport = transport
         self.corrupt_blocks = 0
 
     @classmethod

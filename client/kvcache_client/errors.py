@@ -37,6 +37,7 @@ __all__ = [
     "Unavailable",
     "UnknownFormatVersion",
     "WireError",
+    "error_for",
     "from_rpc_error",
 ]
 
@@ -99,4 +100,9 @@ def from_rpc_error(exc: grpc.RpcError) -> RPCError:
     """Maps a grpc error (sync or aio) to the SDK's exception type."""
     code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
     details = (exc.details() if hasattr(exc, "details") else None) or str(exc)
+    return _BY_CODE.get(code, RPCError)(code, details)
+
+
+def error_for(code: grpc.StatusCode, details: str) -> RPCError:
+    """The SDK's exception for a status that arrived without gRPC (the bulk path's ERROR frames)."""
     return _BY_CODE.get(code, RPCError)(code, details)

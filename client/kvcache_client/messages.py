@@ -216,6 +216,11 @@ def server_stats(r: pb.StatsResponse) -> ServerStats:
         inflight_peak_bytes=r.inflight_peak_bytes,
         inflight_refused=r.inflight_refused,
         cut_off_calls=r.cut_off_calls,
+        bulk_bytes_received=r.bulk_bytes_received,
+        bulk_bytes_sent=r.bulk_bytes_sent,
+        bulk_connections=r.bulk_connections,
+        bulk_errors=r.bulk_errors,
+        bulk_cut_off=r.bulk_cut_off,
         tiers=tuple(TierInfo(**{name: getattr(t, name) for name in _TIER_INFO_FIELDS}) for t in r.tiers),
     )
 

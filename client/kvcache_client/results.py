@@ -124,6 +124,11 @@ class ServerStats:
     inflight_peak_bytes: int = 0
     inflight_refused: int = 0
     cut_off_calls: int = 0
+    bulk_bytes_received: int = 0  # the bulk path (docs/bulk.md): block bytes in and out, connections open,
+    bulk_bytes_sent: int = 0  # requests answered with an ERROR frame, connections cut off for stalling
+    bulk_connections: int = 0
+    bulk_errors: int = 0
+    bulk_cut_off: int = 0
 
     def tier(self, name: str) -> TierInfo:
         for t in self.tiers:

@@ -108,6 +108,7 @@ class GrpcTransport:
         self._message_bytes = message_bytes
         self.shm = ShmLink(shm)
         self.part_bytes = 0  # set from the server's Info
+        self.info_response: pb.InfoResponse | None = None
         self._info_done = False
 
     def _check_info(self, timeout_s: float) -> None:
@@ -121,7 +122,15 @@ class GrpcTransport:
                 raise
             info = None
         self.part_bytes = apply_info(self.shm, info)
+        self.info_response = info
         self._info_done = True
+
+    def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
+        """The server's Info answer, asked once (again with `refresh`); None when it has no Info call."""
+        if refresh:
+            self._info_done = False
+        self._check_info(timeout_s)
+        return self.info_response
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         return lookup_result(
@@ -216,6 +225,7 @@ class AsyncGrpcTransport:
         self._message_bytes = message_bytes
         self.shm = ShmLink(shm)
         self.part_bytes = 0  # set from the server's Info
+        self.info_response: pb.InfoResponse | None = None
         self._info_done = False
 
     async def _check_info(self, timeout_s: float) -> None:
@@ -229,7 +239,15 @@ class AsyncGrpcTransport:
                 raise
             info = None
         self.part_bytes = apply_info(self.shm, info)
+        self.info_response = info
         self._info_done = True
+
+    async def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
+        """The server's Info answer, asked once (again with `refresh`); None when it has no Info call."""
+        if refresh:
+            self._info_done = False
+        await self._check_info(timeout_s)
+        return self.info_response
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         request = pb.LookupRequest(namespace=namespace, keys=keys)

@@ -64,6 +64,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvcache_client.bulk import BulkLink, BulkTransport, bearer_token
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
 from kvcache_client.connection import auth_metadata, make_channel
 from kvcache_client.retry import NO_RETRY
@@ -106,7 +107,11 @@ def connect(config: KVCacheConnectorConfig) -> KVCacheClient:
         config.target, tls=config.tls_config(), max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, extra_options=reconnect
     )
     transport = GrpcTransport(channel, metadata=auth_metadata(config.api_token()), shm=config.shm)
-    return KVCacheClient(config.target, timeout_s=config.transfer_timeout_s, retry=NO_RETRY, transport=transport)
+    # Off this host, KV bytes travel on the server's bulk port when it has one (docs/bulk.md; KVCACHE_BULK=0: gRPC).
+    link = BulkLink(config.target, token=bearer_token(config.api_token()), tls=config.tls_config())
+    return KVCacheClient(
+        config.target, timeout_s=config.transfer_timeout_s, retry=NO_RETRY, transport=BulkTransport(transport, link)
+    )
 
 
 class KVCacheConnector(KVConnectorBase_V1):

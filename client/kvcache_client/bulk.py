@@ -1,0 +1,323 @@
+"""The SDK's bulk path (docs/bulk.md): block bytes of large puts and gets on plain TCP or TLS frames.
+
+gRPC stays the control plane: Lookup, Delete, Stats and Info go over gRPC, and Info says whether
+and where the server listens for bulk frames (bulk_port, bulk_host, bulk_tls). BulkTransport
+wraps a gRPC transport and moves the bytes of puts and gets of at least `min_bytes` over a small
+pool of connections (blocks striped across them), sent with sendmsg from the caller's buffers
+and received with recv_into into one buffer per block. The same-host shared-memory path, when on,
+is preferred (it moves bytes without a socket).
+
+When the bulk port cannot be reached, a call goes over gRPC instead (counted in `fallbacks`) and
+the bulk path is tried again after `retry_after_s`, asking Info again (a restarted server may
+listen on another port). A pooled connection the server closed (a restart) is replaced once
+within the same call. The call's deadline covers connecting, sending and receiving; the server's
+answers (ERROR frames) arrive as the SDK's typed exceptions, as on gRPC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, stripes
+from kvcache_client.connection import TOKEN_ENV, TLSConfig
+from kvcache_client.results import TIER_NAMES, Fetched, LookupResult, PutResult, ServerStats, TierPutResult
+from kvcache_client.transport import AsyncGrpcTransport, GrpcTransport
+from kvcache_core import bulkwire as bw
+from kvcache_core.blockwire import BlockData, data_len
+from kvcache_proto import kvcache_pb2 as pb
+
+BULK_ENV = "KVCACHE_BULK"
+"""KVCACHE_BULK=0 keeps block bytes on gRPC (as bulk=False does)."""
+
+DEFAULT_MIN_BYTES = 1 << 20
+DEFAULT_CONNECTIONS = 2
+DEFAULT_REQUEST_BYTES = 64 << 20
+"""A put is sent as requests of at most this many bytes (one block when a block is larger): the
+server counts each request against its in-flight budget while receiving it."""
+DEFAULT_RETRY_AFTER_S = 2.0
+
+
+def bearer_token(token: str | None) -> str:
+    """The token the client sends: `token`, or the KVCACHE_TOKEN environment variable's, or none ("")."""
+    return token if token is not None else os.environ.get(TOKEN_ENV, "")
+
+
+def env_allows_bulk() -> bool:
+    return os.environ.get(BULK_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def split_target(target: str) -> tuple[str, int] | None:
+    """("host", port) of a plain "host:port" or "[v6]:port" target; None for other gRPC target forms."""
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or "/" in target:
+        return None
+    return host.strip("[]"), int(port)
+
+
+def client_tls_context(tls: TLSConfig) -> ssl.SSLContext:
+    """The gRPC channel's TLS rules as an ssl context: the server's certificate is always verified."""
+    context = ssl.create_default_context(cafile=tls.ca_file)
+    if tls.cert_file:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    return context
+
+
+class BulkLink:
+    """Whether this client uses the bulk path, its pool, and which path moved the bytes.
+
+    States: "unknown" until Info was asked, "on", "down" (unreachable; retried after retry_after_s)
+    or "off" (disabled, the server has no bulk port, or a target form the SDK cannot parse).
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        token: str,
+        tls: TLSConfig | bool,
+        enabled: bool = True,
+        connections: int = DEFAULT_CONNECTIONS,
+        min_bytes: int = DEFAULT_MIN_BYTES,
+        request_bytes: int = DEFAULT_REQUEST_BYTES,
+        retry_after_s: float = DEFAULT_RETRY_AFTER_S,
+    ) -> None:
+        if connections < 1:
+            raise ValueError("bulk connections must be at least 1")
+        self.counters = BulkCounters()
+        self.state = "unknown" if enabled and env_allows_bulk() else "off"
+        self.reason = "" if self.state == "unknown" else "disabled by the client"
+        self._target = split_target(target)
+        self._token = token
+        self._tls = TLSConfig() if tls is True else tls or None
+        self.connections = connections
+        self.min_bytes = min_bytes
+        self.request_bytes = request_bytes
+        self.retry_after_s = retry_after_s
+        self._retry_at = 0.0
+        self.pool: BulkPool | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def needs_info(self) -> bool:
+        """Info must be asked (again) before the next call decides."""
+        return self.state == "unknown" or (self.state == "down" and time.monotonic() >= self._retry_at)
+
+    def configure(self, info: pb.InfoResponse | None, shm_on: bool) -> None:
+        """Takes the server's Info answer: on when it advertises a bulk port this client can reach.
+        Concurrent calls that all asked Info: the first one's answer is taken, the others are ignored."""
+        with self._lock:
+            if not self.needs_info:
+                return
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+            if info is None or not info.bulk_port:
+                self._off("the server has no bulk port")
+                return
+            if self._target is None:
+                self._off("the gRPC target is not host:port")
+                return
+            if shm_on:
+                self._off("the same-host shared-memory path is on")
+                return
+            if info.bulk_tls != (self._tls is not None):  # never a token in clear from a TLS client
+                self._off(f"the bulk port is {'TLS' if info.bulk_tls else 'plaintext'}, this client is not")
+                return
+            host = info.bulk_host or self._target[0]
+            tls = self._tls
+            self.pool = BulkPool(
+                (host, info.bulk_port),
+                token=self._token,
+                tls=client_tls_context(tls) if tls is not None else None,
+                server_name=(tls.server_name if tls is not None and tls.server_name else host),
+                connections=self.connections,
+                counters=self.counters,
+            )
+            self.state, self.reason = "on", ""
+
+    def _off(self, reason: str) -> None:
+        self.state, self.reason = "off", reason
+
+    def usable(self, nbytes: int) -> BulkPool | None:
+        """The pool to move `nbytes` with, or None (use gRPC)."""
+        if nbytes < self.min_bytes or self.state != "on":
+            return None
+        return self.pool
+
+    def down(self, reason: str) -> None:
+        """The bulk path failed: gRPC until retry_after_s has passed, then Info again."""
+        with self._lock:
+            self.state, self.reason = "down", reason
+            self._retry_at = time.monotonic() + self.retry_after_s
+            self.counters.fallbacks += 1
+
+    # -- the two data calls, blocking (the async transport runs them in a worker thread) ----------
+
+    def put(
+        self, pool: BulkPool, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float
+    ) -> PutResult:
+        deadline = time.monotonic() + timeout_s
+        sizes = [data_len(d) for _, d in items]
+
+        def lane(requests: list[list[int]]) -> Callable[[BulkConnection], list[bw.PutDone]]:
+            return lambda conn: [conn.put(namespace, [items[i] for i in r], deadline) for r in requests]
+
+        lanes = stripes(sizes, pool.connections, self.request_bytes)
+        done = [d for per_lane in pool.parallel([lane(r) for r in lanes], deadline) for d in per_lane]
+        self.counters.add("bulk_bytes_sent", sum(sizes))
+        return _put_result(done)
+
+    def get(
+        self, pool: BulkPool, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
+    ) -> list[Fetched | None]:
+        deadline = time.monotonic() + timeout_s
+        n = 1 if prefix_only else max(1, min(pool.connections, len(keys)))  # prefix_only: one ordered stream
+        bounds = [len(keys) * i // n for i in range(n + 1)]
+
+        def lane(lo: int, hi: int) -> Callable[[BulkConnection], dict[int, Fetched]]:
+            return lambda conn: {lo + i: f for i, f in conn.get(namespace, keys[lo:hi], prefix_only, deadline).items()}
+
+        parts = pool.parallel([lane(bounds[i], bounds[i + 1]) for i in range(n) if bounds[i] < bounds[i + 1]], deadline)
+        found: dict[int, Fetched] = {k: v for part in parts for k, v in part.items()}
+        self.counters.add("bulk_bytes_received", sum(len(d) for d, _ in found.values()))
+        return [found.get(i) for i in range(len(keys))]
+
+    def close(self) -> None:
+        with self._lock:
+            if self.pool is not None:
+                self.pool.close()
+                self.pool = None
+
+
+def _put_result(done: list[bw.PutDone]) -> PutResult:
+    tiers: dict[int, list[int]] = {}
+    for d in done:
+        for kind, *counts in d.tiers:
+            total = tiers.setdefault(kind, [0] * 5)
+            for j, c in enumerate(counts):
+                total[j] += c
+    return PutResult(
+        sum(d.stored for d in done),
+        sum(d.rejected for d in done),
+        sum(d.received for d in done),
+        tuple(TierPutResult(TIER_NAMES.get(k, "unknown"), *c) for k, c in tiers.items()),
+    )
+
+
+# -- transports ---------------------------------------------------------------------------------
+
+
+class BulkTransport:
+    """A blocking transport: gRPC for control calls and small transfers, bulk frames for large ones."""
+
+    def __init__(self, grpc_transport: GrpcTransport, link: BulkLink) -> None:
+        self.inner = grpc_transport  # the gRPC transport: control calls, small transfers, the fallback
+        self.link = link
+        self.shm = grpc_transport.shm
+
+    def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
+        if self.link.needs_info:
+            refresh = self.link.state == "down"
+            self.link.configure(self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
+        return self.link.usable(nbytes)
+
+    def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
+        return self.inner.lookup(namespace, keys, timeout_s)
+
+    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+        nbytes = sum(data_len(d) for _, d in items)
+        start = time.monotonic()
+        pool = self._pool(nbytes, timeout_s)
+        if pool is not None:
+            try:
+                return self.link.put(pool, namespace, items, timeout_s - (time.monotonic() - start))
+            except BulkUnreachable as exc:
+                self.link.down(str(exc))
+        result = self.inner.put(namespace, items, timeout_s - (time.monotonic() - start))
+        self.link.counters.add("grpc_bytes_sent", nbytes)
+        return result
+
+    def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
+        start = time.monotonic()
+        pool = self._pool(self.link.min_bytes, timeout_s)  # a get's size is known only once it is answered
+        if pool is not None:
+            try:
+                return self.link.get(pool, namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
+            except BulkUnreachable as exc:
+                self.link.down(str(exc))
+        fetched = self.inner.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
+        self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
+        return fetched
+
+    def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
+        return self.inner.delete(namespace, keys, timeout_s)
+
+    def stats(self, timeout_s: float) -> ServerStats:
+        return self.inner.stats(timeout_s)
+
+    def close(self) -> None:
+        self.link.close()
+        self.inner.close()
+
+
+class AsyncBulkTransport:
+    """The asyncio counterpart: the bulk calls run in a worker thread (blocking sockets, GIL-free
+    recv_into/sendmsg), bounded by the call's deadline; a cancelled call's thread ends by then."""
+
+    def __init__(self, grpc_transport: AsyncGrpcTransport, link: BulkLink) -> None:
+        self.inner = grpc_transport  # the gRPC transport: control calls, small transfers, the fallback
+        self.link = link
+        self.shm = grpc_transport.shm
+
+    async def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
+        if self.link.needs_info:
+            refresh = self.link.state == "down"
+            self.link.configure(await self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
+        return self.link.usable(nbytes)
+
+    async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
+        return await self.inner.lookup(namespace, keys, timeout_s)
+
+    async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+        nbytes = sum(data_len(d) for _, d in items)
+        start = time.monotonic()
+        pool = await self._pool(nbytes, timeout_s)
+        if pool is not None:
+            try:
+                left = timeout_s - (time.monotonic() - start)
+                return await asyncio.to_thread(self.link.put, pool, namespace, items, left)
+            except BulkUnreachable as exc:
+                self.link.down(str(exc))
+        result = await self.inner.put(namespace, items, timeout_s - (time.monotonic() - start))
+        self.link.counters.add("grpc_bytes_sent", nbytes)
+        return result
+
+    async def get(
+        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
+    ) -> list[Fetched | None]:
+        start = time.monotonic()
+        pool = await self._pool(self.link.min_bytes, timeout_s)
+        if pool is not None:
+            try:
+                left = timeout_s - (time.monotonic() - start)
+                return await asyncio.to_thread(self.link.get, pool, namespace, keys, prefix_only, left)
+            except BulkUnreachable as exc:
+                self.link.down(str(exc))
+        fetched = await self.inner.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
+        self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
+        return fetched
+
+    async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
+        return await self.inner.delete(namespace, keys, timeout_s)
+
+    async def stats(self, timeout_s: float) -> ServerStats:
+        return await self.inner.stats(timeout_s)
+
+    async def close(self) -> None:
+        self.link.close()
+        await self.inner.close()

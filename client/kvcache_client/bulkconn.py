@@ -1,0 +1,312 @@
+"""The bulk path's connections (docs/bulk.md): one framed TCP/TLS stream, and a pool of them.
+
+BulkConnection speaks the frames of kvcache_core.bulkwire for one request at a time: sendmsg straight from
+the caller's buffers, recv_into straight into one fresh buffer per block, the call's deadline on
+every socket operation. BulkPool lends connections to calls and runs a call's stripes in parallel;
+kvcache_client.bulk decides when to use them.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import grpc
+import numpy as np
+
+from kvcache_client.errors import DeadlineExceeded, ResourceExhausted, error_for
+from kvcache_client.results import TIER_NAMES, Fetched
+from kvcache_core import bulkwire as bw
+from kvcache_core.blockwire import BlockData, data_len
+
+T = TypeVar("T")
+
+
+class BulkUnreachable(Exception):
+    """The bulk stream failed (refused, reset, closed, garbled): the call may go over gRPC instead."""
+
+
+@dataclass(slots=True)
+class BulkCounters:
+    """Which path moved this client's block bytes (block bytes only, no framing)."""
+
+    bulk_bytes_sent: int = 0
+    bulk_bytes_received: int = 0
+    grpc_bytes_sent: int = 0  # the gRPC transport's, its same-host shared-memory path included
+    grpc_bytes_received: int = 0
+    fallbacks: int = 0  # calls that tried the bulk path and went over gRPC
+    reconnects: int = 0  # pooled connections found closed and replaced within a call
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, name: str, n: int) -> None:
+        with self._lock:
+            setattr(self, name, getattr(self, name) + n)
+
+
+class BulkConnection:
+    """One bulk connection, after HELLO/READY. Not thread-safe: the pool lends it to one call."""
+
+    def __init__(self, sock: socket.socket, ready: bw.Ready) -> None:
+        self.sock = sock
+        self.ready = ready
+        self._header = bytearray(bw.HEADER_BYTES)
+
+    @classmethod
+    def open(
+        cls, address: tuple[str, int], tls: ssl.SSLContext | None, server_name: str, token: str, deadline: float
+    ) -> BulkConnection:
+        """Connects, handshakes TLS, sends HELLO and reads READY.
+
+        Raises:
+            BulkUnreachable: no connection, TLS or framing failure.
+            RPCError: the server refused the HELLO (Unauthenticated, ...); a full server (its
+                max_connections) is BulkUnreachable: the call takes gRPC.
+            DeadlineExceeded: the deadline passed.
+        """
+        try:
+            sock = socket.create_connection(address, timeout=_remaining(deadline))
+        except TimeoutError:
+            raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed connecting to bulk") from None
+        except OSError as exc:
+            raise BulkUnreachable(f"cannot connect to bulk {address[0]}:{address[1]}: {exc}") from None
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if tls is not None:
+                sock = tls.wrap_socket(sock, server_hostname=server_name)
+            conn = cls(sock, bw.Ready(1 << 20, 0, 0))
+            payload = bw.hello(token)
+            conn.send([bw.header(bw.FrameType.HELLO, len(payload)), payload], deadline)
+            kind, reply = conn.read_control(deadline)
+            if kind is not bw.FrameType.READY:
+                raise BulkUnreachable(f"bulk server answered HELLO with {kind.name}")
+            conn.ready = bw.parse_ready(reply)
+            return conn
+        except ResourceExhausted as exc:  # every connection the server serves is taken: gRPC has room
+            sock.close()
+            raise BulkUnreachable(f"bulk port full: {exc.details}") from None
+        except BaseException:
+            sock.close()
+            raise
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def send(self, buffers: list[bytes | memoryview], deadline: float) -> None:
+        self.sock.settimeout(_remaining(deadline))
+        try:
+            bw.send_buffers(self.sock, buffers)
+        except TimeoutError:
+            raise _deadline("sending") from None
+        except (BrokenPipeError, ConnectionResetError):
+            # The server may have refused the request and closed: its ERROR frame says why.
+            self.read_control(deadline)
+            raise BulkUnreachable("bulk connection closed while sending") from None
+        except OSError as exc:
+            raise BulkUnreachable(f"bulk send failed: {exc}") from None
+
+    def recv(self, view: memoryview, what: str, deadline: float) -> None:
+        self.sock.settimeout(_remaining(deadline))
+        try:
+            bw.recv_exact(self.sock, view, what)
+        except TimeoutError:
+            raise _deadline(f"receiving {what}") from None
+        except OSError as exc:  # PeerClosed included
+            raise BulkUnreachable(f"bulk receive failed: {exc}") from None
+
+    def read_header(self, deadline: float) -> tuple[bw.FrameType, int]:
+        self.recv(memoryview(self._header), "a frame header", deadline)
+        try:
+            kind, length = bw.parse_header(self._header, self.ready.max_frame_bytes)
+        except bw.FrameError as exc:
+            raise BulkUnreachable(f"bulk server sent garbage: {exc}") from None
+        if kind is bw.FrameType.ERROR:
+            payload = bytearray(min(length, 1 << 16))
+            self.recv(memoryview(payload), "an ERROR frame", deadline)
+            code, message = bw.parse_error(bytes(payload))
+            raise error_for(_status(code), message)
+        return kind, length
+
+    def read_control(self, deadline: float) -> tuple[bw.FrameType, bytes]:
+        kind, length = self.read_header(deadline)
+        if length > 1 << 20:
+            raise BulkUnreachable(f"bulk {kind.name} frame of {length} bytes is not a control frame")
+        payload = bytearray(length)
+        self.recv(memoryview(payload), f"a {kind.name} frame", deadline)
+        return kind, bytes(payload)
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], deadline: float) -> bw.PutDone:
+        sizes = [data_len(d) for _, d in items]
+        payload = bw.put(namespace, [(key, n) for (key, _), n in zip(items, sizes, strict=True)])
+        buffers: list[bytes | memoryview] = [bw.header(bw.FrameType.PUT, len(payload)), payload]
+        for (_, data), n in zip(items, sizes, strict=True):
+            buffers.append(bw.header(bw.FrameType.DATA, n))
+            buffers.extend(data if isinstance(data, tuple) else (data,))  # type: ignore[arg-type]
+        self.send(buffers, deadline)
+        kind, reply = self.read_control(deadline)
+        if kind is not bw.FrameType.PUT_DONE:
+            raise BulkUnreachable(f"bulk server answered PUT with {kind.name}")
+        try:
+            return bw.parse_put_done(reply)
+        except bw.FrameError as exc:
+            raise BulkUnreachable(str(exc)) from None
+
+    def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float) -> dict[int, Fetched]:
+        payload = bw.get(namespace, keys, prefix_only)
+        self.send([bw.header(bw.FrameType.GET, len(payload)), payload], deadline)
+        found: dict[int, Fetched] = {}
+        item = bytearray(bw.GET_ITEM.size)
+        while True:
+            kind, length = self.read_header(deadline)
+            if kind is bw.FrameType.GET_DONE:
+                payload = bytearray(length)
+                self.recv(memoryview(payload), "GET_DONE", deadline)
+                if bw.parse_get_done(bytes(payload)) != len(found):
+                    raise BulkUnreachable("bulk GET_DONE disagrees with the blocks received")
+                return found
+            if kind is not bw.FrameType.GET_ITEM or length < bw.GET_ITEM.size:
+                raise BulkUnreachable(f"bulk server sent {kind.name} ({length} bytes) within a GET")
+            self.recv(memoryview(item), "a GET_ITEM header", deadline)
+            index, tier = bw.GET_ITEM.unpack(item)
+            if index >= len(keys) or index in found:
+                raise BulkUnreachable(f"bulk server sent block {index} of a GET of {len(keys)} keys")
+            block = memoryview(np.empty(length - bw.GET_ITEM.size, np.uint8))  # uninitialised: written once
+            self.recv(block, f"block {index}", deadline)
+            found[index] = (block.toreadonly(), TIER_NAMES.get(tier, "unknown"))
+
+
+def _remaining(deadline: float) -> float:
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise _deadline("waiting")
+    return left
+
+
+def _deadline(doing: str) -> DeadlineExceeded:
+    return DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, f"deadline passed {doing} on the bulk path")
+
+
+def _status(code: int) -> grpc.StatusCode:
+    for status in grpc.StatusCode:
+        if status.value[0] == code:
+            return status
+    return grpc.StatusCode.UNKNOWN
+
+
+class BulkPool:
+    """Connections to one bulk listener, lent to one call at a time; several run in parallel."""
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        *,
+        token: str,
+        tls: ssl.SSLContext | None,
+        server_name: str,
+        connections: int,
+        counters: BulkCounters,
+    ) -> None:
+        self.address = address
+        self._token = token
+        self._tls = tls
+        self._server_name = server_name
+        self.connections = connections
+        self._counters = counters
+        self._idle: list[BulkConnection] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self._executor = ThreadPoolExecutor(max_workers=connections, thread_name_prefix="kvcache-bulk")
+
+    def run(self, op: Callable[[BulkConnection], T], deadline: float) -> T:
+        """Runs `op` on a pooled (or new) connection; one whose server went away is replaced once.
+
+        A connection that failed in any way is closed, never returned to the pool.
+        """
+        for attempt in (0, 1):
+            with self._lock:
+                conn = self._idle.pop() if self._idle and attempt == 0 else None
+            reused = conn is not None
+            if conn is None:
+                conn = BulkConnection.open(self.address, self._tls, self._server_name, self._token, deadline)
+            try:
+                result = op(conn)
+            except BulkUnreachable:
+                conn.close()
+                if reused and attempt == 0:  # the server closed it (a restart?): so it did the others
+                    self._counters.add("reconnects", 1)
+                    self._drop_idle()
+                    continue
+                raise
+            except BaseException:
+                conn.close()
+                raise
+            with self._lock:
+                keep = not self._closed and len(self._idle) < self.connections
+                if keep:
+                    self._idle.append(conn)
+            if not keep:  # more callers at once than `connections`: the extra ones are not kept
+                conn.close()
+            return result
+        raise AssertionError("unreachable")
+
+    def parallel(self, ops: list[Callable[[BulkConnection], T]], deadline: float) -> list[T]:
+        """Runs each op on its own connection, at once; raises the first failure (after all ended)."""
+        if len(ops) == 1:
+            return [self.run(ops[0], deadline)]
+        try:
+            futures = [self._executor.submit(self.run, op, deadline) for op in ops]
+        except RuntimeError:  # closed by a concurrent reconfiguration: this call takes gRPC
+            raise BulkUnreachable("the bulk pool was replaced") from None
+        errors = [f.exception() for f in futures]
+        for exc in errors:
+            if exc is not None and not isinstance(exc, BulkUnreachable):
+                raise exc
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return [f.result() for f in futures]
+
+    def _drop_idle(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._drop_idle()
+        self._executor.shutdown(wait=False)
+
+
+def stripes(sizes: Sequence[int], n: int, request_bytes: int) -> list[list[list[int]]]:
+    """Item indices per connection (at most n), each as requests of about request_bytes at most:
+    items go to the least loaded connection, largest first, so connections carry similar bytes."""
+    n = max(1, min(n, len(sizes)))
+    loads = [0] * n
+    lanes: list[list[int]] = [[] for _ in range(n)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        lane = loads.index(min(loads))
+        lanes[lane].append(i)
+        loads[lane] += sizes[i]
+    out: list[list[list[int]]] = []
+    for lane in lanes:
+        requests: list[list[int]] = []
+        size = 0
+        for i in sorted(lane):
+            if requests and size + sizes[i] <= request_bytes:
+                requests[-1].append(i)
+                size += sizes[i]
+            else:
+                requests.append([i])
+                size = sizes[i]
+        if requests:
+            out.append(requests)
+    return out

@@ -1,0 +1,424 @@
+"""One bulk connection, in its own thread: HELLO, then PUT and GET requests until the peer closes.
+
+The thread does the socket work (recv_into into sink slots, sendmsg from stored blocks, checksum
+verification: all release the GIL); everything that belongs to the server's event loop (the
+in-flight MemoryBudget, the tier stack) is called there with run_coroutine_threadsafe.
+
+Rules (docs/bulk.md): every error is answered with one ERROR frame (a gRPC status code and a
+message), after which the server stops sending, reads and discards what the client still sends
+for a moment (so the client reads the ERROR instead of a reset), and closes. A put commits only
+after every block it announced has arrived and passed its key-bound checksum; any failure before
+that abandons its slots and releases its budget: nothing of it is visible. A peer that sends or
+reads nothing for bulk.stall_timeout_s in the middle of a request is cut off; one that sends no
+request for bulk.idle_timeout_s is closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import sys
+import threading
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+
+from kvcache_core import bulkwire as bw
+from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
+from kvcache_core.format import BlockFormatError, verify_block
+from kvcache_server.auth import Authenticator, AuthError, Principal
+from kvcache_server.budget import Holding, MemoryBudget
+from kvcache_server.config import BulkSection, LimitsSection
+from kvcache_server.refusal import Refused
+from kvcache_server.stack import Found, TierStack
+from kvcache_server.tiers.base import TierKind
+
+from .sink import BlockSink, Slot
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MAX_NAMESPACE_BYTES = 128  # as the gRPC service (kvcache_server.service)
+_MAX_WINDOW_KEYS = 1024
+_LOOP_CALL_S = 120.0
+"""Longest wait, beyond limits.admission_wait_s, for the event loop's part of a request (budget, stack
+put or get): a backstop only; the budget waits at most admission_wait_s, the tiers have their own timeouts."""
+_DRAIN_S = 2.0
+_DRAIN_BYTES = 1 << 16
+
+
+class BulkCounters:
+    """What the bulk path did, for Stats and tests (thread-safe)."""
+
+    FIELDS = (
+        "accepted",
+        "connections",
+        "puts",
+        "gets",
+        "bytes_received",
+        "bytes_sent",
+        "errors",
+        "aborted",
+        "cut_off",
+        "refused_connections",
+        "checksum_failures",
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._values[name] += n
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._values[name]
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+@dataclass(slots=True)
+class Shared:
+    """What every session of one listener uses."""
+
+    loop: asyncio.AbstractEventLoop
+    stack: TierStack
+    sink: BlockSink
+    budget: MemoryBudget
+    limits: LimitsSection
+    bulk: BulkSection
+    authenticator: Authenticator | None
+    counters: BulkCounters
+
+
+class _Stalled(Exception):
+    """The peer sent or read nothing for the stall deadline in the middle of a request.
+
+    `mid_send`: our own frame was cut in the middle, so no ERROR frame can follow it (the peer would
+    read its bytes as the rest of a block): the connection is just closed.
+    """
+
+    def __init__(self, message: str, mid_send: bool = False) -> None:
+        super().__init__(message)
+        self.mid_send = mid_send
+
+
+class Session:
+    """Serves one accepted connection until it ends; `run` never raises."""
+
+    def __init__(self, sock: socket.socket, peer: str, shared: Shared) -> None:
+        self.sock = sock
+        self.peer = peer
+        self._s = shared
+        self._principal: Principal | None = None
+        self._metadata: dict[str, str] = {}
+        self._header = bytearray(bw.HEADER_BYTES)
+        self._control_limit = bw.control_limit(shared.limits.max_keys_per_request)
+        self._max_frame = shared.bulk.frame_limit(shared.limits.max_block_bytes)
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+        future = asyncio.run_coroutine_threadsafe(coro, self._s.loop)
+        try:
+            return future.result(self._s.limits.admission_wait_s + _LOOP_CALL_S)
+        except TimeoutError:
+            future.cancel()  # a budget reservation still waiting must not be taken after we gave up
+            raise
+
+    def _release(self, held: Holding) -> None:
+        self._s.loop.call_soon_threadsafe(held.release_all)
+
+    def _next_frame(self, *, between: bool = False) -> tuple[bw.FrameType, int]:
+        """The next frame's header; `between` requests, where the idle deadline applies instead of the stall one."""
+        bulk = self._s.bulk
+        self.sock.settimeout(bulk.idle_timeout_s if between else bulk.stall_timeout_s)
+        try:
+            bw.recv_exact(self.sock, memoryview(self._header), "a frame header")
+        except TimeoutError:
+            if between:
+                raise
+            raise _Stalled(f"no bytes for {bulk.stall_timeout_s:g} s (bulk.stall_timeout_s)") from None
+        finally:
+            self.sock.settimeout(bulk.stall_timeout_s)
+        return bw.parse_header(self._header, self._max_frame)
+
+    def _recv(self, view: memoryview, what: str) -> None:
+        try:
+            bw.recv_exact(self.sock, view, what)
+        except TimeoutError:
+            raise _Stalled(
+                f"no bytes of {what} for {self._s.bulk.stall_timeout_s:g} s (bulk.stall_timeout_s)"
+            ) from None
+
+    def _control(self, kind: bw.FrameType, length: int) -> bytes:
+        if length > self._control_limit:
+            raise bw.FrameError(
+                f"{kind.name} frame of {length} bytes exceeds {self._control_limit}", "RESOURCE_EXHAUSTED"
+            )
+        buf = bytearray(length)
+        self._recv(memoryview(buf), f"the {kind.name} frame")
+        return bytes(buf)
+
+    def _send(self, buffers: list[bytes | memoryview]) -> None:
+        try:
+            bw.send_buffers(self.sock, buffers)
+        except TimeoutError:
+            raise _Stalled(
+                f"the client read nothing for {self._s.bulk.stall_timeout_s:g} s (bulk.stall_timeout_s)",
+                mid_send=True,
+            ) from None
+
+    def _authorize(self, method: str) -> None:
+        auth = self._s.authenticator
+        if auth is None:
+            return
+        try:
+            auth.check(method, self._metadata)
+        except AuthError as exc:
+            raise Refused(grpc.StatusCode[exc.code_name], str(exc)) from None
+
+    def _namespace(self, namespace: str) -> str:
+        if (
+            not namespace
+            or len(namespace) > MAX_NAMESPACE_BYTES
+            or not namespace.isascii()
+            or not namespace.isprintable()
+            or " " in namespace
+            or ":" in namespace
+        ):
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"namespace must be 1..{MAX_NAMESPACE_BYTES} printable ASCII characters without spaces or ':'",
+            )
+        p = self._principal
+        return sys.intern(f"{p.tenant}:{namespace}" if p is not None else namespace)
+
+    # -- the connection ------------------------------------------------------------------------
+
+    def run(self) -> None:
+        counters = self._s.counters
+        try:
+            self._hello()
+            while True:
+                try:
+                    kind, length = self._next_frame(between=True)
+                except bw.PeerClosed as exc:
+                    if exc.clean:
+                        return
+                    raise
+                except TimeoutError:
+                    log.debug("bulk %s: idle for %g s, closed", self.peer, self._s.bulk.idle_timeout_s)
+                    return
+                if kind is bw.FrameType.PUT:
+                    self._put(length)
+                elif kind is bw.FrameType.GET:
+                    self._get(length)
+                else:
+                    raise bw.FrameError(f"unexpected {kind.name} frame where a request must start")
+        except Refused as exc:
+            self._fail(exc.code, exc.message)
+        except bw.FrameError as exc:
+            self._fail(grpc.StatusCode[exc.code_name], str(exc))
+        except _Stalled as exc:
+            counters.add("cut_off")
+            log.warning("bulk %s: %s; cut off", self.peer, exc)
+            if not exc.mid_send:
+                self._fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"{exc}: the connection is cut off", drain=False)
+        except (bw.PeerClosed, OSError) as exc:  # gone mid-frame, reset, TLS failure
+            counters.add("aborted")
+            log.info("bulk %s: connection lost: %s", self.peer, exc)
+        except Exception:
+            counters.add("aborted")
+            log.exception("bulk %s: unexpected failure", self.peer)
+            self._fail(grpc.StatusCode.INTERNAL, "internal error on the bulk path", drain=False)
+        finally:
+            with contextlib.suppress(OSError):
+                self.sock.close()
+
+    def _fail(self, code: grpc.StatusCode, message: str, *, drain: bool = True) -> None:
+        """Answers one ERROR frame, then lets the client finish sending (bounded) before closing."""
+        self._s.counters.add("errors")
+        log.info("bulk %s: %s: %s", self.peer, code.name, message)
+        payload = bw.error(code.value[0], message)
+        try:
+            self.sock.settimeout(1.0)
+            bw.send_buffers(self.sock, [bw.header(bw.FrameType.ERROR, len(payload)), payload])
+            if not drain:
+                return
+            with contextlib.suppress(OSError, ValueError):  # ValueError: TLS sockets have no half-close
+                self.sock.shutdown(socket.SHUT_WR)
+            scratch = memoryview(bytearray(_DRAIN_BYTES))
+            end = time.monotonic() + _DRAIN_S
+            while (left := end - time.monotonic()) > 0:
+                self.sock.settimeout(left)
+                if self.sock.recv_into(scratch) == 0:
+                    break
+        except OSError:
+            pass
+
+    def _hello(self) -> None:
+        kind, length = self._next_frame()
+        if kind is not bw.FrameType.HELLO:
+            raise bw.FrameError(f"the first frame must be HELLO, not {kind.name}")
+        if length > 4 + 0xFFFF:
+            raise bw.FrameError("HELLO frame too long", "RESOURCE_EXHAUSTED")
+        version, token = bw.parse_hello(self._control(kind, length))
+        if version != bw.VERSION:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"bulk protocol version {version}; this server speaks 1")
+        auth = self._s.authenticator
+        if auth is not None:
+            if not token.strip():
+                raise Refused(
+                    grpc.StatusCode.UNAUTHENTICATED, "missing credentials: send the API token in the HELLO frame"
+                )
+            self._metadata = {"authorization": f"Bearer {token}"}
+            try:
+                self._principal = auth.check("Info", self._metadata)
+            except AuthError as exc:
+                raise Refused(grpc.StatusCode[exc.code_name], str(exc)) from None
+        limits = self._s.limits
+        payload = bw.ready(bw.Ready(self._max_frame, limits.max_block_bytes, limits.max_keys_per_request))
+        self._send([bw.header(bw.FrameType.READY, len(payload)), payload])
+
+    # -- PUT -----------------------------------------------------------------------------------
+
+    def _put(self, length: int) -> None:
+        namespace, entries = bw.parse_put(self._control(bw.FrameType.PUT, length))
+        self._authorize("Put")
+        scoped = self._namespace(namespace)
+        limits = self._s.limits
+        if not entries:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "PUT carried no blocks")
+        if len(entries) > limits.max_put_stream_blocks:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(entries)} blocks exceed max_put_stream_blocks={limits.max_put_stream_blocks}; split it",
+            )
+        for i, (_, n) in enumerate(entries):
+            if n > limits.max_block_bytes:
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"block {i}: {n} bytes exceed max_block_bytes={limits.max_block_bytes}",
+                )
+        total = sum(n for _, n in entries)
+        if total > limits.max_put_stream_bytes:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"PUT of {total} bytes exceeds max_put_stream_bytes={limits.max_put_stream_bytes}; split it",
+            )
+        held = self._s.budget.holding()
+        slots: list[Slot] = []
+        committed = False
+        sink = self._s.sink
+        try:
+            self._on_loop(held.reserve(total, "bulk PUT"))  # before a byte of it is allocated
+            for i, (_, n) in enumerate(entries):
+                kind, got = self._next_frame()
+                if kind is not bw.FrameType.DATA:
+                    raise bw.FrameError(f"block {i}: expected a DATA frame, got {kind.name}")
+                if got != n:
+                    raise bw.FrameError(f"block {i}: DATA frame of {got} bytes for a block announced as {n} bytes")
+                slot = sink.reserve(n)
+                slots.append(slot)
+                self._recv(slot.view, f"block {i}")
+                self._s.counters.add("bytes_received", n)
+            for i, ((key, _), slot) in enumerate(zip(entries, slots, strict=True)):
+                self._verify(i, key, slot.view)
+            outcome = self._on_loop(sink.commit(scoped, list(zip((k for k, _ in entries), slots, strict=True))))
+            committed = True
+        finally:
+            if not committed:
+                for slot in slots:
+                    sink.abandon(slot)
+            self._release(held)
+        self._s.counters.add("puts")
+        stored = sum(outcome.kept)
+        tiers = tuple((int(t.kind), t.stored, t.queued, t.dropped, t.failed, t.deleted) for t in outcome.tiers)
+        payload = bw.put_done(bw.PutDone(stored, len(entries) - stored, total, tiers))
+        self._send([bw.header(bw.FrameType.PUT_DONE, len(payload)), payload])
+
+    def _verify(self, index: int, key: bytes, view: memoryview) -> None:
+        where = f"block {index}"
+        try:
+            verify_block(view, key)  # uncompressed only: a compressed block is a BlockFormatError
+        except ChecksumMismatch as exc:
+            self._s.counters.add("checksum_failures")
+            raise Refused(grpc.StatusCode.DATA_LOSS, f"{where}: {exc}") from None
+        except UnknownFormatVersion as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}") from None
+        except BlockFormatError as exc:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: malformed block: {exc}") from None
+
+    # -- GET -----------------------------------------------------------------------------------
+
+    def _get(self, length: int) -> None:
+        namespace, prefix_only, keys = bw.parse_get(self._control(bw.FrameType.GET, length))
+        self._authorize("Get")
+        scoped = self._namespace(namespace)
+        limits = self._s.limits
+        if not keys:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "keys must not be empty")
+        if len(keys) > limits.max_keys_per_request:
+            raise Refused(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(keys)} keys exceed max_keys_per_request={limits.max_keys_per_request}",
+            )
+        held = self._s.budget.holding()
+        sent = 0
+        try:
+            start = 0
+            while start < len(keys):
+                end, found = self._on_loop(self._window(held, scoped, keys, start))
+                for i, hit in enumerate(found, start):
+                    if hit is None:
+                        if prefix_only:
+                            end = len(keys)
+                            break
+                        continue
+                    self._send_block(i, hit)
+                    sent += 1
+                start = end
+        finally:
+            self._release(held)
+        self._s.counters.add("gets")
+        payload = bw.get_done(sent)
+        self._send([bw.header(bw.FrameType.GET_DONE, len(payload)), payload])
+
+    def _send_block(self, index: int, hit: Found) -> None:
+        n = len(hit.data)
+        head = bw.header(bw.FrameType.GET_ITEM, bw.GET_ITEM.size + n) + bw.GET_ITEM.pack(index, int(hit.tier))
+        self._send([head, hit.data])
+        self._s.counters.add("bytes_sent", n)
+
+    async def _window(
+        self, held: Holding, namespace: str, keys: list[bytes], start: int
+    ) -> tuple[int, list[Found | None]]:
+        """One window of a GET, on the event loop: every key RAM holds (no copy), and lower-tier keys
+        up to about limits.get_window_bytes (counted as max_block_bytes each until they arrive)."""
+        limits = self._s.limits
+        per_block = limits.max_block_bytes
+        allowed = max(1, limits.get_window_bytes // per_block)
+        held.release_all()  # the previous window has been sent
+        await held.reserve(min(allowed * per_block, limits.get_window_bytes), "bulk GET")
+        end, lower = start, 0
+        for in_ram in self._s.stack.ram.contains_many_sync(namespace, keys[start : start + _MAX_WINDOW_KEYS]):
+            if not in_ram:
+                if lower == allowed:
+                    break
+                lower += 1
+            end += 1
+        found = await self._s.stack.get(namespace, keys[start:end])
+        held.release_all()
+        held.count(sum(len(f.data) for f in found if f is not None and f.tier is not TierKind.RAM))
+        return end, found
