@@ -12,10 +12,13 @@ from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVQuantMode,
+    MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
@@ -223,10 +226,33 @@ def test_tensor_parallel_ranks_are_shards_unless_replicated(model_dir: str) -> N
                 [],
                 [
                     KVCacheGroupSpec([LAYER_NAMES[0]], attention_spec()),
-                    KVCacheGroupSpec([LAYER_NAMES[1]], attention_spec()),
+                    KVCacheGroupSpec(
+                        [LAYER_NAMES[1]], MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,))
+                    ),
                 ],
             ),
-            "exactly one KV-cache group, got 2",
+            r"KV-cache group 1 \(MambaSpec, layers \['model.layers.1.self_attn.attn'\]\): "
+            "a recurrent-state \\(Mamba-style\\) group",
+        ),
+        (
+            KVCacheConfig(
+                8,
+                [],
+                [
+                    KVCacheGroupSpec([LAYER_NAMES[0]], attention_spec()),
+                    KVCacheGroupSpec(
+                        [LAYER_NAMES[1]],
+                        ChunkedLocalAttentionSpec(
+                            block_size=BLOCK,
+                            num_kv_heads=2,
+                            head_size=HEAD,
+                            dtype=torch.float16,
+                            attention_chunk_size=64,
+                        ),
+                    ),
+                ],
+            ),
+            "KV-cache group 1 \\(ChunkedLocalAttentionSpec",
         ),
         (
             KVCacheConfig(
@@ -235,13 +261,29 @@ def test_tensor_parallel_ranks_are_shards_unless_replicated(model_dir: str) -> N
                 [
                     KVCacheGroupSpec(
                         list(LAYER_NAMES),
-                        SlidingWindowSpec(
-                            block_size=BLOCK, num_kv_heads=2, head_size=HEAD, dtype=torch.float16, sliding_window=64
+                        SlidingWindowMLASpec(
+                            block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=64
                         ),
                     )
                 ],
             ),
-            "attention KV caches only, got SlidingWindowSpec",
+            "KV-cache group 0 \\(SlidingWindowMLASpec",
+        ),
+        (
+            KVCacheConfig(
+                8,
+                [],
+                [
+                    KVCacheGroupSpec([LAYER_NAMES[0]], attention_spec()),
+                    KVCacheGroupSpec(
+                        [LAYER_NAMES[1]],
+                        SlidingWindowSpec(
+                            block_size=2 * BLOCK, num_kv_heads=2, head_size=HEAD, dtype=torch.float16, sliding_window=64
+                        ),
+                    ),
+                ],
+            ),
+            r"one block size across KV-cache groups, got \[16, 32\]",
         ),
         (
             make_kv_cache_config(
@@ -254,7 +296,14 @@ def test_tensor_parallel_ranks_are_shards_unless_replicated(model_dir: str) -> N
             "equal K and V head sizes",
         ),
     ],
-    ids=["two-groups", "sliding-window-group", "per-token-quant", "unequal-v-head"],
+    ids=[
+        "mamba-group",
+        "chunked-local-group",
+        "sliding-window-mla",
+        "mixed-block-sizes",
+        "per-token-quant",
+        "unequal-v-head",
+    ],
 )
 def test_setups_the_connector_cannot_serve_are_refused(model_dir: str, kv_cache_config, message: str) -> None:
     with pytest.raises(ValueError, match=message):

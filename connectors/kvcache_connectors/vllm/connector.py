@@ -21,7 +21,7 @@ Scheduler process (role SCHEDULER), per step, in this order:
         Blocks that failed to load: their chunks are saved again once recomputed. Chunks every
         shard's put stored (kv_connector_worker_meta): their BlockStored events, built when
         the save was planned, go to take_events.
-    request_finished(request, block_ids) -> (delay_free, kv_transfer_params)
+    request_finished_all_groups(request, block_ids) -> (delay_free, kv_transfer_params)
         Forgets the request. Blocks are freed at once (each step's saves are copied out within
         the step), unless write-back saves its final partial chunk in the next step: then
         delay_free is True and the workers report the request in get_finished once copied out.
@@ -44,6 +44,11 @@ Worker processes (role WORKER):
     get_kv_connector_stats()                    load and save counters since the last call
     shutdown()                                  closes the channel
 
+Hybrid models: the connector is SupportsHMA, so vLLM keeps its hybrid memory allocator
+on; each KV-cache group has its own namespaces and is looked up, loaded and saved under
+vLLM's rule for it (scheduler.py). A group the connector cannot serve exactly is refused
+when vLLM builds the connector (namespaces.kv_groups).
+
 Both: build_kv_connector_stats(data) rebuilds the stats vLLM ships between processes;
 requires_kv_delivery is False (a best-effort cache: a dropped save is a later miss).
 
@@ -62,6 +67,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
@@ -71,7 +77,7 @@ from kvcache_client.transport import GrpcTransport
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
 from kvcache_connectors.vllm.events import StoredBlockEvents
 from kvcache_connectors.vllm.metadata import KVCacheConnectorMetadata, StoredChunks
-from kvcache_connectors.vllm.namespaces import KVFacts
+from kvcache_connectors.vllm.namespaces import kv_groups
 from kvcache_connectors.vllm.scheduler import SchedulerSide
 from kvcache_connectors.vllm.stats import KVCacheConnectorStats
 from kvcache_connectors.vllm.worker import WorkerSide
@@ -82,6 +88,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -109,7 +116,7 @@ def connect(config: KVCacheConnectorConfig) -> KVCacheClient:
     return KVCacheClient(config.target, timeout_s=config.transfer_timeout_s, retry=NO_RETRY, transport=transport)
 
 
-class KVCacheConnector(KVConnectorBase_V1):
+class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector that loads prompt prefixes from, and saves them to, a kvcache server."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -117,7 +124,7 @@ class KVCacheConnector(KVConnectorBase_V1):
 
         Raises:
             ValueError: a bad configuration key, or a model or parallel setup the connector
-                cannot serve (see KVCacheConnectorConfig and KVFacts.from_vllm).
+                cannot serve (see KVCacheConnectorConfig and namespaces.kv_groups).
         """
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
@@ -125,7 +132,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         groups = kv_cache_config.kv_cache_groups
         block_size = groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
         config = KVCacheConnectorConfig.from_extra_config(transfer.kv_connector_extra_config, block_size=block_size)
-        facts = KVFacts.from_vllm(vllm_config, kv_cache_config, config)
+        groups = kv_groups(vllm_config, kv_cache_config, config)
+        facts = groups[0]
         self._config = config
         self._client = connect(config)
         cooldown = config.breaker_cooldown_s
@@ -135,7 +143,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self.kv_events = StoredBlockEvents.from_vllm(vllm_config, facts.block_size)  # drained by take_events
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                facts,
+                groups,
                 self._client,
                 breaker,
                 lookup_timeout_s=config.lookup_timeout_s,
@@ -149,7 +157,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         else:
             tp_rank = vllm_config.parallel_config.rank % facts.tp_size
             self._worker = WorkerSide(
-                facts,
+                groups,
                 self._client,
                 breaker,
                 tp_rank=tp_rank,
@@ -246,7 +254,19 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA: vLLM calls this instead of request_finished, with the block ids of every group."""
         return self._scheduler_side().request_finished(request, block_ids)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """Learns vLLM's null block, which stands for a sliding-window group's freed blocks."""
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if self._scheduler is not None:
+            self._scheduler.bind_block_pool(gpu_block_pool.null_block.block_id)
 
     def take_events(self) -> list[KVCacheEvent]:
         """BlockStored events (medium KVCACHE) for the blocks kvcache stored since the last step;

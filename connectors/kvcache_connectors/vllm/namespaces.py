@@ -9,12 +9,22 @@ namespaces without talking to each other and without PYTHONHASHSEED:
     kv_dtype                      the KV-cache spec's dtype ("bfloat16", ...)
     layout                        kvcache.canonical, or kvcache.mla for latent (MLA) caches
     chunk_tokens                  the chunk_tokens key
-    num_layers                    layers of the (single) KV-cache group
+    num_layers                    layers of the KV-cache group
     num_kv_heads, head_size       of one shard (the spec is per worker)
     tp_size, tp_rank              shards and this shard's index (see below)
     cache_salt                    the request's cache_salt
     extra                         namespace_extra, plus vllm.* facts: --kv-cache-dtype when not
-                                  "auto", --quantization, the request's LoRA and multimodal inputs
+                                  "auto", --quantization, the request's LoRA and multimodal inputs,
+                                  and for a hybrid model the group's spec (vllm.kv_group) and
+                                  layers (vllm.kv_group_layers)
+
+Hybrid models (vLLM's hybrid memory allocator): every KV-cache group is its own KVFacts
+and namespace, so chunks of a full-attention group and of a sliding-window group never
+mix, while their keys chain over the same tokens. A model with one full-attention (or
+MLA) group keeps the namespace it always had. Supported group specs: FullAttentionSpec,
+MLAAttentionSpec and SlidingWindowSpec, all of one block size; any other spec vLLM can
+configure (Mamba-style state, chunked-local, sink, ring-buffer, sliding-window MLA with
+bounded replay, packed or compressed pages, ...) is refused at start-up, naming it.
 
 Tensor parallelism: each TP rank holds its own heads and stores them under its own
 namespace. Ranks that hold identical KV (vLLM's `kv_tp_replicas`: MLA's latent cache
@@ -28,13 +38,21 @@ every rank can load.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import xxhash
 from vllm.config import VllmConfig
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVQuantMode, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    KVQuantMode,
+    MLAAttentionSpec,
+    SlidingWindowSpec,
+)
 
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
 from kvcache_core.format import DType
@@ -60,7 +78,12 @@ class KVFacts:
         head_size: Size of one head (of the latent vector for MLA).
         tp_size: vLLM's tensor-parallel size.
         tp_replicas: Consecutive TP ranks that hold identical KV.
-        extra: Instance-wide namespace extras (namespace_extra and vllm.* facts).
+        extra: Instance-wide namespace extras (namespace_extra and vllm.* facts), the group's included.
+        group: Index of the KV-cache group (vLLM's kv_cache_group_id) these facts describe.
+        sliding_window: The group's window in tokens (SlidingWindowSpec), None for full attention.
+        retained_tokens: Tokens below a hit point whose KV a request still needs: the window less
+            one plus vLLM's extra retained tokens for a sliding-window group, None for full attention
+            (every token before the hit).
         attention_layers: vLLM's static forward context (layer name -> attention layer), which
             vLLM fills when it builds the model, before it registers the KV caches; not a
             namespace fact (excluded from equality and hashing).
@@ -79,75 +102,22 @@ class KVFacts:
     tp_size: int
     tp_replicas: int
     extra: Extra
+    group: int = 0
+    sliding_window: int | None = None
+    retained_tokens: int | None = None
     attention_layers: Mapping[str, Any] = field(default_factory=dict, compare=False, hash=False, repr=False)
 
     @classmethod
     def from_vllm(
-        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVCacheConnectorConfig
+        cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVCacheConnectorConfig, group: int = 0
     ) -> KVFacts:
-        """Reads the facts from vLLM's configs.
+        """Reads one KV-cache group's facts from vLLM's configs (see kv_groups for all of them).
 
         Raises:
-            ValueError: a setup the connector cannot serve correctly (several KV-cache
-                groups, quantized KV with scales, pipeline or context parallelism, ...).
+            ValueError: a setup the connector cannot serve correctly (a group spec it cannot
+                store exactly, quantized KV with scales, pipeline or context parallelism, ...).
         """
-        parallel = vllm_config.parallel_config
-        for name, size in (
-            ("pipeline_parallel_size", parallel.pipeline_parallel_size),
-            ("decode_context_parallel_size", parallel.decode_context_parallel_size),
-            ("prefill_context_parallel_size", parallel.prefill_context_parallel_size),
-        ):
-            if size != 1:
-                raise ValueError(f"KVCacheConnector supports tensor parallelism only; {name} is {size}")
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise ValueError(
-                f"KVCacheConnector needs exactly one KV-cache group, got {len(groups)} "
-                "(hybrid models with several attention types are not supported)"
-            )
-        spec = groups[0].kv_cache_spec
-        if not isinstance(spec, FullAttentionSpec):
-            raise ValueError(f"KVCacheConnector supports attention KV caches only, got {type(spec).__name__}")
-        mla = isinstance(spec, MLAAttentionSpec)
-        # Per-tensor fp8 stores plain fp8 values (the scale is a fixed model fact, and the cache
-        # dtype is in the namespace); every other mode keeps scales or packed codes beside the values.
-        if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
-            raise ValueError(f"KVCacheConnector does not support KV quantization mode {spec.kv_quant_mode.name}")
-        if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
-            raise ValueError("KVCacheConnector does not support packed or compressed KV pages")
-        if not mla and spec.head_size_v != spec.head_size:
-            raise ValueError(
-                f"KVCacheConnector needs equal K and V head sizes, got {spec.head_size} and {spec.head_size_v}"
-            )
-        kv_dtype = str(spec.dtype).removeprefix("torch.")
-        DType.from_name(kv_dtype)  # raises ValueError for a dtype the block format cannot hold
-        replicas = kv_cache_config.kv_tp_replicas
-        if parallel.tensor_parallel_size % replicas:
-            raise ValueError(
-                f"kv_tp_replicas {replicas} does not divide tensor_parallel_size {parallel.tensor_parallel_size}"
-            )
-        model = vllm_config.model_config
-        extra = dict(config.namespace_extra)
-        if vllm_config.cache_config.cache_dtype != "auto":
-            extra["vllm.cache_dtype"] = str(vllm_config.cache_config.cache_dtype)
-        if model.quantization:
-            extra["vllm.quantization"] = str(model.quantization)
-        return cls(
-            model_id=config.model_id or model.model,
-            model_revision=config.model_revision if config.model_revision is not None else (model.revision or ""),
-            kv_dtype=kv_dtype,
-            torch_dtype=spec.dtype,
-            mla=mla,
-            chunk_tokens=config.chunk_tokens,
-            block_size=spec.block_size,
-            layer_names=tuple(groups[0].layer_names),
-            num_kv_heads=spec.num_kv_heads,
-            head_size=spec.head_size,
-            tp_size=parallel.tensor_parallel_size,
-            tp_replicas=replicas,
-            extra=tuple(sorted(extra.items())),
-            attention_layers=vllm_config.compilation_config.static_forward_context,
-        )
+        return kv_groups(vllm_config, kv_cache_config, config)[group]
 
     def attention_backend(self, layer_name: str) -> type | None:
         """The attention backend class vLLM chose for a layer, None if vLLM exposes none."""
@@ -171,11 +141,146 @@ class KVFacts:
         """One namespace per shard, for requests with this salt and these request facts."""
         return _namespaces(self, cache_salt, request_extra)
 
+    @property
+    def sliding(self) -> bool:
+        """Whether the group is a sliding-window group (needs only the window before a hit point)."""
+        return self.retained_tokens is not None
+
+    def needed_from(self, hit_tokens: int) -> int:
+        """First token whose KV a request with `hit_tokens` computed tokens needs, block-aligned.
+
+        Full attention needs every token. A sliding-window group needs the blocks vLLM keeps
+        allocated (SlidingWindowManager.get_num_skipped_tokens): the blocks that are not wholly
+        below hit_tokens - retained_tokens; vLLM's own prefix cache asks for the same blocks
+        (find_longest_cache_hit: cdiv(window - 1, block_size) blocks before the hit).
+        """
+        if self.retained_tokens is None:
+            return 0
+        skipped = max(0, hit_tokens - self.retained_tokens)
+        return skipped // self.block_size * self.block_size
+
     def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
         """Shape of a stored chunk of num_tokens tokens (kvcache.canonical or kvcache.mla)."""
         if self.mla:
             return (len(self.layer_names), num_tokens, self.head_size)
         return (len(self.layer_names), 2, self.num_kv_heads, num_tokens, self.head_size)
+
+
+def kv_groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, config: KVCacheConnectorConfig
+) -> tuple[KVFacts, ...]:
+    """Every KV-cache group's facts, in vLLM's group order.
+
+    Raises:
+        ValueError: pipeline or context parallelism; no group; a group whose spec the connector
+            cannot store and load exactly (named with its layers); groups of different block
+            sizes; a quantization mode with scales; unequal K and V head sizes.
+    """
+    parallel = vllm_config.parallel_config
+    for name, size in (
+        ("pipeline_parallel_size", parallel.pipeline_parallel_size),
+        ("decode_context_parallel_size", parallel.decode_context_parallel_size),
+        ("prefill_context_parallel_size", parallel.prefill_context_parallel_size),
+    ):
+        if size != 1:
+            raise ValueError(f"KVCacheConnector supports tensor parallelism only; {name} is {size}")
+    groups = kv_cache_config.kv_cache_groups
+    if not groups:
+        raise ValueError("KVCacheConnector needs at least one KV-cache group, got none")
+    block_sizes = sorted({group.kv_cache_spec.block_size for group in groups})
+    if len(block_sizes) > 1:
+        raise ValueError(
+            f"KVCacheConnector needs one block size across KV-cache groups, got {block_sizes} "
+            "(a hybrid model whose groups have different page sizes)"
+        )
+    replicas = kv_cache_config.kv_tp_replicas
+    if parallel.tensor_parallel_size % replicas:
+        raise ValueError(
+            f"kv_tp_replicas {replicas} does not divide tensor_parallel_size {parallel.tensor_parallel_size}"
+        )
+    model = vllm_config.model_config
+    extra = dict(config.namespace_extra)
+    if vllm_config.cache_config.cache_dtype != "auto":
+        extra["vllm.cache_dtype"] = str(vllm_config.cache_config.cache_dtype)
+    if model.quantization:
+        extra["vllm.quantization"] = str(model.quantization)
+    hybrid = len(groups) > 1
+    facts = []
+    for index, group in enumerate(groups):
+        spec = _checked_spec(index, group)
+        group_extra = dict(extra)
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        if hybrid or window is not None:
+            group_extra["vllm.kv_group"] = group_kind(spec)
+            group_extra["vllm.kv_group_layers"] = _layers_digest(group.layer_names)
+        kv_dtype = str(spec.dtype).removeprefix("torch.")
+        facts.append(
+            KVFacts(
+                model_id=config.model_id or model.model,
+                model_revision=config.model_revision if config.model_revision is not None else (model.revision or ""),
+                kv_dtype=kv_dtype,
+                torch_dtype=spec.dtype,
+                mla=isinstance(spec, MLAAttentionSpec),
+                chunk_tokens=config.chunk_tokens,
+                block_size=spec.block_size,
+                layer_names=tuple(group.layer_names),
+                num_kv_heads=spec.num_kv_heads,
+                head_size=spec.head_size,
+                tp_size=parallel.tensor_parallel_size,
+                tp_replicas=replicas,
+                extra=tuple(sorted(group_extra.items())),
+                group=index,
+                sliding_window=window,
+                retained_tokens=spec.num_retained_tokens if isinstance(spec, SlidingWindowSpec) else None,
+                attention_layers=vllm_config.compilation_config.static_forward_context,
+            )
+        )
+    return tuple(facts)
+
+
+_SUPPORTED_SPECS = (FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec)
+
+
+def group_kind(spec: FullAttentionSpec | SlidingWindowSpec) -> str:
+    """The group's spec as its namespace records it: "full", "mla" or "sliding_window:<window>"."""
+    if isinstance(spec, SlidingWindowSpec):
+        return f"sliding_window:{spec.sliding_window}"
+    return "mla" if isinstance(spec, MLAAttentionSpec) else "full"
+
+
+def _layers_digest(layer_names: Sequence[str]) -> str:
+    """The group's layers, short: count, first, last and a digest of all names."""
+    digest = xxhash.xxh3_64_hexdigest("\0".join(layer_names).encode())
+    return f"{len(layer_names)}:{layer_names[0]}..{layer_names[-1]}:{digest}"
+
+
+def _checked_spec(index: int, group: KVCacheGroupSpec) -> FullAttentionSpec | SlidingWindowSpec:
+    """The group's spec if the connector stores it exactly; otherwise a ValueError naming it."""
+    spec = group.kv_cache_spec
+    layers = list(group.layer_names)
+    where = f"KV-cache group {index} ({type(spec).__name__}, layers {layers[:3]}{'...' if len(layers) > 3 else ''})"
+    if type(spec) not in _SUPPORTED_SPECS:
+        supported = ", ".join(t.__name__ for t in _SUPPORTED_SPECS)
+        kind = "a recurrent-state (Mamba-style) group" if "Mamba" in type(spec).__name__ else "its spec"
+        raise ValueError(
+            f"KVCacheConnector cannot serve {where}: {kind} is not one it can store and load exactly "
+            f"(supported KV-cache specs: {supported})"
+        )
+    if not group.enable_kv_transfer:
+        raise ValueError(f"KVCacheConnector cannot serve {where}: vLLM excludes it from KV transfer")
+    assert isinstance(spec, FullAttentionSpec | SlidingWindowSpec)
+    # Per-tensor fp8 stores plain fp8 values (the scale is a fixed model fact, and the cache
+    # dtype is in the namespace); every other mode keeps scales or packed codes beside the values.
+    if spec.kv_quant_mode not in (KVQuantMode.NONE, KVQuantMode.FP8_PER_TENSOR):
+        raise ValueError(f"KVCacheConnector does not support KV quantization mode {spec.kv_quant_mode.name} ({where})")
+    if spec.num_head_slots is not None or spec.state_content_bytes is not None or spec.tokens_per_state != 1:
+        raise ValueError(f"KVCacheConnector does not support packed or compressed KV pages ({where})")
+    if not isinstance(spec, MLAAttentionSpec) and spec.head_size_v != spec.head_size:
+        raise ValueError(
+            f"KVCacheConnector needs equal K and V head sizes, got {spec.head_size} and {spec.head_size_v} ({where})"
+        )
+    DType.from_name(str(spec.dtype).removeprefix("torch."))  # a dtype the block format cannot hold
+    return spec
 
 
 @functools.lru_cache(maxsize=1024)

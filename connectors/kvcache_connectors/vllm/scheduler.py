@@ -2,9 +2,9 @@
 
 Runs in vLLM's EngineCore process, on the scheduler's thread, once per engine.
 
-    get_num_new_matched_tokens   key the prompt (every shard's namespace), one Lookup per shard
-                                 (remembered while the request waits), answer with the tokens
-                                 beyond vLLM's local hit that can be loaded, asynchronously
+    get_num_new_matched_tokens   key the prompt (every group's and shard's namespace), one Lookup
+                                 per namespace (remembered while the request waits), answer with
+                                 the tokens beyond vLLM's local hit that can be loaded, asynchronously
     update_state_after_alloc     turn that answer and the allocated blocks into a load
     build_connector_meta         add the saves: chunks whose last token is computed by this step,
                                  generated tokens' included (write-back), and the final partial
@@ -25,6 +25,14 @@ scheduler never retries a lookup and asks at most once per request and token
 sequence: a failed or late answer is a miss, remembered like a hit, and the circuit
 breaker makes an unreachable server cost one `lookup_timeout_s` per cooldown.
 
+Hybrid models (several KV-cache groups, vLLM's hybrid memory allocator): the hit is the
+longest prefix every group can serve under vLLM's own rule for it. A full-attention
+group needs every chunk before the hit point; a sliding-window group only the blocks
+vLLM keeps allocated below it (KVFacts.needed_from), so an evicted early chunk costs it
+nothing. Loads and saves move one RequestTransfer per group, with that group's blocks;
+a sliding-window group loads only its window, and never saves a chunk one of whose
+blocks vLLM has already freed (the null block), so nothing unwritten is ever stored.
+
 KV cache events (with --kv-events-config): each planned save of a chunk with full
 blocks gets its BlockStored event built at once, from the request as it is then (the
 confirmation may come after vLLM freed it). The event waits until every shard's writer
@@ -39,9 +47,10 @@ through these methods; split, each part would reach into the others' request rec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,23 +93,27 @@ def request_extra(request: Request) -> Extra | None:
     return tuple(extra)
 
 
+GroupKeys = tuple[tuple[bytes, ...], ...]
+"""One chunk's keys: [group][shard]."""
+
+
 @dataclass(frozen=True, slots=True)
 class PromptPlan:
-    """A prompt's chunks: each chunk's key in every shard's namespace.
+    """A prompt's chunks: each chunk's key in every group's and shard's namespace.
 
     Attributes:
-        namespaces: Namespace names, one per shard.
-        keys: keys[i][shard] is chunk i's key (the last chunk may be a partial tail).
+        namespaces: Namespace names, [group][shard].
+        keys: keys[i][group][shard] is chunk i's key (the last chunk may be a partial tail).
         num_tokens: Prompt length.
         chunk_tokens: Tokens per full chunk.
-        roots: Each shard's namespace fingerprint (the parent of chunk 0's key).
+        roots: Each namespace's fingerprint, [group][shard] (the parent of chunk 0's key).
     """
 
-    namespaces: tuple[str, ...]
-    keys: tuple[tuple[bytes, ...], ...]
+    namespaces: tuple[tuple[str, ...], ...]
+    keys: tuple[GroupKeys, ...]
     num_tokens: int
     chunk_tokens: int
-    roots: tuple[bytes, ...] = ()
+    roots: GroupKeys = ()
 
     def chunk_len(self, index: int) -> int:
         return min(self.chunk_tokens, self.num_tokens - index * self.chunk_tokens)
@@ -112,8 +125,9 @@ class PromptPlan:
         """Tokens covered by the first num_chunks chunks."""
         return min(num_chunks * self.chunk_tokens, self.num_tokens)
 
-    def chunk_ref(self, index: int, start: int, end: int) -> ChunkRef:
-        return ChunkRef(index=index, keys=self.keys[index], num_tokens=self.chunk_len(index), start=start, end=end)
+    def chunk_ref(self, index: int, start: int, end: int, group: int = 0) -> ChunkRef:
+        keys = self.keys[index][group]
+        return ChunkRef(index=index, keys=keys, num_tokens=self.chunk_len(index), start=start, end=end)
 
 
 HANDOFF_PARAM = "kvcache_handoff"
@@ -138,7 +152,7 @@ class _Answer:
 def handoff_params(plan: PromptPlan, num_chunks: int) -> dict[str, Any]:
     """What a producer tells the consumer of a P/D hand-off: its first num_chunks chunks are saved
     or being saved. The consumer checks the last key against its own plan of the same prompt."""
-    return {HANDOFF_PARAM: {"chunks": num_chunks, "last_key": plan.keys[num_chunks - 1][0].hex()}}
+    return {HANDOFF_PARAM: {"chunks": num_chunks, "last_key": plan.keys[num_chunks - 1][0][0].hex()}}
 
 
 def handed_off_chunks(request: Request, plan: PromptPlan) -> int:
@@ -151,7 +165,7 @@ def handed_off_chunks(request: Request, plan: PromptPlan) -> int:
     chunks, last_key = handoff.get("chunks"), handoff.get("last_key")
     if not isinstance(chunks, int) or not 0 < chunks <= len(plan.keys):
         return 0
-    return chunks if plan.keys[chunks - 1][0].hex() == last_key else 0
+    return chunks if plan.keys[chunks - 1][0][0].hex() == last_key else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +192,12 @@ class _Tracked:
     next_save: int  # first full chunk not saved yet
     tail_due: bool  # the prompt's partial tail is still to save
     loaded_blocks: dict[int, int] = field(default_factory=dict)  # block id -> chunk index loaded into it
-    generated_keys: list[tuple[bytes, ...]] = field(default_factory=list)  # full chunks past the prompt's
+    generated_keys: list[GroupKeys] = field(default_factory=list)  # full chunks past the prompt's
 
 
 @dataclass(slots=True)
 class _PendingEvent:
-    """A planned save's BlockStored event and the shards whose put of the chunk the server confirmed."""
+    """A planned save's BlockStored event and the streams (group, shard) whose put the server confirmed."""
 
     event: BlockStored
     shards: frozenset[int] = frozenset()
@@ -194,7 +208,7 @@ class SchedulerSide:
 
     def __init__(
         self,
-        facts: KVFacts,
+        groups: Sequence[KVFacts],
         client: KVCacheClient,
         breaker: CircuitBreaker,
         *,
@@ -208,7 +222,7 @@ class SchedulerSide:
     ) -> None:
         """
         Args:
-            facts: The instance's namespace facts.
+            groups: The namespace facts of each KV-cache group, in vLLM's group order.
             client: A client with no retries.
             breaker: Guards every call to the server.
             lookup_timeout_s: Deadline of one Lookup.
@@ -221,7 +235,9 @@ class SchedulerSide:
                 that are not stored yet.
             events: Where BlockStored events of confirmed chunks go (None or disabled: nowhere).
         """
-        self._facts = facts
+        self._groups = tuple(groups)
+        self._facts = self._groups[0]  # the facts all groups share: block size, chunk tokens, shards
+        self._null_block = 0  # vLLM's null block (BlockPool.null_block), see bind_block_pool
         self._client = client
         self._breaker = breaker
         self._lookup_timeout_s = lookup_timeout_s
@@ -253,6 +269,10 @@ class SchedulerSide:
     def pending_events(self) -> int:
         """Events of planned saves not yet confirmed by every shard (bounded: see PENDING_EVENT_STEPS)."""
         return sum(len(events) for events in self._pending.values())
+
+    def bind_block_pool(self, null_block_id: int) -> None:
+        """Records vLLM's null block: the id a sliding-window group's table holds for freed blocks."""
+        self._null_block = null_block_id
 
     # -- hooks ---------------------------------------------------------------------------------
 
@@ -319,16 +339,32 @@ class SchedulerSide:
                 f"request {request.request_id}: vLLM asked to load tokens [{start}, {end}) but kvcache "
                 f"offered {plan.tokens_in(lookup.stored_chunks) if self._load else 0}"
             )
-        (block_ids,) = blocks.get_block_ids()
         c, bs = plan.chunk_tokens, self._facts.block_size
-        indices = range(start // c, (end - 1) // c + 1)
-        chunks = tuple(plan.chunk_ref(i, max(start, i * c), min(end, plan.chunk_end(i))) for i in indices)
         num_blocks = math.ceil(end / bs)
         wait_s = self._handoff_timeout_s if lookup.awaited else 0.0
-        self._pending_loads.append(
-            RequestTransfer(request.request_id, plan.namespaces, tuple(block_ids[:num_blocks]), chunks, wait_s)
-        )
-        tracked.loaded_blocks = {block_ids[b]: b * bs // c for b in range(start // bs, num_blocks)}
+        for facts, block_ids in zip(self._groups, blocks.get_block_ids(), strict=True):
+            # A sliding-window group loads only the blocks vLLM allocated for its window.
+            first = max(start, facts.needed_from(end))
+            for b in range(first // bs, num_blocks):
+                if block_ids[b] == self._null_block:
+                    first = (b + 1) * bs
+            if first >= end:
+                continue
+            indices = range(first // c, (end - 1) // c + 1)
+            chunks = tuple(
+                plan.chunk_ref(i, max(first, i * c), min(end, plan.chunk_end(i)), facts.group) for i in indices
+            )
+            self._pending_loads.append(
+                RequestTransfer(
+                    request.request_id,
+                    plan.namespaces[facts.group],
+                    tuple(block_ids[:num_blocks]),
+                    chunks,
+                    wait_s,
+                    group=facts.group,
+                )
+            )
+            tracked.loaded_blocks.update({block_ids[b]: b * bs // c for b in range(first // bs, num_blocks)})
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCacheConnectorMetadata:
         """This step's loads (planned at admission) and saves (chunks completed by this step)."""
@@ -370,8 +406,11 @@ class SchedulerSide:
                 if answer is not None:
                     self._answers[request_id] = _Answer(answer.plan, min(answer.stored_chunks, *failed))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forgets the request. Returns (keep its blocks, kv_transfer_params):
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forgets the request, given its block ids per KV-cache group. Returns (keep its blocks,
+        kv_transfer_params):
 
         - keep its blocks until the workers copied out its final partial chunk (write-back),
           which the next step saves and the workers report as sent;
@@ -397,7 +436,7 @@ class SchedulerSide:
                 params = handoff_params(plan, saved)
         return delay_free, params
 
-    def _save_final_chunk(self, request: Request, block_ids: list[int], tracked: _Tracked) -> bool:
+    def _save_final_chunk(self, request: Request, block_ids: Sequence[Sequence[int]], tracked: _Tracked) -> bool:
         """Plans the save of a finished request's final partial chunk; whether there is one."""
         if not self._write_back:
             return False
@@ -410,14 +449,16 @@ class SchedulerSide:
             return False
         tokens = request.all_token_ids[index * c : num_computed]
         parents = self._full_keys(tracked, index - 1) if index else tracked.plan.roots
-        keys = tuple(chunk_key(parent, tokens) for parent in parents)
-        num_blocks = math.ceil(num_computed / self._facts.block_size)
-        chunk = ChunkRef(index=index, keys=keys, num_tokens=length, start=index * c, end=num_computed)
-        self._expect_event(request, chunk)
-        self._finishing.append(
-            RequestTransfer(request.request_id, tracked.plan.namespaces, tuple(block_ids[:num_blocks]), (chunk,))
+        keys = tuple(tuple(chunk_key(parent, tokens) for parent in group) for group in parents)
+        transfers = self._group_transfers(
+            request,
+            tracked.plan,
+            block_ids,
+            [ChunkRef(index=index, keys=(), num_tokens=length, start=index * c, end=num_computed)],
+            [keys],
         )
-        return True
+        self._finishing.extend(transfers)
+        return bool(transfers)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -441,7 +482,7 @@ class SchedulerSide:
             if pending is None or (request_id, index, num_tokens) in reports.failed:
                 continue
             pending.shards |= shards
-            if len(pending.shards) == self._facts.num_shards:
+            if len(pending.shards) == len(self._groups) * self._facts.num_shards:
                 self._events.add(pending.event)
                 self._forget_event(request_id, (index, num_tokens))
 
@@ -461,31 +502,61 @@ class SchedulerSide:
         plan = self._plans.get(request.request_id)
         if plan is not None and plan.num_tokens == request.num_prompt_tokens:
             return plan
-        namespaces = self._facts.namespaces(request.cache_salt or "", extra)
-        per_shard = [chunk_keys(request.prompt_token_ids, ns) for ns in namespaces]
+        salt = request.cache_salt or ""
+        namespaces = [facts.namespaces(salt, extra) for facts in self._groups]
+        # keys[i][group][shard]
+        per_group = [
+            tuple(zip(*(chunk_keys(request.prompt_token_ids, ns) for ns in group), strict=True)) for group in namespaces
+        ]
         plan = PromptPlan(
-            namespaces=tuple(ns.name for ns in namespaces),
-            keys=tuple(zip(*per_shard, strict=True)),
+            namespaces=tuple(tuple(ns.name for ns in group) for group in namespaces),
+            keys=tuple(zip(*per_group, strict=True)),
             num_tokens=request.num_prompt_tokens,
             chunk_tokens=self._facts.chunk_tokens,
-            roots=tuple(ns.fingerprint for ns in namespaces),
+            roots=tuple(tuple(ns.fingerprint for ns in group) for group in namespaces),
         )
         self._plans[request.request_id] = plan
         return plan
 
     def _lookup(self, plan: PromptPlan) -> int:
-        """Chunks stored in every shard's namespace (a prefix); 0 when the server cannot say."""
+        """The most chunks a hit may cover: every group can serve the hit at their end under
+        vLLM's rule for it, in every shard; 0 when the server cannot say.
+
+        Full-attention groups need every chunk of the prefix; a sliding-window group needs
+        the chunks from the first block vLLM keeps for the hit point (KVFacts.needed_from)
+        up to it. When one of those is missing, no hit whose window holds it can be served,
+        so the hit shrinks to end before it and the windows are asked again (each round
+        shrinks it, so this ends; one round, one Lookup per namespace, in the common case).
+        """
         if not self._breaker.allow():
             self.counters.lookups_skipped += 1
             return 0
         self.counters.lookups += 1
         stored = len(plan.keys)
+        c = plan.chunk_tokens
         try:
-            for shard, namespace in enumerate(plan.namespaces):
-                if stored == 0:
-                    break
-                keys = [chunk[shard] for chunk in plan.keys[:stored]]
-                stored = self._client.lookup(namespace, keys, timeout_s=self._lookup_timeout_s).prefix_length
+            for facts in self._groups:
+                if facts.sliding:
+                    continue
+                for shard, namespace in enumerate(plan.namespaces[facts.group]):
+                    if stored == 0:
+                        break
+                    keys = [chunk[facts.group][shard] for chunk in plan.keys[:stored]]
+                    stored = self._client.lookup(namespace, keys, timeout_s=self._lookup_timeout_s).prefix_length
+            settled = False
+            while stored and not settled:
+                settled = True
+                first = min(plan.tokens_in(stored), plan.num_tokens - 1)
+                for facts in (f for f in self._groups if f.sliding):
+                    lo = facts.needed_from(first) // c
+                    for shard, namespace in enumerate(plan.namespaces[facts.group]):
+                        keys = [chunk[facts.group][shard] for chunk in plan.keys[lo:stored]]
+                        found = self._client.lookup(namespace, keys, timeout_s=self._lookup_timeout_s).prefix_length
+                        if found < len(keys):
+                            stored, settled = lo + found, False
+                            break
+                    if not settled:
+                        break
         except KVCacheError as exc:
             self.counters.lookup_failures += 1
             if self._breaker.failure():
@@ -494,8 +565,8 @@ class SchedulerSide:
         self._breaker.success()
         return stored
 
-    def _full_keys(self, tracked: _Tracked, index: int) -> tuple[bytes, ...]:
-        """Every shard's key of full chunk `index` of the request's sequence (prompt and output)."""
+    def _full_keys(self, tracked: _Tracked, index: int) -> GroupKeys:
+        """Every group's and shard's key of full chunk `index` of the request's sequence (prompt and output)."""
         plan, c = tracked.plan, tracked.plan.chunk_tokens
         prompt_chunks = plan.num_tokens // c
         if index < prompt_chunks:
@@ -505,7 +576,9 @@ class SchedulerSide:
             i = prompt_chunks + len(tracked.generated_keys)
             parents = self._full_keys(tracked, i - 1) if i else plan.roots
             chunk = tokens[i * c : (i + 1) * c]
-            tracked.generated_keys.append(tuple(chunk_key(parent, chunk) for parent in parents))
+            tracked.generated_keys.append(
+                tuple(tuple(chunk_key(parent, chunk) for parent in group) for group in parents)
+            )
         return tracked.generated_keys[index - prompt_chunks]
 
     def _plan_saves(self, scheduler_output: SchedulerOutput) -> Iterator[RequestTransfer]:
@@ -517,25 +590,60 @@ class SchedulerSide:
             done = num_computed + scheduler_output.num_scheduled_tokens[request_id]
             done = min(done, tracked.request.num_tokens if self._write_back else plan.num_tokens)
             chunks: list[ChunkRef] = []
+            keys: list[GroupKeys] = []
             for i in range(tracked.next_save, done // c):
-                chunks.append(
-                    ChunkRef(index=i, keys=self._full_keys(tracked, i), num_tokens=c, start=i * c, end=i * c + c)
-                )
+                chunks.append(ChunkRef(index=i, keys=(), num_tokens=c, start=i * c, end=i * c + c))
+                keys.append(self._full_keys(tracked, i))
             tracked.next_save = max(tracked.next_save, done // c)
             if tracked.tail_due and done >= plan.num_tokens:
                 tail = len(plan.keys) - 1
                 chunks.append(plan.chunk_ref(tail, tail * c, plan.num_tokens))
+                keys.append(plan.keys[tail])
                 tracked.tail_due = False
             if not chunks:
                 continue
-            for chunk in chunks:
-                self._expect_event(tracked.request, chunk)
             block_state = scheduler_output.kv_connector_block_state
             block_ids = block_state.get_block_ids(request_id) if block_state is not None else None
             if block_ids is None:
                 raise RuntimeError(f"vLLM gave no block ids for scheduled request {request_id}")
-            num_blocks = math.ceil(max(chunk.end for chunk in chunks) / self._facts.block_size)
-            yield RequestTransfer(request_id, plan.namespaces, tuple(block_ids[0][:num_blocks]), tuple(chunks))
+            yield from self._group_transfers(tracked.request, plan, block_ids, chunks, keys)
+
+    def _group_transfers(
+        self,
+        request: Request,
+        plan: PromptPlan,
+        block_ids: Sequence[Sequence[int]],
+        chunks: Sequence[ChunkRef],
+        keys: Sequence[GroupKeys],
+    ) -> list[RequestTransfer]:
+        """The saves of these chunks (keys[j] is chunks[j]'s, [group][shard]): one transfer per group.
+
+        A chunk one of whose blocks a group's table holds as the null block (a sliding-window
+        block vLLM already freed) is not saved for that group: those slots hold no KV of it.
+        A chunk saved in every group gets its BlockStored event.
+        """
+        bs = self._facts.block_size
+        transfers: list[RequestTransfer] = []
+        saved_in = [0] * len(chunks)
+        for facts, group_blocks in zip(self._groups, block_ids, strict=True):
+            refs = []
+            for j, chunk in enumerate(chunks):
+                blocks = group_blocks[chunk.start // bs : math.ceil(chunk.end / bs)]
+                if facts.sliding and self._null_block in blocks:
+                    continue
+                refs.append(dataclasses.replace(chunk, keys=keys[j][facts.group]))
+                saved_in[j] += 1
+            if refs:
+                num_blocks = math.ceil(refs[-1].end / bs)
+                namespaces = plan.namespaces[facts.group]
+                blocks = tuple(group_blocks[:num_blocks])
+                transfers.append(
+                    RequestTransfer(request.request_id, namespaces, blocks, tuple(refs), group=facts.group)
+                )
+        for chunk, groups in zip(chunks, saved_in, strict=True):
+            if groups == len(self._groups):
+                self._expect_event(request, chunk)
+        return transfers
 
 
 def _scheduled(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, int]]:

@@ -5,6 +5,9 @@ runner's thread and never call the server: every Get and Put runs on one of two
 background threads (transfers.py), each with a bounded queue.
 
     register_kv_caches   detect each layer's paged layout; refuse one it does not know
+
+A hybrid model's KV-cache groups are kept apart: each has its layers, its chunk shape and
+its namespaces, and every RequestTransfer names the group it fills or drains.
     start_load_kv        hand the step's loads to the load thread: one Get per namespace,
                          every chunk checked, the good ones scattered into their blocks; a
                          chunk that is missing, corrupt or of the wrong shape fails its blocks
@@ -106,7 +109,7 @@ class WorkerSide:
 
     def __init__(
         self,
-        facts: KVFacts,
+        groups: Sequence[KVFacts],
         client: KVCacheClient,
         breaker: CircuitBreaker,
         *,
@@ -118,7 +121,7 @@ class WorkerSide:
     ) -> None:
         """
         Args:
-            facts: The instance's namespace facts.
+            groups: The namespace facts of each KV-cache group, in vLLM's group order.
             client: A client with no retries.
             breaker: Guards every call to the server.
             tp_rank: This worker's tensor-parallel rank.
@@ -127,22 +130,20 @@ class WorkerSide:
             max_queued_saves: Steps of saves waiting for the save thread.
             max_queued_loads: Steps of loads waiting for the load thread.
         """
-        self._facts = facts
+        self._groups = tuple(groups)
+        facts = self._groups[0]
+        self._facts = facts  # what every group shares: block size, chunk tokens, shards
         self._client = client
         self._breaker = breaker
         self._shard = facts.shard_of(tp_rank)
         self._writer = facts.is_writer(tp_rank)
         self._timeout_s = transfer_timeout_s
-        self._block_layout = Layout.MLA if facts.mla else Layout.CANONICAL
-        self._block_dtype = DType.from_name(facts.kv_dtype)
-        # Tokens are dimension 1 of an MLA chunk [L, T, D], dimension 3 of a canonical one [L, 2, H, T, D].
-        self._token_dim = 1 if facts.mla else 3
-        self._layers: list[tuple[torch.Tensor, PagedLayout]] = []
+        self._layers: dict[int, list[tuple[torch.Tensor, PagedLayout]]] = {}  # group -> its layers
         self._load_errors: set[int] = set()  # this step's, until vLLM collects them
         self._unsettled: set[int] = set()  # failed blocks the scheduler has not yet settled
         self.counters = Counters()
         self._loader = JobThread("kvcache-load", max_queued_loads)
-        self._saver = JobThread("kvcache-save", max_queued_saves)
+        self._saver = JobThread("kvcache-save", max_queued_saves * len(self._groups))  # a job per group and step
         self._staging_bytes = staging_bytes
         self._staging: StagingPool | None = None  # built when the caches' device is known
         self._lock = threading.Lock()  # guards what the job threads hand back:
@@ -159,27 +160,32 @@ class WorkerSide:
             ValueError: a layer of the KV-cache group is missing, has another dtype, an attention
                 backend whose layout this connector does not know, or a shape not that layout's.
         """
-        f = self._facts
-        missing = [name for name in f.layer_names if name not in kv_caches]
+        missing = [name for f in self._groups for name in f.layer_names if name not in kv_caches]
         if missing:
             raise ValueError(f"register_kv_caches: no tensor for layer(s) {missing}")
-        layers = []
-        for name in f.layer_names:
-            cache = kv_caches[name]
-            if cache.dtype != f.torch_dtype:
-                raise ValueError(f"layer {name!r}: paged KV tensor is {cache.dtype}, the KV-cache spec {f.torch_dtype}")
-            layout = paged_layout(
-                name,
-                f.attention_backend(name),
-                tuple(cache.shape),
-                num_kv_heads=f.num_kv_heads,
-                head_size=f.head_size,
-                block_size=f.block_size,
-                mla=f.mla,
+        groups: dict[int, list[tuple[torch.Tensor, PagedLayout]]] = {}
+        for f in self._groups:
+            layers = groups[f.group] = []
+            for name in f.layer_names:
+                cache = kv_caches[name]
+                if cache.dtype != f.torch_dtype:
+                    raise ValueError(
+                        f"layer {name!r}: paged KV tensor is {cache.dtype}, the KV-cache spec {f.torch_dtype}"
+                    )
+                layout = paged_layout(
+                    name,
+                    f.attention_backend(name),
+                    tuple(cache.shape),
+                    num_kv_heads=f.num_kv_heads,
+                    head_size=f.head_size,
+                    block_size=f.block_size,
+                    mla=f.mla,
+                )
+                layers.append((cache, layout))
+            log.info(
+                "kvcache connector: group %d, %d layers, paged layout %s", f.group, len(layers), layers[0][1].kind.name
             )
-            layers.append((cache, layout))
-        self._layers = layers
-        log.info("kvcache connector: %d layers, paged layout %s", len(layers), layers[0][1].kind.name)
+        self._layers = groups
 
     # -- loads ---------------------------------------------------------------------------------
 
@@ -226,8 +232,8 @@ class WorkerSide:
             reports, self._reports = self._reports, StoredChunks()
         return reports if reports.stored or reports.failed else None
 
-    def _report(self, stored: Sequence[ChunkId] = (), failed: Sequence[ChunkId] = ()) -> None:
-        shard = frozenset((self._shard,))
+    def _report(self, stored: Sequence[ChunkId] = (), failed: Sequence[ChunkId] = (), group: int = 0) -> None:
+        shard = frozenset((group * self._facts.num_shards + self._shard,))
         with self._lock:
             self._reports.stored.update((chunk, shard) for chunk in stored)
             self._reports.failed.update(failed)
@@ -268,11 +274,13 @@ class WorkerSide:
         loaded = Counters()  # counted into the job's only once the scatter succeeded
         try:
             fetched = self._fetch(job)
-            blocks: list[torch.Tensor] = []
-            offsets: list[torch.Tensor] = []
-            values: list[torch.Tensor] = []
+            # Per group: the slots and the values to scatter into its layers.
+            blocks: dict[int, list[torch.Tensor]] = {}
+            offsets: dict[int, list[torch.Tensor]] = {}
+            values: dict[int, list[torch.Tensor]] = {}
             bs, c = self._facts.block_size, self._facts.chunk_tokens
             for transfer in job.loads:
+                token_dim = self._token_dim(transfer.group)
                 for position, chunk in enumerate(transfer.chunks):
                     tensor = fetched.get((transfer.namespaces[self._shard], chunk.keys[self._shard]))
                     if tensor is None:
@@ -281,14 +289,20 @@ class WorkerSide:
                         job.counters.load_failures += len(transfer.chunks) - position
                         break
                     b, o = token_slots(transfer.block_ids, chunk.start, chunk.end, bs)
-                    blocks.append(b)
-                    offsets.append(o)
+                    blocks.setdefault(transfer.group, []).append(b)
+                    offsets.setdefault(transfer.group, []).append(o)
                     first = chunk.start - chunk.index * c
-                    values.append(tensor.narrow(self._token_dim, first, chunk.end - chunk.start))
+                    part = tensor.narrow(token_dim, first, chunk.end - chunk.start)
+                    values.setdefault(transfer.group, []).append(part)
                     loaded.load_chunks += 1
                     loaded.load_bytes += tensor.nbytes
-            if values:
-                self._scatter(torch.cat(blocks), torch.cat(offsets), torch.cat(values, dim=self._token_dim))
+            for group, group_values in values.items():
+                self._scatter(
+                    group,
+                    torch.cat(blocks[group]),
+                    torch.cat(offsets[group]),
+                    torch.cat(group_values, dim=self._token_dim(group)),
+                )
             job.counters.load_chunks += loaded.load_chunks
             job.counters.load_bytes += loaded.load_bytes
         except Exception:
@@ -309,13 +323,13 @@ class WorkerSide:
         that is not stored yet is asked for again every poll_s, until that wait or the job's
         deadline ends; any other missing chunk fails at once.
         """
-        wanted: dict[str, dict[bytes, ChunkRef]] = {}
+        wanted: dict[str, dict[bytes, tuple[ChunkRef, int]]] = {}  # namespace -> key -> (chunk, group)
         waits: dict[str, float] = {}
         for transfer in job.loads:
             namespace = transfer.namespaces[self._shard]
             by_key = wanted.setdefault(namespace, {})
             for chunk in transfer.chunks:
-                by_key[chunk.keys[self._shard]] = chunk
+                by_key[chunk.keys[self._shard]] = (chunk, transfer.group)
             waits[namespace] = max(waits.get(namespace, 0.0), transfer.wait_s)
         out: dict[tuple[str, bytes], torch.Tensor] = {}
         started = time.monotonic()
@@ -333,23 +347,34 @@ class WorkerSide:
                         log.warning("kvcache get failed (%s); loads fail for %.1f s", exc, self._breaker.cooldown_s)
                     return out
                 self._breaker.success()
-                for (key, chunk), block in zip(list(missing.items()), blocks, strict=True):
+                for (key, (chunk, group)), block in zip(list(missing.items()), blocks, strict=True):
                     if block is None:
                         continue
                     del missing[key]
-                    if self._acceptable(block, chunk):
+                    if self._acceptable(block, chunk, group):
                         out[(namespace, key)] = block_to_tensor(block, verify=False)  # the SDK verified it
                 if not missing or time.monotonic() + POLL_S > wait_until:
                     break
                 time.sleep(POLL_S)
         return out
 
-    def _acceptable(self, block: bytes, chunk: ChunkRef) -> bool:
+    def _block_layout(self, group: int) -> Layout:
+        return Layout.MLA if self._groups[group].mla else Layout.CANONICAL
+
+    def _token_dim(self, group: int) -> int:
+        """Tokens are dimension 1 of an MLA chunk [L, T, D], dimension 3 of a canonical one [L, 2, H, T, D]."""
+        return 1 if self._groups[group].mla else 3
+
+    def _device(self) -> torch.device:
+        return next(iter(self._layers.values()))[0][0].device
+
+    def _acceptable(self, block: bytes, chunk: ChunkRef, group: int) -> bool:
         """Whether a verified block holds this chunk in our layout: a block with a valid checksum
         can still be the wrong thing (another writer's bug), and scattering it would corrupt KV."""
         header, _ = decode_block(block, verify=False)
-        expected = self._facts.chunk_shape(chunk.num_tokens)
-        if (header.layout, header.dtype, header.shape) == (self._block_layout, self._block_dtype, expected):
+        facts = self._groups[group]
+        expected = (self._block_layout(group), DType.from_name(facts.kv_dtype), facts.chunk_shape(chunk.num_tokens))
+        if (header.layout, header.dtype, header.shape) == expected:
             return True
         log.error(
             "kvcache chunk %s refused: %s %s %s, expected %s %s %s",
@@ -357,24 +382,25 @@ class WorkerSide:
             header.layout.name,
             header.dtype.name,
             header.shape,
-            self._block_layout.name,
-            self._block_dtype.name,
-            expected,
+            expected[0].name,
+            expected[1].name,
+            expected[2],
         )
         return False
 
-    def _scatter(self, blocks: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
-        device = self._layers[0][0].device
+    def _scatter(self, group: int, blocks: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
+        layers = self._layers[group]
+        device = self._device()
         if device.type != "cuda":
             blocks, offsets, values = blocks.to(device), offsets.to(device), values.to(device)
-            for layer, (cache, layout) in enumerate(self._layers):
+            for layer, (cache, layout) in enumerate(layers):
                 layout.scatter(cache, blocks, offsets, values[layer])
             return
         if self._load_stream is None:
             self._load_stream = torch.cuda.Stream(device)
         with torch.cuda.stream(self._load_stream):
             blocks, offsets, values = blocks.to(device), offsets.to(device), values.to(device)
-            for layer, (cache, layout) in enumerate(self._layers):
+            for layer, (cache, layout) in enumerate(layers):
                 layout.scatter(cache, blocks, offsets, values[layer])
         self._load_stream.synchronize()  # the KV is in place before get_finished reports the request
 
@@ -397,13 +423,18 @@ class WorkerSide:
             (good if sound else held).append(s)
         self.counters.save_failures += sum(len(s.chunks) for s in held)
         self._report(failed=chunk_ids(held))
+        for facts in self._groups:  # a job per group: each has its own chunk shape
+            group = [s for s in good if s.group == facts.group]
+            if group:
+                self._save_group(facts, group)
+
+    def _save_group(self, facts: KVFacts, good: list[RequestTransfer]) -> None:
+        """Gathers one group's chunks of the step into staging memory and queues their Put."""
         num_chunks = sum(len(s.chunks) for s in good)
-        if not good:
-            return
         # The breaker is consulted on the save thread (a probe taken here would be lost there).
         num_tokens = sum(c.end - c.start for s in good for c in s.chunks)
-        shape = self._facts.chunk_shape(num_tokens)
-        nbytes = math.prod(shape) * self._facts.torch_dtype.itemsize
+        shape = facts.chunk_shape(num_tokens)
+        nbytes = math.prod(shape) * facts.torch_dtype.itemsize
         staging = self._staging_pool()
         buffer = staging.take(nbytes)
         while (buffer is None or self._saver.full) and (old := self._saver.drop_oldest()) is not None:
@@ -415,8 +446,8 @@ class WorkerSide:
             self._report(failed=chunk_ids(good))
             return
         started = time.perf_counter()
-        staged = buffer[:nbytes].view(self._facts.torch_dtype).view(shape)
-        ready = self._gather(good, staged)
+        staged = buffer[:nbytes].view(facts.torch_dtype).view(shape)
+        ready = self._gather(facts.group, good, staged)
         self.counters.save_s += time.perf_counter() - started
         job = Job(
             run=lambda: self._run_save(good, staged, buffer, ready),
@@ -427,7 +458,7 @@ class WorkerSide:
 
     def _staging_pool(self) -> StagingPool:
         if self._staging is None:
-            pin = self._layers[0][0].device.type == "cuda"
+            pin = self._device().type == "cuda"
             self._staging = StagingPool(self._staging_bytes, pin=pin)
         return self._staging
 
@@ -459,13 +490,15 @@ class WorkerSide:
             items: dict[str, list[tuple[bytes, BlockData]]] = {}
             ids: dict[str, list[ChunkId]] = {}  # the chunks of each namespace's put, for the scheduler's events
             position = 0
+            group = saves[0].group  # a save job holds one group's chunks
+            token_dim, block_layout = self._token_dim(group), self._block_layout(group)
             for transfer in saves:
                 namespace = items.setdefault(transfer.namespaces[self._shard], [])
                 namespace_ids = ids.setdefault(transfer.namespaces[self._shard], [])
                 for chunk in transfer.chunks:
-                    tensor = staged.narrow(self._token_dim, position, chunk.end - chunk.start)
+                    tensor = staged.narrow(token_dim, position, chunk.end - chunk.start)
                     key = chunk.keys[self._shard]
-                    namespace.append((key, tensor_block_parts(tensor, key, self._block_layout)))
+                    namespace.append((key, tensor_block_parts(tensor, key, block_layout)))
                     namespace_ids.append((transfer.request_id, chunk.index, chunk.num_tokens))
                     position += chunk.end - chunk.start
             for namespace, blocks in items.items():
@@ -485,7 +518,7 @@ class WorkerSide:
                     continue
                 self._breaker.success()
                 if put_confirmed(result, len(blocks)):
-                    self._report(stored=ids[namespace])
+                    self._report(stored=ids[namespace], group=group)
                 else:
                     self._report(failed=ids[namespace])
                 counters.save_chunks += result.stored
@@ -497,18 +530,18 @@ class WorkerSide:
             with self._lock:
                 self._job_counters.add(counters)
 
-    def _gather(self, saves: Sequence[RequestTransfer], staged: torch.Tensor) -> torch.cuda.Event | None:
-        """Every token to save, in canonical layout, into `staged` on the host: [L, 2, H, T, D]
+    def _gather(self, group: int, saves: Sequence[RequestTransfer], staged: torch.Tensor) -> torch.cuda.Event | None:
+        """Every token of one group to save, in canonical layout, into `staged` on the host: [L, 2, H, T, D]
         (MLA: [L, T, D]). On CUDA the copies are queued on the current stream; the returned
         event marks their end."""
         bs = self._facts.block_size
         slots = [token_slots(s.block_ids, c.start, c.end, bs) for s in saves for c in s.chunks]
         blocks = torch.cat([b for b, _ in slots])
         offsets = torch.cat([o for _, o in slots])
-        device = self._layers[0][0].device
+        device = self._device()
         cuda = device.type == "cuda"
         blocks, offsets = blocks.to(device), offsets.to(device)
-        for layer, (cache, layout) in enumerate(self._layers):
+        for layer, (cache, layout) in enumerate(self._layers[group]):
             staged[layer].copy_(layout.gather(cache, blocks, offsets), non_blocking=cuda)
         if not cuda:
             return None
