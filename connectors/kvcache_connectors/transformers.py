@@ -49,7 +49,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from kvcache_client import DeadlineExceeded, KVCacheClient, Namespace, ResourceExhausted, Unavailable
 from kvcache_core.format import DType
-from kvcache_core.keys import CANONICAL_LAYOUT
+from kvcache_core.keys import CANONICAL_LAYOUT, HEADS_LAYOUT_VERSION
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -127,9 +127,8 @@ def namespace_for_model(
         num_layers=text.num_hidden_layers,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
-        tp_size=1,
-        tp_rank=0,
         cache_salt=cache_salt,
+        layout_version=HEADS_LAYOUT_VERSION,  # all heads of an unsharded model: one block per chunk
     )
 
 

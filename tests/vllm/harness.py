@@ -56,7 +56,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvcache_connectors.vllm import KVCacheConnector, KVCacheConnectorStats
-from kvcache_core.keys import Namespace
+from kvcache_core.keys import HEADS_LAYOUT_VERSION, Namespace
 
 BLOCK = 16
 NUM_LAYERS = 2
@@ -216,26 +216,18 @@ def make_worker(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVCa
     return connector
 
 
-def expected_namespace(
-    model_dir: str,
-    *,
-    cache_salt: str = "",
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    num_kv_heads: int = KV_HEADS,
-    chunk_tokens: int = CHUNK,
-) -> Namespace:
-    """The namespace docs/vllm.md promises for the tiny model, spelled out field by field."""
+def expected_namespace(model_dir: str, *, cache_salt: str = "", chunk_tokens: int = CHUNK) -> Namespace:
+    """The namespace docs/vllm.md promises for the tiny model, spelled out field by field: head-sharded
+    (kvcache.canonical v2), all KV heads, whatever the TP size."""
     return Namespace(
         model_id=model_dir,
         kv_dtype="float16",
         chunk_tokens=chunk_tokens,
         num_layers=NUM_LAYERS,
-        num_kv_heads=num_kv_heads,
+        num_kv_heads=KV_HEADS,
         head_size=HEAD,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
         cache_salt=cache_salt,
+        layout_version=HEADS_LAYOUT_VERSION,
     )
 
 
@@ -323,11 +315,13 @@ class Engine:
     published: RecordingPublisher = field(default_factory=RecordingPublisher)
 
     def __post_init__(self) -> None:
-        heads = KV_HEADS // len(self.configs)
+        heads = self.heads_per_rank
         if self.sliding_window is None:
             kv_cache_config = make_kv_cache_config(self.num_blocks, attention_spec(num_kv_heads=heads))
         else:
             kv_cache_config = hybrid_kv_cache_config(self.num_blocks, self.sliding_window, heads)
+        # More ranks than KV heads: vLLM replicates each head over consecutive ranks.
+        kv_cache_config.kv_tp_replicas = max(1, len(self.configs) // KV_HEADS)
         self.kv_cache_config = kv_cache_config
         for config in self.configs:
             config.cache_config.num_gpu_blocks = self.num_blocks
@@ -346,7 +340,15 @@ class Engine:
 
     @property
     def heads_per_rank(self) -> int:
-        return KV_HEADS // len(self.configs)
+        return max(1, KV_HEADS // len(self.configs))
+
+    def first_head(self, rank: int) -> int:
+        """The first KV head rank `rank` holds (heads are replicated over ranks when there are more ranks)."""
+        return (
+            rank * KV_HEADS // len(self.configs)
+            if len(self.configs) <= KV_HEADS
+            else rank // (len(self.configs) // KV_HEADS)
+        )
 
     @property
     def connector(self) -> KVCacheConnector:
@@ -504,7 +506,8 @@ class Engine:
             for p in positions:
                 kv = token_kv(tuple(tokens[: p + 1]))
                 for rank, caches in enumerate(self.caches):
-                    heads = kv[:, :, rank * h : rank * h + h]
+                    first = self.first_head(rank)
+                    heads = kv[:, :, first : first + h]
                     for layer, name in enumerate(LAYER_NAMES):
                         block_ids = group_blocks[self.group_of(layer)]
                         write_token(caches[name], block_ids[p // BLOCK], p % BLOCK, heads[layer])
@@ -550,8 +553,8 @@ class Engine:
         self, request_id: str, start: int, end: int, rank: int = 0, layers: Sequence[int] | None = None
     ) -> torch.Tensor:
         """What the fake model computes for those tokens, for that rank's heads (and the given layers)."""
-        h = self.heads_per_rank
-        kv = prompt_kv(self.requests[request_id].prompt_token_ids, start, end)[:, :, rank * h : rank * h + h]
+        h, first = self.heads_per_rank, self.first_head(rank)
+        kv = prompt_kv(self.requests[request_id].prompt_token_ids, start, end)[:, :, first : first + h]
         return kv if layers is None else kv[list(layers)]
 
 

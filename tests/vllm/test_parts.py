@@ -35,7 +35,7 @@ from kvcache_connectors.vllm.namespaces import KVFacts
 from kvcache_connectors.vllm.scheduler import request_extra
 from kvcache_connectors.vllm.stats import Counters
 from kvcache_core.breaker import BreakerState, CircuitBreaker
-from kvcache_core.keys import MLA_LAYOUT, Namespace
+from kvcache_core.keys import HEADS_LAYOUT_VERSION, MLA_LAYOUT, Namespace, head_block_key
 from tests.vllm.harness import (
     BLOCK,
     HEAD,
@@ -93,6 +93,7 @@ def test_every_key_is_parsed() -> None:
         "staging_bytes": 1 << 20,
         "write_back": True,
         "handoff_timeout_s": 2.5,
+        "kv_heads_per_block": 2,
     }
     config = KVCacheConnectorConfig.from_extra_config(extra, block_size=16)
     assert "kvc_inline" not in repr(config) and config.shm is False
@@ -105,6 +106,7 @@ def test_every_key_is_parsed() -> None:
     ("extra", "message"),
     [
         ({"taget": "x:1"}, r"unknown key\(s\) \['taget'\]"),
+        ({"kv_heads_per_block": 0}, r"\['kv_heads_per_block'\] must be positive"),
         ({"chunk_tokens": 100}, r"\['chunk_tokens'\] = 100 must be a multiple of vLLM's block size 16"),
         ({"chunk_tokens": 0}, r"\['chunk_tokens'\] must be positive"),
         ({"chunk_tokens": 64.0}, r"\['chunk_tokens'\] must be an integer"),
@@ -179,6 +181,7 @@ def test_namespace_comes_from_vllm_configs_and_the_overrides(model_dir: str) -> 
         num_kv_heads=2,
         head_size=HEAD,
         cache_salt="salt",
+        layout_version=HEADS_LAYOUT_VERSION,
         extra={"deployment": "blue", "vllm.lora": "sql"},
     )
 
@@ -206,15 +209,34 @@ def test_mla_caches_use_the_mla_layout_and_replicas_share_one_shard(model_dir: s
     assert mla.chunk_shape(7) == (2, 7, 576)
 
 
-def test_tensor_parallel_ranks_are_shards_unless_replicated(model_dir: str) -> None:
-    kv_cache_config = make_kv_cache_config(8, attention_spec(num_kv_heads=1))
+def test_tensor_parallel_ranks_share_one_head_sharded_namespace(model_dir: str) -> None:
+    kv_cache_config = make_kv_cache_config(8, attention_spec(num_kv_heads=2))
     vllm_config = make_vllm_config(model_dir, tp_size=4)
-    config = KVCacheConnectorConfig.from_extra_config({"chunk_tokens": 32}, block_size=BLOCK)
+    config = KVCacheConnectorConfig.from_extra_config({"chunk_tokens": 32, "kv_heads_per_block": 1}, block_size=BLOCK)
+    sharded = KVFacts.from_vllm(vllm_config, kv_cache_config, config)  # 8 KV heads over 4 ranks, 2 each
+    (namespace,) = sharded.namespaces()
+    assert (namespace.tp_size, namespace.tp_rank, namespace.num_kv_heads) == (1, 0, 8)
+    assert namespace.layout_version == HEADS_LAYOUT_VERSION
+    assert [sharded.units(r, 1) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    key = b"k" * 16
+    blocks = sharded.unit_keys((key,), 1)
+    assert blocks == tuple(head_block_key(key, h, 1, 8) for h in range(8)) and len(set(blocks)) == 8
+    assert sharded.chunk_shape(5, heads=1) == (2, 2, 1, 5, HEAD)
+    # Without kv_heads_per_block a rank's heads are one block, and a TP=1 chunk is the chunk key itself.
+    assert KVFacts.from_vllm(vllm_config, kv_cache_config, dataclasses.replace(config, kv_heads_per_block=None)).units(
+        3, None
+    ) == range(3, 4)
+    assert head_block_key(key, 0, 8, 8) == key
+
+    kv_cache_config = make_kv_cache_config(8, attention_spec(num_kv_heads=1))
     kv_cache_config.kv_tp_replicas = 2  # 2 KV heads over 4 ranks: ranks 0,1 hold head 0, ranks 2,3 head 1
-    shards = KVFacts.from_vllm(vllm_config, kv_cache_config, config)
-    assert [(ns.tp_size, ns.tp_rank, ns.num_kv_heads) for ns in shards.namespaces()] == [(2, 0, 1), (2, 1, 1)]
-    assert [shards.shard_of(r) for r in range(4)] == [0, 0, 1, 1]
-    assert [shards.is_writer(r) for r in range(4)] == [True, False, True, False]
+    replicated = KVFacts.from_vllm(vllm_config, kv_cache_config, config)
+    assert [replicated.shard_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [replicated.is_writer(r) for r in range(4)] == [True, False, True, False]
+    assert replicated.namespaces()[0].num_kv_heads == 2
+
+    with pytest.raises(ValueError, match=r"'kv_heads_per_block'\] = 3 must divide the 2 KV heads of one rank"):
+        KVFacts.from_vllm(vllm_config, make_kv_cache_config(8), dataclasses.replace(config, kv_heads_per_block=3))
 
 
 @pytest.mark.parametrize(

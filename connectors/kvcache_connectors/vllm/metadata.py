@@ -30,7 +30,8 @@ class ChunkRef:
 
     Attributes:
         index: Chunk number within the prompt; the chunk covers tokens from index * chunk_tokens.
-        keys: The chunk's key in each shard's namespace of the transfer's group (indexed by shard).
+        keys: The keys of the chunk's stored blocks in the transfer's group: one per block of
+            heads_per_block KV heads (head-sharded), or one per shard (MLA); see KVFacts.units.
         num_tokens: Tokens the stored chunk holds: chunk_tokens, or fewer for a prompt's tail.
         start: First token to move (absolute position in the request).
         end: One past the last token to move.
@@ -56,12 +57,13 @@ class RequestTransfer:
 
     Attributes:
         request_id: vLLM's request id.
-        namespaces: The request's namespace name in each shard (indexed by shard) of the group.
+        namespaces: The request's namespace names in the group: one (head-sharded), or one per shard (MLA).
         block_ids: The request's block ids in the group, at least up to the last token moved.
         chunks: In token order, without gaps.
         wait_s: For a load: how long a worker may keep asking for chunks not stored yet (a P/D
             hand-off whose producer is still writing them); 0 fails a missing chunk at once.
         group: The KV-cache group (vLLM's kv_cache_group_id) whose layers the chunks fill.
+        heads_per_block: KV heads per stored block; None: a shard's heads in one block (ignored for MLA).
     """
 
     request_id: str
@@ -70,6 +72,11 @@ class RequestTransfer:
     chunks: tuple[ChunkRef, ...]
     wait_s: float = 0.0
     group: int = 0
+    heads_per_block: int | None = None
+
+    def namespace_for(self, shard: int) -> str:
+        """The namespace a shard's blocks are in."""
+        return self.namespaces[shard if len(self.namespaces) > 1 else 0]
 
     @property
     def start(self) -> int:

@@ -7,11 +7,11 @@ namespaces without talking to each other and without PYTHONHASHSEED:
 
     model_id, model_revision      --model / --revision (or the model_id / model_revision keys)
     kv_dtype                      the KV-cache spec's dtype ("bfloat16", ...)
-    layout                        kvcache.canonical, or kvcache.mla for latent (MLA) caches
+    layout, layout_version        kvcache.canonical v2 (head-sharded), or kvcache.mla v1 for latent (MLA) caches
     chunk_tokens                  the chunk_tokens key
     num_layers                    layers of the KV-cache group
-    num_kv_heads, head_size       of one shard (the spec is per worker)
-    tp_size, tp_rank              shards and this shard's index (see below)
+    num_kv_heads, head_size       all KV heads of the model (MLA: 1 and the latent size)
+    tp_size, tp_rank              1 and 0 (MLA: shards and this shard's index, see below)
     cache_salt                    the request's cache_salt
     extra                         namespace_extra, plus vllm.* facts: --kv-cache-dtype when not
                                   "auto", --quantization, the request's LoRA and multimodal inputs,
@@ -26,13 +26,17 @@ MLAAttentionSpec and SlidingWindowSpec, all of one block size; any other spec vL
 configure (Mamba-style state, chunked-local, sink, ring-buffer, sliding-window MLA with
 bounded replay, packed or compressed pages, ...) is refused at start-up, naming it.
 
-Tensor parallelism: each TP rank holds its own heads and stores them under its own
-namespace. Ranks that hold identical KV (vLLM's `kv_tp_replicas`: MLA's latent cache
-on every rank, or GQA heads replicated when there are fewer KV heads than ranks) form
-one shard: the namespace's tp_size is the number of distinct shards, only the first
-rank of a shard saves, and every rank of it loads. The scheduler looks a prompt up in
-every shard's namespace and takes the shortest stored prefix, so a hit is one that
-every rank can load.
+Tensor parallelism, head-sharded (kvcache.canonical v2): the namespace holds the model's
+KV whatever the TP size, and each chunk is stored as blocks of `heads_per_block`
+consecutive KV heads, under keys derived from the chunk key and the head range
+(keys.head_block_key). `heads_per_block` defaults to a rank's head count, so at equal TP
+size a rank's heads are one block per chunk (one Get, one Put per rank and step, as
+before); instances of TP 1, 2 and 4 that set the same kv_heads_per_block (one that
+divides every rank's head count) share every chunk, and each rank reads exactly its heads. Ranks
+that hold identical KV (vLLM's `kv_tp_replicas`: GQA heads replicated when there are
+fewer KV heads than ranks, MLA's latent cache on every rank) form one shard: only its
+first rank saves, every rank of it loads. MLA caches have no heads to split and keep
+the per-shard namespaces of kvcache.mla v1.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from vllm.v1.kv_cache_interface import (
 
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
 from kvcache_core.format import DType
-from kvcache_core.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace
+from kvcache_core.keys import CANONICAL_LAYOUT, HEADS_LAYOUT_VERSION, MLA_LAYOUT, Namespace, head_block_key
 
 Extra = tuple[tuple[str, str], ...]
 
@@ -75,6 +79,7 @@ class KVFacts:
         block_size: vLLM's block size (tokens per paged block).
         layer_names: Attention layers in chunk order (index l of a chunk is layer_names[l]).
         num_kv_heads: KV heads of one shard (1 for MLA).
+        heads_per_block: KV heads per block this instance saves (kv_heads_per_block; 1 for MLA).
         head_size: Size of one head (of the latent vector for MLA).
         tp_size: vLLM's tensor-parallel size.
         tp_replicas: Consecutive TP ranks that hold identical KV.
@@ -102,6 +107,7 @@ class KVFacts:
     tp_size: int
     tp_replicas: int
     extra: Extra
+    heads_per_block: int = 1
     group: int = 0
     sliding_window: int | None = None
     retained_tokens: int | None = None
@@ -138,8 +144,32 @@ class KVFacts:
         return tp_rank % self.tp_replicas == 0
 
     def namespaces(self, cache_salt: str = "", request_extra: Extra = ()) -> tuple[Namespace, ...]:
-        """One namespace per shard, for requests with this salt and these request facts."""
+        """The group's namespaces for requests with this salt and these request facts: one,
+        head-sharded, or one per shard for MLA."""
         return _namespaces(self, cache_salt, request_extra)
+
+    @property
+    def total_heads(self) -> int:
+        """KV heads across the shards (1 for MLA)."""
+        return 1 if self.mla else self.num_kv_heads * self.num_shards
+
+    def unit_keys(self, chunk_keys: tuple[bytes, ...], heads_per_block: int | None) -> tuple[bytes, ...]:
+        """The keys of a chunk's stored blocks, from its key in each namespace: one per block of
+        heads_per_block heads (None: a shard's heads; head-sharded), or the keys themselves, one per
+        shard (MLA)."""
+        if self.mla:
+            return chunk_keys
+        (key,) = chunk_keys
+        g = heads_per_block or self.num_kv_heads
+        return tuple(head_block_key(key, j * g, g, self.total_heads) for j in range(self.total_heads // g))
+
+    def units(self, shard: int, heads_per_block: int | None) -> range:
+        """The blocks (indices into unit_keys) a shard's heads span."""
+        if self.mla:
+            return range(shard, shard + 1)
+        h = self.num_kv_heads
+        g = heads_per_block or h
+        return range(shard * h // g, (shard + 1) * h // g)
 
     @property
     def sliding(self) -> bool:
@@ -159,11 +189,12 @@ class KVFacts:
         skipped = max(0, hit_tokens - self.retained_tokens)
         return skipped // self.block_size * self.block_size
 
-    def chunk_shape(self, num_tokens: int) -> tuple[int, ...]:
-        """Shape of a stored chunk of num_tokens tokens (kvcache.canonical or kvcache.mla)."""
+    def chunk_shape(self, num_tokens: int, heads: int | None = None) -> tuple[int, ...]:
+        """Shape of num_tokens tokens of a shard's KV (kvcache.canonical or kvcache.mla), or of a
+        stored block of `heads` heads of them."""
         if self.mla:
             return (len(self.layer_names), num_tokens, self.head_size)
-        return (len(self.layer_names), 2, self.num_kv_heads, num_tokens, self.head_size)
+        return (len(self.layer_names), 2, self.num_kv_heads if heads is None else heads, num_tokens, self.head_size)
 
 
 def kv_groups(
@@ -214,13 +245,20 @@ def kv_groups(
             group_extra["vllm.kv_group"] = group_kind(spec)
             group_extra["vllm.kv_group_layers"] = _layers_digest(group.layer_names)
         kv_dtype = str(spec.dtype).removeprefix("torch.")
+        mla = isinstance(spec, MLAAttentionSpec)
+        heads_per_block = 1 if mla else (config.kv_heads_per_block or spec.num_kv_heads)
+        if spec.num_kv_heads % heads_per_block:
+            raise ValueError(
+                f"kv_connector_extra_config['kv_heads_per_block'] = {heads_per_block} must divide the "
+                f"{spec.num_kv_heads} KV heads of one rank (KV-cache group {index})"
+            )
         facts.append(
             KVFacts(
                 model_id=config.model_id or model.model,
                 model_revision=config.model_revision if config.model_revision is not None else (model.revision or ""),
                 kv_dtype=kv_dtype,
                 torch_dtype=spec.dtype,
-                mla=isinstance(spec, MLAAttentionSpec),
+                mla=mla,
                 chunk_tokens=config.chunk_tokens,
                 block_size=spec.block_size,
                 layer_names=tuple(group.layer_names),
@@ -229,6 +267,7 @@ def kv_groups(
                 tp_size=parallel.tensor_parallel_size,
                 tp_replicas=replicas,
                 extra=tuple(sorted(group_extra.items())),
+                heads_per_block=heads_per_block,
                 group=index,
                 sliding_window=window,
                 retained_tokens=spec.num_retained_tokens if isinstance(spec, SlidingWindowSpec) else None,
@@ -286,12 +325,27 @@ def _checked_spec(index: int, group: KVCacheGroupSpec) -> FullAttentionSpec | Sl
 @functools.lru_cache(maxsize=1024)
 def _namespaces(facts: KVFacts, cache_salt: str, request_extra: Extra) -> tuple[Namespace, ...]:
     # Cached: a namespace hashes its ~200 canonical bytes, and most requests share a few salts.
+    if not facts.mla:
+        namespace = Namespace(
+            model_id=facts.model_id,
+            model_revision=facts.model_revision,
+            kv_dtype=facts.kv_dtype,
+            layout=CANONICAL_LAYOUT,
+            layout_version=HEADS_LAYOUT_VERSION,
+            chunk_tokens=facts.chunk_tokens,
+            num_layers=len(facts.layer_names),
+            num_kv_heads=facts.total_heads,
+            head_size=facts.head_size,
+            cache_salt=cache_salt,
+            extra=dict(facts.extra + request_extra),
+        )
+        return (namespace,)
     return tuple(
         Namespace(
             model_id=facts.model_id,
             model_revision=facts.model_revision,
             kv_dtype=facts.kv_dtype,
-            layout=MLA_LAYOUT if facts.mla else CANONICAL_LAYOUT,
+            layout=MLA_LAYOUT,
             chunk_tokens=facts.chunk_tokens,
             num_layers=len(facts.layer_names),
             num_kv_heads=facts.num_kv_heads,

@@ -125,8 +125,9 @@ class PromptPlan:
         """Tokens covered by the first num_chunks chunks."""
         return min(num_chunks * self.chunk_tokens, self.num_tokens)
 
-    def chunk_ref(self, index: int, start: int, end: int, group: int = 0) -> ChunkRef:
-        keys = self.keys[index][group]
+    def chunk_ref(self, facts: KVFacts, index: int, start: int, end: int) -> ChunkRef:
+        """Tokens [start, end) of chunk `index` in a group, with the keys of its stored blocks."""
+        keys = facts.unit_keys(self.keys[index][facts.group], facts.heads_per_block)
         return ChunkRef(index=index, keys=keys, num_tokens=self.chunk_len(index), start=start, end=end)
 
 
@@ -351,9 +352,7 @@ class SchedulerSide:
             if first >= end:
                 continue
             indices = range(first // c, (end - 1) // c + 1)
-            chunks = tuple(
-                plan.chunk_ref(i, max(first, i * c), min(end, plan.chunk_end(i)), facts.group) for i in indices
-            )
+            chunks = tuple(plan.chunk_ref(facts, i, max(first, i * c), min(end, plan.chunk_end(i))) for i in indices)
             self._pending_loads.append(
                 RequestTransfer(
                     request.request_id,
@@ -362,6 +361,7 @@ class SchedulerSide:
                     chunks,
                     wait_s,
                     group=facts.group,
+                    heads_per_block=facts.heads_per_block,
                 )
             )
             tracked.loaded_blocks.update({block_ids[b]: b * bs // c for b in range(first // bs, num_blocks)})
@@ -536,26 +536,17 @@ class SchedulerSide:
         c = plan.chunk_tokens
         try:
             for facts in self._groups:
-                if facts.sliding:
-                    continue
-                for shard, namespace in enumerate(plan.namespaces[facts.group]):
-                    if stored == 0:
-                        break
-                    keys = [chunk[facts.group][shard] for chunk in plan.keys[:stored]]
-                    stored = self._client.lookup(namespace, keys, timeout_s=self._lookup_timeout_s).prefix_length
+                if not facts.sliding:
+                    stored = self._stored_run(plan, facts, 0, stored)
             settled = False
             while stored and not settled:
                 settled = True
                 first = min(plan.tokens_in(stored), plan.num_tokens - 1)
                 for facts in (f for f in self._groups if f.sliding):
                     lo = facts.needed_from(first) // c
-                    for shard, namespace in enumerate(plan.namespaces[facts.group]):
-                        keys = [chunk[facts.group][shard] for chunk in plan.keys[lo:stored]]
-                        found = self._client.lookup(namespace, keys, timeout_s=self._lookup_timeout_s).prefix_length
-                        if found < len(keys):
-                            stored, settled = lo + found, False
-                            break
-                    if not settled:
+                    found = self._stored_run(plan, facts, lo, stored)
+                    if found < stored - lo:
+                        stored, settled = lo + found, False
                         break
         except KVCacheError as exc:
             self.counters.lookup_failures += 1
@@ -564,6 +555,23 @@ class SchedulerSide:
             return 0
         self._breaker.success()
         return stored
+
+    def _stored_run(self, plan: PromptPlan, facts: KVFacts, lo: int, hi: int) -> int:
+        """How many of a group's chunks lo, lo + 1, ... (before hi) every shard has all blocks of:
+        one Lookup per namespace (one for a head-sharded group, whose blocks of every shard it asks
+        for at once, chunk by chunk)."""
+        found = hi - lo
+        names = plan.namespaces[facts.group]
+        for n, namespace in enumerate(names):
+            if found <= 0:
+                break
+            blocks = [
+                facts.unit_keys(chunk[facts.group], facts.heads_per_block) for chunk in plan.keys[lo : lo + found]
+            ]
+            keys = [key for units in blocks for key in (units if len(names) == 1 else units[n : n + 1])]
+            width = len(keys) // found
+            found = self._client.lookup(namespace, keys, timeout_s=self._lookup_timeout_s).prefix_length // width
+        return max(found, 0)
 
     def _full_keys(self, tracked: _Tracked, index: int) -> GroupKeys:
         """Every group's and shard's key of full chunk `index` of the request's sequence (prompt and output)."""
@@ -597,7 +605,9 @@ class SchedulerSide:
             tracked.next_save = max(tracked.next_save, done // c)
             if tracked.tail_due and done >= plan.num_tokens:
                 tail = len(plan.keys) - 1
-                chunks.append(plan.chunk_ref(tail, tail * c, plan.num_tokens))
+                chunks.append(
+                    ChunkRef(index=tail, keys=(), num_tokens=plan.chunk_len(tail), start=tail * c, end=plan.num_tokens)
+                )
                 keys.append(plan.keys[tail])
                 tracked.tail_due = False
             if not chunks:
@@ -631,14 +641,23 @@ class SchedulerSide:
                 blocks = group_blocks[chunk.start // bs : math.ceil(chunk.end / bs)]
                 if facts.sliding and self._null_block in blocks:
                     continue
-                refs.append(dataclasses.replace(chunk, keys=keys[j][facts.group]))
+                refs.append(
+                    dataclasses.replace(chunk, keys=facts.unit_keys(keys[j][facts.group], facts.heads_per_block))
+                )
                 saved_in[j] += 1
             if refs:
                 num_blocks = math.ceil(refs[-1].end / bs)
                 namespaces = plan.namespaces[facts.group]
                 blocks = tuple(group_blocks[:num_blocks])
                 transfers.append(
-                    RequestTransfer(request.request_id, namespaces, blocks, tuple(refs), group=facts.group)
+                    RequestTransfer(
+                        request.request_id,
+                        namespaces,
+                        blocks,
+                        tuple(refs),
+                        group=facts.group,
+                        heads_per_block=facts.heads_per_block,
+                    )
                 )
         for chunk, groups in zip(chunks, saved_in, strict=True):
             if groups == len(self._groups):

@@ -281,8 +281,12 @@ class WorkerSide:
             bs, c = self._facts.block_size, self._facts.chunk_tokens
             for transfer in job.loads:
                 token_dim = self._token_dim(transfer.group)
+                namespace = transfer.namespace_for(self._shard)
+                units = self._groups[transfer.group].units(self._shard, transfer.heads_per_block)
                 for position, chunk in enumerate(transfer.chunks):
-                    tensor = fetched.get((transfer.namespaces[self._shard], chunk.keys[self._shard]))
+                    parts = [fetched.get((namespace, chunk.keys[u])) for u in units]
+                    # A rank's heads, from its blocks of consecutive heads: [L, 2, h, T, D] (MLA: one block).
+                    tensor = None if None in parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
                     if tensor is None:
                         # This chunk and every later one of the request: vLLM recomputes from the first bad block.
                         job.failed.update(transfer.block_ids[chunk.start // bs : math.ceil(transfer.end / bs)])
@@ -323,13 +327,15 @@ class WorkerSide:
         that is not stored yet is asked for again every poll_s, until that wait or the job's
         deadline ends; any other missing chunk fails at once.
         """
-        wanted: dict[str, dict[bytes, tuple[ChunkRef, int]]] = {}  # namespace -> key -> (chunk, group)
+        wanted: dict[str, dict[bytes, tuple[ChunkRef, RequestTransfer]]] = {}  # namespace -> block key -> its chunk
         waits: dict[str, float] = {}
         for transfer in job.loads:
-            namespace = transfer.namespaces[self._shard]
+            namespace = transfer.namespace_for(self._shard)
+            units = self._groups[transfer.group].units(self._shard, transfer.heads_per_block)
             by_key = wanted.setdefault(namespace, {})
             for chunk in transfer.chunks:
-                by_key[chunk.keys[self._shard]] = (chunk, transfer.group)
+                for u in units:
+                    by_key[chunk.keys[u]] = (chunk, transfer)
             waits[namespace] = max(waits.get(namespace, 0.0), transfer.wait_s)
         out: dict[tuple[str, bytes], torch.Tensor] = {}
         started = time.monotonic()
@@ -347,11 +353,11 @@ class WorkerSide:
                         log.warning("kvcache get failed (%s); loads fail for %.1f s", exc, self._breaker.cooldown_s)
                     return out
                 self._breaker.success()
-                for (key, (chunk, group)), block in zip(list(missing.items()), blocks, strict=True):
+                for (key, (chunk, transfer)), block in zip(list(missing.items()), blocks, strict=True):
                     if block is None:
                         continue
                     del missing[key]
-                    if self._acceptable(block, chunk, group):
+                    if self._acceptable(block, key, chunk, transfer):
                         out[(namespace, key)] = block_to_tensor(block, verify=False)  # the SDK verified it
                 if not missing or time.monotonic() + POLL_S > wait_until:
                     break
@@ -368,17 +374,19 @@ class WorkerSide:
     def _device(self) -> torch.device:
         return next(iter(self._layers.values()))[0][0].device
 
-    def _acceptable(self, block: bytes, chunk: ChunkRef, group: int) -> bool:
-        """Whether a verified block holds this chunk in our layout: a block with a valid checksum
-        can still be the wrong thing (another writer's bug), and scattering it would corrupt KV."""
+    def _acceptable(self, block: bytes, key: bytes, chunk: ChunkRef, transfer: RequestTransfer) -> bool:
+        """Whether a verified block holds its part of this chunk in our layout: a block with a valid
+        checksum can still be the wrong thing (another writer's bug), and scattering it would corrupt KV."""
         header, _ = decode_block(block, verify=False)
+        group = transfer.group
         facts = self._groups[group]
-        expected = (self._block_layout(group), DType.from_name(facts.kv_dtype), facts.chunk_shape(chunk.num_tokens))
+        shape = facts.chunk_shape(chunk.num_tokens, heads=transfer.heads_per_block)
+        expected = (self._block_layout(group), DType.from_name(facts.kv_dtype), shape)
         if (header.layout, header.dtype, header.shape) == expected:
             return True
         log.error(
             "kvcache chunk %s refused: %s %s %s, expected %s %s %s",
-            chunk.keys[self._shard].hex(),
+            key.hex(),
             header.layout.name,
             header.dtype.name,
             header.shape,
@@ -492,24 +500,29 @@ class WorkerSide:
             position = 0
             group = saves[0].group  # a save job holds one group's chunks
             token_dim, block_layout = self._token_dim(group), self._block_layout(group)
+            facts = self._groups[group]
             for transfer in saves:
-                namespace = items.setdefault(transfer.namespaces[self._shard], [])
-                namespace_ids = ids.setdefault(transfer.namespaces[self._shard], [])
+                namespace = items.setdefault(transfer.namespace_for(self._shard), [])
+                namespace_ids = ids.setdefault(transfer.namespace_for(self._shard), [])
+                g = transfer.heads_per_block or facts.num_kv_heads
+                units = facts.units(self._shard, g)
                 for chunk in transfer.chunks:
                     tensor = staged.narrow(token_dim, position, chunk.end - chunk.start)
-                    key = chunk.keys[self._shard]
-                    namespace.append((key, tensor_block_parts(tensor, key, block_layout)))
+                    for u in units:  # the rank's heads as blocks of g consecutive heads (MLA: one block)
+                        part = tensor if facts.mla else tensor.narrow(2, (u - units.start) * g, g)
+                        namespace.append((chunk.keys[u], tensor_block_parts(part, chunk.keys[u], block_layout)))
                     namespace_ids.append((transfer.request_id, chunk.index, chunk.num_tokens))
                     position += chunk.end - chunk.start
             for namespace, blocks in items.items():
+                num_chunks = len(ids[namespace])  # counted in chunks: each is len(blocks) // num_chunks blocks
                 if not self._breaker.allow():  # a put of this job failed already
-                    counters.save_failures += len(blocks)
+                    counters.save_failures += num_chunks
                     self._report(failed=ids[namespace])
                     continue
                 try:
                     result = self._client.put_many(namespace, blocks, timeout_s=self._timeout_s)
                 except KVCacheError as exc:
-                    counters.save_failures += len(blocks)
+                    counters.save_failures += num_chunks
                     self._report(failed=ids[namespace])
                     if self._breaker.failure():
                         log.warning(
@@ -521,8 +534,11 @@ class WorkerSide:
                     self._report(stored=ids[namespace], group=group)
                 else:
                     self._report(failed=ids[namespace])
-                counters.save_chunks += result.stored
-                counters.save_failures += len(blocks) - result.stored
+                stored_chunks = (
+                    num_chunks if result.stored == len(blocks) else result.stored * num_chunks // len(blocks)
+                )
+                counters.save_chunks += stored_chunks
+                counters.save_failures += num_chunks - stored_chunks
                 counters.save_bytes += result.bytes_sent
         finally:
             self._staging_pool().give_back(buffer)
