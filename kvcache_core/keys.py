@@ -269,7 +269,7 @@ def head_block_key(chunk_key: bytes, first_head: int, num_heads: int, total_head
     """
     if len(chunk_key) != KEY_BYTES:
         raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(chunk_key)}")
-    if not (0 <= first_head and 1 <= num_heads and first_head + num_heads <= total_heads < 2**32):
+    if not (first_head >= 0 and num_heads >= 1 and first_head + num_heads <= total_heads < 2**32):
         raise ValueError(f"head range [{first_head}, {first_head + num_heads}) is not within {total_heads} heads")
     if num_heads == total_heads:
         return bytes(chunk_key)
