@@ -193,3 +193,23 @@ def test_a_state_group_is_refused_at_start_up_naming_it(model_dir: str) -> None:
     )
     with pytest.raises(ValueError, match=r"KV-cache group 1 \(MambaSpec.*recurrent-state"):
         KVConnectorFactory.create_connector(make_vllm_config(model_dir), KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+def test_a_chunk_is_announced_once_every_group_stored_it_and_never_when_one_skipped_it(model_dir: str, server) -> None:
+    # Steps of 56 tokens: chunk 1 is stored by the full group only (see above), so it gets no event.
+    producer = make_engine(
+        model_dir,
+        role="kv_producer",
+        sliding_window=WINDOW,
+        max_num_batched_tokens=56,
+        kv_events=True,
+        extra={"target": server.target},
+    )
+    producer.add("p", PROMPT)
+    producer.run()
+    producer.settle()
+    producer.step()  # collects what the workers heard back
+    events = producer.kvcache_events()
+    # Chunks 0 and 2 have full blocks and both groups' puts; the 4-token tail has no full block.
+    assert [e.token_ids for e in events] == [PROMPT[0:32], PROMPT[64:96]]
+    assert producer.connector.pending_events == 0

@@ -235,7 +235,8 @@ class WorkerSide:
     def _report(self, stored: Sequence[ChunkId] = (), failed: Sequence[ChunkId] = (), group: int = 0) -> None:
         shard = frozenset((group * self._facts.num_shards + self._shard,))
         with self._lock:
-            self._reports.stored.update((chunk, shard) for chunk in stored)
+            for chunk in stored:  # a hybrid model's groups each report the chunk: their streams add up
+                self._reports.stored[chunk] = self._reports.stored.get(chunk, frozenset()) | shard
             self._reports.failed.update(failed)
 
     def drain_counters(self) -> dict[str, int | float] | None:
