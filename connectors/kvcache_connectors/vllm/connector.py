@@ -9,7 +9,7 @@ on the model runner's thread. Each role's work lives in its own module
 
 Scheduler process (role SCHEDULER), per step, in this order:
     get_num_new_matched_tokens(request, num_computed_tokens)
-        One Lookup per shard of the prompt's chunk keys, once per request (the answer is kept
+        One Lookup per namespace (per KV-cache group) of the prompt's chunks, once per request (the answer is kept
         while it waits); returns the tokens beyond vLLM's block-aligned local hit that every
         shard can load, asynchronously (load_async=True whenever there is something to load).
         Never the whole sequence: a full hit loads all tokens but the last.

@@ -3,7 +3,7 @@
 The scheduler-side connector builds one `KVCacheConnectorMetadata` per step; vLLM
 ships it to every worker with the step's SchedulerOutput. It is self-contained (a
 worker keeps no per-request state between steps) and carries each chunk's key in
-every shard's namespace, so a worker needs only its shard index to act on it.
+the keys of every block of it (every shard's heads), so a worker needs only its shard index to act on it.
 
 A hybrid model's request moves one RequestTransfer per KV-cache group: each group has its
 own namespaces, keys and block ids, and a sliding-window group moves only the chunks

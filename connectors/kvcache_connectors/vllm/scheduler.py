@@ -2,8 +2,8 @@
 
 Runs in vLLM's EngineCore process, on the scheduler's thread, once per engine.
 
-    get_num_new_matched_tokens   key the prompt (every group's and shard's namespace), one Lookup
-                                 per namespace (remembered while the request waits), answer with
+    get_num_new_matched_tokens   key the prompt (every group's namespaces), one Lookup per
+                                 namespace (remembered while the request waits), answer with
                                  the tokens beyond vLLM's local hit that can be loaded, asynchronously
     update_state_after_alloc     turn that answer and the allocated blocks into a load
     build_connector_meta         add the saves: chunks whose last token is computed by this step,
@@ -94,19 +94,23 @@ def request_extra(request: Request) -> Extra | None:
 
 
 GroupKeys = tuple[tuple[bytes, ...], ...]
-"""One chunk's keys: [group][shard]."""
+"""One chunk's keys: [group][namespace of the group]."""
 
 
 @dataclass(frozen=True, slots=True)
 class PromptPlan:
-    """A prompt's chunks: each chunk's key in every group's and shard's namespace.
+    """A prompt's chunks: each chunk's key in every group's namespaces.
+
+    A group has one namespace (head-sharded), or one per shard (MLA): [group][n] below. The keys
+    are chunk keys, which chain; the keys of a chunk's stored blocks derive from them
+    (KVFacts.unit_keys).
 
     Attributes:
-        namespaces: Namespace names, [group][shard].
-        keys: keys[i][group][shard] is chunk i's key (the last chunk may be a partial tail).
+        namespaces: Namespace names, [group][n].
+        keys: keys[i][group][n] is chunk i's key (the last chunk may be a partial tail).
         num_tokens: Prompt length.
         chunk_tokens: Tokens per full chunk.
-        roots: Each namespace's fingerprint, [group][shard] (the parent of chunk 0's key).
+        roots: Each namespace's fingerprint, [group][n] (the parent of chunk 0's key).
     """
 
     namespaces: tuple[tuple[str, ...], ...]
@@ -574,7 +578,7 @@ class SchedulerSide:
         return max(found, 0)
 
     def _full_keys(self, tracked: _Tracked, index: int) -> GroupKeys:
-        """Every group's and shard's key of full chunk `index` of the request's sequence (prompt and output)."""
+        """Every group's keys of full chunk `index` of the request's sequence (prompt and output)."""
         plan, c = tracked.plan, tracked.plan.chunk_tokens
         prompt_chunks = plan.num_tokens // c
         if index < prompt_chunks:
