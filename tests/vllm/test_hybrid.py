@@ -27,6 +27,7 @@ from tests.vllm.harness import (
     BLOCK,
     CHUNK,
     LAYER_NAMES,
+    SAMPLED,
     Engine,
     attention_spec,
     bitwise_equal,
@@ -213,3 +214,25 @@ def test_a_chunk_is_announced_once_every_group_stored_it_and_never_when_one_skip
     # Chunks 0 and 2 have full blocks and both groups' puts; the 4-token tail has no full block.
     assert [e.token_ids for e in events] == [PROMPT[0:32], PROMPT[64:96]]
     assert producer.connector.pending_events == 0
+
+
+def test_write_back_in_a_hybrid_model_serves_the_next_turn_as_far_as_every_group_can(model_dir: str, server) -> None:
+    turn1 = make_engine(model_dir, sliding_window=WINDOW, extra={"target": server.target})
+    turn1.add("t1", PROMPT, max_tokens=30)  # 130 tokens, 129 with KV
+    turn1.run(max_steps=60)
+    full, sliding = group_namespaces(turn1)
+    conversation = PROMPT + [SAMPLED] * 30
+    with KVCacheClient(server.target, timeout_s=5) as client:
+        # Chunk 3 [96, 128) was completed by decoding, one token per step: the full group stored it;
+        # by then vLLM had freed its sliding-window block [96, 112), so that group did not.
+        assert client.lookup(full, chunk_keys(conversation, full, include_partial=False)).prefix_length == 4
+        sliding_keys = chunk_keys(conversation, sliding, include_partial=False)
+        assert [client.lookup(sliding, [key]).prefix_length for key in sliding_keys] == [1, 1, 1, 0]
+
+    turn2 = make_engine(model_dir, sliding_window=WINDOW, extra={"target": server.target})
+    turn2.add("c", [*conversation, *range(500, 520)])  # 150 tokens
+    turn2.run(max_steps=60)
+    # A hit at 128 needs sliding block [112, 128) of chunk 3: missing; at 96, block [80, 96) of chunk 2.
+    assert turn2.stats.data["hit_tokens"] == 96
+    assert turn2.computed_positions("c")[:2] == [96, 97]
+    assert_group_kv(turn2, "c", 150)
