@@ -132,3 +132,28 @@ def test_blocks_of_another_granularity_are_a_miss_never_a_misread(model_dir: str
     assert consumer.computed_positions("c") == list(range(100))
     assert consumer.stats.data.get("hit_tokens", 0) == 0
     assert_every_rank_holds_the_prompt(consumer)
+
+
+def test_a_hand_off_between_instances_of_other_block_sizes_is_not_waited_for(
+    model_dir: str, server, caplog: pytest.LogCaptureFixture
+) -> None:
+    producer = run(model_dir, server.target, "kv_producer", 2, "p")
+    params = producer.kv_transfer_params["p"]
+    assert params["kvcache_handoff"]["heads_per_block"] == [1]
+    # A TP=1 consumer on its defaults reads 2-head blocks: the hand-off names none it could load, so
+    # its load does not wait handoff_timeout_s for them; it computes the prompt at once, and says why.
+    consumer = make_engine(
+        model_dir, tp_size=1, role="kv_consumer", extra={"target": server.target, "handoff_timeout_s": 30.0}
+    )
+    consumer.add("c", PROMPT, kv_transfer_params=params)
+    consumer.run(timeout_s=10)
+    assert consumer.computed_positions("c") == list(range(100))
+    assert "set kv_heads_per_block alike on both" in caplog.text
+    # Set alike, the same hand-off loads.
+    matched = make_engine(
+        model_dir, tp_size=1, role="kv_consumer", extra={"target": server.target, "kv_heads_per_block": 1}
+    )
+    matched.add("c", PROMPT, kv_transfer_params=params)
+    matched.run()
+    assert matched.computed_positions("c") == [99]
+    assert_every_rank_holds_the_prompt(matched)

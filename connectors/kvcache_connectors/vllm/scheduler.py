@@ -154,15 +154,18 @@ class _Answer:
     awaited: bool = False
 
 
-def handoff_params(plan: PromptPlan, num_chunks: int) -> dict[str, Any]:
+def handoff_params(plan: PromptPlan, num_chunks: int, heads_per_block: list[int]) -> dict[str, Any]:
     """What a producer tells the consumer of a P/D hand-off: its first num_chunks chunks are saved
-    or being saved. The consumer checks the last key against its own plan of the same prompt."""
-    return {HANDOFF_PARAM: {"chunks": num_chunks, "last_key": plan.keys[num_chunks - 1][0][0].hex()}}
+    or being saved, as blocks of heads_per_block[group] KV heads. The consumer checks the last key
+    against its own plan of the same prompt, and the block sizes against its own."""
+    last_key = plan.keys[num_chunks - 1][0][0].hex()
+    return {HANDOFF_PARAM: {"chunks": num_chunks, "last_key": last_key, "heads_per_block": heads_per_block}}
 
 
-def handed_off_chunks(request: Request, plan: PromptPlan) -> int:
-    """Chunks of the prompt a producer named in the request's kv_transfer_params; 0 when none,
-    or when they are not this plan's (another prompt, namespace or chunk size)."""
+def handed_off_chunks(request: Request, plan: PromptPlan, heads_per_block: list[int]) -> int:
+    """Chunks of the prompt a producer named in the request's kv_transfer_params; 0 when none, when
+    they are not this plan's (another prompt, namespace or chunk size), or when the producer stores
+    blocks of other sizes than this instance reads (waiting for them would be in vain)."""
     params = request.kv_transfer_params
     handoff = params.get(HANDOFF_PARAM) if isinstance(params, dict) else None
     if not isinstance(handoff, dict):
@@ -170,7 +173,19 @@ def handed_off_chunks(request: Request, plan: PromptPlan) -> int:
     chunks, last_key = handoff.get("chunks"), handoff.get("last_key")
     if not isinstance(chunks, int) or not 0 < chunks <= len(plan.keys):
         return 0
-    return chunks if plan.keys[chunks - 1][0][0].hex() == last_key else 0
+    if plan.keys[chunks - 1][0][0].hex() != last_key:
+        return 0
+    theirs = handoff.get("heads_per_block", heads_per_block)
+    if theirs != heads_per_block:
+        log.warning(
+            "kvcache: request %s was prefilled by an instance storing blocks of %s KV heads, this one reads %s; "
+            "set kv_heads_per_block alike on both (docs/vllm.md, Mixed tensor parallelism)",
+            request.request_id,
+            theirs,
+            heads_per_block,
+        )
+        return 0
+    return chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +258,7 @@ class SchedulerSide:
         self._groups = tuple(groups)
         self._facts = self._groups[0]  # the facts all groups share: block size, chunk tokens, shards
         self._null_block = 0  # vLLM's null block (BlockPool.null_block), see bind_block_pool
+        self._heads_per_block = [facts.heads_per_block for facts in self._groups]  # as the hand-off names them
         self._client = client
         self._breaker = breaker
         self._lookup_timeout_s = lookup_timeout_s
@@ -296,7 +312,7 @@ class SchedulerSide:
             stored = self._lookup(plan)
             # A P/D hand-off: the producer's saves of these chunks may still be in flight. Offer
             # them anyway; the asynchronous load waits for them (bounded), then vLLM recomputes.
-            named = handed_off_chunks(request, plan) if self._load else 0
+            named = handed_off_chunks(request, plan, self._heads_per_block) if self._load else 0
             answer = _Answer(plan, max(stored, named), awaited=named > stored)
             self._answers[request.request_id] = answer
         stored = answer.stored_chunks
@@ -437,7 +453,7 @@ class SchedulerSide:
             if saved == full < len(plan.keys) and self._save_partial and not tracked.tail_due:
                 saved += 1
             if saved:
-                params = handoff_params(plan, saved)
+                params = handoff_params(plan, saved, self._heads_per_block)
         return delay_free, params
 
     def _save_final_chunk(self, request: Request, block_ids: Sequence[Sequence[int]], tracked: _Tracked) -> bool:
