@@ -183,7 +183,11 @@ class WorkerSide:
                 )
                 layers.append((cache, layout))
             log.info(
-                "kvcache connector: group %d, %d layers, paged layout %s", f.group, len(layers), layers[0][1].kind.name
+                "kvcache connector: group %d (%s), %d layers, paged layout %s",
+                f.group,
+                "full attention" if f.sliding_window is None else f"sliding window of {f.sliding_window}",
+                len(layers),
+                layers[0][1].kind.name,
             )
         self._layers = groups
 
