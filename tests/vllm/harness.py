@@ -164,13 +164,20 @@ def make_kv_cache_config(
     )
 
 
-def hybrid_kv_cache_config(num_blocks: int, window: int, num_kv_heads: int = KV_HEADS) -> KVCacheConfig:
+def hybrid_kv_cache_config(
+    num_blocks: int, window: int, num_kv_heads: int = KV_HEADS, extra_retained_tokens: int = 0
+) -> KVCacheConfig:
     """A hybrid model's KV-cache config as vLLM's hybrid allocator builds it: layer 0 in a full-attention
     group, layer 1 in a sliding-window group of `window` tokens, both layers' tensors overlaying one
     backing allocation (a block id belongs to one group at a time, so groups share the memory)."""
     full = attention_spec(num_kv_heads=num_kv_heads)
     sliding = SlidingWindowSpec(
-        block_size=BLOCK, num_kv_heads=num_kv_heads, head_size=HEAD, dtype=torch.float16, sliding_window=window
+        block_size=BLOCK,
+        num_kv_heads=num_kv_heads,
+        head_size=HEAD,
+        dtype=torch.float16,
+        sliding_window=window,
+        extra_retained_tokens=extra_retained_tokens,
     )
     page = full.page_size_bytes
     tensors = [
@@ -285,6 +292,7 @@ class StepRecord:
     computed: dict[str, range]  # request id -> positions the fake model computed
     block_ids: dict[str, list[int]]  # request id -> its blocks (of group 0) during the step
     group_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)  # every group's
+    failed_recving: set[str] = field(default_factory=set)  # requests whose load failed (hybrid models)
 
 
 @dataclass
@@ -300,6 +308,7 @@ class Engine:
     configs: Sequence[VllmConfig]
     num_blocks: int = 64
     sliding_window: int | None = None
+    extra_retained_tokens: int = 0
     scheduler: Scheduler = field(init=False)
     workers: list[KVCacheConnector] = field(init=False)
     caches: list[dict[str, torch.Tensor]] = field(init=False)
@@ -312,6 +321,7 @@ class Engine:
     # Workers still to report a request (vLLM's KVOutputAggregator: every worker must report it).
     _sending: collections.Counter[str] = field(default_factory=collections.Counter)
     _recving: collections.Counter[str] = field(default_factory=collections.Counter)
+    _failed_recving: set[str] = field(default_factory=set)
     published: RecordingPublisher = field(default_factory=RecordingPublisher)
 
     def __post_init__(self) -> None:
@@ -319,7 +329,9 @@ class Engine:
         if self.sliding_window is None:
             kv_cache_config = make_kv_cache_config(self.num_blocks, attention_spec(num_kv_heads=heads))
         else:
-            kv_cache_config = hybrid_kv_cache_config(self.num_blocks, self.sliding_window, heads)
+            kv_cache_config = hybrid_kv_cache_config(
+                self.num_blocks, self.sliding_window, heads, self.extra_retained_tokens
+            )
         # More ranks than KV heads: vLLM replicates each head over consecutive ranks.
         kv_cache_config.kv_tp_replicas = max(1, len(self.configs) // KV_HEADS)
         self.kv_cache_config = kv_cache_config
@@ -401,7 +413,12 @@ class Engine:
             if not out.has_sync_kv_loads:
                 worker.start_load_kv(None)
             worker.wait_for_save()
-            finished = worker.get_finished(out.finished_req_ids)
+            # As vLLM's model runner (kv_connector_model_runner_mixin): the transfer results, then the
+            # failed blocks; failed receives are kept until every worker finished the request
+            # (KVOutputAggregator's _failed_recving_pending).
+            results = worker.get_transfer_results(out.finished_req_ids)
+            self._failed_recving |= results.failed_recving
+            finished = (results.finished_sending, results.finished_recving)
             for reported, pending, done in zip(
                 finished, (self._sending, self._recving), (sending, recving), strict=True
             ):
@@ -421,9 +438,12 @@ class Engine:
             elif meta is not None:
                 worker_meta = worker_meta.aggregate(meta)
             worker.clear_connector_metadata()
+        failed_recving = self._failed_recving & recving
+        self._failed_recving -= failed_recving
         kv_output = KVConnectorOutput(
             finished_sending=sending or None,
             finished_recving=recving or None,
+            failed_recving=failed_recving,
             invalid_block_ids=invalid,
             kv_connector_stats=None if worker_stats.is_empty() else worker_stats,
             kv_connector_worker_meta=worker_meta,
@@ -443,7 +463,8 @@ class Engine:
             stats = engine_output.scheduler_stats
             if stats is not None and stats.kv_connector_stats:
                 self.stats.aggregate(KVCacheConnector.build_kv_connector_stats(stats.kv_connector_stats))
-        record = StepRecord(out, invalid, computed, {r: list(b[0]) for r, b in block_ids.items()}, block_ids)
+        group0 = {r: list(b[0]) for r, b in block_ids.items()}
+        record = StepRecord(out, invalid, computed, group0, block_ids, failed_recving)
         self.steps.append(record)
         return record
 
@@ -472,6 +493,10 @@ class Engine:
     def kvcache_events(self, first: int = 0) -> list[Any]:
         """The connector's events (medium KVCACHE) in the batches published since batch `first`."""
         return [e for batch in self.published.batches[first:] for e in batch.events if e.medium == "KVCACHE"]
+
+    def failed_requests(self, first: int = 0) -> set[str]:
+        """Every request reported as failed to load (failed_recving) since step `first`."""
+        return {r for s in self.steps[first:] for r in s.failed_recving}
 
     def invalid_block_ids(self, first: int = 0) -> set[int]:
         """Every block reported as failed to load since step `first`."""
@@ -559,8 +584,16 @@ class Engine:
 
 
 def make_engine(
-    model_dir: str, *, tp_size: int = 1, num_blocks: int = 64, sliding_window: int | None = None, **config: Any
+    model_dir: str,
+    *,
+    tp_size: int = 1,
+    num_blocks: int = 64,
+    sliding_window: int | None = None,
+    extra_retained_tokens: int = 0,
+    **config: Any,
 ) -> Engine:
     """An Engine whose ranks share one configuration (make_vllm_config's keywords); hybrid with a sliding_window."""
     configs = [make_vllm_config(model_dir, tp_size=tp_size, rank=rank, **config) for rank in range(tp_size)]
-    return Engine(configs, num_blocks=num_blocks, sliding_window=sliding_window)
+    return Engine(
+        configs, num_blocks=num_blocks, sliding_window=sliding_window, extra_retained_tokens=extra_retained_tokens
+    )

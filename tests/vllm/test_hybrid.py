@@ -150,25 +150,53 @@ def test_a_chunk_missing_inside_the_window_shortens_the_hit_to_what_every_group_
     assert_group_kv(consumer, "c", 100)
 
 
-def test_a_chunk_whose_window_blocks_vllm_freed_mid_chunk_is_not_saved_for_that_group(model_dir: str, server) -> None:
+def test_a_chunk_whose_first_blocks_vllm_freed_is_saved_from_the_first_block_it_holds(model_dir: str, server) -> None:
     # Steps of 56 tokens: chunk 1 [32, 64) is computed over two steps, and by the second vLLM has
-    # freed the sliding-window block [32, 48) (it holds none of the last 7 tokens before 56). The
-    # connector saves chunk 1 for the full group only: nothing unwritten is ever stored.
+    # freed the sliding-window blocks [32, 48) (they hold none of the last 7 tokens before 56). The
+    # connector saves chunk 1's sliding group from block [48, 64) on: nothing unwritten is ever
+    # stored, and that suffix is all a later hit can need of the chunk.
     producer = produce(model_dir, server.target, step_tokens=56)
     full, sliding = group_namespaces(producer)
     with KVCacheClient(server.target, timeout_s=5) as client:
         assert client.lookup(full, chunk_keys(PROMPT, full)).prefix_length == 4
         sliding_keys = chunk_keys(PROMPT, sliding)
-        assert [client.lookup(sliding, [key]).prefix_length for key in sliding_keys] == [1, 0, 1, 1]
-    # The whole prompt still hits: its window lies in chunks 2 and 3.
+        assert client.lookup(sliding, sliding_keys).prefix_length == 4
+        (suffix,) = client.get_tensors(sliding, sliding_keys[1:2])
+        assert suffix is not None and bitwise_equal(suffix, producer.expected_kv("p", 48, 64, layers=[1]))
+    # The whole prompt hits: its window lies in chunks 2 and 3.
     consumer = consume(model_dir, server.target)
     assert consumer.computed_positions("c") == [99]
     assert_group_kv(consumer, "c", 100)
-    # A prompt sharing only the first 64 tokens: a hit at 64 would need block [48, 64) of the missing
-    # chunk 1, so the hit is 32 tokens (sliding block [16, 32) of chunk 0 is stored).
+    # A prompt sharing only the first 64 tokens: a hit at 64 needs sliding block [48, 64), the suffix.
     other = consume(model_dir, server.target, PROMPT[:64] + list(range(900, 940)))
-    assert other.stats.data["hit_tokens"] == 32
-    assert other.computed_positions("c") == list(range(32, 104))
+    assert other.stats.data["hit_tokens"] == 64
+    assert not other.invalid_block_ids()
+    assert other.computed_positions("c") == list(range(64, 104))
+    assert_group_kv(other, "c", 104)
+
+
+def test_a_stored_suffix_that_does_not_reach_back_far_enough_fails_its_blocks_and_vllm_recomputes(
+    model_dir: str, server
+) -> None:
+    # A consumer whose sliding layers keep 16 more tokens (vLLM's extra_retained_tokens, for multi-token
+    # prediction) shares the namespace but needs [32, 64) of chunk 1 for a hit at 64: the stored suffix
+    # [48, 64) does not reach back to 32, so the load fails instead of leaving those blocks unwritten.
+    # vLLM 0.33 takes no block ids for several groups: the request is reported failed and recomputed whole.
+    produce(model_dir, server.target, step_tokens=56)
+    consumer = make_engine(
+        model_dir,
+        role="kv_consumer",
+        sliding_window=WINDOW,
+        extra_retained_tokens=16,
+        extra={"target": server.target},
+    )
+    consumer.add("c", PROMPT[:64] + list(range(900, 940)))
+    consumer.run()
+    assert consumer.failed_requests() == {"c"} and not consumer.invalid_block_ids()
+    assert consumer.stats.data["load_failures"] == 1  # chunk 1 of the sliding group
+    assert consumer.computed_positions("c") == list(range(104))
+    assert_group_kv(consumer, "c", 104)
+    assert consumer.connector.open_requests == 0
 
 
 def test_hybrid_groups_shard_over_tensor_parallel_ranks(model_dir: str, server) -> None:
@@ -196,8 +224,8 @@ def test_a_state_group_is_refused_at_start_up_naming_it(model_dir: str) -> None:
         KVConnectorFactory.create_connector(make_vllm_config(model_dir), KVConnectorRole.SCHEDULER, kv_cache_config)
 
 
-def test_a_chunk_is_announced_once_every_group_stored_it_and_never_when_one_skipped_it(model_dir: str, server) -> None:
-    # Steps of 56 tokens: chunk 1 is stored by the full group only (see above), so it gets no event.
+def test_a_chunk_is_announced_once_every_group_stored_it(model_dir: str, server) -> None:
+    # Steps of 56 tokens: chunk 1's sliding group is stored from block [48, 64) (see above); it counts.
     producer = make_engine(
         model_dir,
         role="kv_producer",
@@ -211,8 +239,8 @@ def test_a_chunk_is_announced_once_every_group_stored_it_and_never_when_one_skip
     producer.settle()
     producer.step()  # collects what the workers heard back
     events = producer.kvcache_events()
-    # Chunks 0 and 2 have full blocks and both groups' puts; the 4-token tail has no full block.
-    assert [e.token_ids for e in events] == [PROMPT[0:32], PROMPT[64:96]]
+    # Chunks 0..2 have full blocks and both groups' puts; the 4-token tail has no full block.
+    assert [e.token_ids for e in events] == [PROMPT[0:32], PROMPT[32:64], PROMPT[64:96]]
     assert producer.connector.pending_events == 0
 
 
@@ -223,16 +251,19 @@ def test_write_back_in_a_hybrid_model_serves_the_next_turn_as_far_as_every_group
     full, sliding = group_namespaces(turn1)
     conversation = PROMPT + [SAMPLED] * 30
     with KVCacheClient(server.target, timeout_s=5) as client:
-        # Chunk 3 [96, 128) was completed by decoding, one token per step: the full group stored it;
-        # by then vLLM had freed its sliding-window block [96, 112), so that group did not.
+        # Chunk 3 [96, 128) was completed by decoding, one token per step: the full group stored it
+        # whole; by then vLLM had freed its sliding-window block [96, 112), so that group stored the
+        # block it still held, [112, 128).
         assert client.lookup(full, chunk_keys(conversation, full, include_partial=False)).prefix_length == 4
         sliding_keys = chunk_keys(conversation, sliding, include_partial=False)
-        assert [client.lookup(sliding, [key]).prefix_length for key in sliding_keys] == [1, 1, 1, 0]
+        assert client.lookup(sliding, sliding_keys).prefix_length == 4
+        (suffix,) = client.get_tensors(sliding, sliding_keys[3:4])
+        assert suffix is not None and tuple(suffix.shape)[3] == 16
 
     turn2 = make_engine(model_dir, sliding_window=WINDOW, extra={"target": server.target})
     turn2.add("c", [*conversation, *range(500, 520)])  # 150 tokens
     turn2.run(max_steps=60)
-    # A hit at 128 needs sliding block [112, 128) of chunk 3: missing; at 96, block [80, 96) of chunk 2.
-    assert turn2.stats.data["hit_tokens"] == 96
-    assert turn2.computed_positions("c")[:2] == [96, 97]
+    # A hit at 128 needs sliding block [112, 128) of chunk 3: stored. The 22 tokens after it were never.
+    assert turn2.stats.data["hit_tokens"] == 128
+    assert turn2.computed_positions("c") == list(range(128, 150))
     assert_group_kv(turn2, "c", 150)

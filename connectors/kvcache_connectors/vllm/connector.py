@@ -36,8 +36,9 @@ Worker processes (role WORKER):
     wait_for_layer_load(layer_name)             nothing to wait for: loaded requests are not in the batch
     save_kv_layer(layer_name, kv_layer, ...)    nothing: saves are gathered in wait_for_save
     wait_for_save()                             after the forward pass: gather into host staging, queue the put
-    get_finished(finished_req_ids)              requests whose load is done; finished requests whose last
-                                                chunk was copied out
+    get_transfer_results(finished_req_ids)      requests whose load is done (and, for a hybrid model, those
+                                                whose load failed); finished requests whose last chunk was
+                                                copied out
     get_block_ids_with_load_errors()            blocks whose chunk was missing, corrupt or wrong
     build_connector_worker_meta()               chunks whose put the server confirmed or failed, for
                                                 the scheduler side's KV cache events
@@ -67,6 +68,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -218,8 +220,15 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker_side().wait_for_save(self._metadata().saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What vLLM's model runner collects after each step: finished saves and loads, and (for a
+        hybrid model, whose failures cannot be reported as block ids) the loads that failed."""
         sent = self._metadata().sent if self.has_connector_metadata() else ()
-        return self._worker_side().get_finished(sent)
+        sending, received, failed = self._worker_side().get_transfer_results(sent)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()

@@ -32,8 +32,10 @@ class ChunkRef:
         index: Chunk number within the prompt; the chunk covers tokens from index * chunk_tokens.
         keys: The keys of the chunk's stored blocks in the transfer's group: one per block of
             heads_per_block KV heads (head-sharded), or one per shard (MLA); see KVFacts.units.
-        num_tokens: Tokens the stored chunk holds: chunk_tokens, or fewer for a prompt's tail.
-        start: First token to move (absolute position in the request).
+        num_tokens: Tokens of the chunk (those its key names): chunk_tokens, or fewer for a tail.
+        start: First token to move (absolute position in the request). A sliding-window group
+            saves a chunk from the first block vLLM still holds, so its stored block may hold
+            only the chunk's last end - start tokens.
         end: One past the last token to move.
     """
 
@@ -59,7 +61,8 @@ class RequestTransfer:
         request_id: vLLM's request id.
         namespaces: The request's namespace names in the group: one (head-sharded), or one per shard (MLA).
         block_ids: The request's block ids in the group, at least up to the last token moved.
-        chunks: In token order, without gaps.
+        chunks: In token order; without gaps, except where a sliding-window group's save starts a
+            chunk past its freed first blocks.
         wait_s: For a load: how long a worker may keep asking for chunks not stored yet (a P/D
             hand-off whose producer is still writing them); 0 fails a missing chunk at once.
         group: The KV-cache group (vLLM's kv_cache_group_id) whose layers the chunks fill.

@@ -410,6 +410,18 @@ class SchedulerSide:
         recomputed by vLLM; save them again (repairing the entry)."""
         if isinstance(output.kv_connector_worker_meta, StoredChunks):
             self._confirm(output.kv_connector_worker_meta)
+        for request_id in output.failed_recving or ():
+            # A hybrid model's failed load (vLLM recomputes the request from its first token): its
+            # blocks are settled, every chunk is saved again, and a retry is offered nothing.
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:
+                self._settled_failures |= tracked.loaded_blocks.keys()
+                tracked.next_save = 0
+                plan = tracked.plan
+                tracked.tail_due = self._save and self._save_partial and plan.num_tokens % plan.chunk_tokens > 0
+            answer = self._answers.get(request_id)
+            if answer is not None:
+                self._answers[request_id] = _Answer(answer.plan, 0)
         if not output.invalid_block_ids:
             return
         self._settled_failures |= output.invalid_block_ids
@@ -648,9 +660,12 @@ class SchedulerSide:
     ) -> list[RequestTransfer]:
         """The saves of these chunks (keys[j] is chunks[j]'s, [group][shard]): one transfer per group.
 
-        A chunk one of whose blocks a group's table holds as the null block (a sliding-window
-        block vLLM already freed) is not saved for that group: those slots hold no KV of it.
-        A chunk saved in every group gets its BlockStored event.
+        A sliding-window group's table holds the null block where vLLM already freed a block that
+        fell out of the window: such a chunk is saved from its first block vLLM still holds on
+        (a block of the chunk's last tokens only, ChunkRef.start past the chunk's first token).
+        That suffix is all any later hit needs of the chunk: vLLM frees a block only once every
+        later position's window starts after it. A chunk saved in every group gets its
+        BlockStored event.
         """
         bs = self._facts.block_size
         transfers: list[RequestTransfer] = []
@@ -658,12 +673,16 @@ class SchedulerSide:
         for facts, group_blocks in zip(self._groups, block_ids, strict=True):
             refs = []
             for j, chunk in enumerate(chunks):
-                blocks = group_blocks[chunk.start // bs : math.ceil(chunk.end / bs)]
+                first_block = chunk.start // bs
+                blocks = group_blocks[first_block : math.ceil(chunk.end / bs)]
+                start = chunk.start
                 if facts.sliding and self._null_block in blocks:
-                    continue
-                refs.append(
-                    dataclasses.replace(chunk, keys=facts.unit_keys(keys[j][facts.group], facts.heads_per_block))
-                )
+                    freed = max(k for k, block in enumerate(blocks) if block == self._null_block)
+                    start = (first_block + freed + 1) * bs
+                    if start >= chunk.end:
+                        continue
+                keys_j = facts.unit_keys(keys[j][facts.group], facts.heads_per_block)
+                refs.append(dataclasses.replace(chunk, keys=keys_j, start=start))
                 saved_in[j] += 1
             if refs:
                 num_blocks = math.ceil(refs[-1].end / bs)

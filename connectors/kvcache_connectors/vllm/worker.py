@@ -211,19 +211,37 @@ class WorkerSide:
             self._fail_load(job)
 
     def get_finished(self, sent: Sequence[str] = ()) -> tuple[set[str] | None, set[str] | None]:
-        """(finished sending, finished receiving): the given requests whose last save was copied out
-        this step, and the requests whose load ended since the last call (their failed blocks go to
-        get_block_ids_with_load_errors, which vLLM calls right after, in the same pass)."""
+        """(finished sending, finished receiving) of get_transfer_results."""
+        sending, received, _ = self.get_transfer_results(sent)
+        return sending or None, received or None
+
+    def get_transfer_results(self, sent: Sequence[str] = ()) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving): the given requests whose last save
+        was copied out this step, the requests whose load ended since the last call, and those of them
+        whose load failed somewhere.
+
+        With one KV-cache group a failed load is reported by its blocks (get_block_ids_with_load_errors,
+        which vLLM calls right after, in the same pass), and vLLM recomputes from the first failed
+        block; vLLM 0.33 refuses block ids for several groups (they are not unique across groups),
+        so a hybrid model's failed loads are reported as failed requests, which vLLM recomputes whole.
+        """
         with self._lock:
             done, self._done_loads = self._done_loads, []
         received: set[str] = set()
+        failed: set[str] = set()
+        bs = self._facts.block_size
         for job in done:
             self._loading.difference_update(b for t in job.loads for b in t.block_ids)
             self.counters.add(job.counters)
-            self._load_errors |= job.failed
             self._unsettled |= job.failed
+            if len(self._groups) == 1:
+                self._load_errors |= job.failed
+            else:
+                for t in job.loads:
+                    if not job.failed.isdisjoint(t.block_ids[t.start // bs : math.ceil(t.end / bs)]):
+                        failed.add(t.request_id)
             received.update(t.request_id for t in job.loads)
-        return set(sent) or None, received or None
+        return set(sent), received, failed
 
     def take_load_errors(self) -> set[int]:
         """Block ids that failed to load, of the loads get_finished reported."""
@@ -289,9 +307,20 @@ class WorkerSide:
                 namespace = transfer.namespace_for(self._shard)
                 units = self._groups[transfer.group].units(self._shard, transfer.heads_per_block)
                 for position, chunk in enumerate(transfer.chunks):
-                    parts = [fetched.get((namespace, chunk.keys[u])) for u in units]
-                    # A rank's heads, from its blocks of consecutive heads: [L, 2, h, T, D] (MLA: one block).
-                    tensor = None if None in parts else parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
+                    found = [fetched.get((namespace, chunk.keys[u])) for u in units]
+                    parts = [p for p in found if p is not None]
+                    fetched_bytes = sum(p.nbytes for p in parts)
+                    # A block holds the chunk's last T tokens: all of them, or a sliding-window group's
+                    # suffix (saved from the first block vLLM still held), which must reach back to start.
+                    chunk_end = chunk.index * c + chunk.num_tokens
+                    tensor = None
+                    if len(parts) == len(found) and all(chunk_end - p.shape[token_dim] <= chunk.start for p in parts):
+                        count = chunk.end - chunk.start
+                        parts = [
+                            p.narrow(token_dim, chunk.start - chunk_end + p.shape[token_dim], count) for p in parts
+                        ]
+                        # A rank's heads, from its blocks of consecutive heads: [L, 2, h, T, D] (MLA: one block).
+                        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
                     if tensor is None:
                         # This chunk and every later one of the request: vLLM recomputes from the first bad block.
                         job.failed.update(transfer.block_ids[chunk.start // bs : math.ceil(transfer.end / bs)])
@@ -300,11 +329,9 @@ class WorkerSide:
                     b, o = token_slots(transfer.block_ids, chunk.start, chunk.end, bs)
                     blocks.setdefault(transfer.group, []).append(b)
                     offsets.setdefault(transfer.group, []).append(o)
-                    first = chunk.start - chunk.index * c
-                    part = tensor.narrow(token_dim, first, chunk.end - chunk.start)
-                    values.setdefault(transfer.group, []).append(part)
+                    values.setdefault(transfer.group, []).append(tensor)
                     loaded.load_chunks += 1
-                    loaded.load_bytes += tensor.nbytes
+                    loaded.load_bytes += fetched_bytes
             for group, group_values in values.items():
                 self._scatter(
                     group,
@@ -387,8 +414,15 @@ class WorkerSide:
         facts = self._groups[group]
         shape = facts.chunk_shape(chunk.num_tokens, heads=transfer.heads_per_block)
         expected = (self._block_layout(group), DType.from_name(facts.kv_dtype), shape)
-        if (header.layout, header.dtype, header.shape) == expected:
+        got = (header.layout, header.dtype, header.shape)
+        if got == expected:
             return True
+        # A sliding-window group's block may hold only the chunk's last tokens (at least one).
+        dim = self._token_dim(group)
+        if facts.sliding and len(header.shape) == len(shape) and 1 <= header.shape[dim] < chunk.num_tokens:
+            suffix = (*shape[:dim], header.shape[dim], *shape[dim + 1 :])
+            if got == (*expected[:2], suffix):
+                return True
         log.error(
             "kvcache chunk %s refused: %s %s %s, expected %s %s %s",
             key.hex(),
