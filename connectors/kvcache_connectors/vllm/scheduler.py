@@ -30,8 +30,10 @@ longest prefix every group can serve under vLLM's own rule for it. A full-attent
 group needs every chunk before the hit point; a sliding-window group only the blocks
 vLLM keeps allocated below it (KVFacts.needed_from), so an evicted early chunk costs it
 nothing. Loads and saves move one RequestTransfer per group, with that group's blocks;
-a sliding-window group loads only its window, and never saves a chunk one of whose
-blocks vLLM has already freed (the null block), so nothing unwritten is ever stored.
+a sliding-window group loads only its window, and saves a chunk from the first block vLLM
+still holds (it frees those that left the window: the null block in its table), so nothing
+unwritten is ever stored. A hybrid model's failed loads arrive as failed requests
+(failed_recving): vLLM recomputes them whole.
 
 KV cache events (with --kv-events-config): each planned save of a chunk with full
 blocks gets its BlockStored event built at once, from the request as it is then (the
