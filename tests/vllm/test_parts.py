@@ -31,7 +31,7 @@ from kvcache_connectors.vllm import (
     KVCacheConnectorStats,
     RequestTransfer,
 )
-from kvcache_connectors.vllm.namespaces import KVFacts
+from kvcache_connectors.vllm.namespaces import KVFacts, kv_groups
 from kvcache_connectors.vllm.scheduler import request_extra
 from kvcache_connectors.vllm.stats import Counters
 from kvcache_core.breaker import BreakerState, CircuitBreaker
@@ -413,3 +413,26 @@ def test_metadata_survives_pickling_as_vllm_ships_it_to_workers() -> None:
     copy = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
     assert copy == meta
     assert (copy.loads[0].start, copy.loads[0].end) == (40, 64)
+
+
+def test_a_sliding_window_group_needs_only_the_blocks_vllm_keeps_below_a_hit(model_dir: str) -> None:
+    spec = SlidingWindowSpec(
+        block_size=BLOCK,
+        num_kv_heads=2,
+        head_size=HEAD,
+        dtype=torch.float16,
+        sliding_window=40,
+        extra_retained_tokens=3,
+    )
+    config = KVCacheConnectorConfig.from_extra_config({"chunk_tokens": 32}, block_size=BLOCK)
+    (sliding,) = kv_groups(make_vllm_config(model_dir), make_kv_cache_config(8, spec), config)
+    (namespace,) = sliding.namespaces()
+    # A lone sliding-window group (Mistral under vLLM's hybrid allocator) still records its spec.
+    assert dict(namespace.extra)["vllm.kv_group"] == "sliding_window:40" and namespace.num_layers == 2
+    assert (sliding.sliding, sliding.retained_tokens) == (True, 40 - 1 + 3)
+    # vLLM skips the tokens below hit - 42 (SlidingWindowManager.get_num_skipped_tokens) and frees the
+    # blocks wholly among them: the first block needed starts at a block boundary at or below hit - 42.
+    assert [sliding.needed_from(hit) for hit in (0, 42, 57, 58, 100)] == [0, 0, 0, 16, 48]
+    (full,) = kv_groups(make_vllm_config(model_dir), make_kv_cache_config(8), config)
+    assert not full.sliding and full.needed_from(1000) == 0
+    assert "vllm.kv_group" not in dict(full.namespaces()[0].extra)  # one full group: the namespace it always had
