@@ -165,7 +165,11 @@ def make_kv_cache_config(
 
 
 def hybrid_kv_cache_config(
-    num_blocks: int, window: int, num_kv_heads: int = KV_HEADS, extra_retained_tokens: int = 0
+    num_blocks: int,
+    window: int,
+    num_kv_heads: int = KV_HEADS,
+    extra_retained_tokens: int = 0,
+    all_sliding: bool = False,
 ) -> KVCacheConfig:
     """A hybrid model's KV-cache config as vLLM's hybrid allocator builds it: layer 0 in a full-attention
     group, layer 1 in a sliding-window group of `window` tokens, both layers' tensors overlaying one
@@ -180,6 +184,8 @@ def hybrid_kv_cache_config(
         extra_retained_tokens=extra_retained_tokens,
     )
     page = full.page_size_bytes
+    if all_sliding:  # every layer slides (Mistral): one group, as vLLM builds it
+        return make_kv_cache_config(num_blocks, sliding)
     tensors = [
         KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=page * num_blocks, block_stride=page)
         for name in LAYER_NAMES
@@ -309,6 +315,7 @@ class Engine:
     num_blocks: int = 64
     sliding_window: int | None = None
     extra_retained_tokens: int = 0
+    all_sliding: bool = False
     scheduler: Scheduler = field(init=False)
     workers: list[KVCacheConnector] = field(init=False)
     caches: list[dict[str, torch.Tensor]] = field(init=False)
@@ -330,7 +337,7 @@ class Engine:
             kv_cache_config = make_kv_cache_config(self.num_blocks, attention_spec(num_kv_heads=heads))
         else:
             kv_cache_config = hybrid_kv_cache_config(
-                self.num_blocks, self.sliding_window, heads, self.extra_retained_tokens
+                self.num_blocks, self.sliding_window, heads, self.extra_retained_tokens, self.all_sliding
             )
         # More ranks than KV heads: vLLM replicates each head over consecutive ranks.
         kv_cache_config.kv_tp_replicas = max(1, len(self.configs) // KV_HEADS)
@@ -549,7 +556,7 @@ class Engine:
 
     def group_of(self, layer: int) -> int:
         """The KV-cache group of a layer (0 unless the model is hybrid: then layer 1 is group 1)."""
-        return 0 if self.sliding_window is None else layer
+        return 0 if len(self.kv_cache_config.kv_cache_groups) == 1 else layer
 
     def last_block_ids(self, request_id: str, group: int = 0) -> list[int]:
         """The request's blocks in the last step that scheduled it (still holding its KV after it finished)."""
@@ -590,10 +597,15 @@ def make_engine(
     num_blocks: int = 64,
     sliding_window: int | None = None,
     extra_retained_tokens: int = 0,
+    all_sliding: bool = False,
     **config: Any,
 ) -> Engine:
     """An Engine whose ranks share one configuration (make_vllm_config's keywords); hybrid with a sliding_window."""
     configs = [make_vllm_config(model_dir, tp_size=tp_size, rank=rank, **config) for rank in range(tp_size)]
     return Engine(
-        configs, num_blocks=num_blocks, sliding_window=sliding_window, extra_retained_tokens=extra_retained_tokens
+        configs,
+        num_blocks=num_blocks,
+        sliding_window=sliding_window,
+        extra_retained_tokens=extra_retained_tokens,
+        all_sliding=all_sliding,
     )

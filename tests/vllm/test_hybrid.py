@@ -267,3 +267,30 @@ def test_write_back_in_a_hybrid_model_serves_the_next_turn_as_far_as_every_group
     assert turn2.stats.data["hit_tokens"] == 128
     assert turn2.computed_positions("c") == list(range(128, 150))
     assert_group_kv(turn2, "c", 150)
+
+
+def test_a_model_whose_every_layer_slides_needs_only_the_window_of_the_hit(model_dir: str, server) -> None:
+    # One sliding-window group over both layers (Mistral under vLLM's hybrid allocator): no group
+    # needs the chunks before the window, so evicted early chunks cost nothing.
+    producer = make_engine(
+        model_dir, role="kv_producer", sliding_window=WINDOW, all_sliding=True, extra={"target": server.target}
+    )
+    producer.add("p", PROMPT)
+    producer.run()
+    (sliding,) = (facts.namespaces()[0] for facts in producer.connector._scheduler._groups)
+    assert dict(sliding.extra)["vllm.kv_group"] == f"sliding_window:{WINDOW}"
+    with KVCacheClient(server.target, timeout_s=5) as client:
+        assert client.delete(sliding, chunk_keys(PROMPT, sliding)[:2]) == 2
+    consumer = make_engine(
+        model_dir, role="kv_consumer", sliding_window=WINDOW, all_sliding=True, extra={"target": server.target}
+    )
+    consumer.add("c", PROMPT)
+    consumer.run()
+    assert consumer.computed_positions("c") == [99]
+    assert consumer.stats.data["load_chunks"] == 2  # the window before 99: blocks from 80, chunks 2 and 3
+    table = consumer.last_block_ids("c")
+    held = [b for b in range(len(table)) if table[b] != 0]
+    assert held[0] * BLOCK <= 100 - WINDOW and held[-1] == 6  # the window before 100 is held
+    for b in held:
+        start, stop = b * BLOCK, min(100, b * BLOCK + BLOCK)
+        assert bitwise_equal(consumer.paged_kv("c", start, stop), consumer.expected_kv("c", start, stop)), b
