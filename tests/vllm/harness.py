@@ -11,6 +11,10 @@ and a value loaded into the wrong slot can never match by accident.
 
 The fake model writes and reads the paged tensors with its own per-token indexing
 (`write_token` / `read_token`), independent of the connector's layout code.
+
+Longer than the project's ~500-line module guideline: the engine replays vLLM's whole step (scheduler,
+every rank's connector hooks, the output aggregation) for plain, hybrid and tensor-parallel models, and
+every vLLM test file builds on the same one.
 """
 
 from __future__ import annotations

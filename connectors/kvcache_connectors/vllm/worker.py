@@ -47,8 +47,8 @@ any later kernel), so the blocks may be freed and reused as soon as the step end
 a finished request's last chunk, saved in the step after it finished, holds its blocks
 (request_finished delays their free until get_finished reports the request as sent).
 
-Longer than the project's ~500-line module guideline by a little: loads and saves share the staging,
-the unsettled-block bookkeeping and the job threads, which are kept in one place on purpose.
+Longer than the project's ~500-line module guideline: loads and saves of every KV-cache group share the
+staging, the unsettled-block bookkeeping and the job threads, which are kept in one place on purpose.
 """
 
 from __future__ import annotations
