@@ -81,7 +81,7 @@ def decode_worker(
     with KVCacheClient(target, timeout_s=60) as client, torch.no_grad():
         connector = TransformersKVConnector(client, namespace_for_model(model, chunk_tokens=chunk_tokens))
         start = time.perf_counter()
-        cache, loaded = connector.load(prompt, device=model.device)
+        cache, loaded = connector.load(prompt, device=model.device, config=model.config)
         load_s = time.perf_counter() - start
         start = time.perf_counter()
         out = model.generate(

@@ -73,7 +73,7 @@ def main() -> int:
             plain = greedy(model, prompt, cache=None, cached_tokens=0, new_tokens=args.new_tokens)
 
             start = time.perf_counter()
-            cache, loaded = connector.load(prompt, device=model.device)
+            cache, loaded = connector.load(prompt, device=model.device, config=model.config)
             load_s = time.perf_counter() - start
             cached = greedy(model, prompt, cache=cache, cached_tokens=loaded, new_tokens=args.new_tokens)
             cached_ttft_s = load_s + cached.ttft_s  # greedy() times the forward pass only

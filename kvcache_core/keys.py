@@ -34,6 +34,12 @@ MLA_LAYOUT = "kvcache.mla"
 
 LAYOUT_VERSION = 1
 
+HEADS_LAYOUT_VERSION = 2
+"""`kvcache.canonical` v2, head-sharded: a namespace holds all of a model's KV heads (tp fields 1 and 0),
+and each chunk is stored as blocks of consecutive heads under head_block_key (docs/keys.md)."""
+
+_HEADS_DOMAIN = b"kvcache.heads.v1\x00"
+
 _NAMESPACE_DOMAIN = b"kvcache.ns.v1\x00"
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -249,6 +255,25 @@ def chunk_keys(
         parent = xxhash.xxh3_128_digest(parent + struct.pack("<I", n) + data[4 * start : 4 * (start + n)])
         keys.append(parent)
     return keys
+
+
+def head_block_key(chunk_key: bytes, first_head: int, num_heads: int, total_heads: int) -> bytes:
+    """Key of heads [first_head, first_head + num_heads) of a chunk in a head-sharded namespace.
+
+    A block of all `total_heads` heads is the chunk itself, under the chunk's own key; any other
+    head range gets H("kvcache.heads.v1\\0" || chunk_key || u32le(first_head) || u32le(num_heads)),
+    so blocks of different ranges never share a key (docs/keys.md, "Head-sharded namespaces").
+
+    Raises:
+        ValueError: a key that is not 16 bytes, or a head range outside [0, total_heads).
+    """
+    if len(chunk_key) != KEY_BYTES:
+        raise ValueError(f"chunk key must be {KEY_BYTES} bytes, got {len(chunk_key)}")
+    if not (first_head >= 0 and num_heads >= 1 and first_head + num_heads <= total_heads < 2**32):
+        raise ValueError(f"head range [{first_head}, {first_head + num_heads}) is not within {total_heads} heads")
+    if num_heads == total_heads:
+        return bytes(chunk_key)
+    return xxhash.xxh3_128_digest(_HEADS_DOMAIN + bytes(chunk_key) + struct.pack("<II", first_head, num_heads))
 
 
 def validate_key(key: bytes) -> None:

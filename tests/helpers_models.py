@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, DynamicCache, PreTrainedModel
+from transformers import AutoModelForCausalLM, DynamicCache, MistralConfig, MistralForCausalLM, PreTrainedModel
 
 from examples.make_random_model import make_random_model
 from kvcache_client import KVCacheClient
@@ -32,6 +32,31 @@ VOCAB = 4096
 def write_small_model(folder: Path) -> str:
     """The small random Llama (float32, seed 0) saved to `folder`; returns the path to load."""
     return str(make_random_model(folder, size="small", dtype="float32", seed=0))
+
+
+SLIDING_WINDOW = 8
+"""Window of the sliding-window model: shorter than every prompt its tests run."""
+
+
+def write_sliding_window_model(folder: Path) -> str:
+    """A small random-weight Mistral whose every layer attends to a window of SLIDING_WINDOW tokens
+    (float32, seed 0), saved to `folder` as a user's checkpoint is; returns the path to load."""
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=SLIDING_WINDOW,
+        max_position_embeddings=1024,
+        initializer_range=0.2,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    MistralForCausalLM(config).eval().save_pretrained(folder)
+    return str(folder)
 
 
 def load_model(path: str) -> PreTrainedModel:
@@ -99,7 +124,7 @@ def decode_worker(
     with KVCacheClient(target, timeout_s=30) as client:
         connector = TransformersKVConnector(client, namespace_for_model(model, chunk_tokens=chunk_tokens))
         for prompt in prompts:
-            cache, loaded = connector.load(prompt)
+            cache, loaded = connector.load(prompt, config=model.config)  # the model's own cache layers
             out = generate(model, prompt, new_tokens, cache)
             results.append({"loaded": loaded, "tokens": out.tokens, "first_logits": out.first_logits.tolist()})
     return {"pid": os.getpid(), "results": results}

@@ -21,6 +21,7 @@ from kvcache_client import KVCacheClient, Namespace, chunk_keys, encode_block
 from kvcache_client._cli.bench import percentile
 from kvcache_client._cli.render import hit_ratio, human_bytes, human_duration
 from kvcache_client.cli import EXIT_CODES, main
+from kvcache_core.keys import HEADS_LAYOUT_VERSION
 from kvcache_server.auth import token_digest
 from tests.backends import free_port, make_certs
 from tests.conftest import ServerThread, raw_block
@@ -218,6 +219,21 @@ def test_lookup_of_a_tokens_file(capsys: pytest.CaptureFixture[str], server: Ser
         "tiers": ["ram", "ram"],
         "keys": [k.hex() for k in keys],
     }
+
+
+def test_lookup_of_a_head_sharded_namespace(
+    capsys: pytest.CaptureFixture[str], server: ServerThread, tmp_path: Path
+) -> None:
+    tokens = list(range(300))
+    v2 = dataclasses.replace(NS, layout_version=HEADS_LAYOUT_VERSION)
+    with KVCacheClient(server.target) as client:
+        client.put_many(v2, [(k, raw_block(k, b"kv")) for k in chunk_keys(tokens, v2)])
+    (tmp_path / "tokens.json").write_text(json.dumps(tokens))
+    args = ["--json", "lookup", *NAMESPACE_ARGS, "--tokens-file", str(tmp_path / "tokens.json")]
+    code, out, _ = run(capsys, server, *args, "--layout-version", str(HEADS_LAYOUT_VERSION))
+    assert (code, json.loads(out)["namespace"], json.loads(out)["prefix_chunks"]) == (0, v2.name, 2)
+    code, out, _ = run(capsys, server, *args)  # version 1: another namespace, nothing there
+    assert (code, json.loads(out)["prefix_chunks"]) == (0, 0)
 
 
 def test_lookup_reads_stdin_and_require_hit_exits_1_on_no_hit(server: ServerThread) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.cache_utils import Cache, DynamicSlidingWindowLayer
 
 from examples._support import random_prompt
@@ -95,14 +95,6 @@ def test_namespace_of_a_model_built_in_memory() -> None:
         namespace_for_model(model)
     ns = namespace_for_model(model, model_id="mem/llama", chunk_tokens=8)
     assert (ns.kv_dtype, ns.num_layers, ns.num_kv_heads, ns.head_size) == ("bfloat16", 3, 4, 16)
-
-
-def test_namespace_refuses_sliding_window_models() -> None:
-    config = MistralConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, sliding_window=32)
-    with torch.device("meta"):
-        model = MistralForCausalLM(config)
-    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer"):
-        namespace_for_model(model, model_id="mem/mistral")
 
 
 def test_cache_kwargs_names_the_cache_argument(model: LlamaForCausalLM) -> None:

@@ -44,7 +44,7 @@ from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, DEFAULT_TARGET, KVC
 from kvcache_client.connection import TOKEN_ENV, TLSConfig, make_channel
 from kvcache_client.errors import DeadlineExceeded, KVCacheError, RPCError, Unavailable, from_rpc_error
 from kvcache_core.format import BlockFormatError, decode_block, encode_block, verify_block
-from kvcache_core.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace, chunk_keys
+from kvcache_core.keys import CANONICAL_LAYOUT, HEADS_LAYOUT_VERSION, LAYOUT_VERSION, MLA_LAYOUT, Namespace, chunk_keys
 
 EXIT_CODES = f"""\
 exit codes:
@@ -111,6 +111,7 @@ def _namespace(args: argparse.Namespace) -> Namespace:
             model_revision=args.model_revision,
             cache_salt=args.cache_salt,
             layout=args.layout,
+            layout_version=args.layout_version,
             extra=dict(args.extra),
         )
     except ValueError as exc:
@@ -345,6 +346,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=[CANONICAL_LAYOUT, MLA_LAYOUT],
         default=CANONICAL_LAYOUT,
         help="KV layout of the blocks (default %(default)s)",
+    )
+    model.add_argument(
+        "--layout-version",
+        type=int,
+        default=LAYOUT_VERSION,
+        metavar="V",
+        help=f"layout version; {HEADS_LAYOUT_VERSION}: head-sharded, as the vLLM and transformers connectors store "
+        "(default %(default)s)",
     )
     model.add_argument(
         "--extra",

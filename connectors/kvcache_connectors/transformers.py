@@ -31,8 +31,19 @@ malformed or unauthorized raises: that is a configuration bug, and hiding it wou
 hit rate. `save` raises the SDK's error (a `KVCacheError`): in P/D disaggregation the prefill worker
 must know that its hand-off failed. `save` never modifies the cache, so generation can go on with it.
 
-Limits: batch size 1; full-attention layers only (`DynamicLayer`). Sliding-window, linear-attention,
-quantized and static caches are refused with ValueError rather than stored in a form nobody can read.
+Sliding-window and hybrid models (Mistral, Qwen2 with `use_sliding_window`, Gemma2/3, any mixed
+`layer_types` of full and sliding attention). A token's K and V do not depend on the window, only the
+attention that reads them does; so a chunk holds every layer's KV of every token, in the same
+canonical layout as any model. Saving needs a cache that kept every token in every layer: prefill
+with a plain `DynamicCache()` (its layers are full `DynamicLayer`s; the model's masks still apply the
+window), not the model's own cache, whose `DynamicSlidingWindowLayer`s drop what falls out of the
+window (such a cache is refused with ValueError naming the layer). `load(..., config=model.config)`
+rebuilds the model's own cache layers: its sliding-window layers keep only their window, as after
+the model's own prefill.
+
+Limits: batch size 1; full-attention (`DynamicLayer`) and sliding-window (`DynamicSlidingWindowLayer`)
+layers only. Linear-attention or recurrent-state layers, quantized, offloaded and static caches are
+refused with ValueError rather than stored in a form nobody can read.
 """
 
 from __future__ import annotations
@@ -45,14 +56,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvcache_client import DeadlineExceeded, KVCacheClient, Namespace, ResourceExhausted, Unavailable
 from kvcache_core.format import DType
-from kvcache_core.keys import CANONICAL_LAYOUT
+from kvcache_core.keys import CANONICAL_LAYOUT, HEADS_LAYOUT_VERSION
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedModel
+    from transformers import PretrainedConfig, PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +98,8 @@ def namespace_for_model(
     """The namespace of a model's KV: equal in every process that loads the same checkpoint.
 
     Args:
-        model: A causal LM whose cache is made of full-attention DynamicLayers (Llama, Qwen2, ...).
+        model: A causal LM whose cache layers are full-attention or sliding-window ones (Llama, Qwen2,
+            Mistral, Gemma2/3, mixed `layer_types`, ...).
         model_id: Identity of the weights; defaults to `config._name_or_path`, i.e. the hub id or the
             path given to `from_pretrained`. Pass one when that path differs between processes (a
             relative path, a copy on another machine) or for a model built in memory.
@@ -97,7 +109,7 @@ def namespace_for_model(
 
     Raises:
         ValueError: The model has no usable id, a dtype kvcache cannot store, or a cache structure
-            this connector does not support (sliding window, linear attention, shared KV).
+            this connector does not support (linear attention or recurrent state, shared KV).
     """
     config = model.config
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -106,12 +118,15 @@ def namespace_for_model(
         raise ValueError("the model has no config._name_or_path (built in memory?): pass model_id=")
     revision = model_revision if model_revision is not None else (getattr(config, "_commit_hash", None) or "")
     kv_dtype = _dtype_name(model.dtype)
-    # The layers generate() would build for this config: anything but a plain DynamicLayer keeps
-    # something other than one K and one V per token (a window, a recurrent state, nothing at all).
+    # The layers generate() would build for this config: anything but a full or sliding-window layer
+    # keeps something other than one K and one V per token (a recurrent state, nothing at all).
     probe = DynamicCache(config=config)
-    unsupported = sorted({type(layer).__name__ for layer in probe.layers if type(layer) is not DynamicLayer})
+    unsupported = sorted({type(layer).__name__ for layer in probe.layers if type(layer) not in _KV_LAYERS})
     if unsupported:
-        raise ValueError(f"unsupported cache layers {unsupported}: only full-attention DynamicLayer caches are stored")
+        raise ValueError(
+            f"unsupported cache layers {unsupported}: only full-attention (DynamicLayer) and sliding-window "
+            "(DynamicSlidingWindowLayer) layers hold one K and one V per token"
+        )
     if len(probe.layers) != text.num_hidden_layers:  # layers sharing another's KV (older transformers drop them)
         raise ValueError(
             f"{len(probe.layers)} cache layers for {text.num_hidden_layers} layers: shared KV is unsupported"
@@ -127,9 +142,8 @@ def namespace_for_model(
         num_layers=text.num_hidden_layers,
         num_kv_heads=num_kv_heads,
         head_size=head_size,
-        tp_size=1,
-        tp_rank=0,
         cache_salt=cache_salt,
+        layout_version=HEADS_LAYOUT_VERSION,  # all heads of an unsharded model: one block per chunk
     )
 
 
@@ -153,7 +167,7 @@ def chunks_from_cache(cache: Cache, start: int, end: int, chunk_tokens: int) -> 
     """
     if start % chunk_tokens:
         raise ValueError(f"start {start} is not a multiple of chunk_tokens {chunk_tokens}")
-    layers = _full_attention_layers(cache)
+    layers = _kv_layers(cache)
     seq = layers[0][0].shape[2]
     if not 0 <= start <= end <= seq:
         raise ValueError(f"tokens [{start}, {end}) are not in a cache of {seq} tokens")
@@ -165,12 +179,18 @@ def chunks_from_cache(cache: Cache, start: int, end: int, chunk_tokens: int) -> 
 
 
 def cache_from_chunks(
-    chunks: Sequence[torch.Tensor], num_tokens: int, *, device: torch.device | str | None = None
+    chunks: Sequence[torch.Tensor],
+    num_tokens: int,
+    *,
+    device: torch.device | str | None = None,
+    config: PretrainedConfig | None = None,
 ) -> DynamicCache:
     """A DynamicCache holding the first `num_tokens` tokens of consecutive canonical chunks.
 
     Tokens past `num_tokens` (in the last chunk used) are left out, the same result as building the
-    whole cache and calling `cache.crop`, without copying them.
+    whole cache and calling `cache.crop`, without copying them. With the model's `config`, the cache
+    has the model's own layers: a sliding-window layer then keeps the last `sliding_window - 1` tokens,
+    exactly what the model's prefill of those tokens leaves; without it every layer keeps every token.
     """
     if not chunks:
         raise ValueError("no chunks")
@@ -189,7 +209,9 @@ def cache_from_chunks(
             break
     if device is not None:
         full = full.to(device)
-    cache = DynamicCache()
+    cache = DynamicCache() if config is None else DynamicCache(config=config)
+    if config is not None and len(cache.layers) != num_layers:
+        raise ValueError(f"the config makes {len(cache.layers)} cache layers, the chunks hold {num_layers}")
     for layer in range(num_layers):
         cache.update(full[layer, 0].unsqueeze(0), full[layer, 1].unsqueeze(0), layer)
     return cache
@@ -289,7 +311,13 @@ class TransformersKVConnector:
         self.stats.bytes_saved += result.bytes_sent
         return result.stored
 
-    def load(self, input_ids: TokenIds, *, device: torch.device | str | None = None) -> tuple[DynamicCache | None, int]:
+    def load(
+        self,
+        input_ids: TokenIds,
+        *,
+        device: torch.device | str | None = None,
+        config: PretrainedConfig | None = None,
+    ) -> tuple[DynamicCache | None, int]:
         """A cache holding the longest stored prefix of `input_ids`, at most len(input_ids) - 1 tokens.
 
         One round trip fetches the chunks covering the first len - 1 tokens up to the first one
@@ -299,6 +327,8 @@ class TransformersKVConnector:
         Args:
             input_ids: The prompt.
             device: Where the cache's tensors go (the model's device); CPU by default.
+            config: The model's config, to build the model's own cache layers (a sliding-window
+                layer keeps only its window); None keeps every token in every layer.
 
         Returns:
             (cache, n): the KV of tokens [0, n), ready for `model.generate(input_ids, cache=cache)`
@@ -323,7 +353,7 @@ class TransformersKVConnector:
         if not chunks:
             return None, 0
         num_tokens = min(limit, sum(c.shape[3] for c in chunks))
-        cache = cache_from_chunks(chunks, num_tokens, device=device)
+        cache = cache_from_chunks(chunks, num_tokens, device=device, config=config)
         self.stats.load_hits += 1
         self.stats.tokens_loaded += num_tokens
         self.stats.chunks_loaded += len(chunks)
@@ -362,7 +392,7 @@ class TransformersKVConnector:
 
     def _check_cache(self, cache: Cache, num_tokens: int) -> None:
         ns = self.namespace
-        layers = _full_attention_layers(cache)
+        layers = _kv_layers(cache)
         if len(layers) != ns.num_layers:
             raise ValueError(f"the cache has {len(layers)} layers, the namespace {ns.num_layers}")
         keys = layers[0][0]
@@ -380,17 +410,30 @@ class TransformersKVConnector:
             raise ValueError(f"the cache holds {seq} tokens, fewer than the {num_tokens} to save")
 
 
-def _full_attention_layers(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's (keys, values), all of one shape, refusing any layer that is not a plain DynamicLayer."""
+_KV_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+"""Cache layers that hold one K and one V per token (a sliding-window one, of the tokens in its window)."""
+
+
+def _kv_layers(cache: Cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (keys, values) of every token, all of one shape; refuses a layer of another kind,
+    and a sliding-window layer that has dropped tokens (its chunks would miss their beginning)."""
     layers = getattr(cache, "layers", None)
     if not layers:
         raise ValueError(f"{type(cache).__name__} has no layers (empty, or not a transformers Cache)")
     out = []
     for i, layer in enumerate(layers):
-        if type(layer) is not DynamicLayer:
-            raise ValueError(f"layer {i} is a {type(layer).__name__}: only full-attention DynamicLayer is stored")
+        if type(layer) not in _KV_LAYERS:
+            raise ValueError(
+                f"layer {i} is a {type(layer).__name__}: only DynamicLayer and DynamicSlidingWindowLayer are stored"
+            )
         if layer.keys is None or layer.keys.dim() != 4:
             raise ValueError(f"layer {i} holds no KV")
+        if isinstance(layer, DynamicSlidingWindowLayer) and layer.keys.shape[2] < layer.cumulative_length:
+            raise ValueError(
+                f"layer {i} is a DynamicSlidingWindowLayer (window {layer.sliding_window}) that kept only its last "
+                f"{layer.keys.shape[2]} of {layer.cumulative_length} tokens: save from a cache that keeps every "
+                "token, e.g. prefill with DynamicCache() instead of the model's own cache"
+            )
         out.append((layer.keys.detach(), layer.values.detach()))
     shape = out[0][0].shape
     for i, (k, v) in enumerate(out):

@@ -11,6 +11,10 @@ and a value loaded into the wrong slot can never match by accident.
 
 The fake model writes and reads the paged tensors with its own per-token indexing
 (`write_token` / `read_token`), independent of the connector's layout code.
+
+Longer than the project's ~500-line module guideline: the engine replays vLLM's whole step (scheduler,
+every rank's connector hooks, the output aggregation) for plain, hybrid and tensor-parallel models, and
+every vLLM test file builds on the same one.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheGroupSpec,
     KVCacheTensor,
     MLAAttentionSpec,
+    SlidingWindowSpec,
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -55,7 +60,7 @@ from vllm.v1.structured_output import StructuredOutputManager
 from vllm.v1.worker.utils import allocate_kv_cache
 
 from kvcache_connectors.vllm import KVCacheConnector, KVCacheConnectorStats
-from kvcache_core.keys import Namespace
+from kvcache_core.keys import HEADS_LAYOUT_VERSION, Namespace
 
 BLOCK = 16
 NUM_LAYERS = 2
@@ -163,11 +168,46 @@ def make_kv_cache_config(
     )
 
 
+def hybrid_kv_cache_config(
+    num_blocks: int,
+    window: int,
+    num_kv_heads: int = KV_HEADS,
+    extra_retained_tokens: int = 0,
+    all_sliding: bool = False,
+) -> KVCacheConfig:
+    """A hybrid model's KV-cache config as vLLM's hybrid allocator builds it: layer 0 in a full-attention
+    group, layer 1 in a sliding-window group of `window` tokens, both layers' tensors overlaying one
+    backing allocation (a block id belongs to one group at a time, so groups share the memory)."""
+    full = attention_spec(num_kv_heads=num_kv_heads)
+    sliding = SlidingWindowSpec(
+        block_size=BLOCK,
+        num_kv_heads=num_kv_heads,
+        head_size=HEAD,
+        dtype=torch.float16,
+        sliding_window=window,
+        extra_retained_tokens=extra_retained_tokens,
+    )
+    page = full.page_size_bytes
+    if all_sliding:  # every layer slides (Mistral): one group, as vLLM builds it
+        return make_kv_cache_config(num_blocks, sliding)
+    tensors = [
+        KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=page * num_blocks, block_stride=page)
+        for name in LAYER_NAMES
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[KVCacheGroupSpec([LAYER_NAMES[0]], full), KVCacheGroupSpec([LAYER_NAMES[1]], sliding)],
+        kv_cache_layout=KVCacheLayout.LBNHC.name,
+    )
+
+
 def allocate_caches(
     kv_cache_config: KVCacheConfig, layout: KVCacheLayout, kernel_block_size: int = BLOCK
 ) -> dict[str, torch.Tensor]:
     """Per-layer paged tensors exactly as vLLM 0.33's model runner allocates and views them."""
-    return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, [kernel_block_size])
+    kernel_block_sizes = [kernel_block_size] * len(kv_cache_config.kv_cache_groups)
+    return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, kernel_block_sizes)
 
 
 @dataclass(frozen=True)
@@ -183,36 +223,28 @@ class StandInAttention:
 def make_worker(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> KVCacheConnector:
     """A worker-side connector; layers not yet in the static forward context get the GPU default backend
     (FlashAttention, FlashMLA for MLA), whose layout allocate_caches' tensors have."""
-    spec = kv_cache_config.kv_cache_groups[0].kv_cache_spec
-    backend = FlashMLABackend if isinstance(spec, MLAAttentionSpec) else FlashAttentionBackend
     context = vllm_config.compilation_config.static_forward_context
-    for name in kv_cache_config.kv_cache_groups[0].layer_names:
-        context.setdefault(name, StandInAttention(backend))
+    for group in kv_cache_config.kv_cache_groups:
+        mla = isinstance(group.kv_cache_spec, MLAAttentionSpec)
+        for name in group.layer_names:
+            context.setdefault(name, StandInAttention(FlashMLABackend if mla else FlashAttentionBackend))
     connector = KVConnectorFactory.create_connector(vllm_config, KVConnectorRole.WORKER, kv_cache_config)
     assert isinstance(connector, KVCacheConnector)
     return connector
 
 
-def expected_namespace(
-    model_dir: str,
-    *,
-    cache_salt: str = "",
-    tp_size: int = 1,
-    tp_rank: int = 0,
-    num_kv_heads: int = KV_HEADS,
-    chunk_tokens: int = CHUNK,
-) -> Namespace:
-    """The namespace docs/vllm.md promises for the tiny model, spelled out field by field."""
+def expected_namespace(model_dir: str, *, cache_salt: str = "", chunk_tokens: int = CHUNK) -> Namespace:
+    """The namespace docs/vllm.md promises for the tiny model, spelled out field by field: head-sharded
+    (kvcache.canonical v2), all KV heads, whatever the TP size."""
     return Namespace(
         model_id=model_dir,
         kv_dtype="float16",
         chunk_tokens=chunk_tokens,
         num_layers=NUM_LAYERS,
-        num_kv_heads=num_kv_heads,
+        num_kv_heads=KV_HEADS,
         head_size=HEAD,
-        tp_size=tp_size,
-        tp_rank=tp_rank,
         cache_salt=cache_salt,
+        layout_version=HEADS_LAYOUT_VERSION,
     )
 
 
@@ -268,7 +300,9 @@ class StepRecord:
     output: SchedulerOutput
     invalid_block_ids: set[int]
     computed: dict[str, range]  # request id -> positions the fake model computed
-    block_ids: dict[str, list[int]]  # request id -> its blocks during the step
+    block_ids: dict[str, list[int]]  # request id -> its blocks (of group 0) during the step
+    group_block_ids: dict[str, tuple[list[int], ...]] = field(default_factory=dict)  # every group's
+    failed_recving: set[str] = field(default_factory=set)  # requests whose load failed (hybrid models)
 
 
 @dataclass
@@ -277,13 +311,19 @@ class Engine:
     caches (rank r holds KV heads r*h .. r*h+h-1), and a fake model.
 
     Build it with `make_engine`; `configs[r]` is rank r's VllmConfig (configs[0] builds the scheduler).
+    With a `sliding_window`, the model is hybrid (hybrid_kv_cache_config): layer 0 full attention,
+    layer 1 sliding window, each in its own KV-cache group.
     """
 
     configs: Sequence[VllmConfig]
     num_blocks: int = 64
+    sliding_window: int | None = None
+    extra_retained_tokens: int = 0
+    all_sliding: bool = False
     scheduler: Scheduler = field(init=False)
     workers: list[KVCacheConnector] = field(init=False)
     caches: list[dict[str, torch.Tensor]] = field(init=False)
+    kv_cache_config: KVCacheConfig = field(init=False)
     steps: list[StepRecord] = field(default_factory=list)
     stats: KVCacheConnectorStats = field(default_factory=KVCacheConnectorStats)
     requests: dict[str, Request] = field(default_factory=dict)
@@ -292,11 +332,20 @@ class Engine:
     # Workers still to report a request (vLLM's KVOutputAggregator: every worker must report it).
     _sending: collections.Counter[str] = field(default_factory=collections.Counter)
     _recving: collections.Counter[str] = field(default_factory=collections.Counter)
+    _failed_recving: set[str] = field(default_factory=set)
     published: RecordingPublisher = field(default_factory=RecordingPublisher)
 
     def __post_init__(self) -> None:
-        heads = KV_HEADS // len(self.configs)
-        kv_cache_config = make_kv_cache_config(self.num_blocks, attention_spec(num_kv_heads=heads))
+        heads = self.heads_per_rank
+        if self.sliding_window is None:
+            kv_cache_config = make_kv_cache_config(self.num_blocks, attention_spec(num_kv_heads=heads))
+        else:
+            kv_cache_config = hybrid_kv_cache_config(
+                self.num_blocks, self.sliding_window, heads, self.extra_retained_tokens, self.all_sliding
+            )
+        # More ranks than KV heads: vLLM replicates each head over consecutive ranks.
+        kv_cache_config.kv_tp_replicas = max(1, len(self.configs) // KV_HEADS)
+        self.kv_cache_config = kv_cache_config
         for config in self.configs:
             config.cache_config.num_gpu_blocks = self.num_blocks
         self.scheduler = Scheduler(
@@ -314,7 +363,15 @@ class Engine:
 
     @property
     def heads_per_rank(self) -> int:
-        return KV_HEADS // len(self.configs)
+        return max(1, KV_HEADS // len(self.configs))
+
+    def first_head(self, rank: int) -> int:
+        """The first KV head rank `rank` holds (heads are replicated over ranks when there are more ranks)."""
+        return (
+            rank * KV_HEADS // len(self.configs)
+            if len(self.configs) <= KV_HEADS
+            else rank // (len(self.configs) // KV_HEADS)
+        )
 
     @property
     def connector(self) -> KVCacheConnector:
@@ -367,7 +424,12 @@ class Engine:
             if not out.has_sync_kv_loads:
                 worker.start_load_kv(None)
             worker.wait_for_save()
-            finished = worker.get_finished(out.finished_req_ids)
+            # As vLLM's model runner (kv_connector_model_runner_mixin): the transfer results, then the
+            # failed blocks; failed receives are kept until every worker finished the request
+            # (KVOutputAggregator's _failed_recving_pending).
+            results = worker.get_transfer_results(out.finished_req_ids)
+            self._failed_recving |= results.failed_recving
+            finished = (results.finished_sending, results.finished_recving)
             for reported, pending, done in zip(
                 finished, (self._sending, self._recving), (sending, recving), strict=True
             ):
@@ -387,9 +449,12 @@ class Engine:
             elif meta is not None:
                 worker_meta = worker_meta.aggregate(meta)
             worker.clear_connector_metadata()
+        failed_recving = self._failed_recving & recving
+        self._failed_recving -= failed_recving
         kv_output = KVConnectorOutput(
             finished_sending=sending or None,
             finished_recving=recving or None,
+            failed_recving=failed_recving,
             invalid_block_ids=invalid,
             kv_connector_stats=None if worker_stats.is_empty() else worker_stats,
             kv_connector_worker_meta=worker_meta,
@@ -409,7 +474,8 @@ class Engine:
             stats = engine_output.scheduler_stats
             if stats is not None and stats.kv_connector_stats:
                 self.stats.aggregate(KVCacheConnector.build_kv_connector_stats(stats.kv_connector_stats))
-        record = StepRecord(out, invalid, computed, block_ids)
+        group0 = {r: list(b[0]) for r, b in block_ids.items()}
+        record = StepRecord(out, invalid, computed, group0, block_ids, failed_recving)
         self.steps.append(record)
         return record
 
@@ -439,6 +505,10 @@ class Engine:
         """The connector's events (medium KVCACHE) in the batches published since batch `first`."""
         return [e for batch in self.published.batches[first:] for e in batch.events if e.medium == "KVCACHE"]
 
+    def failed_requests(self, first: int = 0) -> set[str]:
+        """Every request reported as failed to load (failed_recving) since step `first`."""
+        return {r for s in self.steps[first:] for r in s.failed_recving}
+
     def invalid_block_ids(self, first: int = 0) -> set[int]:
         """Every block reported as failed to load since step `first`."""
         return {b for s in self.steps[first:] for b in s.invalid_block_ids}
@@ -456,24 +526,26 @@ class Engine:
         for worker in self.workers:
             worker.shutdown()
 
-    def _forward(self, out: SchedulerOutput) -> tuple[dict[str, range], dict[str, list[int]]]:
+    def _forward(self, out: SchedulerOutput) -> tuple[dict[str, range], dict[str, tuple[list[int], ...]]]:
         """Writes the fake model's KV for every token the step computes; returns the positions and blocks."""
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
         computed: dict[str, range] = {}
-        blocks: dict[str, list[int]] = {}
+        blocks: dict[str, tuple[list[int], ...]] = {}
         h = self.heads_per_rank
         for request_id, count in out.num_scheduled_tokens.items():
             tokens = list(self.requests[request_id].all_token_ids)
-            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
-            blocks[request_id] = list(block_ids)
+            group_blocks = tuple(list(b) for b in self.scheduler.kv_cache_manager.get_block_ids(request_id))
+            blocks[request_id] = group_blocks
             positions = range(starts[request_id], starts[request_id] + count)
             for p in positions:
                 kv = token_kv(tuple(tokens[: p + 1]))
                 for rank, caches in enumerate(self.caches):
-                    heads = kv[:, :, rank * h : rank * h + h]
+                    first = self.first_head(rank)
+                    heads = kv[:, :, first : first + h]
                     for layer, name in enumerate(LAYER_NAMES):
+                        block_ids = group_blocks[self.group_of(layer)]
                         write_token(caches[name], block_ids[p // BLOCK], p % BLOCK, heads[layer])
             computed[request_id] = positions
         for worker, caches in zip(self.workers, self.caches, strict=bool(self.workers)):
@@ -486,29 +558,58 @@ class Engine:
         """Every position the fake model computed for the request, over all steps."""
         return [p for step in self.steps for p in step.computed.get(request_id, ())]
 
-    def last_block_ids(self, request_id: str) -> list[int]:
-        """The request's blocks in the last step that scheduled it (still holding its KV after it finished)."""
-        return next(step.block_ids[request_id] for step in reversed(self.steps) if request_id in step.block_ids)
+    def group_of(self, layer: int) -> int:
+        """The KV-cache group of a layer (0 unless the model is hybrid: then layer 1 is group 1)."""
+        return 0 if len(self.kv_cache_config.kv_cache_groups) == 1 else layer
 
-    def paged_kv(self, request_id: str, start: int, end: int, rank: int = 0) -> torch.Tensor:
-        """Canonical KV [layers, 2, heads of the rank, end - start, head_size] of a request, from the paged caches."""
-        block_ids = self.last_block_ids(request_id)
+    def last_block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        """The request's blocks in the last step that scheduled it (still holding its KV after it finished)."""
+        step = next(step for step in reversed(self.steps) if request_id in step.block_ids)
+        return step.group_block_ids[request_id][group] if step.group_block_ids else step.block_ids[request_id]
+
+    def paged_kv(
+        self, request_id: str, start: int, end: int, rank: int = 0, layers: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """Canonical KV [layers, 2, heads of the rank, end - start, head_size] of a request, from the paged caches
+        (of the given layers, each read through its group's blocks; default all)."""
         caches = self.caches[rank]
+        layers = range(NUM_LAYERS) if layers is None else layers
+        tables = {layer: self.last_block_ids(request_id, self.group_of(layer)) for layer in layers}
         return torch.stack(
             [
-                torch.stack([read_token(caches[name], block_ids[p // BLOCK], p % BLOCK) for name in LAYER_NAMES])
+                torch.stack(
+                    [read_token(caches[LAYER_NAMES[layer]], tables[layer][p // BLOCK], p % BLOCK) for layer in layers]
+                )
                 for p in range(start, end)
             ],
             dim=3,
         )
 
-    def expected_kv(self, request_id: str, start: int, end: int, rank: int = 0) -> torch.Tensor:
-        """What the fake model computes for those tokens, for that rank's heads."""
-        h = self.heads_per_rank
-        return prompt_kv(self.requests[request_id].prompt_token_ids, start, end)[:, :, rank * h : rank * h + h]
+    def expected_kv(
+        self, request_id: str, start: int, end: int, rank: int = 0, layers: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        """What the fake model computes for those tokens, for that rank's heads (and the given layers)."""
+        h, first = self.heads_per_rank, self.first_head(rank)
+        kv = prompt_kv(self.requests[request_id].prompt_token_ids, start, end)[:, :, first : first + h]
+        return kv if layers is None else kv[list(layers)]
 
 
-def make_engine(model_dir: str, *, tp_size: int = 1, num_blocks: int = 64, **config: Any) -> Engine:
-    """An Engine whose ranks share one configuration (make_vllm_config's keywords)."""
+def make_engine(
+    model_dir: str,
+    *,
+    tp_size: int = 1,
+    num_blocks: int = 64,
+    sliding_window: int | None = None,
+    extra_retained_tokens: int = 0,
+    all_sliding: bool = False,
+    **config: Any,
+) -> Engine:
+    """An Engine whose ranks share one configuration (make_vllm_config's keywords); hybrid with a sliding_window."""
     configs = [make_vllm_config(model_dir, tp_size=tp_size, rank=rank, **config) for rank in range(tp_size)]
-    return Engine(configs, num_blocks=num_blocks)
+    return Engine(
+        configs,
+        num_blocks=num_blocks,
+        sliding_window=sliding_window,
+        extra_retained_tokens=extra_retained_tokens,
+        all_sliding=all_sliding,
+    )

@@ -286,7 +286,11 @@ def test_a_decode_instance_waits_for_a_prefill_still_being_written_then_loads_it
     the consumer's lookup found nothing and recomputed the prompt."""
     prefill, gate, params = handed_off_prefill(model_dir, server.target)
     assert params == {
-        "kvcache_handoff": {"chunks": 4, "last_key": chunk_keys(PROMPT, expected_namespace(model_dir))[3].hex()}
+        "kvcache_handoff": {
+            "chunks": 4,
+            "last_key": chunk_keys(PROMPT, expected_namespace(model_dir))[3].hex(),
+            "heads_per_block": [2],
+        }
     }
     decode = make_engine(model_dir, role="kv_consumer", extra={"target": server.target, "handoff_timeout_s": 20.0})
     decode.add("d", PROMPT, kv_transfer_params=params)

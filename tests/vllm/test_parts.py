@@ -12,10 +12,13 @@ from vllm import SamplingParams
 from vllm.lora.request import LoRARequest
 from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 from vllm.v1.kv_cache_interface import (
+    ChunkedLocalAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVQuantMode,
+    MambaSpec,
     MLAAttentionSpec,
+    SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
 from vllm.v1.request import Request
@@ -28,11 +31,11 @@ from kvcache_connectors.vllm import (
     KVCacheConnectorStats,
     RequestTransfer,
 )
-from kvcache_connectors.vllm.namespaces import KVFacts
+from kvcache_connectors.vllm.namespaces import KVFacts, kv_groups
 from kvcache_connectors.vllm.scheduler import request_extra
 from kvcache_connectors.vllm.stats import Counters
 from kvcache_core.breaker import BreakerState, CircuitBreaker
-from kvcache_core.keys import MLA_LAYOUT, Namespace
+from kvcache_core.keys import HEADS_LAYOUT_VERSION, MLA_LAYOUT, Namespace, head_block_key
 from tests.vllm.harness import (
     BLOCK,
     HEAD,
@@ -90,6 +93,7 @@ def test_every_key_is_parsed() -> None:
         "staging_bytes": 1 << 20,
         "write_back": True,
         "handoff_timeout_s": 2.5,
+        "kv_heads_per_block": 2,
     }
     config = KVCacheConnectorConfig.from_extra_config(extra, block_size=16)
     assert "kvc_inline" not in repr(config) and config.shm is False
@@ -102,6 +106,7 @@ def test_every_key_is_parsed() -> None:
     ("extra", "message"),
     [
         ({"taget": "x:1"}, r"unknown key\(s\) \['taget'\]"),
+        ({"kv_heads_per_block": 0}, r"\['kv_heads_per_block'\] must be positive"),
         ({"chunk_tokens": 100}, r"\['chunk_tokens'\] = 100 must be a multiple of vLLM's block size 16"),
         ({"chunk_tokens": 0}, r"\['chunk_tokens'\] must be positive"),
         ({"chunk_tokens": 64.0}, r"\['chunk_tokens'\] must be an integer"),
@@ -176,6 +181,7 @@ def test_namespace_comes_from_vllm_configs_and_the_overrides(model_dir: str) -> 
         num_kv_heads=2,
         head_size=HEAD,
         cache_salt="salt",
+        layout_version=HEADS_LAYOUT_VERSION,
         extra={"deployment": "blue", "vllm.lora": "sql"},
     )
 
@@ -203,15 +209,34 @@ def test_mla_caches_use_the_mla_layout_and_replicas_share_one_shard(model_dir: s
     assert mla.chunk_shape(7) == (2, 7, 576)
 
 
-def test_tensor_parallel_ranks_are_shards_unless_replicated(model_dir: str) -> None:
-    kv_cache_config = make_kv_cache_config(8, attention_spec(num_kv_heads=1))
+def test_tensor_parallel_ranks_share_one_head_sharded_namespace(model_dir: str) -> None:
+    kv_cache_config = make_kv_cache_config(8, attention_spec(num_kv_heads=2))
     vllm_config = make_vllm_config(model_dir, tp_size=4)
-    config = KVCacheConnectorConfig.from_extra_config({"chunk_tokens": 32}, block_size=BLOCK)
+    config = KVCacheConnectorConfig.from_extra_config({"chunk_tokens": 32, "kv_heads_per_block": 1}, block_size=BLOCK)
+    sharded = KVFacts.from_vllm(vllm_config, kv_cache_config, config)  # 8 KV heads over 4 ranks, 2 each
+    (namespace,) = sharded.namespaces()
+    assert (namespace.tp_size, namespace.tp_rank, namespace.num_kv_heads) == (1, 0, 8)
+    assert namespace.layout_version == HEADS_LAYOUT_VERSION
+    assert [sharded.units(r, 1) for r in range(4)] == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
+    key = b"k" * 16
+    blocks = sharded.unit_keys((key,), 1)
+    assert blocks == tuple(head_block_key(key, h, 1, 8) for h in range(8)) and len(set(blocks)) == 8
+    assert sharded.chunk_shape(5, heads=1) == (2, 2, 1, 5, HEAD)
+    # Without kv_heads_per_block a rank's heads are one block, and a TP=1 chunk is the chunk key itself.
+    assert KVFacts.from_vllm(vllm_config, kv_cache_config, dataclasses.replace(config, kv_heads_per_block=None)).units(
+        3, None
+    ) == range(3, 4)
+    assert head_block_key(key, 0, 8, 8) == key
+
+    kv_cache_config = make_kv_cache_config(8, attention_spec(num_kv_heads=1))
     kv_cache_config.kv_tp_replicas = 2  # 2 KV heads over 4 ranks: ranks 0,1 hold head 0, ranks 2,3 head 1
-    shards = KVFacts.from_vllm(vllm_config, kv_cache_config, config)
-    assert [(ns.tp_size, ns.tp_rank, ns.num_kv_heads) for ns in shards.namespaces()] == [(2, 0, 1), (2, 1, 1)]
-    assert [shards.shard_of(r) for r in range(4)] == [0, 0, 1, 1]
-    assert [shards.is_writer(r) for r in range(4)] == [True, False, True, False]
+    replicated = KVFacts.from_vllm(vllm_config, kv_cache_config, config)
+    assert [replicated.shard_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [replicated.is_writer(r) for r in range(4)] == [True, False, True, False]
+    assert replicated.namespaces()[0].num_kv_heads == 2
+
+    with pytest.raises(ValueError, match=r"'kv_heads_per_block'\] = 3 must divide the 2 KV heads of one rank"):
+        KVFacts.from_vllm(vllm_config, make_kv_cache_config(8), dataclasses.replace(config, kv_heads_per_block=3))
 
 
 @pytest.mark.parametrize(
@@ -223,10 +248,33 @@ def test_tensor_parallel_ranks_are_shards_unless_replicated(model_dir: str) -> N
                 [],
                 [
                     KVCacheGroupSpec([LAYER_NAMES[0]], attention_spec()),
-                    KVCacheGroupSpec([LAYER_NAMES[1]], attention_spec()),
+                    KVCacheGroupSpec(
+                        [LAYER_NAMES[1]], MambaSpec(block_size=BLOCK, shapes=((4, 8),), dtypes=(torch.float16,))
+                    ),
                 ],
             ),
-            "exactly one KV-cache group, got 2",
+            r"KV-cache group 1 \(MambaSpec, layers \['model.layers.1.self_attn.attn'\]\): "
+            "a recurrent-state \\(Mamba-style\\) group",
+        ),
+        (
+            KVCacheConfig(
+                8,
+                [],
+                [
+                    KVCacheGroupSpec([LAYER_NAMES[0]], attention_spec()),
+                    KVCacheGroupSpec(
+                        [LAYER_NAMES[1]],
+                        ChunkedLocalAttentionSpec(
+                            block_size=BLOCK,
+                            num_kv_heads=2,
+                            head_size=HEAD,
+                            dtype=torch.float16,
+                            attention_chunk_size=64,
+                        ),
+                    ),
+                ],
+            ),
+            "KV-cache group 1 \\(ChunkedLocalAttentionSpec",
         ),
         (
             KVCacheConfig(
@@ -235,13 +283,29 @@ def test_tensor_parallel_ranks_are_shards_unless_replicated(model_dir: str) -> N
                 [
                     KVCacheGroupSpec(
                         list(LAYER_NAMES),
-                        SlidingWindowSpec(
-                            block_size=BLOCK, num_kv_heads=2, head_size=HEAD, dtype=torch.float16, sliding_window=64
+                        SlidingWindowMLASpec(
+                            block_size=BLOCK, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=64
                         ),
                     )
                 ],
             ),
-            "attention KV caches only, got SlidingWindowSpec",
+            "KV-cache group 0 \\(SlidingWindowMLASpec",
+        ),
+        (
+            KVCacheConfig(
+                8,
+                [],
+                [
+                    KVCacheGroupSpec([LAYER_NAMES[0]], attention_spec()),
+                    KVCacheGroupSpec(
+                        [LAYER_NAMES[1]],
+                        SlidingWindowSpec(
+                            block_size=2 * BLOCK, num_kv_heads=2, head_size=HEAD, dtype=torch.float16, sliding_window=64
+                        ),
+                    ),
+                ],
+            ),
+            r"one block size across KV-cache groups, got \[16, 32\]",
         ),
         (
             make_kv_cache_config(
@@ -254,7 +318,14 @@ def test_tensor_parallel_ranks_are_shards_unless_replicated(model_dir: str) -> N
             "equal K and V head sizes",
         ),
     ],
-    ids=["two-groups", "sliding-window-group", "per-token-quant", "unequal-v-head"],
+    ids=[
+        "mamba-group",
+        "chunked-local-group",
+        "sliding-window-mla",
+        "mixed-block-sizes",
+        "per-token-quant",
+        "unequal-v-head",
+    ],
 )
 def test_setups_the_connector_cannot_serve_are_refused(model_dir: str, kv_cache_config, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -342,3 +413,26 @@ def test_metadata_survives_pickling_as_vllm_ships_it_to_workers() -> None:
     copy = pickle.loads(pickle.dumps(meta, protocol=pickle.HIGHEST_PROTOCOL))
     assert copy == meta
     assert (copy.loads[0].start, copy.loads[0].end) == (40, 64)
+
+
+def test_a_sliding_window_group_needs_only_the_blocks_vllm_keeps_below_a_hit(model_dir: str) -> None:
+    spec = SlidingWindowSpec(
+        block_size=BLOCK,
+        num_kv_heads=2,
+        head_size=HEAD,
+        dtype=torch.float16,
+        sliding_window=40,
+        extra_retained_tokens=3,
+    )
+    config = KVCacheConnectorConfig.from_extra_config({"chunk_tokens": 32}, block_size=BLOCK)
+    (sliding,) = kv_groups(make_vllm_config(model_dir), make_kv_cache_config(8, spec), config)
+    (namespace,) = sliding.namespaces()
+    # A lone sliding-window group (Mistral under vLLM's hybrid allocator) still records its spec.
+    assert dict(namespace.extra)["vllm.kv_group"] == "sliding_window:40" and namespace.num_layers == 2
+    assert (sliding.sliding, sliding.retained_tokens) == (True, 40 - 1 + 3)
+    # vLLM skips the tokens below hit - 42 (SlidingWindowManager.get_num_skipped_tokens) and frees the
+    # blocks wholly among them: the first block needed starts at a block boundary at or below hit - 42.
+    assert [sliding.needed_from(hit) for hit in (0, 42, 57, 58, 100)] == [0, 0, 0, 16, 48]
+    (full,) = kv_groups(make_vllm_config(model_dir), make_kv_cache_config(8), config)
+    assert not full.sliding and full.needed_from(1000) == 0
+    assert "vllm.kv_group" not in dict(full.namespaces()[0].extra)  # one full group: the namespace it always had

@@ -68,6 +68,11 @@ class KVCacheConnectorConfig:
         handoff_timeout_s: How long a consumer's load waits for chunks that a producer's
             kv_transfer_params name and that are not stored yet (its puts are in flight);
             then the missing chunks are recomputed.
+        kv_heads_per_block: KV heads per stored block of a chunk (head-sharded storage, docs/vllm.md
+            "Mixed tensor parallelism"); must divide the KV heads of one rank. None: all of a rank's
+            heads in one block, the cheapest for instances of equal TP size. A deployment mixing TP
+            sizes sets it to the head count of its largest TP size's rank on the instances that save,
+            so every rank of every instance loads exactly its own heads.
     """
 
     target: str = DEFAULT_TARGET
@@ -90,6 +95,7 @@ class KVCacheConnectorConfig:
     staging_bytes: int = 1 << 30
     write_back: bool | None = None
     handoff_timeout_s: float = 5.0
+    kv_heads_per_block: int | None = None
 
     def tls_config(self) -> TLSConfig | bool:
         if not self.tls:
@@ -141,6 +147,9 @@ class KVCacheConnectorConfig:
             staging_bytes=_positive_int(extra, "staging_bytes", 1 << 30),
             write_back=None if extra.get("write_back") is None else _bool(extra, "write_back", True),
             handoff_timeout_s=_positive_float(extra, "handoff_timeout_s", 5.0),
+            kv_heads_per_block=(
+                None if extra.get("kv_heads_per_block") is None else _positive_int(extra, "kv_heads_per_block", 1)
+            ),
         )
 
 

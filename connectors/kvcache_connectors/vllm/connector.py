@@ -9,7 +9,7 @@ on the model runner's thread. Each role's work lives in its own module
 
 Scheduler process (role SCHEDULER), per step, in this order:
     get_num_new_matched_tokens(request, num_computed_tokens)
-        One Lookup per shard of the prompt's chunk keys, once per request (the answer is kept
+        One Lookup per namespace (per KV-cache group) of the prompt's chunks, once per request (the answer is kept
         while it waits); returns the tokens beyond vLLM's block-aligned local hit that every
         shard can load, asynchronously (load_async=True whenever there is something to load).
         Never the whole sequence: a full hit loads all tokens but the last.
@@ -21,7 +21,7 @@ Scheduler process (role SCHEDULER), per step, in this order:
         Blocks that failed to load: their chunks are saved again once recomputed. Chunks every
         shard's put stored (kv_connector_worker_meta): their BlockStored events, built when
         the save was planned, go to take_events.
-    request_finished(request, block_ids) -> (delay_free, kv_transfer_params)
+    request_finished_all_groups(request, block_ids) -> (delay_free, kv_transfer_params)
         Forgets the request. Blocks are freed at once (each step's saves are copied out within
         the step), unless write-back saves its final partial chunk in the next step: then
         delay_free is True and the workers report the request in get_finished once copied out.
@@ -36,13 +36,19 @@ Worker processes (role WORKER):
     wait_for_layer_load(layer_name)             nothing to wait for: loaded requests are not in the batch
     save_kv_layer(layer_name, kv_layer, ...)    nothing: saves are gathered in wait_for_save
     wait_for_save()                             after the forward pass: gather into host staging, queue the put
-    get_finished(finished_req_ids)              requests whose load is done; finished requests whose last
-                                                chunk was copied out
+    get_transfer_results(finished_req_ids)      requests whose load is done (and, for a hybrid model, those
+                                                whose load failed); finished requests whose last chunk was
+                                                copied out
     get_block_ids_with_load_errors()            blocks whose chunk was missing, corrupt or wrong
     build_connector_worker_meta()               chunks whose put the server confirmed or failed, for
                                                 the scheduler side's KV cache events
     get_kv_connector_stats()                    load and save counters since the last call
     shutdown()                                  closes the channel
+
+Hybrid models: the connector is SupportsHMA, so vLLM keeps its hybrid memory allocator
+on; each KV-cache group has its own namespaces and is looked up, loaded and saved under
+vLLM's rule for it (scheduler.py). A group the connector cannot serve exactly is refused
+when vLLM builds the connector (namespaces.kv_groups).
 
 Both: build_kv_connector_stats(data) rebuilds the stats vLLM ships between processes;
 requires_kv_delivery is False (a best-effort cache: a dropped save is a later miss).
@@ -62,6 +68,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from kvcache_client.bulk import BulkLink, BulkTransport, bearer_token
@@ -72,7 +80,7 @@ from kvcache_client.transport import GrpcTransport
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
 from kvcache_connectors.vllm.events import StoredBlockEvents
 from kvcache_connectors.vllm.metadata import KVCacheConnectorMetadata, StoredChunks
-from kvcache_connectors.vllm.namespaces import KVFacts
+from kvcache_connectors.vllm.namespaces import kv_groups
 from kvcache_connectors.vllm.scheduler import SchedulerSide
 from kvcache_connectors.vllm.stats import KVCacheConnectorStats
 from kvcache_connectors.vllm.worker import WorkerSide
@@ -83,6 +91,7 @@ if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -114,7 +123,7 @@ def connect(config: KVCacheConnectorConfig) -> KVCacheClient:
     )
 
 
-class KVCacheConnector(KVConnectorBase_V1):
+class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
     """A vLLM KV connector that loads prompt prefixes from, and saves them to, a kvcache server."""
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
@@ -122,7 +131,7 @@ class KVCacheConnector(KVConnectorBase_V1):
 
         Raises:
             ValueError: a bad configuration key, or a model or parallel setup the connector
-                cannot serve (see KVCacheConnectorConfig and KVFacts.from_vllm).
+                cannot serve (see KVCacheConnectorConfig and namespaces.kv_groups).
         """
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = self._kv_transfer_config
@@ -130,7 +139,8 @@ class KVCacheConnector(KVConnectorBase_V1):
         groups = kv_cache_config.kv_cache_groups
         block_size = groups[0].kv_cache_spec.block_size if groups else vllm_config.cache_config.block_size
         config = KVCacheConnectorConfig.from_extra_config(transfer.kv_connector_extra_config, block_size=block_size)
-        facts = KVFacts.from_vllm(vllm_config, kv_cache_config, config)
+        groups = kv_groups(vllm_config, kv_cache_config, config)
+        facts = groups[0]
         self._config = config
         self._client = connect(config)
         cooldown = config.breaker_cooldown_s
@@ -140,7 +150,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         self.kv_events = StoredBlockEvents.from_vllm(vllm_config, facts.block_size)  # drained by take_events
         if role is KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(
-                facts,
+                groups,
                 self._client,
                 breaker,
                 lookup_timeout_s=config.lookup_timeout_s,
@@ -154,7 +164,7 @@ class KVCacheConnector(KVConnectorBase_V1):
         else:
             tp_rank = vllm_config.parallel_config.rank % facts.tp_size
             self._worker = WorkerSide(
-                facts,
+                groups,
                 self._client,
                 breaker,
                 tp_rank=tp_rank,
@@ -215,8 +225,15 @@ class KVCacheConnector(KVConnectorBase_V1):
             self._worker_side().wait_for_save(self._metadata().saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return results.finished_sending or None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """What vLLM's model runner collects after each step: finished saves and loads, and (for a
+        hybrid model, whose failures cannot be reported as block ids) the loads that failed."""
         sent = self._metadata().sent if self.has_connector_metadata() else ()
-        return self._worker_side().get_finished(sent)
+        sending, received, failed = self._worker_side().get_transfer_results(sent)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=received, failed_recving=failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker_side().take_load_errors()
@@ -251,7 +268,19 @@ class KVCacheConnector(KVConnectorBase_V1):
         self._scheduler_side().update_connector_output(connector_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler_side().request_finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """SupportsHMA: vLLM calls this instead of request_finished, with the block ids of every group."""
         return self._scheduler_side().request_finished(request, block_ids)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """Learns vLLM's null block, which stands for a sliding-window group's freed blocks."""
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if self._scheduler is not None:
+            self._scheduler.bind_block_pool(gpu_block_pool.null_block.block_id)
 
     def take_events(self) -> list[KVCacheEvent]:
         """BlockStored events (medium KVCACHE) for the blocks kvcache stored since the last step;

@@ -3,7 +3,11 @@
 The scheduler-side connector builds one `KVCacheConnectorMetadata` per step; vLLM
 ships it to every worker with the step's SchedulerOutput. It is self-contained (a
 worker keeps no per-request state between steps) and carries each chunk's key in
-every shard's namespace, so a worker needs only its shard index to act on it.
+the keys of every block of it (every shard's heads), so a worker needs only its shard index to act on it.
+
+A hybrid model's request moves one RequestTransfer per KV-cache group: each group has its
+own namespaces, keys and block ids, and a sliding-window group moves only the chunks
+inside its window (docs/vllm.md, "Hybrid models").
 
     request tokens  0 ............................................ L-1
     chunks          |  chunk 0  |  chunk 1  |  chunk 2  | tail |
@@ -26,9 +30,12 @@ class ChunkRef:
 
     Attributes:
         index: Chunk number within the prompt; the chunk covers tokens from index * chunk_tokens.
-        keys: The chunk's key in each shard's namespace (indexed by shard).
-        num_tokens: Tokens the stored chunk holds: chunk_tokens, or fewer for a prompt's tail.
-        start: First token to move (absolute position in the request).
+        keys: The keys of the chunk's stored blocks in the transfer's group: one per block of
+            heads_per_block KV heads (head-sharded), or one per shard (MLA); see KVFacts.units.
+        num_tokens: Tokens of the chunk (those its key names): chunk_tokens, or fewer for a tail.
+        start: First token to move (absolute position in the request). A sliding-window group
+            saves a chunk from the first block vLLM still holds, so its stored block may hold
+            only the chunk's last end - start tokens.
         end: One past the last token to move.
     """
 
@@ -52,11 +59,14 @@ class RequestTransfer:
 
     Attributes:
         request_id: vLLM's request id.
-        namespaces: The request's namespace name in each shard (indexed by shard).
-        block_ids: The request's block ids (its only KV-cache group), at least up to the last token moved.
-        chunks: In token order, without gaps.
+        namespaces: The request's namespace names in the group: one (head-sharded), or one per shard (MLA).
+        block_ids: The request's block ids in the group, at least up to the last token moved.
+        chunks: In token order; without gaps, except where a sliding-window group's save starts a
+            chunk past its freed first blocks.
         wait_s: For a load: how long a worker may keep asking for chunks not stored yet (a P/D
             hand-off whose producer is still writing them); 0 fails a missing chunk at once.
+        group: The KV-cache group (vLLM's kv_cache_group_id) whose layers the chunks fill.
+        heads_per_block: KV heads per stored block; None: a shard's heads in one block (ignored for MLA).
     """
 
     request_id: str
@@ -64,6 +74,12 @@ class RequestTransfer:
     block_ids: tuple[int, ...]
     chunks: tuple[ChunkRef, ...]
     wait_s: float = 0.0
+    group: int = 0
+    heads_per_block: int | None = None
+
+    def namespace_for(self, shard: int) -> str:
+        """The namespace a shard's blocks are in."""
+        return self.namespaces[shard if len(self.namespaces) > 1 else 0]
 
     @property
     def start(self) -> int:
@@ -103,8 +119,8 @@ class StoredChunks(KVConnectorWorkerMetadata):
     KVConnectorOutput.kv_connector_worker_meta.
 
     Attributes:
-        stored: Per chunk, the shards whose put of it the server confirmed (every block stored
-            before the call returned).
+        stored: Per chunk, the streams whose put of it the server confirmed (every block stored
+            before the call returned); stream = group * shards + shard.
         failed: Chunks some shard did not store (put failed or partly stored, save dropped or
             refused): they are never announced.
     """

@@ -2,9 +2,9 @@
 
 Runs in vLLM's EngineCore process, on the scheduler's thread, once per engine.
 
-    get_num_new_matched_tokens   key the prompt (every shard's namespace), one Lookup per shard
-                                 (remembered while the request waits), answer with the tokens
-                                 beyond vLLM's local hit that can be loaded, asynchronously
+    get_num_new_matched_tokens   key the prompt (every group's namespaces), one Lookup per
+                                 namespace (remembered while the request waits), answer with
+                                 the tokens beyond vLLM's local hit that can be loaded, asynchronously
     update_state_after_alloc     turn that answer and the allocated blocks into a load
     build_connector_meta         add the saves: chunks whose last token is computed by this step,
                                  generated tokens' included (write-back), and the final partial
@@ -25,6 +25,16 @@ scheduler never retries a lookup and asks at most once per request and token
 sequence: a failed or late answer is a miss, remembered like a hit, and the circuit
 breaker makes an unreachable server cost one `lookup_timeout_s` per cooldown.
 
+Hybrid models (several KV-cache groups, vLLM's hybrid memory allocator): the hit is the
+longest prefix every group can serve under vLLM's own rule for it. A full-attention
+group needs every chunk before the hit point; a sliding-window group only the blocks
+vLLM keeps allocated below it (KVFacts.needed_from), so an evicted early chunk costs it
+nothing. Loads and saves move one RequestTransfer per group, with that group's blocks;
+a sliding-window group loads only its window, and saves a chunk from the first block vLLM
+still holds (it frees those that left the window: the null block in its table), so nothing
+unwritten is ever stored. A hybrid model's failed loads arrive as failed requests
+(failed_recving): vLLM recomputes them whole.
+
 KV cache events (with --kv-events-config): each planned save of a chunk with full
 blocks gets its BlockStored event built at once, from the request as it is then (the
 confirmation may come after vLLM freed it). The event waits until every shard's writer
@@ -39,9 +49,10 @@ through these methods; split, each part would reach into the others' request rec
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,23 +95,31 @@ def request_extra(request: Request) -> Extra | None:
     return tuple(extra)
 
 
+GroupKeys = tuple[tuple[bytes, ...], ...]
+"""One chunk's keys: [group][namespace of the group]."""
+
+
 @dataclass(frozen=True, slots=True)
 class PromptPlan:
-    """A prompt's chunks: each chunk's key in every shard's namespace.
+    """A prompt's chunks: each chunk's key in every group's namespaces.
+
+    A group has one namespace (head-sharded), or one per shard (MLA): [group][n] below. The keys
+    are chunk keys, which chain; the keys of a chunk's stored blocks derive from them
+    (KVFacts.unit_keys).
 
     Attributes:
-        namespaces: Namespace names, one per shard.
-        keys: keys[i][shard] is chunk i's key (the last chunk may be a partial tail).
+        namespaces: Namespace names, [group][n].
+        keys: keys[i][group][n] is chunk i's key (the last chunk may be a partial tail).
         num_tokens: Prompt length.
         chunk_tokens: Tokens per full chunk.
-        roots: Each shard's namespace fingerprint (the parent of chunk 0's key).
+        roots: Each namespace's fingerprint, [group][n] (the parent of chunk 0's key).
     """
 
-    namespaces: tuple[str, ...]
-    keys: tuple[tuple[bytes, ...], ...]
+    namespaces: tuple[tuple[str, ...], ...]
+    keys: tuple[GroupKeys, ...]
     num_tokens: int
     chunk_tokens: int
-    roots: tuple[bytes, ...] = ()
+    roots: GroupKeys = ()
 
     def chunk_len(self, index: int) -> int:
         return min(self.chunk_tokens, self.num_tokens - index * self.chunk_tokens)
@@ -112,8 +131,10 @@ class PromptPlan:
         """Tokens covered by the first num_chunks chunks."""
         return min(num_chunks * self.chunk_tokens, self.num_tokens)
 
-    def chunk_ref(self, index: int, start: int, end: int) -> ChunkRef:
-        return ChunkRef(index=index, keys=self.keys[index], num_tokens=self.chunk_len(index), start=start, end=end)
+    def chunk_ref(self, facts: KVFacts, index: int, start: int, end: int) -> ChunkRef:
+        """Tokens [start, end) of chunk `index` in a group, with the keys of its stored blocks."""
+        keys = facts.unit_keys(self.keys[index][facts.group], facts.heads_per_block)
+        return ChunkRef(index=index, keys=keys, num_tokens=self.chunk_len(index), start=start, end=end)
 
 
 HANDOFF_PARAM = "kvcache_handoff"
@@ -135,15 +156,18 @@ class _Answer:
     awaited: bool = False
 
 
-def handoff_params(plan: PromptPlan, num_chunks: int) -> dict[str, Any]:
+def handoff_params(plan: PromptPlan, num_chunks: int, heads_per_block: list[int]) -> dict[str, Any]:
     """What a producer tells the consumer of a P/D hand-off: its first num_chunks chunks are saved
-    or being saved. The consumer checks the last key against its own plan of the same prompt."""
-    return {HANDOFF_PARAM: {"chunks": num_chunks, "last_key": plan.keys[num_chunks - 1][0].hex()}}
+    or being saved, as blocks of heads_per_block[group] KV heads. The consumer checks the last key
+    against its own plan of the same prompt, and the block sizes against its own."""
+    last_key = plan.keys[num_chunks - 1][0][0].hex()
+    return {HANDOFF_PARAM: {"chunks": num_chunks, "last_key": last_key, "heads_per_block": heads_per_block}}
 
 
-def handed_off_chunks(request: Request, plan: PromptPlan) -> int:
-    """Chunks of the prompt a producer named in the request's kv_transfer_params; 0 when none,
-    or when they are not this plan's (another prompt, namespace or chunk size)."""
+def handed_off_chunks(request: Request, plan: PromptPlan, heads_per_block: list[int]) -> int:
+    """Chunks of the prompt a producer named in the request's kv_transfer_params; 0 when none, when
+    they are not this plan's (another prompt, namespace or chunk size), or when the producer stores
+    blocks of other sizes than this instance reads (waiting for them would be in vain)."""
     params = request.kv_transfer_params
     handoff = params.get(HANDOFF_PARAM) if isinstance(params, dict) else None
     if not isinstance(handoff, dict):
@@ -151,7 +175,19 @@ def handed_off_chunks(request: Request, plan: PromptPlan) -> int:
     chunks, last_key = handoff.get("chunks"), handoff.get("last_key")
     if not isinstance(chunks, int) or not 0 < chunks <= len(plan.keys):
         return 0
-    return chunks if plan.keys[chunks - 1][0].hex() == last_key else 0
+    if plan.keys[chunks - 1][0][0].hex() != last_key:
+        return 0
+    theirs = handoff.get("heads_per_block", heads_per_block)
+    if theirs != heads_per_block:
+        log.warning(
+            "kvcache: request %s was prefilled by an instance storing blocks of %s KV heads, this one reads %s; "
+            "set kv_heads_per_block alike on both (docs/vllm.md, Mixed tensor parallelism)",
+            request.request_id,
+            theirs,
+            heads_per_block,
+        )
+        return 0
+    return chunks
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,12 +214,12 @@ class _Tracked:
     next_save: int  # first full chunk not saved yet
     tail_due: bool  # the prompt's partial tail is still to save
     loaded_blocks: dict[int, int] = field(default_factory=dict)  # block id -> chunk index loaded into it
-    generated_keys: list[tuple[bytes, ...]] = field(default_factory=list)  # full chunks past the prompt's
+    generated_keys: list[GroupKeys] = field(default_factory=list)  # full chunks past the prompt's
 
 
 @dataclass(slots=True)
 class _PendingEvent:
-    """A planned save's BlockStored event and the shards whose put of the chunk the server confirmed."""
+    """A planned save's BlockStored event and the streams (group, shard) whose put the server confirmed."""
 
     event: BlockStored
     shards: frozenset[int] = frozenset()
@@ -194,7 +230,7 @@ class SchedulerSide:
 
     def __init__(
         self,
-        facts: KVFacts,
+        groups: Sequence[KVFacts],
         client: KVCacheClient,
         breaker: CircuitBreaker,
         *,
@@ -208,7 +244,7 @@ class SchedulerSide:
     ) -> None:
         """
         Args:
-            facts: The instance's namespace facts.
+            groups: The namespace facts of each KV-cache group, in vLLM's group order.
             client: A client with no retries.
             breaker: Guards every call to the server.
             lookup_timeout_s: Deadline of one Lookup.
@@ -221,7 +257,10 @@ class SchedulerSide:
                 that are not stored yet.
             events: Where BlockStored events of confirmed chunks go (None or disabled: nowhere).
         """
-        self._facts = facts
+        self._groups = tuple(groups)
+        self._facts = self._groups[0]  # the facts all groups share: block size, chunk tokens, shards
+        self._null_block = 0  # vLLM's null block (BlockPool.null_block), see bind_block_pool
+        self._heads_per_block = [facts.heads_per_block for facts in self._groups]  # as the hand-off names them
         self._client = client
         self._breaker = breaker
         self._lookup_timeout_s = lookup_timeout_s
@@ -254,6 +293,10 @@ class SchedulerSide:
         """Events of planned saves not yet confirmed by every shard (bounded: see PENDING_EVENT_STEPS)."""
         return sum(len(events) for events in self._pending.values())
 
+    def bind_block_pool(self, null_block_id: int) -> None:
+        """Records vLLM's null block: the id a sliding-window group's table holds for freed blocks."""
+        self._null_block = null_block_id
+
     # -- hooks ---------------------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
@@ -271,7 +314,7 @@ class SchedulerSide:
             stored = self._lookup(plan)
             # A P/D hand-off: the producer's saves of these chunks may still be in flight. Offer
             # them anyway; the asynchronous load waits for them (bounded), then vLLM recomputes.
-            named = handed_off_chunks(request, plan) if self._load else 0
+            named = handed_off_chunks(request, plan, self._heads_per_block) if self._load else 0
             answer = _Answer(plan, max(stored, named), awaited=named > stored)
             self._answers[request.request_id] = answer
         stored = answer.stored_chunks
@@ -319,16 +362,31 @@ class SchedulerSide:
                 f"request {request.request_id}: vLLM asked to load tokens [{start}, {end}) but kvcache "
                 f"offered {plan.tokens_in(lookup.stored_chunks) if self._load else 0}"
             )
-        (block_ids,) = blocks.get_block_ids()
         c, bs = plan.chunk_tokens, self._facts.block_size
-        indices = range(start // c, (end - 1) // c + 1)
-        chunks = tuple(plan.chunk_ref(i, max(start, i * c), min(end, plan.chunk_end(i))) for i in indices)
         num_blocks = math.ceil(end / bs)
         wait_s = self._handoff_timeout_s if lookup.awaited else 0.0
-        self._pending_loads.append(
-            RequestTransfer(request.request_id, plan.namespaces, tuple(block_ids[:num_blocks]), chunks, wait_s)
-        )
-        tracked.loaded_blocks = {block_ids[b]: b * bs // c for b in range(start // bs, num_blocks)}
+        for facts, block_ids in zip(self._groups, blocks.get_block_ids(), strict=True):
+            # A sliding-window group loads only the blocks vLLM allocated for its window.
+            first = max(start, facts.needed_from(end))
+            for b in range(first // bs, num_blocks):
+                if block_ids[b] == self._null_block:
+                    first = (b + 1) * bs
+            if first >= end:
+                continue
+            indices = range(first // c, (end - 1) // c + 1)
+            chunks = tuple(plan.chunk_ref(facts, i, max(first, i * c), min(end, plan.chunk_end(i))) for i in indices)
+            self._pending_loads.append(
+                RequestTransfer(
+                    request.request_id,
+                    plan.namespaces[facts.group],
+                    tuple(block_ids[:num_blocks]),
+                    chunks,
+                    wait_s,
+                    group=facts.group,
+                    heads_per_block=facts.heads_per_block,
+                )
+            )
+            tracked.loaded_blocks.update({block_ids[b]: b * bs // c for b in range(first // bs, num_blocks)})
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVCacheConnectorMetadata:
         """This step's loads (planned at admission) and saves (chunks completed by this step)."""
@@ -354,6 +412,18 @@ class SchedulerSide:
         recomputed by vLLM; save them again (repairing the entry)."""
         if isinstance(output.kv_connector_worker_meta, StoredChunks):
             self._confirm(output.kv_connector_worker_meta)
+        for request_id in output.failed_recving or ():
+            # A hybrid model's failed load (vLLM recomputes the request from its first token): its
+            # blocks are settled, every chunk is saved again, and a retry is offered nothing.
+            tracked = self._tracked.get(request_id)
+            if tracked is not None:
+                self._settled_failures |= tracked.loaded_blocks.keys()
+                tracked.next_save = 0
+                plan = tracked.plan
+                tracked.tail_due = self._save and self._save_partial and plan.num_tokens % plan.chunk_tokens > 0
+            answer = self._answers.get(request_id)
+            if answer is not None:
+                self._answers[request_id] = _Answer(answer.plan, 0)
         if not output.invalid_block_ids:
             return
         self._settled_failures |= output.invalid_block_ids
@@ -370,8 +440,11 @@ class SchedulerSide:
                 if answer is not None:
                     self._answers[request_id] = _Answer(answer.plan, min(answer.stored_chunks, *failed))
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        """Forgets the request. Returns (keep its blocks, kv_transfer_params):
+    def request_finished(
+        self, request: Request, block_ids: Sequence[Sequence[int]]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """Forgets the request, given its block ids per KV-cache group. Returns (keep its blocks,
+        kv_transfer_params):
 
         - keep its blocks until the workers copied out its final partial chunk (write-back),
           which the next step saves and the workers report as sent;
@@ -394,10 +467,10 @@ class SchedulerSide:
             if saved == full < len(plan.keys) and self._save_partial and not tracked.tail_due:
                 saved += 1
             if saved:
-                params = handoff_params(plan, saved)
+                params = handoff_params(plan, saved, self._heads_per_block)
         return delay_free, params
 
-    def _save_final_chunk(self, request: Request, block_ids: list[int], tracked: _Tracked) -> bool:
+    def _save_final_chunk(self, request: Request, block_ids: Sequence[Sequence[int]], tracked: _Tracked) -> bool:
         """Plans the save of a finished request's final partial chunk; whether there is one."""
         if not self._write_back:
             return False
@@ -410,14 +483,16 @@ class SchedulerSide:
             return False
         tokens = request.all_token_ids[index * c : num_computed]
         parents = self._full_keys(tracked, index - 1) if index else tracked.plan.roots
-        keys = tuple(chunk_key(parent, tokens) for parent in parents)
-        num_blocks = math.ceil(num_computed / self._facts.block_size)
-        chunk = ChunkRef(index=index, keys=keys, num_tokens=length, start=index * c, end=num_computed)
-        self._expect_event(request, chunk)
-        self._finishing.append(
-            RequestTransfer(request.request_id, tracked.plan.namespaces, tuple(block_ids[:num_blocks]), (chunk,))
+        keys = tuple(tuple(chunk_key(parent, tokens) for parent in group) for group in parents)
+        transfers = self._group_transfers(
+            request,
+            tracked.plan,
+            block_ids,
+            [ChunkRef(index=index, keys=(), num_tokens=length, start=index * c, end=num_computed)],
+            [keys],
         )
-        return True
+        self._finishing.extend(transfers)
+        return bool(transfers)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -441,7 +516,7 @@ class SchedulerSide:
             if pending is None or (request_id, index, num_tokens) in reports.failed:
                 continue
             pending.shards |= shards
-            if len(pending.shards) == self._facts.num_shards:
+            if len(pending.shards) == len(self._groups) * self._facts.num_shards:
                 self._events.add(pending.event)
                 self._forget_event(request_id, (index, num_tokens))
 
@@ -461,31 +536,52 @@ class SchedulerSide:
         plan = self._plans.get(request.request_id)
         if plan is not None and plan.num_tokens == request.num_prompt_tokens:
             return plan
-        namespaces = self._facts.namespaces(request.cache_salt or "", extra)
-        per_shard = [chunk_keys(request.prompt_token_ids, ns) for ns in namespaces]
+        salt = request.cache_salt or ""
+        namespaces = [facts.namespaces(salt, extra) for facts in self._groups]
+        # keys[i][group][shard]
+        per_group = [
+            tuple(zip(*(chunk_keys(request.prompt_token_ids, ns) for ns in group), strict=True)) for group in namespaces
+        ]
         plan = PromptPlan(
-            namespaces=tuple(ns.name for ns in namespaces),
-            keys=tuple(zip(*per_shard, strict=True)),
+            namespaces=tuple(tuple(ns.name for ns in group) for group in namespaces),
+            keys=tuple(zip(*per_group, strict=True)),
             num_tokens=request.num_prompt_tokens,
             chunk_tokens=self._facts.chunk_tokens,
-            roots=tuple(ns.fingerprint for ns in namespaces),
+            roots=tuple(tuple(ns.fingerprint for ns in group) for group in namespaces),
         )
         self._plans[request.request_id] = plan
         return plan
 
     def _lookup(self, plan: PromptPlan) -> int:
-        """Chunks stored in every shard's namespace (a prefix); 0 when the server cannot say."""
+        """The most chunks a hit may cover: every group can serve the hit at their end under
+        vLLM's rule for it, in every shard; 0 when the server cannot say.
+
+        Full-attention groups need every chunk of the prefix; a sliding-window group needs
+        the chunks from the first block vLLM keeps for the hit point (KVFacts.needed_from)
+        up to it. When one of those is missing, no hit whose window holds it can be served,
+        so the hit shrinks to end before it and the windows are asked again (each round
+        shrinks it, so this ends; one round, one Lookup per namespace, in the common case).
+        """
         if not self._breaker.allow():
             self.counters.lookups_skipped += 1
             return 0
         self.counters.lookups += 1
         stored = len(plan.keys)
+        c = plan.chunk_tokens
         try:
-            for shard, namespace in enumerate(plan.namespaces):
-                if stored == 0:
-                    break
-                keys = [chunk[shard] for chunk in plan.keys[:stored]]
-                stored = self._client.lookup(namespace, keys, timeout_s=self._lookup_timeout_s).prefix_length
+            for facts in self._groups:
+                if not facts.sliding:
+                    stored = self._stored_run(plan, facts, 0, stored)
+            settled = False
+            while stored and not settled:
+                settled = True
+                first = min(plan.tokens_in(stored), plan.num_tokens - 1)
+                for facts in (f for f in self._groups if f.sliding):
+                    lo = facts.needed_from(first) // c
+                    found = self._stored_run(plan, facts, lo, stored)
+                    if found < stored - lo:
+                        stored, settled = lo + found, False
+                        break
         except KVCacheError as exc:
             self.counters.lookup_failures += 1
             if self._breaker.failure():
@@ -494,8 +590,25 @@ class SchedulerSide:
         self._breaker.success()
         return stored
 
-    def _full_keys(self, tracked: _Tracked, index: int) -> tuple[bytes, ...]:
-        """Every shard's key of full chunk `index` of the request's sequence (prompt and output)."""
+    def _stored_run(self, plan: PromptPlan, facts: KVFacts, lo: int, hi: int) -> int:
+        """How many of a group's chunks lo, lo + 1, ... (before hi) every shard has all blocks of:
+        one Lookup per namespace (one for a head-sharded group, whose blocks of every shard it asks
+        for at once, chunk by chunk)."""
+        found = hi - lo
+        names = plan.namespaces[facts.group]
+        for n, namespace in enumerate(names):
+            if found <= 0:
+                break
+            blocks = [
+                facts.unit_keys(chunk[facts.group], facts.heads_per_block) for chunk in plan.keys[lo : lo + found]
+            ]
+            keys = [key for units in blocks for key in (units if len(names) == 1 else units[n : n + 1])]
+            width = len(keys) // found
+            found = self._client.lookup(namespace, keys, timeout_s=self._lookup_timeout_s).prefix_length // width
+        return max(found, 0)
+
+    def _full_keys(self, tracked: _Tracked, index: int) -> GroupKeys:
+        """Every group's keys of full chunk `index` of the request's sequence (prompt and output)."""
         plan, c = tracked.plan, tracked.plan.chunk_tokens
         prompt_chunks = plan.num_tokens // c
         if index < prompt_chunks:
@@ -505,7 +618,9 @@ class SchedulerSide:
             i = prompt_chunks + len(tracked.generated_keys)
             parents = self._full_keys(tracked, i - 1) if i else plan.roots
             chunk = tokens[i * c : (i + 1) * c]
-            tracked.generated_keys.append(tuple(chunk_key(parent, chunk) for parent in parents))
+            tracked.generated_keys.append(
+                tuple(tuple(chunk_key(parent, chunk) for parent in group) for group in parents)
+            )
         return tracked.generated_keys[index - prompt_chunks]
 
     def _plan_saves(self, scheduler_output: SchedulerOutput) -> Iterator[RequestTransfer]:
@@ -517,25 +632,78 @@ class SchedulerSide:
             done = num_computed + scheduler_output.num_scheduled_tokens[request_id]
             done = min(done, tracked.request.num_tokens if self._write_back else plan.num_tokens)
             chunks: list[ChunkRef] = []
+            keys: list[GroupKeys] = []
             for i in range(tracked.next_save, done // c):
-                chunks.append(
-                    ChunkRef(index=i, keys=self._full_keys(tracked, i), num_tokens=c, start=i * c, end=i * c + c)
-                )
+                chunks.append(ChunkRef(index=i, keys=(), num_tokens=c, start=i * c, end=i * c + c))
+                keys.append(self._full_keys(tracked, i))
             tracked.next_save = max(tracked.next_save, done // c)
             if tracked.tail_due and done >= plan.num_tokens:
                 tail = len(plan.keys) - 1
-                chunks.append(plan.chunk_ref(tail, tail * c, plan.num_tokens))
+                chunks.append(
+                    ChunkRef(index=tail, keys=(), num_tokens=plan.chunk_len(tail), start=tail * c, end=plan.num_tokens)
+                )
+                keys.append(plan.keys[tail])
                 tracked.tail_due = False
             if not chunks:
                 continue
-            for chunk in chunks:
-                self._expect_event(tracked.request, chunk)
             block_state = scheduler_output.kv_connector_block_state
             block_ids = block_state.get_block_ids(request_id) if block_state is not None else None
             if block_ids is None:
                 raise RuntimeError(f"vLLM gave no block ids for scheduled request {request_id}")
-            num_blocks = math.ceil(max(chunk.end for chunk in chunks) / self._facts.block_size)
-            yield RequestTransfer(request_id, plan.namespaces, tuple(block_ids[0][:num_blocks]), tuple(chunks))
+            yield from self._group_transfers(tracked.request, plan, block_ids, chunks, keys)
+
+    def _group_transfers(
+        self,
+        request: Request,
+        plan: PromptPlan,
+        block_ids: Sequence[Sequence[int]],
+        chunks: Sequence[ChunkRef],
+        keys: Sequence[GroupKeys],
+    ) -> list[RequestTransfer]:
+        """The saves of these chunks (keys[j] is chunks[j]'s, [group][shard]): one transfer per group.
+
+        A sliding-window group's table holds the null block where vLLM already freed a block that
+        fell out of the window: such a chunk is saved from its first block vLLM still holds on
+        (a block of the chunk's last tokens only, ChunkRef.start past the chunk's first token).
+        That suffix is all any later hit needs of the chunk: vLLM frees a block only once every
+        later position's window starts after it. A chunk saved in every group gets its
+        BlockStored event.
+        """
+        bs = self._facts.block_size
+        transfers: list[RequestTransfer] = []
+        saved_in = [0] * len(chunks)
+        for facts, group_blocks in zip(self._groups, block_ids, strict=True):
+            refs = []
+            for j, chunk in enumerate(chunks):
+                first_block = chunk.start // bs
+                blocks = group_blocks[first_block : math.ceil(chunk.end / bs)]
+                start = chunk.start
+                if facts.sliding and self._null_block in blocks:
+                    freed = max(k for k, block in enumerate(blocks) if block == self._null_block)
+                    start = (first_block + freed + 1) * bs
+                    if start >= chunk.end:
+                        continue
+                keys_j = facts.unit_keys(keys[j][facts.group], facts.heads_per_block)
+                refs.append(dataclasses.replace(chunk, keys=keys_j, start=start))
+                saved_in[j] += 1
+            if refs:
+                num_blocks = math.ceil(refs[-1].end / bs)
+                namespaces = plan.namespaces[facts.group]
+                blocks = tuple(group_blocks[:num_blocks])
+                transfers.append(
+                    RequestTransfer(
+                        request.request_id,
+                        namespaces,
+                        blocks,
+                        tuple(refs),
+                        group=facts.group,
+                        heads_per_block=facts.heads_per_block,
+                    )
+                )
+        for chunk, groups in zip(chunks, saved_in, strict=True):
+            if groups == len(self._groups):
+                self._expect_event(request, chunk)
+        return transfers
 
 
 def _scheduled(scheduler_output: SchedulerOutput) -> Iterator[tuple[str, int]]:

@@ -5,6 +5,9 @@ runner's thread and never call the server: every Get and Put runs on one of two
 background threads (transfers.py), each with a bounded queue.
 
     register_kv_caches   detect each layer's paged layout; refuse one it does not know
+
+A hybrid model's KV-cache groups are kept apart: each has its layers, its chunk shape and
+its namespaces, and every RequestTransfer names the group it fills or drains.
     start_load_kv        hand the step's loads to the load thread: one Get per namespace,
                          every chunk checked, the good ones scattered into their blocks; a
                          chunk that is missing, corrupt or of the wrong shape fails its blocks
@@ -44,8 +47,8 @@ any later kernel), so the blocks may be freed and reused as soon as the step end
 a finished request's last chunk, saved in the step after it finished, holds its blocks
 (request_finished delays their free until get_finished reports the request as sent).
 
-Longer than the project's ~500-line module guideline by a little: loads and saves share the staging,
-the unsettled-block bookkeeping and the job threads, which are kept in one place on purpose.
+Longer than the project's ~500-line module guideline: loads and saves of every KV-cache group share the
+staging, the unsettled-block bookkeeping and the job threads, which are kept in one place on purpose.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ class WorkerSide:
 
     def __init__(
         self,
-        facts: KVFacts,
+        groups: Sequence[KVFacts],
         client: KVCacheClient,
         breaker: CircuitBreaker,
         *,
@@ -118,7 +121,7 @@ class WorkerSide:
     ) -> None:
         """
         Args:
-            facts: The instance's namespace facts.
+            groups: The namespace facts of each KV-cache group, in vLLM's group order.
             client: A client with no retries.
             breaker: Guards every call to the server.
             tp_rank: This worker's tensor-parallel rank.
@@ -127,22 +130,20 @@ class WorkerSide:
             max_queued_saves: Steps of saves waiting for the save thread.
             max_queued_loads: Steps of loads waiting for the load thread.
         """
-        self._facts = facts
+        self._groups = tuple(groups)
+        facts = self._groups[0]
+        self._facts = facts  # what every group shares: block size, chunk tokens, shards
         self._client = client
         self._breaker = breaker
         self._shard = facts.shard_of(tp_rank)
         self._writer = facts.is_writer(tp_rank)
         self._timeout_s = transfer_timeout_s
-        self._block_layout = Layout.MLA if facts.mla else Layout.CANONICAL
-        self._block_dtype = DType.from_name(facts.kv_dtype)
-        # Tokens are dimension 1 of an MLA chunk [L, T, D], dimension 3 of a canonical one [L, 2, H, T, D].
-        self._token_dim = 1 if facts.mla else 3
-        self._layers: list[tuple[torch.Tensor, PagedLayout]] = []
+        self._layers: dict[int, list[tuple[torch.Tensor, PagedLayout]]] = {}  # group -> its layers
         self._load_errors: set[int] = set()  # this step's, until vLLM collects them
         self._unsettled: set[int] = set()  # failed blocks the scheduler has not yet settled
         self.counters = Counters()
         self._loader = JobThread("kvcache-load", max_queued_loads)
-        self._saver = JobThread("kvcache-save", max_queued_saves)
+        self._saver = JobThread("kvcache-save", max_queued_saves * len(self._groups))  # a job per group and step
         self._staging_bytes = staging_bytes
         self._staging: StagingPool | None = None  # built when the caches' device is known
         self._lock = threading.Lock()  # guards what the job threads hand back:
@@ -159,27 +160,36 @@ class WorkerSide:
             ValueError: a layer of the KV-cache group is missing, has another dtype, an attention
                 backend whose layout this connector does not know, or a shape not that layout's.
         """
-        f = self._facts
-        missing = [name for name in f.layer_names if name not in kv_caches]
+        missing = [name for f in self._groups for name in f.layer_names if name not in kv_caches]
         if missing:
             raise ValueError(f"register_kv_caches: no tensor for layer(s) {missing}")
-        layers = []
-        for name in f.layer_names:
-            cache = kv_caches[name]
-            if cache.dtype != f.torch_dtype:
-                raise ValueError(f"layer {name!r}: paged KV tensor is {cache.dtype}, the KV-cache spec {f.torch_dtype}")
-            layout = paged_layout(
-                name,
-                f.attention_backend(name),
-                tuple(cache.shape),
-                num_kv_heads=f.num_kv_heads,
-                head_size=f.head_size,
-                block_size=f.block_size,
-                mla=f.mla,
+        groups: dict[int, list[tuple[torch.Tensor, PagedLayout]]] = {}
+        for f in self._groups:
+            layers = groups[f.group] = []
+            for name in f.layer_names:
+                cache = kv_caches[name]
+                if cache.dtype != f.torch_dtype:
+                    raise ValueError(
+                        f"layer {name!r}: paged KV tensor is {cache.dtype}, the KV-cache spec {f.torch_dtype}"
+                    )
+                layout = paged_layout(
+                    name,
+                    f.attention_backend(name),
+                    tuple(cache.shape),
+                    num_kv_heads=f.num_kv_heads,
+                    head_size=f.head_size,
+                    block_size=f.block_size,
+                    mla=f.mla,
+                )
+                layers.append((cache, layout))
+            log.info(
+                "kvcache connector: group %d (%s), %d layers, paged layout %s",
+                f.group,
+                "full attention" if f.sliding_window is None else f"sliding window of {f.sliding_window}",
+                len(layers),
+                layers[0][1].kind.name,
             )
-            layers.append((cache, layout))
-        self._layers = layers
-        log.info("kvcache connector: %d layers, paged layout %s", len(layers), layers[0][1].kind.name)
+        self._layers = groups
 
     # -- loads ---------------------------------------------------------------------------------
 
@@ -201,19 +211,37 @@ class WorkerSide:
             self._fail_load(job)
 
     def get_finished(self, sent: Sequence[str] = ()) -> tuple[set[str] | None, set[str] | None]:
-        """(finished sending, finished receiving): the given requests whose last save was copied out
-        this step, and the requests whose load ended since the last call (their failed blocks go to
-        get_block_ids_with_load_errors, which vLLM calls right after, in the same pass)."""
+        """(finished sending, finished receiving) of get_transfer_results."""
+        sending, received, _ = self.get_transfer_results(sent)
+        return sending or None, received or None
+
+    def get_transfer_results(self, sent: Sequence[str] = ()) -> tuple[set[str], set[str], set[str]]:
+        """(finished sending, finished receiving, failed receiving): the given requests whose last save
+        was copied out this step, the requests whose load ended since the last call, and those of them
+        whose load failed somewhere.
+
+        With one KV-cache group a failed load is reported by its blocks (get_block_ids_with_load_errors,
+        which vLLM calls right after, in the same pass), and vLLM recomputes from the first failed
+        block; vLLM 0.33 refuses block ids for several groups (they are not unique across groups),
+        so a hybrid model's failed loads are reported as failed requests, which vLLM recomputes whole.
+        """
         with self._lock:
             done, self._done_loads = self._done_loads, []
         received: set[str] = set()
+        failed: set[str] = set()
+        bs = self._facts.block_size
         for job in done:
             self._loading.difference_update(b for t in job.loads for b in t.block_ids)
             self.counters.add(job.counters)
-            self._load_errors |= job.failed
             self._unsettled |= job.failed
+            if len(self._groups) == 1:
+                self._load_errors |= job.failed
+            else:
+                for t in job.loads:
+                    if not job.failed.isdisjoint(t.block_ids[t.start // bs : math.ceil(t.end / bs)]):
+                        failed.add(t.request_id)
             received.update(t.request_id for t in job.loads)
-        return set(sent) or None, received or None
+        return set(sent), received, failed
 
     def take_load_errors(self) -> set[int]:
         """Block ids that failed to load, of the loads get_finished reported."""
@@ -226,10 +254,11 @@ class WorkerSide:
             reports, self._reports = self._reports, StoredChunks()
         return reports if reports.stored or reports.failed else None
 
-    def _report(self, stored: Sequence[ChunkId] = (), failed: Sequence[ChunkId] = ()) -> None:
-        shard = frozenset((self._shard,))
+    def _report(self, stored: Sequence[ChunkId] = (), failed: Sequence[ChunkId] = (), group: int = 0) -> None:
+        shard = frozenset((group * self._facts.num_shards + self._shard,))
         with self._lock:
-            self._reports.stored.update((chunk, shard) for chunk in stored)
+            for chunk in stored:  # a hybrid model's groups each report the chunk: their streams add up
+                self._reports.stored[chunk] = self._reports.stored.get(chunk, frozenset()) | shard
             self._reports.failed.update(failed)
 
     def drain_counters(self) -> dict[str, int | float] | None:
@@ -268,27 +297,48 @@ class WorkerSide:
         loaded = Counters()  # counted into the job's only once the scatter succeeded
         try:
             fetched = self._fetch(job)
-            blocks: list[torch.Tensor] = []
-            offsets: list[torch.Tensor] = []
-            values: list[torch.Tensor] = []
+            # Per group: the slots and the values to scatter into its layers.
+            blocks: dict[int, list[torch.Tensor]] = {}
+            offsets: dict[int, list[torch.Tensor]] = {}
+            values: dict[int, list[torch.Tensor]] = {}
             bs, c = self._facts.block_size, self._facts.chunk_tokens
             for transfer in job.loads:
+                token_dim = self._token_dim(transfer.group)
+                namespace = transfer.namespace_for(self._shard)
+                units = self._groups[transfer.group].units(self._shard, transfer.heads_per_block)
                 for position, chunk in enumerate(transfer.chunks):
-                    tensor = fetched.get((transfer.namespaces[self._shard], chunk.keys[self._shard]))
+                    found = [fetched.get((namespace, chunk.keys[u])) for u in units]
+                    parts = [p for p in found if p is not None]
+                    fetched_bytes = sum(p.nbytes for p in parts)
+                    # A block holds the chunk's last T tokens: all of them, or a sliding-window group's
+                    # suffix (saved from the first block vLLM still held), which must reach back to start.
+                    chunk_end = chunk.index * c + chunk.num_tokens
+                    tensor = None
+                    if len(parts) == len(found) and all(chunk_end - p.shape[token_dim] <= chunk.start for p in parts):
+                        count = chunk.end - chunk.start
+                        parts = [
+                            p.narrow(token_dim, chunk.start - chunk_end + p.shape[token_dim], count) for p in parts
+                        ]
+                        # A rank's heads, from its blocks of consecutive heads: [L, 2, h, T, D] (MLA: one block).
+                        tensor = parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
                     if tensor is None:
                         # This chunk and every later one of the request: vLLM recomputes from the first bad block.
                         job.failed.update(transfer.block_ids[chunk.start // bs : math.ceil(transfer.end / bs)])
                         job.counters.load_failures += len(transfer.chunks) - position
                         break
                     b, o = token_slots(transfer.block_ids, chunk.start, chunk.end, bs)
-                    blocks.append(b)
-                    offsets.append(o)
-                    first = chunk.start - chunk.index * c
-                    values.append(tensor.narrow(self._token_dim, first, chunk.end - chunk.start))
+                    blocks.setdefault(transfer.group, []).append(b)
+                    offsets.setdefault(transfer.group, []).append(o)
+                    values.setdefault(transfer.group, []).append(tensor)
                     loaded.load_chunks += 1
-                    loaded.load_bytes += tensor.nbytes
-            if values:
-                self._scatter(torch.cat(blocks), torch.cat(offsets), torch.cat(values, dim=self._token_dim))
+                    loaded.load_bytes += fetched_bytes
+            for group, group_values in values.items():
+                self._scatter(
+                    group,
+                    torch.cat(blocks[group]),
+                    torch.cat(offsets[group]),
+                    torch.cat(group_values, dim=self._token_dim(group)),
+                )
             job.counters.load_chunks += loaded.load_chunks
             job.counters.load_bytes += loaded.load_bytes
         except Exception:
@@ -309,13 +359,15 @@ class WorkerSide:
         that is not stored yet is asked for again every poll_s, until that wait or the job's
         deadline ends; any other missing chunk fails at once.
         """
-        wanted: dict[str, dict[bytes, ChunkRef]] = {}
+        wanted: dict[str, dict[bytes, tuple[ChunkRef, RequestTransfer]]] = {}  # namespace -> block key -> its chunk
         waits: dict[str, float] = {}
         for transfer in job.loads:
-            namespace = transfer.namespaces[self._shard]
+            namespace = transfer.namespace_for(self._shard)
+            units = self._groups[transfer.group].units(self._shard, transfer.heads_per_block)
             by_key = wanted.setdefault(namespace, {})
             for chunk in transfer.chunks:
-                by_key[chunk.keys[self._shard]] = chunk
+                for u in units:
+                    by_key[chunk.keys[u]] = (chunk, transfer)
             waits[namespace] = max(waits.get(namespace, 0.0), transfer.wait_s)
         out: dict[tuple[str, bytes], torch.Tensor] = {}
         started = time.monotonic()
@@ -333,48 +385,69 @@ class WorkerSide:
                         log.warning("kvcache get failed (%s); loads fail for %.1f s", exc, self._breaker.cooldown_s)
                     return out
                 self._breaker.success()
-                for (key, chunk), block in zip(list(missing.items()), blocks, strict=True):
+                for (key, (chunk, transfer)), block in zip(list(missing.items()), blocks, strict=True):
                     if block is None:
                         continue
                     del missing[key]
-                    if self._acceptable(block, chunk):
+                    if self._acceptable(block, key, chunk, transfer):
                         out[(namespace, key)] = block_to_tensor(block, verify=False)  # the SDK verified it
                 if not missing or time.monotonic() + POLL_S > wait_until:
                     break
                 time.sleep(POLL_S)
         return out
 
-    def _acceptable(self, block: bytes, chunk: ChunkRef) -> bool:
-        """Whether a verified block holds this chunk in our layout: a block with a valid checksum
-        can still be the wrong thing (another writer's bug), and scattering it would corrupt KV."""
+    def _block_layout(self, group: int) -> Layout:
+        return Layout.MLA if self._groups[group].mla else Layout.CANONICAL
+
+    def _token_dim(self, group: int) -> int:
+        """Tokens are dimension 1 of an MLA chunk [L, T, D], dimension 3 of a canonical one [L, 2, H, T, D]."""
+        return 1 if self._groups[group].mla else 3
+
+    def _device(self) -> torch.device:
+        return next(iter(self._layers.values()))[0][0].device
+
+    def _acceptable(self, block: bytes, key: bytes, chunk: ChunkRef, transfer: RequestTransfer) -> bool:
+        """Whether a verified block holds its part of this chunk in our layout: a block with a valid
+        checksum can still be the wrong thing (another writer's bug), and scattering it would corrupt KV."""
         header, _ = decode_block(block, verify=False)
-        expected = self._facts.chunk_shape(chunk.num_tokens)
-        if (header.layout, header.dtype, header.shape) == (self._block_layout, self._block_dtype, expected):
+        group = transfer.group
+        facts = self._groups[group]
+        shape = facts.chunk_shape(chunk.num_tokens, heads=transfer.heads_per_block)
+        expected = (self._block_layout(group), DType.from_name(facts.kv_dtype), shape)
+        got = (header.layout, header.dtype, header.shape)
+        if got == expected:
             return True
+        # A sliding-window group's block may hold only the chunk's last tokens (at least one).
+        dim = self._token_dim(group)
+        if facts.sliding and len(header.shape) == len(shape) and 1 <= header.shape[dim] < chunk.num_tokens:
+            suffix = (*shape[:dim], header.shape[dim], *shape[dim + 1 :])
+            if got == (*expected[:2], suffix):
+                return True
         log.error(
             "kvcache chunk %s refused: %s %s %s, expected %s %s %s",
-            chunk.keys[self._shard].hex(),
+            key.hex(),
             header.layout.name,
             header.dtype.name,
             header.shape,
-            self._block_layout.name,
-            self._block_dtype.name,
-            expected,
+            expected[0].name,
+            expected[1].name,
+            expected[2],
         )
         return False
 
-    def _scatter(self, blocks: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
-        device = self._layers[0][0].device
+    def _scatter(self, group: int, blocks: torch.Tensor, offsets: torch.Tensor, values: torch.Tensor) -> None:
+        layers = self._layers[group]
+        device = self._device()
         if device.type != "cuda":
             blocks, offsets, values = blocks.to(device), offsets.to(device), values.to(device)
-            for layer, (cache, layout) in enumerate(self._layers):
+            for layer, (cache, layout) in enumerate(layers):
                 layout.scatter(cache, blocks, offsets, values[layer])
             return
         if self._load_stream is None:
             self._load_stream = torch.cuda.Stream(device)
         with torch.cuda.stream(self._load_stream):
             blocks, offsets, values = blocks.to(device), offsets.to(device), values.to(device)
-            for layer, (cache, layout) in enumerate(self._layers):
+            for layer, (cache, layout) in enumerate(layers):
                 layout.scatter(cache, blocks, offsets, values[layer])
         self._load_stream.synchronize()  # the KV is in place before get_finished reports the request
 
@@ -397,13 +470,18 @@ class WorkerSide:
             (good if sound else held).append(s)
         self.counters.save_failures += sum(len(s.chunks) for s in held)
         self._report(failed=chunk_ids(held))
+        for facts in self._groups:  # a job per group: each has its own chunk shape
+            group = [s for s in good if s.group == facts.group]
+            if group:
+                self._save_group(facts, group)
+
+    def _save_group(self, facts: KVFacts, good: list[RequestTransfer]) -> None:
+        """Gathers one group's chunks of the step into staging memory and queues their Put."""
         num_chunks = sum(len(s.chunks) for s in good)
-        if not good:
-            return
         # The breaker is consulted on the save thread (a probe taken here would be lost there).
         num_tokens = sum(c.end - c.start for s in good for c in s.chunks)
-        shape = self._facts.chunk_shape(num_tokens)
-        nbytes = math.prod(shape) * self._facts.torch_dtype.itemsize
+        shape = facts.chunk_shape(num_tokens)
+        nbytes = math.prod(shape) * facts.torch_dtype.itemsize
         staging = self._staging_pool()
         buffer = staging.take(nbytes)
         while (buffer is None or self._saver.full) and (old := self._saver.drop_oldest()) is not None:
@@ -415,8 +493,8 @@ class WorkerSide:
             self._report(failed=chunk_ids(good))
             return
         started = time.perf_counter()
-        staged = buffer[:nbytes].view(self._facts.torch_dtype).view(shape)
-        ready = self._gather(good, staged)
+        staged = buffer[:nbytes].view(facts.torch_dtype).view(shape)
+        ready = self._gather(facts.group, good, staged)
         self.counters.save_s += time.perf_counter() - started
         job = Job(
             run=lambda: self._run_save(good, staged, buffer, ready),
@@ -427,7 +505,7 @@ class WorkerSide:
 
     def _staging_pool(self) -> StagingPool:
         if self._staging is None:
-            pin = self._layers[0][0].device.type == "cuda"
+            pin = self._device().type == "cuda"
             self._staging = StagingPool(self._staging_bytes, pin=pin)
         return self._staging
 
@@ -459,24 +537,31 @@ class WorkerSide:
             items: dict[str, list[tuple[bytes, BlockData]]] = {}
             ids: dict[str, list[ChunkId]] = {}  # the chunks of each namespace's put, for the scheduler's events
             position = 0
+            group = saves[0].group  # a save job holds one group's chunks
+            token_dim, block_layout = self._token_dim(group), self._block_layout(group)
+            facts = self._groups[group]
             for transfer in saves:
-                namespace = items.setdefault(transfer.namespaces[self._shard], [])
-                namespace_ids = ids.setdefault(transfer.namespaces[self._shard], [])
+                namespace = items.setdefault(transfer.namespace_for(self._shard), [])
+                namespace_ids = ids.setdefault(transfer.namespace_for(self._shard), [])
+                g = transfer.heads_per_block or facts.num_kv_heads
+                units = facts.units(self._shard, g)
                 for chunk in transfer.chunks:
-                    tensor = staged.narrow(self._token_dim, position, chunk.end - chunk.start)
-                    key = chunk.keys[self._shard]
-                    namespace.append((key, tensor_block_parts(tensor, key, self._block_layout)))
+                    tensor = staged.narrow(token_dim, position, chunk.end - chunk.start)
+                    for u in units:  # the rank's heads as blocks of g consecutive heads (MLA: one block)
+                        part = tensor if facts.mla else tensor.narrow(2, (u - units.start) * g, g)
+                        namespace.append((chunk.keys[u], tensor_block_parts(part, chunk.keys[u], block_layout)))
                     namespace_ids.append((transfer.request_id, chunk.index, chunk.num_tokens))
                     position += chunk.end - chunk.start
             for namespace, blocks in items.items():
+                num_chunks = len(ids[namespace])  # counted in chunks: each is len(blocks) // num_chunks blocks
                 if not self._breaker.allow():  # a put of this job failed already
-                    counters.save_failures += len(blocks)
+                    counters.save_failures += num_chunks
                     self._report(failed=ids[namespace])
                     continue
                 try:
                     result = self._client.put_many(namespace, blocks, timeout_s=self._timeout_s)
                 except KVCacheError as exc:
-                    counters.save_failures += len(blocks)
+                    counters.save_failures += num_chunks
                     self._report(failed=ids[namespace])
                     if self._breaker.failure():
                         log.warning(
@@ -485,11 +570,14 @@ class WorkerSide:
                     continue
                 self._breaker.success()
                 if put_confirmed(result, len(blocks)):
-                    self._report(stored=ids[namespace])
+                    self._report(stored=ids[namespace], group=group)
                 else:
                     self._report(failed=ids[namespace])
-                counters.save_chunks += result.stored
-                counters.save_failures += len(blocks) - result.stored
+                stored_chunks = (
+                    num_chunks if result.stored == len(blocks) else result.stored * num_chunks // len(blocks)
+                )
+                counters.save_chunks += stored_chunks
+                counters.save_failures += num_chunks - stored_chunks
                 counters.save_bytes += result.bytes_sent
         finally:
             self._staging_pool().give_back(buffer)
@@ -497,18 +585,18 @@ class WorkerSide:
             with self._lock:
                 self._job_counters.add(counters)
 
-    def _gather(self, saves: Sequence[RequestTransfer], staged: torch.Tensor) -> torch.cuda.Event | None:
-        """Every token to save, in canonical layout, into `staged` on the host: [L, 2, H, T, D]
+    def _gather(self, group: int, saves: Sequence[RequestTransfer], staged: torch.Tensor) -> torch.cuda.Event | None:
+        """Every token of one group to save, in canonical layout, into `staged` on the host: [L, 2, H, T, D]
         (MLA: [L, T, D]). On CUDA the copies are queued on the current stream; the returned
         event marks their end."""
         bs = self._facts.block_size
         slots = [token_slots(s.block_ids, c.start, c.end, bs) for s in saves for c in s.chunks]
         blocks = torch.cat([b for b, _ in slots])
         offsets = torch.cat([o for _, o in slots])
-        device = self._layers[0][0].device
+        device = self._device()
         cuda = device.type == "cuda"
         blocks, offsets = blocks.to(device), offsets.to(device)
-        for layer, (cache, layout) in enumerate(self._layers):
+        for layer, (cache, layout) in enumerate(self._layers[group]):
             staged[layer].copy_(layout.gather(cache, blocks, offsets), non_blocking=cuda)
         if not cuda:
             return None
