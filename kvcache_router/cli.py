@@ -68,7 +68,10 @@ def build_router(config: RouterConfig, env: dict[str, str]) -> Router:
             kv.target, timeout_s=kv.lookup_timeout_s, retry=NO_RETRY, token=env.get(kv.token_env) or None, tls=tls
         )
         oracle = PrefixOracle(client, lookup_timeout_s=kv.lookup_timeout_s)
-    namespace = config.namespace.build() if kv.target and kv.namespace_source == "config" else None
+    namespace = None
+    if oracle is not None and kv.namespace_source == "config":
+        namespace = config.namespace.build()
+        oracle.head_block = config.namespace.head_block()
     return Router(config, oracle, namespace)
 
 

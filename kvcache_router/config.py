@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-from kvcache_core.keys import CANONICAL_LAYOUT, MLA_LAYOUT, Namespace
+from kvcache_core.keys import CANONICAL_LAYOUT, HEADS_LAYOUT_VERSION, LAYOUT_VERSION, MLA_LAYOUT, Namespace
 from kvcache_server.config import ConfigError, parse_assignment, parse_size
 
 ENV_PREFIX = "KVCACHE_ROUTER_"
@@ -133,8 +133,12 @@ class KVCacheSection:
 class NamespaceSection:
     """The workers' namespace (docs/keys.md) when kvcache.namespace_source = "config".
 
-    For vLLM workers: the first tensor-parallel shard's, i.e. what the vLLM connector derives for
-    rank 0 (docs/vllm.md): num_kv_heads per rank, tp_size the workers', tp_rank 0.
+    For vLLM workers: the engine's facts as its connector reads them (docs/vllm.md): num_kv_heads
+    the KV heads of one rank, tp_size the workers' tensor-parallel size, kv_heads_per_block the
+    connector's (0: its default, a rank's heads). The vLLM connector stores kvcache.canonical v2,
+    head-sharded: one namespace of all the model's heads whatever the TP size, each chunk as blocks
+    of kv_heads_per_block heads; the router looks up the first head block of each chunk (rank 0's),
+    which every rank saves with the rest. kvcache.mla keeps one namespace per shard (shard 0's here).
     """
 
     model_id: str = ""
@@ -146,6 +150,7 @@ class NamespaceSection:
     head_size: int = 0
     tp_size: int = 1
     layout: str = CANONICAL_LAYOUT
+    kv_heads_per_block: int = 0
     # "key=value" pairs, the connector's namespace_extra (and what it adds itself, e.g. the quantization).
     extra: tuple[str, ...] = ()
 
@@ -168,15 +173,38 @@ class NamespaceSection:
                 kv_dtype=self.kv_dtype,
                 chunk_tokens=self.chunk_tokens,
                 num_layers=self.num_layers,
-                num_kv_heads=self.num_kv_heads,
+                num_kv_heads=self.num_kv_heads * self.tp_size if self.head_sharded else self.num_kv_heads,
                 head_size=self.head_size,
-                tp_size=self.tp_size,
+                tp_size=1 if self.head_sharded else self.tp_size,
                 tp_rank=0,
                 layout=self.layout,
+                layout_version=HEADS_LAYOUT_VERSION if self.head_sharded else LAYOUT_VERSION,
                 extra=pairs,
             )
         except ValueError as exc:
             raise ConfigError(f"[namespace]: {exc}") from None
+
+    @property
+    def head_sharded(self) -> bool:
+        """Whether the workers store chunks as head blocks (kvcache.canonical v2, the vLLM connector's)."""
+        return self.layout == CANONICAL_LAYOUT
+
+    def head_block(self) -> tuple[int, int] | None:
+        """(heads per stored block, all heads) of the block a lookup asks for; None when each key is a whole chunk.
+
+        Raises:
+            ConfigError: kv_heads_per_block does not divide a rank's heads.
+        """
+        if not self.head_sharded:
+            return None
+        per_block = self.kv_heads_per_block or self.num_kv_heads
+        if per_block < 1 or self.num_kv_heads % per_block:
+            raise ConfigError(
+                f"namespace.kv_heads_per_block ({self.kv_heads_per_block}) must divide "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        total = self.num_kv_heads * self.tp_size
+        return None if per_block == total else (per_block, total)
 
     def validate(self) -> None:
         if self.layout not in (CANONICAL_LAYOUT, MLA_LAYOUT):
@@ -197,6 +225,7 @@ class RouterConfig:
             getattr(self, f.name).validate()
         if self.kvcache.target and self.kvcache.namespace_source == "config":
             self.namespace.build()
+            self.namespace.head_block()
         return self
 
 

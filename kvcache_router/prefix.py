@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvcache_client import AsyncKVCacheClient, KVCacheError
-from kvcache_core.keys import Namespace, chunk_keys
+from kvcache_core.keys import Namespace, chunk_keys, head_block_key
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,9 @@ class PrefixOracle:
     def __init__(self, client: AsyncKVCacheClient, *, lookup_timeout_s: float) -> None:
         self.client = client
         self.namespace: Namespace | None = None
+        # (heads per block, all heads) in a head-sharded namespace whose chunks are stored in
+        # several blocks: the first block of each chunk is looked up. None: keys are whole chunks.
+        self.head_block: tuple[int, int] | None = None
         self._timeout_s = lookup_timeout_s
 
     async def coverage(self, tokens: Sequence[int], *, cache_salt: str = "") -> Coverage | None:
@@ -68,8 +71,12 @@ class PrefixOracle:
         if cache_salt != namespace.cache_salt:
             namespace = dataclasses.replace(namespace, cache_salt=cache_salt)
         keys = chunk_keys(tokens, namespace)
+        stored_keys = keys
+        if self.head_block is not None:
+            per_block, total = self.head_block
+            stored_keys = [head_block_key(k, 0, per_block, total) for k in keys]
         try:
-            found = await self.client.lookup(namespace, keys, timeout_s=self._timeout_s)
+            found = await self.client.lookup(namespace, stored_keys, timeout_s=self._timeout_s)
         except KVCacheError as exc:
             log.warning("kvcache lookup failed, routing as uncached: %s", exc)
             return None

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvcache_core.keys import Namespace
+from kvcache_core.keys import HEADS_LAYOUT_VERSION, Namespace, chunk_keys, head_block_key
 from kvcache_router.cli import overrides, parse_args
 from kvcache_router.config import ConfigError, load_config
 from kvcache_server.config import load_config as load_server_config
@@ -99,9 +99,75 @@ def test_namespace_from_config_is_the_connectors_namespace() -> None:
         num_layers=32,
         num_kv_heads=8,
         head_size=128,
+        layout_version=HEADS_LAYOUT_VERSION,
         extra={"deployment": "blue"},
     )
     assert cfg.namespace.build() == want and cfg.namespace.build().name == want.name
+    assert cfg.namespace.head_block() is None  # TP1: one block per chunk, under the chunk's key
+
+
+@pytest.mark.parametrize(("tp_size", "per_block"), [(1, 0), (2, 0), (4, 0), (2, 1), (1, 2)])
+def test_lookup_keys_are_the_vllm_connectors_stored_keys(tp_size: int, per_block: int) -> None:
+    """The router's [namespace] and looked-up keys equal what the real vLLM connector stores, at any TP size."""
+    import torch
+
+    from kvcache_connectors.vllm.namespaces import KVFacts
+
+    heads = 8 // tp_size
+    facts = KVFacts(
+        model_id="/models/model",
+        model_revision="",
+        kv_dtype="bfloat16",
+        torch_dtype=torch.bfloat16,
+        mla=False,
+        chunk_tokens=16,
+        block_size=16,
+        layer_names=tuple(f"model.layers.{i}.self_attn.attn" for i in range(4)),
+        num_kv_heads=heads,
+        head_size=64,
+        tp_size=tp_size,
+        tp_replicas=1,
+        extra=(),
+        heads_per_block=per_block or heads,
+    )
+    cfg = load_config(
+        env={},
+        overrides={
+            **DECODE,
+            "kvcache": {"target": "k:1", "namespace_source": "config"},
+            "namespace": {
+                "model_id": "/models/model",
+                "kv_dtype": "bfloat16",
+                "chunk_tokens": "16",
+                "num_layers": "4",
+                "num_kv_heads": str(heads),
+                "head_size": "64",
+                "tp_size": str(tp_size),
+                "kv_heads_per_block": str(per_block),
+            },
+        },
+    )
+    (namespace,) = facts.namespaces()
+    assert cfg.namespace.build() == namespace
+    tokens = list(range(40))
+    chunk = chunk_keys(tokens, namespace)
+    stored = [facts.unit_keys((k,), per_block or None) for k in chunk]  # every rank's blocks of each chunk
+    block = cfg.namespace.head_block()
+    looked_up = chunk if block is None else [head_block_key(k, 0, block[0], block[1]) for k in chunk]
+    assert [keys[0] for keys in stored] == looked_up
+
+
+def test_kv_heads_per_block_must_divide_a_ranks_heads() -> None:
+    cfg = {"model_id": "m", "kv_dtype": "bfloat16", "num_layers": "2", "num_kv_heads": "4", "head_size": "8"}
+    with pytest.raises(ConfigError, match="kv_heads_per_block"):
+        load_config(
+            env={},
+            overrides={
+                **DECODE,
+                "kvcache": {"target": "k:1", "namespace_source": "config"},
+                "namespace": {**cfg, "kv_heads_per_block": "3"},
+            },
+        )
 
 
 def test_cli_reports_a_bad_config_and_exits_2() -> None:
