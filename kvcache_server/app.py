@@ -9,6 +9,7 @@ import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -18,7 +19,7 @@ from kvcache_server import __version__
 from kvcache_server.admission import Admission
 from kvcache_server.allocator import trim_forever
 from kvcache_server.auth import Authenticator, TokenStore
-from kvcache_server.config import LowerTierSection, ServerConfig, ShmSection, TlsSection, is_loopback
+from kvcache_server.config import LowerTierSection, RedisSection, ServerConfig, ShmSection, TlsSection, is_loopback
 from kvcache_server.events import EventHub
 from kvcache_server.interceptor import RequestContextInterceptor
 from kvcache_server.metrics import Metrics
@@ -94,11 +95,31 @@ def _policy(section: LowerTierSection) -> LowerTierPolicy:
     )
 
 
+def _cluster_tier(r: RedisSection) -> Tier:
+    from kvcache_server.tiers.redis_cluster import RedisClusterTier
+
+    url = urlsplit(r.url)
+    return RedisClusterTier(
+        r.startup_nodes(),
+        key_prefix=r.key_prefix,
+        ttl_s=r.ttl_s,
+        timeout_s=r.timeout_s,
+        username=unquote(url.username or ""),
+        password=r.password or unquote(url.password or ""),
+        tls=url.scheme == "rediss",
+        tls_ca_file=r.tls_ca_file,
+        max_connections=r.max_connections,
+    )
+
+
 def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: TokenStore | None = None) -> TierStack:
     """RAM, then Redis and S3 where enabled; tier modules are imported only when used."""
     lower: list[tuple[Tier, LowerTierPolicy]] = []
     r = config.redis
-    if r.enabled:
+    if r.enabled and r.cluster:
+        tier: Tier = _cluster_tier(r)
+        lower.append((tier, _policy(r)))
+    elif r.enabled:
         from kvcache_server.tiers.redis import RedisTier
 
         tier = RedisTier(
@@ -337,7 +358,8 @@ def describe(running: RunningServer) -> str:
     c = running.config
     tiers = [f"ram {c.ram.capacity_bytes / (1 << 30):.2f} GiB"]
     if c.redis.enabled:
-        tiers.append(f"redis {c.redis.url.split('@')[-1]} ({c.redis.write_mode})")
+        kind = f"redis cluster ({len(c.redis.startup_nodes())} start-up nodes)" if c.redis.cluster else "redis"
+        tiers.append(f"{kind} {c.redis.url.split('@')[-1]} ({c.redis.write_mode})")
     if c.s3.enabled:
         tiers.append(f"s3 {c.s3.bucket}/{c.s3.prefix} ({c.s3.write_mode})")
     scheme = "https" if c.tls.enabled else "http"

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 DEFAULT_PORT = 51051
 DEFAULT_HOST = "127.0.0.1"
@@ -145,6 +146,10 @@ class RedisSection(LowerTierSection):
     max_connections: int = 32
     # Per call; it must exceed the time to move the largest batch (128 MiB takes ~0.5-1 s here).
     timeout_s: float = 5.0
+    # Redis Cluster (docs/tiers.md): `url` names one start-up node (its scheme, user and password
+    # apply to every node), `cluster_nodes` more of them, as "host:port,host:port".
+    cluster: bool = False
+    cluster_nodes: str = ""
 
     def validate(self) -> None:
         self._validate_common("redis")
@@ -152,6 +157,25 @@ class RedisSection(LowerTierSection):
             raise ConfigError(f"redis.url must start with redis://, rediss:// or unix://, got {self.url!r}")
         if self.ttl_s < 0 or self.max_connections < 1:
             raise ConfigError("redis.ttl_s must be >= 0 and redis.max_connections >= 1")
+        if self.cluster:
+            self.startup_nodes()
+        elif self.cluster_nodes:
+            raise ConfigError("redis.cluster_nodes is set but redis.cluster is false")
+
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        """The cluster's start-up nodes: `url`'s host and port, then those of `cluster_nodes`."""
+        url = urlsplit(self.url)
+        if url.scheme not in ("redis", "rediss") or not url.hostname:
+            raise ConfigError(f"redis.cluster needs a redis:// or rediss:// url with a host, got {self.url!r}")
+        if url.path.strip("/") not in ("", "0"):
+            raise ConfigError(f"a Redis Cluster has only database 0; redis.url names {url.path.strip('/')!r}")
+        nodes = [(url.hostname, url.port or 6379)]
+        for item in filter(None, (part.strip() for part in self.cluster_nodes.split(","))):
+            host, sep, port = item.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError(f"redis.cluster_nodes: {item!r} is not host:port")
+            nodes.append((host.strip("[]"), int(port)))
+        return nodes
 
 
 @dataclass(frozen=True, slots=True)

@@ -248,3 +248,123 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError("no VmRSS")
+
+
+def cluster_port() -> int:
+    """A free port whose cluster-bus port (port + 10000) is free too."""
+    import random
+
+    for _ in range(200):
+        port = random.randint(20000, 40000)
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 10000))
+        except OSError:
+            continue
+        return port
+    raise RuntimeError("no free port pair for a Redis Cluster node")
+
+
+class RedisClusterProcesses:
+    """A real Redis Cluster on loopback: `masters` masters with one replica each, joined by redis-cli.
+
+    Fast failover (cluster-node-timeout `node_timeout_ms`), and masters without a live copy leave the
+    rest serving (cluster-require-full-coverage no). Each node is a RedisProcess, so tests can kill,
+    pause and restart single nodes; `nodes[:masters]` start as masters, nodes[masters + i] replicates nodes[i].
+    """
+
+    def __init__(self, tmp: Path, *, masters: int = 3, node_timeout_ms: int = 1000) -> None:
+        cli = require_binary("redis-cli")
+        self.nodes: list[RedisProcess] = []
+        try:
+            for i in range(2 * masters):
+                port = cluster_port()
+                workdir = tmp / f"node-{i}"
+                workdir.mkdir(parents=True)
+                self.nodes.append(
+                    RedisProcess(
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(workdir / "nodes.conf"),
+                        "--dir",
+                        str(workdir),
+                        "--cluster-node-timeout",
+                        str(node_timeout_ms),
+                        "--cluster-require-full-coverage",
+                        "no",
+                        "--cluster-replica-validity-factor",
+                        "0",
+                        port=port,
+                    )
+                )
+            addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            subprocess.run(
+                [cli, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+                check=True,
+                capture_output=True,
+                timeout=60,
+            )
+            wait_for(self._settled, timeout_s=30, what="redis cluster state ok on every node")
+        except BaseException:
+            self.stop()
+            raise
+        self.masters = masters
+
+    def _settled(self) -> bool:
+        for node in self.nodes:
+            try:
+                info = node.client(socket_timeout=1).execute_command("CLUSTER INFO")
+            except Exception:  # not up yet
+                return False
+            if info.get("cluster_state") != "ok" or int(info.get("cluster_slots_ok", 0)) != 16384:
+                return False
+        return True
+
+    @property
+    def url(self) -> str:
+        """A start-up node's URL (the tier finds the others from it)."""
+        return self.nodes[0].url
+
+    @property
+    def startup_nodes(self) -> str:
+        """Every node as host:port, comma-separated (redis.cluster_nodes)."""
+        return ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
+
+    def overrides(self, **extra: object) -> dict[str, object]:
+        """The [redis] settings of a kvcache server using this cluster."""
+        return {"enabled": True, "cluster": True, "url": self.url, "cluster_nodes": self.startup_nodes, **extra}
+
+    def live(self) -> list[RedisProcess]:
+        return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+
+    def role(self, node: RedisProcess) -> str:
+        return node.client(socket_timeout=1).execute_command("ROLE")[0].decode()
+
+    def masters_now(self) -> list[RedisProcess]:
+        """The live nodes whose role is master now."""
+        out = []
+        for node in self.live():
+            try:
+                if self.role(node) == "master":
+                    out.append(node)
+            except Exception:  # a node going down meanwhile
+                continue
+        return out
+
+    def replica_of(self, master: RedisProcess) -> RedisProcess:
+        """The live node replicating `master` now."""
+        for node in self.live():
+            role = node.client(socket_timeout=1).execute_command("ROLE")
+            if role[0] == b"slave" and int(role[2]) == master.port:
+                return node
+        raise LookupError(f"no live replica of 127.0.0.1:{master.port}")
+
+    def flushall(self) -> None:
+        for node in self.masters_now():
+            node.client(socket_timeout=2).flushall()
+
+    def stop(self) -> None:
+        for node in self.nodes:
+            node.stop()

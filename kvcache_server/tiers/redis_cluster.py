@@ -1,0 +1,354 @@
+"""The Redis tier on a Redis Cluster (or Valkey cluster): the same values as on one Redis, spread by slot.
+
+Layout: the same keys and values as kvcache_server.tiers.redis (one string per block, SET/GET), so a
+block's key hashes to one of the 16384 slots, each owned by one master (and copied to its replicas).
+
+Round trips: a batch (get, put, presence check, delete) is grouped by the master that owns each key's
+slot, from the cluster's slot map, and sent as one pipeline per master, all masters in parallel (each
+in its own thread on redis-py's blocking client). No command names keys of two slots (a DEL is one
+key per command), so nothing is refused as CROSSSLOT. `round_trips` counts the pipelines sent.
+
+Topology changes:
+    MOVED or ASK (a slot moved, or is moving, to another master): the redirected keys are sent again,
+    one by one, through redis-py's RedisCluster, which follows the redirection; the slot map is
+    refreshed before the next batch.
+    A master that does not answer (killed, partitioned, timing out): its keys are read from one of its
+    replicas (READONLY) where it has one, else they are misses, counted in `errors`; its puts report
+    False and a delete fails (TierError). The slot map is refreshed (at most every REFRESH_S) until the
+    cluster has promoted a replica, after which its slots are served by the new master.
+    A batch whose masters all fail raises TierError: the stack counts it and its breaker opens.
+
+Values are whole blocks or nothing (SET is atomic, replication copies whole values), and every block
+is checked against its key by the stack, so no topology change can serve wrong bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+from kvcache_core.threads import in_pool
+from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
+
+try:
+    import redis
+    from redis.backoff import ExponentialBackoff
+    from redis.cluster import ClusterNode, RedisCluster
+    from redis.connection import Encoder, PythonRespSerializer
+    from redis.crc import key_slot
+    from redis.exceptions import RedisClusterException, RedisError
+    from redis.retry import Retry
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError("the Redis tier needs redis-py: pip install 'kvcache[redis]'") from exc
+
+T = TypeVar("T")
+
+REFRESH_S = 0.25
+"""Least time between two slot-map refreshes (after a redirection or a master that failed)."""
+
+
+class _NodeDown(Exception):
+    """A node's pipeline failed as a whole (connection refused or reset, timeout, LOADING...)."""
+
+
+class RedisClusterTier(Tier):
+    """Blocks in a Redis Cluster, one pipeline per master per batch."""
+
+    name = "redis"
+    kind = TierKind.REDIS
+
+    def __init__(
+        self,
+        nodes: Sequence[tuple[str, int]],
+        *,
+        key_prefix: str = "kvcache",
+        ttl_s: int = 0,
+        timeout_s: float = 1.0,
+        username: str = "",
+        password: str = "",
+        tls: bool = False,
+        tls_ca_file: str = "",
+        max_connections: int = 32,
+    ) -> None:
+        """Connects lazily: the slot map is read from the first start-up node that answers, at the first call.
+
+        Args:
+            nodes: Start-up nodes (host, port); any master or replica of the cluster will do.
+            key_prefix: Prefix of every key, so several deployments can share a cluster.
+            ttl_s: Expire blocks after this many seconds; 0 keeps them until Redis evicts them.
+            timeout_s: Socket connect and read timeout of each pipeline.
+            username: ACL user, if any.
+            password: The nodes' password (requirepass / masterauth), if any.
+            tls: Speak TLS to every node.
+            tls_ca_file: CA bundle to verify the nodes with, when `tls`.
+            max_connections: Connections per node, and threads for the per-node pipelines.
+        """
+        if not nodes:
+            raise ValueError("a Redis Cluster tier needs at least one start-up node")
+        self._kwargs: dict[str, Any] = {
+            "socket_timeout": timeout_s,
+            "socket_connect_timeout": timeout_s,
+            "max_connections": max_connections,
+            "retry_on_timeout": False,
+        }
+        if username:
+            self._kwargs["username"] = username
+        if password:
+            self._kwargs["password"] = password
+        if tls:
+            self._kwargs["ssl"] = True
+            self._kwargs["ssl_cert_reqs"] = ssl.CERT_REQUIRED
+            if tls_ca_file:
+                self._kwargs["ssl_ca_certs"] = tls_ca_file
+        self._startup = [ClusterNode(host, port) for host, port in nodes]
+        self._nodes_for_logs = ",".join(f"{h}:{p}" for h, p in nodes)
+        self._cluster: RedisCluster | None = None
+        self._lock = threading.Lock()
+        self._clients: dict[str, redis.Redis] = {}  # node name -> its client (own pools, pure-Python packer)
+        self._stale = False
+        self._refreshed_at = 0.0
+        self._pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvcache-rcluster")
+        self._node_pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvcache-rnode")
+        self._prefix = key_prefix
+        self._ttl_s = ttl_s
+        self._stats = TierStats(name=self.name, kind=self.kind)
+        self.round_trips = 0
+        """Pipelines sent to nodes (one per master per batch, plus one per replica read)."""
+        self.refreshes = 0
+        """Slot-map refreshes after a redirection or a failed master."""
+
+    def _key(self, namespace: str, key: bytes) -> str:
+        return f"{self._prefix}/{namespace}/{key.hex()}"
+
+    # -- topology ----------------------------------------------------------------------------------
+
+    def _topology(self) -> RedisCluster:
+        """The cluster client (slot map), created at first use and refreshed when marked stale."""
+        with self._lock:
+            if self._cluster is None:
+                try:
+                    self._cluster = RedisCluster(
+                        startup_nodes=list(self._startup),
+                        require_full_coverage=False,
+                        retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2),
+                        **self._kwargs,
+                    )
+                except (RedisError, RedisClusterException) as exc:
+                    raise TierError(f"redis cluster {self._nodes_for_logs}: no start-up node answered: {exc}") from exc
+                self._refreshed_at = time.monotonic()
+            elif self._stale and time.monotonic() - self._refreshed_at >= REFRESH_S:
+                self._refreshed_at = time.monotonic()
+                try:
+                    self._cluster.nodes_manager.initialize()
+                    self._stale = False
+                    self.refreshes += 1
+                except (RedisError, RedisClusterException):
+                    pass  # still stale: tried again after REFRESH_S; the old map serves meanwhile
+            return self._cluster
+
+    def _client(self, host: str, port: int) -> redis.Redis:
+        name = f"{host}:{port}"
+        with self._lock:
+            client = self._clients.get(name)
+            if client is None:
+                # redis-py's pure-Python packer hands large values to the socket as they are (see redis.py).
+                packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+                kwargs = {k: v for k, v in self._kwargs.items() if k != "ssl"}  # the scheme says TLS
+                scheme = "rediss" if self._kwargs.get("ssl") else "redis"
+                client = redis.Redis.from_url(f"{scheme}://{host}:{port}/0", command_packer=packer, **kwargs)
+                self._clients[name] = client
+            return client
+
+    def _route(self, names: Sequence[str]) -> tuple[dict[str, list[int]], dict[str, Any], list[int]]:
+        """Groups indexes of `names` by the master owning their slot: ({node: [i]}, {node: ClusterNode},
+        indexes whose slot no master covers)."""
+        manager = self._topology().nodes_manager
+        groups: dict[str, list[int]] = {}
+        nodes: dict[str, Any] = {}
+        uncovered: list[int] = []
+        slots = manager.slots_cache
+        for i, name in enumerate(names):
+            owners = slots.get(key_slot(name.encode()))
+            if not owners:
+                uncovered.append(i)
+                continue
+            node = owners[0]
+            groups.setdefault(node.name, []).append(i)
+            nodes[node.name] = node
+        return groups, nodes, uncovered
+
+    def _replica_of(self, node_name: str, index_name: str) -> Any | None:
+        cluster = self._cluster
+        owners = cluster.nodes_manager.slots_cache.get(key_slot(index_name.encode())) if cluster else None
+        owners = owners or []
+        return next((n for n in owners[1:] if n.name != node_name), None)
+
+    def _pipeline(self, host: str, port: int, build: Callable[[Any], None], *, readonly: bool = False) -> list[Any]:
+        """One pipeline on one node; replies (errors in place) or _NodeDown when the node failed."""
+        with self._lock:
+            self.round_trips += 1
+        try:
+            with self._client(host, port).pipeline(transaction=False) as pipe:
+                if readonly:
+                    pipe.execute_command("READONLY")
+                build(pipe)
+                replies = pipe.execute(raise_on_error=False)
+        except (RedisError, OSError) as exc:
+            raise _NodeDown(f"{host}:{port}: {exc}") from exc
+        return replies[1:] if readonly else replies
+
+    def _fan_out(
+        self, names: Sequence[str], command: Callable[[Any, str, int], None], *, replica_reads: bool
+    ) -> tuple[list[Any], list[int], list[str]]:
+        """Runs `command(pipe, name, i)` for every name, one pipeline per master, masters in parallel.
+
+        Returns (replies in the order of `names`, None for keys not answered; indexes not answered;
+        nodes that failed). Redirected keys are re-sent through RedisCluster by the caller
+        (_redirected); keys of a failed master are read from a replica when `replica_reads`.
+        """
+        groups, nodes, uncovered = self._route(names)
+        replies: list[Any] = [None] * len(names)
+        unanswered = list(uncovered)
+        failed: list[str] = []
+
+        def one(node_name: str, indexes: list[int]) -> None:
+            node = nodes[node_name]
+
+            def build(pipe: Any) -> None:
+                for i in indexes:
+                    command(pipe, names[i], i)
+
+            try:
+                out = self._pipeline(node.host, node.port, build)
+            except _NodeDown:
+                failed.append(node_name)
+                self._stale = True
+                replica = self._replica_of(node_name, names[indexes[0]]) if replica_reads else None
+                if replica is None:
+                    unanswered.extend(indexes)
+                    return
+                try:
+                    out = self._pipeline(replica.host, replica.port, build, readonly=True)
+                except _NodeDown:
+                    unanswered.extend(indexes)
+                    return
+            for i, reply in zip(indexes, out, strict=True):
+                replies[i] = reply
+
+        if len(groups) == 1:
+            (only,) = groups.items()
+            one(*only)
+        else:
+            for future in [self._node_pool.submit(one, n, idx) for n, idx in groups.items()]:
+                future.result()
+        if uncovered:
+            self._stale = True
+        return replies, sorted(unanswered), failed
+
+    def _redirected(self, replies: list[Any], retry: Callable[[RedisCluster, int], Any]) -> list[int]:
+        """Re-sends, through RedisCluster (which follows MOVED and ASK and retries TRYAGAIN), each key
+        whose reply was an error (a redirection, CLUSTERDOWN, LOADING...); returns the indexes that
+        still failed."""
+        still: list[int] = []
+        for i, reply in enumerate(replies):
+            if isinstance(reply, Exception):
+                self._stale = True
+                try:
+                    replies[i] = retry(self._topology(), i)
+                except (RedisError, RedisClusterException, OSError):
+                    replies[i] = None
+                    still.append(i)
+        return still
+
+    def _check(self, op: str, names: Sequence[str], unanswered: list[int], failed: list[str]) -> None:
+        if unanswered:
+            self._stats.errors += len(unanswered)
+        if names and len(unanswered) == len(names):
+            raise TierError(
+                f"redis cluster {op} on {self._nodes_for_logs}: no node answered for any key "
+                f"(failed: {', '.join(sorted(set(failed))) or 'slots not covered'})"
+            )
+
+    # -- the tier ----------------------------------------------------------------------------------
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        names = [self._key(namespace, k) for k in keys]
+        values = await self._run(self._get_blocking, names)
+        for v in values:
+            if v is None:
+                self._stats.misses += 1
+            else:
+                self._stats.hits += 1
+        return values
+
+    def _get_blocking(self, names: list[str]) -> list[bytes | None]:
+        replies, unanswered, failed = self._fan_out(names, lambda pipe, name, _: pipe.get(name), replica_reads=True)
+        unanswered += self._redirected(replies, lambda c, i: c.get(names[i]))
+        self._check("GET", names, unanswered, failed)
+        return [r if isinstance(r, bytes) else None for r in replies]
+
+    async def contains_many(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        names = [self._key(namespace, k) for k in keys]
+        return await self._run(self._contains_blocking, names)
+
+    def _contains_blocking(self, names: list[str]) -> list[bool]:
+        replies, unanswered, failed = self._fan_out(names, lambda pipe, name, _: pipe.exists(name), replica_reads=True)
+        unanswered += self._redirected(replies, lambda c, i: c.exists(names[i]))
+        self._check("EXISTS", names, unanswered, failed)
+        return [bool(r) for r in replies]
+
+    async def put_many(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+        named = [(self._key(namespace, k), block) for k, block in items]
+        # Waited to its end even when the stack's timeout cancels the call (see redis.py): every
+        # per-node pipeline has ended when this returns.
+        written = await in_pool(self._pool, self._put_blocking, named)
+        self._stats.puts += sum(written)
+        return written
+
+    def _put_blocking(self, named: list[tuple[str, bytes]]) -> list[bool]:
+        names = [n for n, _ in named]
+        ex = self._ttl_s or None
+        replies, unanswered, failed = self._fan_out(
+            names, lambda pipe, name, i: pipe.set(name, named[i][1], ex=ex), replica_reads=False
+        )
+        unanswered += self._redirected(replies, lambda c, i: c.set(names[i], named[i][1], ex=ex))
+        self._check("SET", names, unanswered, failed)
+        return [r is True for r in replies]
+
+    async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
+        names = [self._key(namespace, k) for k in keys]
+        return await in_pool(self._pool, self._delete_blocking, names)
+
+    def _delete_blocking(self, names: list[str]) -> int:
+        replies, unanswered, failed = self._fan_out(names, lambda pipe, name, _: pipe.delete(name), replica_reads=False)
+        unanswered += self._redirected(replies, lambda c, i: c.delete(names[i]))
+        if unanswered:  # a Delete that did not reach every key's master has failed, whatever it removed
+            self._stats.errors += len(unanswered)
+            raise TierError(
+                f"redis cluster DEL on {self._nodes_for_logs}: {len(unanswered)} of {len(names)} key(s) not "
+                f"deleted (failed: {', '.join(sorted(set(failed))) or 'slots not covered'})"
+            )
+        return sum(int(r) for r in replies)
+
+    def stats(self) -> TierStats:
+        s = self._stats
+        return TierStats(name=s.name, kind=s.kind, hits=s.hits, misses=s.misses, puts=s.puts, errors=s.errors)
+
+    async def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._node_pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            clients, self._clients = list(self._clients.values()), {}
+            cluster, self._cluster = self._cluster, None
+        for client in clients:
+            client.close()
+        if cluster is not None:
+            cluster.close()
