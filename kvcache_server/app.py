@@ -7,6 +7,7 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -153,7 +154,10 @@ def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: 
     share = e.tenant_share  # a tenant's subscribers unless its own entry says otherwise; no tenants without auth
     tenant_max = (lambda tenant: tokens.limits(tenant).max_event_subscribers or share) if tokens else None
     events = EventHub(
-        max_subscribers=e.max_subscribers, buffer_events=e.buffer_events, tenant_max_subscribers=tenant_max
+        max_subscribers=e.max_subscribers,
+        buffer_events=e.buffer_events,
+        tenant_max_subscribers=tenant_max,
+        server_id=e.server_id or f"{socket.gethostname()}:{config.server.port}",  # create_server: the bound port
     )
     return TierStack(
         config.ram.capacity_bytes,
@@ -240,6 +244,8 @@ async def create_server(config: ServerConfig) -> RunningServer:
         raise OSError(f"cannot bind {address}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot bind {address}")
+    if not config.events.server_id:  # the port bound, when server.port is 0
+        stack.events.server_id = f"{socket.gethostname()}:{port}"
     metrics_port = 0
     if metrics is not None:
         metrics.attach(stack, stack.events, service.counters, admission)

@@ -303,6 +303,8 @@ class EventsSection:
     buffer_events: int = 10_000  # per subscriber; a subscriber further behind is cut off
     # With auth: one tenant's subscribers; 0 = a quarter of max_subscribers.
     tenant_max_subscribers: int = 0
+    # Names this server in its events (KVEvent.server_id); empty: "<hostname>:<server.port>".
+    server_id: str = ""
 
     @property
     def tenant_share(self) -> int:
