@@ -6,6 +6,7 @@ Under CI=true a missing backend fails the test (CI installs them); elsewhere it 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -368,3 +369,29 @@ class RedisClusterProcesses:
     def stop(self) -> None:
         for node in self.nodes:
             node.stop()
+
+
+class KVServerProcess:
+    """`python -m kvcache_server` in a child process (the real command), on a free port."""
+
+    def __init__(self, *settings: str) -> None:
+        argv = [sys.executable, "-m", "kvcache_server", "--port", "0", "--log-level", "warning"]
+        for setting in settings:
+            argv += ["--set", setting]
+        repo = Path(__file__).resolve().parent.parent
+        self.proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, cwd=repo)
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        match = re.search(r" on (\S+:\d+)", line)
+        if not match:
+            self.stop()
+            raise RuntimeError(f"kvcache-server did not start: {line!r}")
+        self.target = match.group(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

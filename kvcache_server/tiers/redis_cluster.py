@@ -37,7 +37,7 @@ from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
 
 try:
     import redis
-    from redis.backoff import ExponentialBackoff
+    from redis.backoff import ExponentialBackoff, NoBackoff
     from redis.cluster import ClusterNode, RedisCluster
     from redis.connection import Encoder, PythonRespSerializer
     from redis.crc import key_slot
@@ -94,7 +94,6 @@ class RedisClusterTier(Tier):
             "socket_timeout": timeout_s,
             "socket_connect_timeout": timeout_s,
             "max_connections": max_connections,
-            "retry_on_timeout": False,
         }
         if username:
             self._kwargs["username"] = username
@@ -121,6 +120,10 @@ class RedisClusterTier(Tier):
         """Pipelines sent to nodes (one per master per batch, plus one per replica read)."""
         self.refreshes = 0
         """Slot-map refreshes after a redirection or a failed master."""
+        self.node_failures = 0
+        """Pipelines to a master that failed as a whole."""
+        self.replica_reads = 0
+        """Pipelines sent to a replica instead of its master that failed."""
 
     def _key(self, namespace: str, key: bytes) -> str:
         return f"{self._prefix}/{namespace}/{key.hex()}"
@@ -160,7 +163,9 @@ class RedisClusterTier(Tier):
                 packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
                 kwargs = {k: v for k, v in self._kwargs.items() if k != "ssl"}  # the scheme says TLS
                 scheme = "rediss" if self._kwargs.get("ssl") else "redis"
-                client = redis.Redis.from_url(f"{scheme}://{host}:{port}/0", command_packer=packer, **kwargs)
+                client = redis.Redis.from_url(
+                    f"{scheme}://{host}:{port}/0", command_packer=packer, retry=Retry(NoBackoff(), 0), **kwargs
+                )  # no retries: a master that failed is read from its replica, or is a miss
                 self._clients[name] = client
             return client
 
@@ -192,6 +197,7 @@ class RedisClusterTier(Tier):
         """One pipeline on one node; replies (errors in place) or _NodeDown when the node failed."""
         with self._lock:
             self.round_trips += 1
+            self.replica_reads += readonly
         try:
             with self._client(host, port).pipeline(transaction=False) as pipe:
                 if readonly:
@@ -226,6 +232,8 @@ class RedisClusterTier(Tier):
             try:
                 out = self._pipeline(node.host, node.port, build)
             except _NodeDown:
+                with self._lock:
+                    self.node_failures += 1
                 failed.append(node_name)
                 self._stale = True
                 replica = self._replica_of(node_name, names[indexes[0]]) if replica_reads else None
