@@ -100,3 +100,18 @@ def test_the_async_client_fails_over_the_same_way(
             assert client._transport.rotation.failovers == 1
 
     asyncio.run(run())
+
+
+def test_the_vllm_connector_takes_several_targets(
+    make_server: Callable[..., ServerThread], redis_server: RedisProcess
+) -> None:
+    from kvcache_connectors.vllm.config import KVCacheConnectorConfig
+    from kvcache_connectors.vllm.connector import connect
+
+    _, other = pair(make_server, redis_server)
+    dead = f"127.0.0.1:{free_port()}"
+    config = KVCacheConnectorConfig.from_extra_config({"target": f"{dead}, {other.target}"}, block_size=16)
+    with connect(config) as client:
+        assert client.lookup(NS, [bytes(16)]).prefix_length == 0
+        assert client._transport.rotation.names == [dead, other.target]
+        assert client._transport.rotation.last_target == other.target
