@@ -80,10 +80,15 @@ class _Backend:
 class RedisProcess(_Backend):
     """redis-server with no persistence, on a fixed port so it can be killed and restarted."""
 
-    def __init__(self, *extra_args: str, port: int | None = None) -> None:
+    def __init__(
+        self, *extra_args: str, port: int | None = None, tls_ca: Path | None = None, password: str = ""
+    ) -> None:
+        """`tls_ca`: the server speaks only TLS on `port` (extra_args set it up); clients verify with this CA."""
         self.binary = require_binary("redis-server")
         self.port = port or free_port()
         self.extra_args = list(extra_args)
+        self.tls_ca = tls_ca
+        self.password = password
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -111,7 +116,14 @@ class RedisProcess(_Backend):
         if self.proc is not None and self.proc.poll() is not None:
             raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
         try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as raw:
+                s = raw
+                if self.tls_ca is not None:
+                    import ssl
+
+                    s = ssl.create_default_context(cafile=str(self.tls_ca)).wrap_socket(
+                        raw, server_hostname="127.0.0.1"
+                    )
                 s.sendall(b"PING\r\n")
                 reply = s.recv(64)
                 return reply.startswith((b"+PONG", b"-NOAUTH"))
@@ -121,6 +133,10 @@ class RedisProcess(_Backend):
     def client(self, **kwargs):
         import redis
 
+        if self.tls_ca is not None:
+            kwargs = {"ssl": True, "ssl_ca_certs": str(self.tls_ca), **kwargs}
+        if self.password:
+            kwargs = {"password": self.password, **kwargs}
         return redis.Redis(host="127.0.0.1", port=self.port, **kwargs)
 
 
@@ -275,16 +291,41 @@ class RedisClusterProcesses:
     pause and restart single nodes; `nodes[:masters]` start as masters, nodes[masters + i] replicates nodes[i].
     """
 
-    def __init__(self, tmp: Path, *, masters: int = 3, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        masters: int = 3,
+        node_timeout_ms: int = 1000,
+        certs: dict[str, Path] | None = None,
+        password: str = "",
+    ) -> None:
+        """`certs` (make_certs): every node speaks only TLS, bus and replication too; `password`:
+        requirepass and masterauth on every node."""
         cli = require_binary("redis-cli")
         self.nodes: list[RedisProcess] = []
+        self.tls_ca = certs["ca.crt"] if certs else None
+        self.password = password
+        secure: list[str] = []
+        cli_flags: list[str] = []
+        if certs:
+            secure += ["--tls-cluster", "yes", "--tls-replication", "yes", "--tls-auth-clients", "no"]
+            secure += ["--tls-cert-file", str(certs["server.crt"]), "--tls-key-file", str(certs["server.key"])]
+            secure += ["--tls-ca-cert-file", str(certs["ca.crt"])]
+            cli_flags += ["--tls", "--cacert", str(certs["ca.crt"])]
+        if password:
+            secure += ["--requirepass", password, "--masterauth", password]
+            cli_flags += ["-a", password, "--no-auth-warning"]
         try:
             for i in range(2 * masters):
                 port = cluster_port()
                 workdir = tmp / f"node-{i}"
                 workdir.mkdir(parents=True)
+                listen = ["--port", "0", "--tls-port", str(port)] if certs else []
                 self.nodes.append(
                     RedisProcess(
+                        *listen,
+                        *secure,
                         "--cluster-enabled",
                         "yes",
                         "--cluster-config-file",
@@ -298,11 +339,13 @@ class RedisClusterProcesses:
                         "--cluster-replica-validity-factor",
                         "0",
                         port=port,
+                        tls_ca=self.tls_ca,
+                        password=password,
                     )
                 )
             addresses = [f"127.0.0.1:{n.port}" for n in self.nodes]
             subprocess.run(
-                [cli, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
+                [cli, *cli_flags, "--cluster", "create", *addresses, "--cluster-replicas", "1", "--cluster-yes"],
                 check=True,
                 capture_output=True,
                 timeout=60,
@@ -321,12 +364,18 @@ class RedisClusterProcesses:
                 return False
             if info.get("cluster_state") != "ok" or int(info.get("cluster_slots_ok", 0)) != 16384:
                 return False
+            # Every node's slot map names a replica for every range (replicas are learnt by gossip).
+            ranges = node.client(socket_timeout=1).execute_command("CLUSTER SLOTS")
+            if len(ranges) != len(self.nodes) // 2 or any(len(r) < 4 for r in ranges):
+                return False
         return True
 
     @property
     def url(self) -> str:
-        """A start-up node's URL (the tier finds the others from it)."""
-        return self.nodes[0].url
+        """A start-up node's URL (the tier finds the others from it), with the password and TLS scheme."""
+        scheme = "rediss" if self.tls_ca else "redis"
+        auth = f":{self.password}@" if self.password else ""
+        return f"{scheme}://{auth}127.0.0.1:{self.nodes[0].port}/0"
 
     @property
     def startup_nodes(self) -> str:
@@ -335,7 +384,8 @@ class RedisClusterProcesses:
 
     def overrides(self, **extra: object) -> dict[str, object]:
         """The [redis] settings of a kvcache server using this cluster."""
-        return {"enabled": True, "cluster": True, "url": self.url, "cluster_nodes": self.startup_nodes, **extra}
+        tls = {"tls_ca_file": str(self.tls_ca)} if self.tls_ca else {}
+        return {"enabled": True, "cluster": True, "url": self.url, "cluster_nodes": self.startup_nodes, **tls, **extra}
 
     def live(self) -> list[RedisProcess]:
         return [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]

@@ -23,8 +23,9 @@ from kvcache_client import KVCacheClient
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.config import ConfigError, load_config
+from kvcache_server.tiers.base import TierError
 from kvcache_server.tiers.redis_cluster import RedisClusterTier
-from tests.backends import KVServerProcess, RedisClusterProcesses, S3Process, wait_for
+from tests.backends import KVServerProcess, RedisClusterProcesses, S3Process, make_certs, wait_for
 from tests.conftest import ServerThread, keyed
 
 pytestmark = pytest.mark.timeout(180)
@@ -180,9 +181,11 @@ def test_a_moved_slot_is_followed_and_the_map_refreshed(cluster: RedisClusterPro
             for m in masters:
                 m.client().execute_command("CLUSTER SETSLOT", slot, "NODE", ids[target.port])
             refreshes = t.refreshes
-            assert await t.get_many(NS, [key]) == [block]  # MOVED, followed
-            await asyncio.sleep(0.3)
-            assert await t.get_many(NS, [key]) == [block]
+            for _ in range(50):  # MOVED, followed; the map is read again in the background
+                assert await t.get_many(NS, [key]) == [block]
+                if t.refreshes > refreshes:
+                    break
+                await asyncio.sleep(0.1)
             assert t.refreshes == refreshes + 1
             assert t._route([t._key(NS, key)])[1].popitem()[1].port == target.port
             assert t.stats().errors == 0
@@ -389,4 +392,82 @@ def test_a_master_killed_under_load_serves_no_wrong_bytes_then_the_promoted_repl
     finally:
         for s in servers:
             s.stop()
+        c.stop()
+
+
+def test_tls_and_password_as_for_a_single_redis(tmp_path: Path) -> None:
+    """A cluster that speaks only TLS (clients, bus, replication) and requires a password: the tier with
+    rediss://, the CA and the password works, one pipeline per master; without the password, or without
+    TLS, every call fails as a tier error (a miss for the stack), never a crash."""
+    c = RedisClusterProcesses(tmp_path / "nodes", certs=make_certs(tmp_path), password="s3cret-pw")
+    try:
+        config = load_config(env={}, overrides={"redis": c.overrides()})
+        nodes = config.redis.startup_nodes()
+        items = [keyed(os.urandom(1024)) for _ in range(60)]
+
+        async def run() -> None:
+            good = RedisClusterTier(nodes, tls=True, tls_ca_file=str(c.tls_ca), password="s3cret-pw", timeout_s=2.0)
+            try:
+                assert await good.put_many(NS, items) == [True] * 60
+                before = good.round_trips
+                assert await good.get_many(NS, [k for k, _ in items]) == [b for _, b in items]
+                assert good.round_trips - before == 3
+            finally:
+                await good.close()
+            for bad in (
+                RedisClusterTier(nodes, tls=True, tls_ca_file=str(c.tls_ca), timeout_s=2.0),  # no password
+                RedisClusterTier(nodes, password="s3cret-pw", timeout_s=2.0),  # no TLS
+            ):
+                try:
+                    with pytest.raises(TierError):
+                        await bad.get_many(NS, [items[0][0]])
+                finally:
+                    await bad.close()
+
+        asyncio.run(run())
+        # The server's own config path; the first call reads the slot map over TLS: give the Lookup time.
+        server = ServerThread({"redis": c.overrides(promote=False, lookup_timeout_s=2.0)})
+        try:
+            with KVCacheClient(server.target, timeout_s=20, shm=False) as client:
+                assert client.lookup(NS, [k for k, _ in items]).tiers == ("redis",) * 60
+                assert [bytes(b) for b in client.get_many(NS, [k for k, _ in items])] == [b for _, b in items]
+        finally:
+            server.stop()
+    finally:
+        c.stop()
+
+
+def test_a_hung_master_is_read_from_its_replica_within_the_call(tmp_path: Path) -> None:
+    """A master SIGSTOPped (it accepts connections and never answers): within the tier's timeout its keys
+    come from its replica, byte-identical, and the breaker stays closed."""
+    c = RedisClusterProcesses(tmp_path, node_timeout_ms=5000)
+    server = None
+    try:
+        items = [keyed(os.urandom(2048)) for _ in range(90)]
+        keys = [k for k, _ in items]
+
+        async def seed() -> None:
+            t = tier_for(c)
+            assert await t.put_many(NS, items) == [True] * 90
+            await t.close()
+
+        asyncio.run(seed())
+        victim = c.masters_now()[1]
+        wait_for(lambda: c.replica_of(victim).client().dbsize() == victim.client().dbsize(), what="replication")
+        server = ServerThread({"redis": c.overrides(promote=False, timeout_s=2.0)})
+        with KVCacheClient(server.target, timeout_s=20, shm=False) as client:
+            assert [bytes(b) for b in client.get_many(NS, keys)] == [b for _, b in items]
+            victim.pause()
+            try:
+                for _ in range(3):  # the first waits for the master; the next go straight to the replica
+                    assert [bytes(b) for b in client.get_many(NS, keys)] == [b for _, b in items]
+            finally:
+                victim.resume()
+        tier = next(t for t in server.stack.tiers if t.name == "redis")
+        stats = next(t for t in server.stack.stats() if t.name == "redis")
+        assert tier.node_failures >= 1 and tier.replica_reads >= 3
+        assert (stats.breaker, stats.errors, stats.misses) == ("closed", 0, 0)
+    finally:
+        if server is not None:
+            server.stop()
         c.stop()

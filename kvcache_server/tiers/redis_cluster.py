@@ -12,9 +12,10 @@ Topology changes:
     MOVED or ASK (a slot moved, or is moving, to another master): the redirected keys are sent again,
     one by one, through redis-py's RedisCluster, which follows the redirection; the slot map is
     refreshed before the next batch.
-    A master that does not answer (killed, partitioned, timing out): its keys are read from one of its
-    replicas (READONLY) where it has one, else they are misses, counted in `errors`; its puts report
-    False and a delete fails (TierError). The slot map is refreshed (at most every REFRESH_S) until the
+    A master that does not answer (killed, partitioned, or silent for half the tier's timeout): its keys
+    are read from one of its replicas (READONLY) where it has one, else they are misses, counted in
+    `errors`; its puts report False and a delete fails (TierError). For DOWN_S it is not tried again
+    (its keys go straight to the replica). The slot map is refreshed (at most every REFRESH_S) until the
     cluster has promoted a replica, after which its slots are served by the new master.
     A batch whose masters all fail raises TierError: the stack counts it and its breaker opens.
 
@@ -50,6 +51,9 @@ T = TypeVar("T")
 
 REFRESH_S = 0.25
 """Least time between two slot-map refreshes (after a redirection or a master that failed)."""
+
+DOWN_S = 1.0
+"""A master whose pipeline failed is not tried again for this long: its keys go straight to its replica."""
 
 
 class _NodeDown(Exception):
@@ -90,9 +94,10 @@ class RedisClusterTier(Tier):
         """
         if not nodes:
             raise ValueError("a Redis Cluster tier needs at least one start-up node")
+        # Half the call's time for one node, so a hung master leaves time to read its replica.
         self._kwargs: dict[str, Any] = {
-            "socket_timeout": timeout_s,
-            "socket_connect_timeout": timeout_s,
+            "socket_timeout": timeout_s / 2,
+            "socket_connect_timeout": timeout_s / 2,
             "max_connections": max_connections,
         }
         if username:
@@ -111,6 +116,9 @@ class RedisClusterTier(Tier):
         self._clients: dict[str, redis.Redis] = {}  # node name -> its client (own pools, pure-Python packer)
         self._stale = False
         self._refreshed_at = 0.0
+        self._refreshing = threading.Lock()  # held while a refresh runs in self._refresher
+        self._refresher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-rcluster-map")
+        self._down_until: dict[str, float] = {}  # node name -> monotonic time to try it again
         self._pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvcache-rcluster")
         self._node_pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvcache-rnode")
         self._prefix = key_prefix
@@ -132,27 +140,47 @@ class RedisClusterTier(Tier):
 
     def _topology(self) -> RedisCluster:
         """The cluster client (slot map), created at first use and refreshed when marked stale."""
-        with self._lock:
-            if self._cluster is None:
-                try:
-                    self._cluster = RedisCluster(
-                        startup_nodes=list(self._startup),
-                        require_full_coverage=False,
-                        retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2),
-                        **self._kwargs,
-                    )
-                except (RedisError, RedisClusterException) as exc:
-                    raise TierError(f"redis cluster {self._nodes_for_logs}: no start-up node answered: {exc}") from exc
-                self._refreshed_at = time.monotonic()
-            elif self._stale and time.monotonic() - self._refreshed_at >= REFRESH_S:
-                self._refreshed_at = time.monotonic()
-                try:
-                    self._cluster.nodes_manager.initialize()
-                    self._stale = False
-                    self.refreshes += 1
-                except (RedisError, RedisClusterException):
-                    pass  # still stale: tried again after REFRESH_S; the old map serves meanwhile
-            return self._cluster
+        cluster = self._cluster
+        if cluster is None:
+            with self._lock:
+                if self._cluster is None:
+                    try:
+                        self._cluster = RedisCluster(
+                            startup_nodes=list(self._startup),
+                            require_full_coverage=False,
+                            retry=Retry(ExponentialBackoff(cap=0.1, base=0.01), 2),
+                            **self._kwargs,
+                        )
+                    except (RedisError, RedisClusterException) as exc:
+                        raise TierError(
+                            f"redis cluster {self._nodes_for_logs}: no start-up node answered: {exc}"
+                        ) from exc
+                    self._refreshed_at = time.monotonic()
+                return self._cluster
+        if (
+            self._stale
+            and time.monotonic() - self._refreshed_at >= REFRESH_S
+            and self._refreshing.acquire(blocking=False)
+        ):
+            self._refreshed_at = time.monotonic()
+            try:
+                self._refresher.submit(self._refresh, cluster)
+            except RuntimeError:  # closed
+                self._refreshing.release()
+        return cluster
+
+    def _refresh(self, cluster: RedisCluster) -> None:
+        """Reads the slot map again, in its own thread: no batch waits for it (a hung start-up node
+        would hold it up to the socket timeout); batches meanwhile use the old map."""
+        try:
+            self._stale = False  # a failure seen from now on marks it stale again
+            cluster.nodes_manager.initialize()
+            self.refreshes += 1
+        except (RedisError, RedisClusterException, OSError):
+            self._stale = True  # tried again after REFRESH_S
+        finally:
+            self._refreshed_at = time.monotonic()
+            self._refreshing.release()
 
     def _client(self, host: str, port: int) -> redis.Redis:
         name = f"{host}:{port}"
@@ -229,11 +257,16 @@ class RedisClusterTier(Tier):
                 for i in indexes:
                     command(pipe, names[i], i)
 
+            down = self._down_until.get(node_name, 0.0) > time.monotonic()
             try:
+                if down:
+                    raise _NodeDown(f"{node_name} failed less than {DOWN_S}s ago")
                 out = self._pipeline(node.host, node.port, build)
             except _NodeDown:
-                with self._lock:
-                    self.node_failures += 1
+                if not down:
+                    with self._lock:
+                        self.node_failures += 1
+                        self._down_until[node_name] = time.monotonic() + DOWN_S
                 failed.append(node_name)
                 self._stale = True
                 replica = self._replica_of(node_name, names[indexes[0]]) if replica_reads else None
@@ -353,6 +386,7 @@ class RedisClusterTier(Tier):
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._node_pool.shutdown(wait=False, cancel_futures=True)
+        self._refresher.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
             cluster, self._cluster = self._cluster, None
