@@ -338,6 +338,8 @@ class RedisClusterProcesses:
                         "no",
                         "--cluster-replica-validity-factor",
                         "0",
+                        "--repl-diskless-sync-delay",  # replicas sync at once, not after 5 s
+                        "0",
                         port=port,
                         tls_ca=self.tls_ca,
                         password=password,
@@ -364,11 +366,20 @@ class RedisClusterProcesses:
                 return False
             if info.get("cluster_state") != "ok" or int(info.get("cluster_slots_ok", 0)) != 16384:
                 return False
-            # Every node's slot map names a replica for every range (replicas are learnt by gossip).
-            ranges = node.client(socket_timeout=1).execute_command("CLUSTER SLOTS")
-            if len(ranges) != len(self.nodes) // 2 or any(len(r) < 4 for r in ranges):
-                return False
         return True
+
+    def wait_replicas_known(self) -> None:
+        """Waits until every node's slot map names a replica for every range: replicas show there once
+        they have synced (~8 s after the cluster forms), and a client reads its replicas from it."""
+
+        def known() -> bool:
+            for node in self.live():
+                ranges = node.client(socket_timeout=1).execute_command("CLUSTER SLOTS")
+                if len(ranges) != self.masters or any(len(r) < 4 for r in ranges):
+                    return False
+            return True
+
+        wait_for(known, timeout_s=30, what="every replica in every node's slot map")
 
     @property
     def url(self) -> str:

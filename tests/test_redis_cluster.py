@@ -323,6 +323,7 @@ def test_a_master_killed_under_load_serves_no_wrong_bytes_then_the_promoted_repl
             await t.close()
 
         asyncio.run(seed())
+        c.wait_replicas_known()
         masters = c.masters_now()
         for m in masters:  # every replica has every block before the load begins
             wait_for(lambda m=m: c.replica_of(m).client().dbsize() == m.client().dbsize(), what="replication")
@@ -452,6 +453,7 @@ def test_a_hung_master_is_read_from_its_replica_within_the_call(tmp_path: Path) 
             await t.close()
 
         asyncio.run(seed())
+        c.wait_replicas_known()
         victim = c.masters_now()[1]
         wait_for(lambda: c.replica_of(victim).client().dbsize() == victim.client().dbsize(), what="replication")
         server = ServerThread({"redis": c.overrides(promote=False, timeout_s=2.0)})
