@@ -4,9 +4,11 @@ Layout: the same keys and values as kvcache_server.tiers.redis (one string per b
 block's key hashes to one of the 16384 slots, each owned by one master (and copied to its replicas).
 
 Round trips: a batch (get, put, presence check, delete) is grouped by the master that owns each key's
-slot, from the cluster's slot map, and sent as one pipeline per master, all masters in parallel (each
-in its own thread on redis-py's blocking client). No command names keys of two slots (a DEL is one
-key per command), so nothing is refused as CROSSSLOT. `round_trips` counts the pipelines sent.
+slot, from the cluster's slot map, and sent as one pipeline per master, all masters in parallel: in one
+of this tier's threads (the event loop never parses block bytes), every master's pipeline is written
+before any reply is read, on redis-py's blocking connections (hiredis parses the replies). No command
+names keys of two slots (a DEL is one key per command), so nothing is refused as CROSSSLOT.
+`round_trips` counts the pipelines sent.
 
 Topology changes:
     MOVED or ASK (a slot moved, or is moving, to another master): the redirected keys are sent again,
@@ -42,7 +44,7 @@ try:
     from redis.cluster import ClusterNode, RedisCluster
     from redis.connection import Encoder, PythonRespSerializer
     from redis.crc import key_slot
-    from redis.exceptions import RedisClusterException, RedisError
+    from redis.exceptions import RedisClusterException, RedisError, ResponseError
     from redis.retry import Retry
 except ImportError as exc:  # pragma: no cover - depends on the install
     raise ImportError("the Redis tier needs redis-py: pip install 'kvcache[redis]'") from exc
@@ -120,7 +122,6 @@ class RedisClusterTier(Tier):
         self._refresher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvcache-rcluster-map")
         self._down_until: dict[str, float] = {}  # node name -> monotonic time to try it again
         self._pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvcache-rcluster")
-        self._node_pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvcache-rnode")
         self._prefix = key_prefix
         self._ttl_s = ttl_s
         self._stats = TierStats(name=self.name, kind=self.kind)
@@ -221,72 +222,101 @@ class RedisClusterTier(Tier):
         owners = owners or []
         return next((n for n in owners[1:] if n.name != node_name), None)
 
-    def _pipeline(self, host: str, port: int, build: Callable[[Any], None], *, readonly: bool = False) -> list[Any]:
-        """One pipeline on one node; replies (errors in place) or _NodeDown when the node failed."""
+    def _send(self, host: str, port: int, commands: list[tuple[Any, ...]]) -> tuple[Any, Any]:
+        """Writes one pipeline to one node, without waiting for its replies: (connection, pool)."""
         with self._lock:
             self.round_trips += 1
-            self.replica_reads += readonly
+        pool = self._client(host, port).connection_pool
         try:
-            with self._client(host, port).pipeline(transaction=False) as pipe:
-                if readonly:
-                    pipe.execute_command("READONLY")
-                build(pipe)
-                replies = pipe.execute(raise_on_error=False)
+            conn = pool.get_connection()
         except (RedisError, OSError) as exc:
             raise _NodeDown(f"{host}:{port}: {exc}") from exc
-        return replies[1:] if readonly else replies
+        try:
+            conn.send_packed_command(conn.pack_commands(commands))
+        except (RedisError, OSError) as exc:
+            conn.disconnect()
+            pool.release(conn)
+            raise _NodeDown(f"{host}:{port}: {exc}") from exc
+        return conn, pool
+
+    @staticmethod
+    def _read(conn: Any, pool: Any, n: int) -> list[Any]:
+        """The `n` replies of a pipeline that _send wrote, error replies in place; _NodeDown when the
+        connection failed (it is then closed, so no later reader sees a reply of this one)."""
+        replies: list[Any] = []
+        try:
+            for _ in range(n):
+                try:
+                    replies.append(conn.read_response())
+                except ResponseError as exc:
+                    replies.append(exc)
+        except (RedisError, OSError) as exc:
+            conn.disconnect()
+            raise _NodeDown(f"{conn.host}:{conn.port}: {exc}") from exc
+        finally:
+            pool.release(conn)
+        return replies
+
+    def _node_failed(self, node_name: str) -> None:
+        with self._lock:
+            self.node_failures += 1
+            self._down_until[node_name] = time.monotonic() + DOWN_S
+        self._stale = True
 
     def _fan_out(
-        self, names: Sequence[str], command: Callable[[Any, str, int], None], *, replica_reads: bool
+        self, names: Sequence[str], command: Callable[[int], tuple[Any, ...]], *, replica_reads: bool
     ) -> tuple[list[Any], list[int], list[str]]:
-        """Runs `command(pipe, name, i)` for every name, one pipeline per master, masters in parallel.
+        """Sends `command(i)` for every name, one pipeline per master: every master's pipeline is written
+        first, then their replies are read, so the masters work on them in parallel.
 
-        Returns (replies in the order of `names`, None for keys not answered; indexes not answered;
-        nodes that failed). Redirected keys are re-sent through RedisCluster by the caller
-        (_redirected); keys of a failed master are read from a replica when `replica_reads`.
+        Returns (raw replies in the order of `names`, None for keys not answered; indexes not answered;
+        nodes that failed). Error replies (a redirection) are left in place for _redirected; keys of a
+        failed master are read from one of its replicas when `replica_reads`.
         """
         groups, nodes, uncovered = self._route(names)
         replies: list[Any] = [None] * len(names)
         unanswered = list(uncovered)
         failed: list[str] = []
-
-        def one(node_name: str, indexes: list[int]) -> None:
-            node = nodes[node_name]
-
-            def build(pipe: Any) -> None:
-                for i in indexes:
-                    command(pipe, names[i], i)
-
-            down = self._down_until.get(node_name, 0.0) > time.monotonic()
-            try:
-                if down:
-                    raise _NodeDown(f"{node_name} failed less than {DOWN_S}s ago")
-                out = self._pipeline(node.host, node.port, build)
-            except _NodeDown:
-                if not down:
-                    with self._lock:
-                        self.node_failures += 1
-                        self._down_until[node_name] = time.monotonic() + DOWN_S
+        fallback: list[tuple[str, list[int]]] = []
+        sent = []
+        now = time.monotonic()
+        for node_name, indexes in groups.items():
+            if self._down_until.get(node_name, 0.0) > now:  # failed less than DOWN_S ago
                 failed.append(node_name)
-                self._stale = True
-                replica = self._replica_of(node_name, names[indexes[0]]) if replica_reads else None
-                if replica is None:
-                    unanswered.extend(indexes)
-                    return
-                try:
-                    out = self._pipeline(replica.host, replica.port, build, readonly=True)
-                except _NodeDown:
-                    unanswered.extend(indexes)
-                    return
+                fallback.append((node_name, indexes))
+                continue
+            node = nodes[node_name]
+            try:
+                sent.append((node_name, indexes, *self._send(node.host, node.port, [command(i) for i in indexes])))
+            except _NodeDown:
+                self._node_failed(node_name)
+                failed.append(node_name)
+                fallback.append((node_name, indexes))
+        for node_name, indexes, conn, pool in sent:
+            try:
+                out = self._read(conn, pool, len(indexes))
+            except _NodeDown:
+                self._node_failed(node_name)
+                failed.append(node_name)
+                fallback.append((node_name, indexes))
+                continue
             for i, reply in zip(indexes, out, strict=True):
                 replies[i] = reply
-
-        if len(groups) == 1:
-            (only,) = groups.items()
-            one(*only)
-        else:
-            for future in [self._node_pool.submit(one, n, idx) for n, idx in groups.items()]:
-                future.result()
+        for node_name, indexes in fallback:
+            replica = self._replica_of(node_name, names[indexes[0]]) if replica_reads else None
+            if replica is None:
+                unanswered.extend(indexes)
+                continue
+            with self._lock:
+                self.replica_reads += 1
+            try:
+                conn, pool = self._send(replica.host, replica.port, [("READONLY",), *(command(i) for i in indexes)])
+                out = self._read(conn, pool, len(indexes) + 1)[1:]
+            except _NodeDown:
+                unanswered.extend(indexes)
+                continue
+            for i, reply in zip(indexes, out, strict=True):
+                replies[i] = reply
         if uncovered:
             self._stale = True
         return replies, sorted(unanswered), failed
@@ -331,7 +361,7 @@ class RedisClusterTier(Tier):
         return values
 
     def _get_blocking(self, names: list[str]) -> list[bytes | None]:
-        replies, unanswered, failed = self._fan_out(names, lambda pipe, name, _: pipe.get(name), replica_reads=True)
+        replies, unanswered, failed = self._fan_out(names, lambda i: ("GET", names[i]), replica_reads=True)
         unanswered += self._redirected(replies, lambda c, i: c.get(names[i]))
         self._check("GET", names, unanswered, failed)
         return [r if isinstance(r, bytes) else None for r in replies]
@@ -341,7 +371,7 @@ class RedisClusterTier(Tier):
         return await self._run(self._contains_blocking, names)
 
     def _contains_blocking(self, names: list[str]) -> list[bool]:
-        replies, unanswered, failed = self._fan_out(names, lambda pipe, name, _: pipe.exists(name), replica_reads=True)
+        replies, unanswered, failed = self._fan_out(names, lambda i: ("EXISTS", names[i]), replica_reads=True)
         unanswered += self._redirected(replies, lambda c, i: c.exists(names[i]))
         self._check("EXISTS", names, unanswered, failed)
         return [bool(r) for r in replies]
@@ -357,19 +387,20 @@ class RedisClusterTier(Tier):
     def _put_blocking(self, named: list[tuple[str, bytes]]) -> list[bool]:
         names = [n for n, _ in named]
         ex = self._ttl_s or None
+        expiry = ("EX", ex) if ex else ()
         replies, unanswered, failed = self._fan_out(
-            names, lambda pipe, name, i: pipe.set(name, named[i][1], ex=ex), replica_reads=False
+            names, lambda i: ("SET", names[i], named[i][1], *expiry), replica_reads=False
         )
         unanswered += self._redirected(replies, lambda c, i: c.set(names[i], named[i][1], ex=ex))
         self._check("SET", names, unanswered, failed)
-        return [r is True for r in replies]
+        return [r is True or r == b"OK" for r in replies]  # raw replies, or RedisCluster's parsed ones
 
     async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
         names = [self._key(namespace, k) for k in keys]
         return await in_pool(self._pool, self._delete_blocking, names)
 
     def _delete_blocking(self, names: list[str]) -> int:
-        replies, unanswered, failed = self._fan_out(names, lambda pipe, name, _: pipe.delete(name), replica_reads=False)
+        replies, unanswered, failed = self._fan_out(names, lambda i: ("DEL", names[i]), replica_reads=False)
         unanswered += self._redirected(replies, lambda c, i: c.delete(names[i]))
         if unanswered:  # a Delete that did not reach every key's master has failed, whatever it removed
             self._stats.errors += len(unanswered)
@@ -385,7 +416,6 @@ class RedisClusterTier(Tier):
 
     async def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-        self._node_pool.shutdown(wait=False, cancel_futures=True)
         self._refresher.shutdown(wait=False, cancel_futures=True)
         with self._lock:
             clients, self._clients = list(self._clients.values()), {}
