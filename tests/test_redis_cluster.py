@@ -233,6 +233,37 @@ def test_a_block_stored_through_one_server_is_served_by_the_others(
             c.close()
 
 
+def test_write_behind_blocks_reach_the_other_servers_once_drained(
+    cluster: RedisClusterProcesses, s3: S3Process
+) -> None:
+    """Both lower tiers write-behind on the server that stores: once its queues have drained, another
+    server finds every block in the cluster, and in S3 after the cluster is flushed."""
+    s3_settings = {"enabled": True, "bucket": BUCKET, "endpoint_url": s3.endpoint, "path_style": True}
+    s3_settings |= {"create_bucket": True, "presence_index_bytes": 0}
+    writer = ServerThread(
+        {"redis": cluster.overrides(write_mode="behind"), "s3": {**s3_settings, "write_mode": "behind"}}
+    )
+    reader = ServerThread({"redis": cluster.overrides(promote=False), "s3": {**s3_settings, "promote": False}})
+    try:
+        items = [keyed(os.urandom(16 << 10)) for _ in range(16)]
+        keys = [k for k, _ in items]
+        with (
+            KVCacheClient(writer.target, timeout_s=20, shm=False) as w,
+            KVCacheClient(reader.target, timeout_s=20, shm=False) as r,
+        ):
+            put = w.put_many(NS, items)
+            assert (put.tier("redis").queued, put.tier("s3").queued) == (16, 16)
+            writer.call(writer.stack.wait_idle())
+            assert r.lookup(NS, keys).tiers == ("redis",) * 16
+            assert [bytes(b) for b in r.get_many(NS, keys)] == [b for _, b in items]
+            cluster.flushall()
+            assert r.lookup(NS, keys).tiers == ("s3",) * 16
+            assert [bytes(b) for b in r.get_many(NS, keys)] == [b for _, b in items]
+    finally:
+        writer.stop()
+        reader.stop()
+
+
 def test_a_delete_through_one_server_removes_the_block_from_the_shared_tiers(
     fleet: list[KVServerProcess], cluster: RedisClusterProcesses, s3: S3Process
 ) -> None:

@@ -337,13 +337,14 @@ class RedisClusterTier(Tier):
         return still
 
     def _check(self, op: str, names: Sequence[str], unanswered: list[int], failed: list[str]) -> None:
-        if unanswered:
-            self._stats.errors += len(unanswered)
+        """Raises TierError when no key was answered (the stack counts the failed call); else counts the
+        keys no node answered for in `errors` (they are misses)."""
         if names and len(unanswered) == len(names):
             raise TierError(
                 f"redis cluster {op} on {self._nodes_for_logs}: no node answered for any key "
                 f"(failed: {', '.join(sorted(set(failed))) or 'slots not covered'})"
             )
+        self._stats.errors += len(unanswered)
 
     # -- the tier ----------------------------------------------------------------------------------
 
@@ -403,7 +404,6 @@ class RedisClusterTier(Tier):
         replies, unanswered, failed = self._fan_out(names, lambda i: ("DEL", names[i]), replica_reads=False)
         unanswered += self._redirected(replies, lambda c, i: c.delete(names[i]))
         if unanswered:  # a Delete that did not reach every key's master has failed, whatever it removed
-            self._stats.errors += len(unanswered)
             raise TierError(
                 f"redis cluster DEL on {self._nodes_for_logs}: {len(unanswered)} of {len(names)} key(s) not "
                 f"deleted (failed: {', '.join(sorted(set(failed))) or 'slots not covered'})"
