@@ -12,14 +12,15 @@ names keys of two slots (a DEL is one key per command), so nothing is refused as
 
 Topology changes:
     MOVED or ASK (a slot moved, or is moving, to another master): the redirected keys are sent again,
-    one by one, through redis-py's RedisCluster, which follows the redirection; the slot map is
-    refreshed before the next batch.
+    one by one, through redis-py's RedisCluster, which follows the redirection; the slot map is read
+    again in the background (no batch waits for it).
     A master that does not answer (killed, partitioned, or silent for half the tier's timeout): its keys
     are read from one of its replicas (READONLY) where it has one, else they are misses, counted in
     `errors`; its puts report False and a delete fails (TierError). For DOWN_S it is not tried again
     (its keys go straight to the replica). The slot map is refreshed (at most every REFRESH_S) until the
     cluster has promoted a replica, after which its slots are served by the new master.
-    A batch whose masters all fail raises TierError: the stack counts it and its breaker opens.
+    A batch whose masters all fail raises TierError: the stack counts it as a failure of the tier
+    (its breaker, one per tier, opens after breaker_failures of them in a row).
 
 Values are whole blocks or nothing (SET is atomic, replication copies whole values), and every block
 is checked against its key by the stack, so no topology change can serve wrong bytes.
