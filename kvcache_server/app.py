@@ -131,6 +131,8 @@ def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: 
             password=r.password,
             tls_ca_file=r.tls_ca_file,
             max_connections=r.max_connections,
+            sentinel_master=r.sentinel_master,
+            sentinels=r.sentinels() if r.sentinel_master else (),
         )
         lower.append((tier, _policy(r)))
     s3 = config.s3

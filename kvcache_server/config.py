@@ -150,6 +150,10 @@ class RedisSection(LowerTierSection):
     # apply to every node), `cluster_nodes` more of them, as "host:port,host:port".
     cluster: bool = False
     cluster_nodes: str = ""
+    # Redis Sentinel: the master's name and the sentinels ("host:port,host:port"); `url` then gives only
+    # the scheme, user, password and database.
+    sentinel_master: str = ""
+    sentinel_nodes: str = ""
 
     def validate(self) -> None:
         self._validate_common("redis")
@@ -161,6 +165,18 @@ class RedisSection(LowerTierSection):
             self.startup_nodes()
         elif self.cluster_nodes:
             raise ConfigError("redis.cluster_nodes is set but redis.cluster is false")
+        if bool(self.sentinel_master) != bool(self.sentinel_nodes):
+            raise ConfigError("redis.sentinel_master and redis.sentinel_nodes go together")
+        if self.sentinel_master:
+            if self.cluster:
+                raise ConfigError("redis.sentinel_master and redis.cluster exclude each other")
+            if not self.url.startswith(("redis://", "rediss://")):
+                raise ConfigError("with redis.sentinel_master, redis.url must be redis:// or rediss://")
+            self.sentinels()
+
+    def sentinels(self) -> list[tuple[str, int]]:
+        """The sentinels of `sentinel_nodes`."""
+        return _host_ports("redis.sentinel_nodes", self.sentinel_nodes)
 
     def startup_nodes(self) -> list[tuple[str, int]]:
         """The cluster's start-up nodes: `url`'s host and port, then those of `cluster_nodes`."""
@@ -169,13 +185,18 @@ class RedisSection(LowerTierSection):
             raise ConfigError(f"redis.cluster needs a redis:// or rediss:// url with a host, got {self.url!r}")
         if url.path.strip("/") not in ("", "0"):
             raise ConfigError(f"a Redis Cluster has only database 0; redis.url names {url.path.strip('/')!r}")
-        nodes = [(url.hostname, url.port or 6379)]
-        for item in filter(None, (part.strip() for part in self.cluster_nodes.split(","))):
-            host, sep, port = item.rpartition(":")
-            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ConfigError(f"redis.cluster_nodes: {item!r} is not host:port")
-            nodes.append((host.strip("[]"), int(port)))
-        return nodes
+        return [(url.hostname, url.port or 6379), *_host_ports("redis.cluster_nodes", self.cluster_nodes)]
+
+
+def _host_ports(name: str, text: str) -> list[tuple[str, int]]:
+    """'a:1, b:2' -> [('a', 1), ('b', 2)]."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{name}: {item!r} is not host:port")
+        out.append((host.strip("[]"), int(port)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -456,3 +456,43 @@ class KVServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class SentinelProcess(_Backend):
+    """One `redis-server --sentinel` watching `master` (quorum 1), failing over after `down_after_ms`."""
+
+    def __init__(self, tmp: Path, master: RedisProcess, *, name: str = "kvcache", down_after_ms: int = 1000) -> None:
+        self.binary = require_binary("redis-server")
+        self.port = free_port()
+        self.name = name
+        self.conf = tmp / f"sentinel-{self.port}.conf"  # sentinel rewrites it: its own writable file
+        self.conf.write_text(
+            f"port {self.port}\nbind 127.0.0.1\n"
+            f"sentinel monitor {name} 127.0.0.1 {master.port} 1\n"
+            f"sentinel down-after-milliseconds {name} {down_after_ms}\n"
+            f"sentinel failover-timeout {name} 5000\n"
+        )
+        self.proc = subprocess.Popen(
+            [self.binary, str(self.conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
+        wait_for(self._up, what="redis sentinel")
+
+    def _up(self) -> bool:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise RuntimeError(f"redis sentinel exited with {self.proc.returncode}")
+        try:
+            return self.master_port() is not None
+        except OSError:
+            return False
+
+    def master_port(self) -> int | None:
+        """The port of the master this sentinel names now."""
+        import redis
+
+        try:
+            reply = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=1).execute_command(
+                "SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.name
+            )
+        except redis.RedisError:
+            return None
+        return int(reply[1]) if reply else None
