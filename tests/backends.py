@@ -12,8 +12,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
+import weakref
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,10 @@ class RedisProcess(_Backend):
         self.extra_args = list(extra_args)
         self.tls_ca = tls_ca
         self.password = password
+        # Its own working directory: a replica writes the RDB it receives there (and a redis-server
+        # started in a directory holding a dump.rdb would load it).
+        self.workdir = tempfile.mkdtemp(prefix="kvcache-redis-")
+        weakref.finalize(self, shutil.rmtree, self.workdir, True)  # kept across restarts, removed with it
         self.proc: subprocess.Popen[bytes] | None = None
         self.start()
 
@@ -107,9 +113,11 @@ class RedisProcess(_Backend):
             "",
             "--appendonly",
             "no",
+            "--dir",
+            self.workdir,
             *self.extra_args,
         ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=self.workdir)
         wait_for(self._up, what="redis-server")
 
     def _up(self) -> bool:
@@ -473,7 +481,7 @@ class SentinelProcess(_Backend):
             f"sentinel failover-timeout {name} 5000\n"
         )
         self.proc = subprocess.Popen(
-            [self.binary, str(self.conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            [self.binary, str(self.conf), "--sentinel"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=tmp
         )
         wait_for(self._up, what="redis sentinel")
 
