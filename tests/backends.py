@@ -16,6 +16,7 @@ import tempfile
 import time
 import urllib.request
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -307,9 +308,10 @@ class RedisClusterProcesses:
         node_timeout_ms: int = 1000,
         certs: dict[str, Path] | None = None,
         password: str = "",
+        ports: Sequence[int] = (),
     ) -> None:
         """`certs` (make_certs): every node speaks only TLS, bus and replication too; `password`:
-        requirepass and masterauth on every node."""
+        requirepass and masterauth on every node; `ports`: the first nodes' ports (the rest are free ones)."""
         cli = require_binary("redis-cli")
         self.nodes: list[RedisProcess] = []
         self.tls_ca = certs["ca.crt"] if certs else None
@@ -326,7 +328,7 @@ class RedisClusterProcesses:
             cli_flags += ["-a", password, "--no-auth-warning"]
         try:
             for i in range(2 * masters):
-                port = cluster_port()
+                port = ports[i] if i < len(ports) else cluster_port()
                 workdir = tmp / f"node-{i}"
                 workdir.mkdir(parents=True)
                 listen = ["--port", "0", "--tls-port", str(port)] if certs else []

@@ -112,6 +112,34 @@ def test_cluster_config_names_its_start_up_nodes_and_rejects_what_a_cluster_cann
             load_config(env={}, overrides={"redis": values})
 
 
+def test_a_cluster_down_at_start_up_is_a_tier_that_misses_until_it_comes_up(tmp_path: Path) -> None:
+    """The server starts with no start-up node answering: puts report the tier failed, lookups miss;
+    once the cluster is up (on those ports), the same server uses it without a restart."""
+    from tests.backends import cluster_port
+
+    ports = [cluster_port() for _ in range(2)]
+    redis = {"enabled": True, "cluster": True, "url": f"redis://127.0.0.1:{ports[0]}", "breaker_reset_s": 0.2}
+    redis["cluster_nodes"] = f"127.0.0.1:{ports[1]}"
+    server = ServerThread({"redis": redis})
+    try:
+        item = keyed(os.urandom(512))
+        with KVCacheClient(server.target, timeout_s=20, shm=False) as client:
+            put = client.put_many(NS, [item])
+            assert (put.stored, put.tier("redis").failed) == (1, 1)  # in RAM; the tier is down
+            stats = next(t for t in server.stack.stats() if t.name == "redis")
+            assert stats.errors >= 1
+            c = RedisClusterProcesses(tmp_path, ports=ports)
+            try:
+                wait_for(lambda: client.put_many(NS, [item]).tier("redis").stored == 1, what="the cluster found")
+                slot = slot_of(f"kvcache/{NS}/{item[0].hex()}")
+                owner = next(m for m in c.masters_now() if slot in _slots(m))
+                assert owner.client().get(f"kvcache/{NS}/{item[0].hex()}") == item[1]
+            finally:
+                c.stop()
+    finally:
+        server.stop()
+
+
 # -- the tier on the cluster -----------------------------------------------------------------------------
 
 
