@@ -88,12 +88,13 @@ class RedisClusterTier(Tier):
             nodes: Start-up nodes (host, port); any master or replica of the cluster will do.
             key_prefix: Prefix of every key, so several deployments can share a cluster.
             ttl_s: Expire blocks after this many seconds; 0 keeps them until Redis evicts them.
-            timeout_s: Socket connect and read timeout of each pipeline.
+            timeout_s: The stack's time for one call: a node gets half of it (to connect, and per read),
+                so a master that stays silent leaves the other half to read its replica.
             username: ACL user, if any.
             password: The nodes' password (requirepass / masterauth), if any.
             tls: Speak TLS to every node.
             tls_ca_file: CA bundle to verify the nodes with, when `tls`.
-            max_connections: Connections per node, and threads for the per-node pipelines.
+            max_connections: Connections per node, and threads for batch calls.
         """
         if not nodes:
             raise ValueError("a Redis Cluster tier needs at least one start-up node")
