@@ -279,7 +279,7 @@ class WatchEventsRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("sequence", "timestamp_s", "kind", "tier", "namespace", "keys")
+    __slots__ = ("sequence", "timestamp_s", "kind", "tier", "namespace", "keys", "server_id")
     class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         KIND_UNSPECIFIED: _ClassVar[KVEvent.Kind]
@@ -294,10 +294,12 @@ class KVEvent(_message.Message):
     TIER_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    SERVER_ID_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     timestamp_s: float
     kind: KVEvent.Kind
     tier: Tier
     namespace: str
     keys: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, sequence: _Optional[int] = ..., timestamp_s: _Optional[float] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    server_id: str
+    def __init__(self, sequence: _Optional[int] = ..., timestamp_s: _Optional[float] = ..., kind: _Optional[_Union[KVEvent.Kind, str]] = ..., tier: _Optional[_Union[Tier, str]] = ..., namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., server_id: _Optional[str] = ...) -> None: ...

@@ -7,8 +7,10 @@ import contextlib
 import logging
 import os
 import signal
+import socket
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -19,7 +21,7 @@ from kvcache_server.admission import Admission
 from kvcache_server.allocator import trim_forever
 from kvcache_server.auth import Authenticator, TokenStore
 from kvcache_server.bulk import BulkListener
-from kvcache_server.config import LowerTierSection, ServerConfig, ShmSection, TlsSection, is_loopback
+from kvcache_server.config import LowerTierSection, RedisSection, ServerConfig, ShmSection, TlsSection, is_loopback
 from kvcache_server.events import EventHub
 from kvcache_server.interceptor import RequestContextInterceptor
 from kvcache_server.metrics import Metrics
@@ -98,11 +100,31 @@ def _policy(section: LowerTierSection) -> LowerTierPolicy:
     )
 
 
+def _cluster_tier(r: RedisSection) -> Tier:
+    from kvcache_server.tiers.redis_cluster import RedisClusterTier
+
+    url = urlsplit(r.url)
+    return RedisClusterTier(
+        r.startup_nodes(),
+        key_prefix=r.key_prefix,
+        ttl_s=r.ttl_s,
+        timeout_s=r.timeout_s,
+        username=unquote(url.username or ""),
+        password=r.password or unquote(url.password or ""),
+        tls=url.scheme == "rediss",
+        tls_ca_file=r.tls_ca_file,
+        max_connections=r.max_connections,
+    )
+
+
 def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: TokenStore | None = None) -> TierStack:
     """RAM, then Redis and S3 where enabled; tier modules are imported only when used."""
     lower: list[tuple[Tier, LowerTierPolicy]] = []
     r = config.redis
-    if r.enabled:
+    if r.enabled and r.cluster:
+        tier: Tier = _cluster_tier(r)
+        lower.append((tier, _policy(r)))
+    elif r.enabled:
         from kvcache_server.tiers.redis import RedisTier
 
         tier = RedisTier(
@@ -113,6 +135,8 @@ def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: 
             password=r.password,
             tls_ca_file=r.tls_ca_file,
             max_connections=r.max_connections,
+            sentinel_master=r.sentinel_master,
+            sentinels=r.sentinels() if r.sentinel_master else (),
         )
         lower.append((tier, _policy(r)))
     s3 = config.s3
@@ -136,7 +160,10 @@ def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: 
     share = e.tenant_share  # a tenant's subscribers unless its own entry says otherwise; no tenants without auth
     tenant_max = (lambda tenant: tokens.limits(tenant).max_event_subscribers or share) if tokens else None
     events = EventHub(
-        max_subscribers=e.max_subscribers, buffer_events=e.buffer_events, tenant_max_subscribers=tenant_max
+        max_subscribers=e.max_subscribers,
+        buffer_events=e.buffer_events,
+        tenant_max_subscribers=tenant_max,
+        server_id=e.server_id or f"{socket.gethostname()}:{config.server.port}",  # create_server: the bound port
     )
     return TierStack(
         config.ram.capacity_bytes,
@@ -223,6 +250,8 @@ async def create_server(config: ServerConfig) -> RunningServer:
         raise OSError(f"cannot bind {address}: {exc}") from None
     if port == 0:
         raise OSError(f"cannot bind {address}")
+    if not config.events.server_id:  # the port bound, when server.port is 0
+        stack.events.server_id = f"{socket.gethostname()}:{port}"
     metrics_port = 0
     if metrics is not None:
         metrics.attach(stack, stack.events, service.counters, admission)
@@ -347,7 +376,8 @@ def describe(running: RunningServer) -> str:
     c = running.config
     tiers = [f"ram {c.ram.capacity_bytes / (1 << 30):.2f} GiB"]
     if c.redis.enabled:
-        tiers.append(f"redis {c.redis.url.split('@')[-1]} ({c.redis.write_mode})")
+        kind = f"redis cluster ({len(c.redis.startup_nodes())} start-up nodes)" if c.redis.cluster else "redis"
+        tiers.append(f"{kind} {c.redis.url.split('@')[-1]} ({c.redis.write_mode})")
     if c.s3.enabled:
         tiers.append(f"s3 {c.s3.bucket}/{c.s3.prefix} ({c.s3.write_mode})")
     scheme = "https" if c.tls.enabled else "http"

@@ -28,6 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 DEFAULT_PORT = 51051
 DEFAULT_HOST = "127.0.0.1"
@@ -145,6 +146,14 @@ class RedisSection(LowerTierSection):
     max_connections: int = 32
     # Per call; it must exceed the time to move the largest batch (128 MiB takes ~0.5-1 s here).
     timeout_s: float = 5.0
+    # Redis Cluster (docs/tiers.md): `url` names one start-up node (its scheme, user and password
+    # apply to every node), `cluster_nodes` more of them, as "host:port,host:port".
+    cluster: bool = False
+    cluster_nodes: str = ""
+    # Redis Sentinel: the master's name and the sentinels ("host:port,host:port"); `url` then gives only
+    # the scheme, user, password and database.
+    sentinel_master: str = ""
+    sentinel_nodes: str = ""
 
     def validate(self) -> None:
         self._validate_common("redis")
@@ -152,6 +161,42 @@ class RedisSection(LowerTierSection):
             raise ConfigError(f"redis.url must start with redis://, rediss:// or unix://, got {self.url!r}")
         if self.ttl_s < 0 or self.max_connections < 1:
             raise ConfigError("redis.ttl_s must be >= 0 and redis.max_connections >= 1")
+        if self.cluster:
+            self.startup_nodes()
+        elif self.cluster_nodes:
+            raise ConfigError("redis.cluster_nodes is set but redis.cluster is false")
+        if bool(self.sentinel_master) != bool(self.sentinel_nodes):
+            raise ConfigError("redis.sentinel_master and redis.sentinel_nodes go together")
+        if self.sentinel_master:
+            if self.cluster:
+                raise ConfigError("redis.sentinel_master and redis.cluster exclude each other")
+            if not self.url.startswith(("redis://", "rediss://")):
+                raise ConfigError("with redis.sentinel_master, redis.url must be redis:// or rediss://")
+            self.sentinels()
+
+    def sentinels(self) -> list[tuple[str, int]]:
+        """The sentinels of `sentinel_nodes`."""
+        return _host_ports("redis.sentinel_nodes", self.sentinel_nodes)
+
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        """The cluster's start-up nodes: `url`'s host and port, then those of `cluster_nodes`."""
+        url = urlsplit(self.url)
+        if url.scheme not in ("redis", "rediss") or not url.hostname:
+            raise ConfigError(f"redis.cluster needs a redis:// or rediss:// url with a host, got {self.url!r}")
+        if url.path.strip("/") not in ("", "0"):
+            raise ConfigError(f"a Redis Cluster has only database 0; redis.url names {url.path.strip('/')!r}")
+        return [(url.hostname, url.port or 6379), *_host_ports("redis.cluster_nodes", self.cluster_nodes)]
+
+
+def _host_ports(name: str, text: str) -> list[tuple[str, int]]:
+    """'a:1, b:2' -> [('a', 1), ('b', 2)]."""
+    out = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        host, sep, port = item.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(f"{name}: {item!r} is not host:port")
+        out.append((host.strip("[]"), int(port)))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -279,6 +324,8 @@ class EventsSection:
     buffer_events: int = 10_000  # per subscriber; a subscriber further behind is cut off
     # With auth: one tenant's subscribers; 0 = a quarter of max_subscribers.
     tenant_max_subscribers: int = 0
+    # Names this server in its events (KVEvent.server_id); empty: "<hostname>:<server.port>".
+    server_id: str = ""
 
     @property
     def tenant_share(self) -> int:

@@ -109,13 +109,16 @@ class EventHub:
         max_subscribers: int = 64,
         buffer_events: int = 10_000,
         tenant_max_subscribers: Callable[[str], int] | None = None,
+        server_id: str = "",
     ) -> None:
         """
         Args:
             max_subscribers: Subscribers connected at once, all tenants together.
             buffer_events: Events buffered per subscriber before it is cut off.
             tenant_max_subscribers: A tenant's share of the subscribers (None: no per-tenant limit).
+            server_id: Names this server in every event it publishes (KVEvent.server_id).
         """
+        self.server_id = server_id
         self._subscribers: set[Subscription] = set()
         self._tenants: dict[str, int] = {}  # subscribers per tenant
         self.max_subscribers = max_subscribers

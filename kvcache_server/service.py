@@ -652,6 +652,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                         tier=int(event.tier),
                         namespace=event.namespace.removeprefix(scope),
                         keys=event.keys,
+                        server_id=hub.server_id,
                     )
         finally:
             hub.unsubscribe(sub)

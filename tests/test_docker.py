@@ -388,3 +388,88 @@ def test_router_image_definition() -> None:
     healthcheck = json.loads(one(dockerfile, "HEALTHCHECK").partition(" CMD ")[2])
     port = router_config().http.port
     assert f"127.0.0.1:{port}/health" in healthcheck[-1] and one(dockerfile, "EXPOSE") == str(port)
+
+
+# -- the fleet: docker-compose.fleet.yml ---------------------------------------------------------------
+
+FLEET_CONFIG = DOCKER / "fleet.toml"
+
+
+def fleet() -> dict[str, Any]:
+    return yaml.safe_load((DOCKER / "docker-compose.fleet.yml").read_text())["services"]
+
+
+def fleet_nodes() -> list[str]:
+    return sorted(n for n in fleet() if n.startswith("kvcache-"))
+
+
+def test_fleet_services() -> None:
+    assert set(fleet()) == {
+        *(f"kvcache-{i}" for i in (1, 2, 3)),
+        *(f"vllm-{i}" for i in (1, 2, 3)),
+        *(f"redis-{i}" for i in range(1, 7)),
+        "redis-cluster-init",
+        "minio",
+        "minio-init",
+    }
+
+
+def test_fleet_servers_share_the_redis_cluster_and_minio_and_name_themselves() -> None:
+    services = fleet()
+    redis_nodes = sorted(n for n in services if re.fullmatch(r"redis-\d", n))
+    ids, ports = set(), set()
+    for name in fleet_nodes():
+        svc = services[name]
+        assert svc["volumes"] == [f"./fleet.toml:{IMAGE_CONFIG_PATH}:ro"]
+        cfg = load_config(path=FLEET_CONFIG, env={k: interpolate(str(v)) for k, v in svc["environment"].items()})
+        assert cfg.redis.enabled and cfg.redis.cluster and cfg.redis.write_mode == "through"
+        assert cfg.redis.startup_nodes() == [(n, 6379) for n in redis_nodes]
+        assert (cfg.s3.enabled, urlparse(cfg.s3.endpoint_url).hostname, cfg.s3.bucket) == (True, "minio", "kvcache")
+        ids.add(cfg.events.server_id)
+        ports.add(published(svc)[cfg.server.port])
+        assert svc["depends_on"] == {
+            "redis-cluster-init": {"condition": "service_completed_successfully"},
+            "minio": {"condition": "service_healthy"},
+            "minio-init": {"condition": "service_completed_successfully"},
+        }
+        queues = cfg.redis.queue_max_bytes + cfg.s3.queue_max_bytes
+        need = cfg.ram.capacity_bytes + cfg.limits.inflight_bytes + queues + (80 << 20)
+        assert need <= int(svc["mem_limit"][:-1]) << 30 <= need + (1 << 30)
+    assert ids == {"node-1", "node-2", "node-3"}
+    assert len(ports) == 3
+
+
+def test_fleet_redis_is_a_cluster_of_three_masters_with_a_replica_each() -> None:
+    services = fleet()
+    redis_nodes = sorted(n for n in services if re.fullmatch(r"redis-\d", n))
+    for name in redis_nodes:
+        command = [interpolate(str(word)) for word in services[name]["command"]]
+        assert command[0] == "redis-server" and "--port" not in command
+        options = dict(zip(command[1::2], command[2::2], strict=True))
+        assert options["--cluster-enabled"] == "yes"
+        assert options["--cluster-announce-hostname"] == name
+        assert options["--cluster-require-full-coverage"] == "no"  # a lost shard leaves the rest serving
+        assert int(options["--cluster-node-timeout"]) <= 5000
+        assert (options["--save"], options["--appendonly"], options["--maxmemory-policy"]) == ("", "no", "allkeys-lru")
+    init = services["redis-cluster-init"]
+    assert set(init["depends_on"]) == set(redis_nodes)
+    script = " ".join(init["command"])
+    assert re.search(r"for n in ((?:redis-\d ?)+);", script).group(1).split() == redis_nodes
+    assert "--cluster create $$nodes --cluster-replicas 1 --cluster-yes" in script
+
+
+def test_fleet_workers_try_their_own_server_first_then_the_others() -> None:
+    from kvcache_client.targets import split_targets
+    from kvcache_connectors.vllm.config import KVCacheConnectorConfig
+
+    services = fleet()
+    nodes = fleet_nodes()
+    for i, node in enumerate(nodes, start=1):
+        worker = services[f"vllm-{i}"]
+        transfer = kv_transfer_config(worker)
+        targets = split_targets(transfer["kv_connector_extra_config"]["target"])
+        assert targets[0] == f"{node}:51051"
+        assert sorted(targets) == [f"{n}:51051" for n in nodes]
+        assert worker["depends_on"] == {node: {"condition": "service_healthy"}}
+        assert transfer["kv_role"] == "kv_both"
+        KVCacheConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"], block_size=16)

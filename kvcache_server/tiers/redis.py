@@ -19,6 +19,11 @@ the asyncio client.
 
 Redis may drop any value at any time (maxmemory eviction, TTL expiry, a
 FLUSHALL by an operator): that is a miss, nothing else.
+
+Sentinel: given a master's name and sentinels, both clients ask the sentinels
+where that master is and follow it when they fail over (redis-py's Sentinel);
+`url` then gives only the scheme (TLS), user, password and database. A Redis
+Cluster is kvcache_server.tiers.redis_cluster.
 """
 
 from __future__ import annotations
@@ -63,6 +68,8 @@ class RedisTier(Tier):
         password: str = "",
         tls_ca_file: str = "",
         max_connections: int = 32,
+        sentinel_master: str = "",
+        sentinels: Sequence[tuple[str, int]] = (),
     ) -> None:
         """Connects lazily to `url` ("redis://host:port/db" or "rediss://" for TLS).
 
@@ -74,6 +81,9 @@ class RedisTier(Tier):
             password: Overrides the URL's password when set.
             tls_ca_file: CA bundle to verify the server with, for rediss:// URLs.
             max_connections: Connection pool size (of each client), and threads for gets and puts.
+            sentinel_master: The master's name at the sentinels; with `sentinels`, the master is found
+                (and followed on failover) through them instead of `url`'s host.
+            sentinels: The sentinels' (host, port).
         """
         kwargs: dict[str, Any] = {
             "socket_timeout": timeout_s,
@@ -87,12 +97,16 @@ class RedisTier(Tier):
             kwargs["ssl_cert_reqs"] = ssl.CERT_REQUIRED
             if tls_ca_file:
                 kwargs["ssl_ca_certs"] = tls_ca_file
-        self._client = aioredis.Redis.from_url(url, **kwargs)
         # Batch gets and puts, in self._pool. Commands are packed by redis-py's pure-Python packer, which
         # hands large values to the socket as they are; hiredis's copies each one into a new buffer,
         # holding the GIL (so stalling the event loop) for ~20-50 ms per 32 MiB.
         packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
-        self._blocking = redis.Redis.from_url(url, command_packer=packer, **kwargs)
+        if sentinel_master:
+            self._client, self._blocking = _sentinel_clients(url, sentinel_master, sentinels, kwargs, packer)
+            url = f"master {sentinel_master!r} of sentinels " + ",".join(f"{h}:{p}" for h, p in sentinels)
+        else:
+            self._client = aioredis.Redis.from_url(url, **kwargs)
+            self._blocking = redis.Redis.from_url(url, command_packer=packer, **kwargs)
         self._pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvcache-redis")
         self._prefix = key_prefix
         self._ttl_s = ttl_s
@@ -168,3 +182,33 @@ class RedisTier(Tier):
         await self._client.aclose()
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._blocking.close()
+
+
+def _sentinel_clients(
+    url: str, master: str, sentinels: Sequence[tuple[str, int]], kwargs: dict[str, Any], packer: Any
+) -> tuple[Any, Any]:
+    """The asyncio and blocking clients of the master the sentinels name `master`, with `url`'s
+    credentials, database and TLS."""
+    from urllib.parse import unquote, urlsplit
+
+    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
+    from redis.sentinel import Sentinel
+
+    if not sentinels:
+        raise ValueError("a Sentinel-managed Redis needs at least one sentinel")
+    parts = urlsplit(url)
+    conn = {k: v for k, v in kwargs.items() if k != "max_connections"}
+    conn["db"] = int(parts.path.strip("/") or 0)
+    if parts.username:
+        conn["username"] = unquote(parts.username)
+    if parts.password and "password" not in conn:
+        conn["password"] = unquote(parts.password)
+    if parts.scheme == "rediss":
+        conn["ssl"] = True
+    at_sentinels = {"socket_timeout": kwargs["socket_timeout"], "socket_connect_timeout": kwargs["socket_timeout"]}
+    pool = {"max_connections": kwargs["max_connections"]}
+    aio = AsyncSentinel(list(sentinels), sentinel_kwargs=at_sentinels, **conn).master_for(master, **pool)
+    blocking = Sentinel(list(sentinels), sentinel_kwargs=at_sentinels, **conn).master_for(
+        master, command_packer=packer, **pool
+    )
+    return aio, blocking

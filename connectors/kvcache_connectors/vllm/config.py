@@ -33,7 +33,8 @@ class KVCacheConnectorConfig:
     """Settings of one vLLM instance's connector (the scheduler and every worker parse the same dict).
 
     Attributes:
-        target: The kvcache server, "host:port" (any gRPC target string).
+        target: The kvcache server, "host:port" (any gRPC target string); or several, comma-separated,
+            the node's own first, to fail over between servers that share their tiers (docs/deployment.md).
         lookup_timeout_s: Deadline of the scheduler's Lookup of a prompt. The scheduler
             never retries: a late or failed lookup is a miss.
         transfer_timeout_s: Deadline of a worker's Get (loads) or Put (saves) of one step.

@@ -76,7 +76,8 @@ from kvcache_client.bulk import BulkLink, BulkTransport, bearer_token
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
 from kvcache_client.connection import auth_metadata, make_channel
 from kvcache_client.retry import NO_RETRY
-from kvcache_client.transport import GrpcTransport
+from kvcache_client.targets import FailoverTransport, split_targets
+from kvcache_client.transport import GrpcTransport, Transport
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
 from kvcache_connectors.vllm.events import StoredBlockEvents
 from kvcache_connectors.vllm.metadata import KVCacheConnectorMetadata, StoredChunks
@@ -112,15 +113,22 @@ def connect(config: KVCacheConnectorConfig) -> KVCacheClient:
         ("grpc.min_reconnect_backoff_ms", backoff_ms),
         ("grpc.max_reconnect_backoff_ms", backoff_ms),
     ]
-    channel = make_channel(
-        config.target, tls=config.tls_config(), max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, extra_options=reconnect
-    )
-    transport = GrpcTransport(channel, metadata=auth_metadata(config.api_token()), shm=config.shm)
-    # Off this host, KV bytes travel on the server's bulk port when it has one (docs/bulk.md; KVCACHE_BULK=0: gRPC).
-    link = BulkLink(config.target, token=bearer_token(config.api_token()), tls=config.tls_config())
-    return KVCacheClient(
-        config.target, timeout_s=config.transfer_timeout_s, retry=NO_RETRY, transport=BulkTransport(transport, link)
-    )
+    targets = split_targets(config.target)  # several: the node's own server first (kvcache_client.targets)
+    tls, metadata, token = config.tls_config(), auth_metadata(config.api_token()), bearer_token(config.api_token())
+    # Off this host, KV bytes travel on each server's bulk port when it has one (docs/bulk.md; KVCACHE_BULK=0: gRPC).
+    transports: list[Transport] = [
+        BulkTransport(
+            GrpcTransport(
+                make_channel(t, tls=tls, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, extra_options=reconnect),
+                metadata=metadata,
+                shm=config.shm,
+            ),
+            BulkLink(t, token=token, tls=tls),
+        )
+        for t in targets
+    ]
+    transport = transports[0] if len(transports) == 1 else FailoverTransport(transports, targets)
+    return KVCacheClient(config.target, timeout_s=config.transfer_timeout_s, retry=NO_RETRY, transport=transport)
 
 
 class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):

@@ -1,0 +1,117 @@
+"""SDK multi-target failover (kvcache_client.targets): real servers sharing a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+from collections.abc import Callable
+
+import pytest
+
+from kvcache_client.errors import InvalidRequest, Unavailable
+from kvcache_client.retry import RetryPolicy
+from kvcache_client.targets import async_fleet_client, fleet_client, split_targets
+from tests.backends import RedisProcess, free_port
+from tests.conftest import ServerThread, keyed
+
+pytestmark = pytest.mark.timeout(60)
+
+NS = "targets"
+ONCE = RetryPolicy(max_attempts=1)
+
+
+def pair(make_server: Callable[..., ServerThread], redis: RedisProcess, **first: dict) -> tuple[ServerThread, ...]:
+    shared = {"redis": {"enabled": True, "url": redis.url}}
+    return make_server(**shared, **first), make_server(**shared)
+
+
+def test_split_targets() -> None:
+    assert split_targets(" a:1, b:2 ,") == ["a:1", "b:2"]
+    assert split_targets(["a:1"]) == ["a:1"]
+    with pytest.raises(ValueError, match="no server target"):
+        split_targets(" , ")
+    with pytest.raises(ValueError, match="named twice"):
+        split_targets("a:1,a:1")
+
+
+def test_the_own_server_first_then_another_sharing_its_tiers(
+    make_server: Callable[..., ServerThread], redis_server: RedisProcess
+) -> None:
+    own, other = pair(make_server, redis_server)
+    items = [keyed(os.urandom(4096)) for _ in range(6)]
+    keys = [k for k, _ in items]
+    with fleet_client([own.target, other.target], timeout_s=10, retry=ONCE, shm=False) as client:
+        transport = client._transport
+        assert client.put_many(NS, items).stored == 6
+        assert transport.rotation.last_target == own.target and transport.rotation.failovers == 0
+        own.stop()  # the node's own server goes away: the next call is answered by the other
+        assert [bytes(b) for b in client.get_many(NS, keys)] == [b for _, b in items]
+        assert transport.rotation.last_target == other.target and transport.rotation.failovers == 1
+        assert client.lookup(NS, keys).prefix_length == 6  # cooling down: straight to the other
+        assert transport.rotation.failovers == 1
+
+
+def test_a_refused_first_target_fails_over_and_an_answer_does_not(
+    make_server: Callable[..., ServerThread], redis_server: RedisProcess
+) -> None:
+    strict, other = pair(make_server, redis_server, limits={"max_keys_per_request": 4})
+    dead = f"127.0.0.1:{free_port()}"
+    with fleet_client([dead, other.target], timeout_s=10, retry=ONCE, shm=False) as client:
+        assert client.lookup(NS, [bytes(16)]).prefix_length == 0
+        assert client._transport.rotation.failovers == 1
+    with fleet_client([strict.target, other.target], timeout_s=10, retry=ONCE, shm=False) as client:
+        with pytest.raises(InvalidRequest):  # the server's answer: not sent to another server
+            client.lookup(NS, [os.urandom(16) for _ in range(5)])
+        assert client._transport.rotation.failovers == 0
+    refused = fleet_client([dead, f"127.0.0.1:{free_port()}"], timeout_s=3, retry=ONCE, shm=False)
+    with refused, pytest.raises(Unavailable):  # every target refused: the last one's error
+        refused.lookup(NS, [bytes(16)])
+
+
+def test_a_hung_server_is_left_after_attempt_timeout_s(
+    make_server: Callable[..., ServerThread], redis_server: RedisProcess
+) -> None:
+    """A listener that accepts TCP and never speaks HTTP/2: the attempt is cut and the next target answers."""
+    _, other = pair(make_server, redis_server)
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(16)
+        target = f"127.0.0.1:{hung.getsockname()[1]}"
+        with fleet_client([target, other.target], timeout_s=10, retry=ONCE, shm=False, attempt_timeout_s=0.5) as client:
+            assert client.lookup(NS, [bytes(16)]).prefix_length == 0
+            assert client._transport.rotation.failovers == 1
+            assert client._transport.rotation.last_target == other.target
+
+
+def test_the_async_client_fails_over_the_same_way(
+    make_server: Callable[..., ServerThread], redis_server: RedisProcess
+) -> None:
+    own, other = pair(make_server, redis_server)
+    items = [keyed(os.urandom(2048)) for _ in range(4)]
+    keys = [k for k, _ in items]
+    client = async_fleet_client([own.target, other.target], timeout_s=10, retry=ONCE, shm=False)
+
+    async def run() -> None:
+        async with client:
+            assert (await client.put_many(NS, items)).stored == 4
+            own.stop()
+            assert [bytes(b) for b in await client.get_many(NS, keys)] == [b for _, b in items]
+            assert client._transport.rotation.failovers == 1
+
+    asyncio.run(run())
+
+
+def test_the_vllm_connector_takes_several_targets(
+    make_server: Callable[..., ServerThread], redis_server: RedisProcess
+) -> None:
+    from kvcache_connectors.vllm.config import KVCacheConnectorConfig
+    from kvcache_connectors.vllm.connector import connect
+
+    _, other = pair(make_server, redis_server)
+    dead = f"127.0.0.1:{free_port()}"
+    config = KVCacheConnectorConfig.from_extra_config({"target": f"{dead}, {other.target}"}, block_size=16)
+    with connect(config) as client:
+        assert client.lookup(NS, [bytes(16)]).prefix_length == 0
+        assert client._transport.rotation.names == [dead, other.target]
+        assert client._transport.rotation.last_target == other.target
