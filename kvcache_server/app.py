@@ -94,8 +94,17 @@ def _policy(section: LowerTierSection) -> LowerTierPolicy:
     )
 
 
-def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: TokenStore | None = None) -> TierStack:
-    """RAM, then Redis and S3 where enabled; tier modules are imported only when used."""
+def build_stack(
+    config: ServerConfig,
+    observer: Observer | None = None,
+    tokens: TokenStore | None = None,
+    arena_dir: str | None = None,
+) -> TierStack:
+    """RAM, then Redis and S3 where enabled; tier modules are imported only when used.
+
+    With `arena_dir` (the shm directory) the RAM tier's arena is a file there that same-host clients
+    map (docs/arena.md); when it cannot be made there (a small tmpfs), it is private memory (logged).
+    """
     lower: list[tuple[Tier, LowerTierPolicy]] = []
     r = config.redis
     if r.enabled:
@@ -134,14 +143,24 @@ def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: 
     events = EventHub(
         max_subscribers=e.max_subscribers, buffer_events=e.buffer_events, tenant_max_subscribers=tenant_max
     )
-    return TierStack(
-        config.ram.capacity_bytes,
-        lower,
-        demote_on_evict=config.ram.demote_on_evict,
-        events=events,
-        observer=observer,
-        ram_quota_of=(lambda tenant: tokens.limits(tenant).ram_quota_bytes) if tokens else None,
-    )
+    def stack(where: str | None) -> TierStack:
+        return TierStack(
+            config.ram.capacity_bytes,
+            lower,
+            demote_on_evict=config.ram.demote_on_evict,
+            events=events,
+            observer=observer,
+            ram_quota_of=(lambda tenant: tokens.limits(tenant).ram_quota_bytes) if tokens else None,
+            arena_dir=where,
+            prefault=config.ram.prefault,
+        )
+
+    if arena_dir is not None:
+        try:
+            return stack(arena_dir)
+        except OSError as exc:
+            log.warning("block arena not shared (in-place transfers off): cannot create it in %s: %s", arena_dir, exc)
+    return stack(None)
 
 
 async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
@@ -198,9 +217,9 @@ async def create_server(config: ServerConfig) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    stack = build_stack(config, observer, tokens)
-    await stack.start()
     shm = _open_shm(config.shm)
+    stack = build_stack(config, observer, tokens, arena_dir=str(shm.path) if shm is not None else None)
+    await stack.start()
     service = KVCacheService(stack, limits, version=__version__, observer=observer, shm=shm)
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()

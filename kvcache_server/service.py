@@ -111,6 +111,12 @@ _BLOCK_SIZE_NAMESPACES = 4096
 """Namespaces whose largest block the server remembers (for Get windows), least recently used out."""
 
 
+def _sent_through(reply: GetReply) -> int:
+    """The highest key index whose block a written reply completed (a part with more to come does not)."""
+    index, _, data, _ = reply[-1]
+    return index - 1 if isinstance(data, GetPart) and data.more else index
+
+
 class KVCacheService(pb_grpc.KVCacheServicer):
     """Validates requests and forwards them to the tier stack."""
 
@@ -446,18 +452,25 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             except ShmError as exc:
                 await self._abort(context, exc.code, exc.message)
         stall = self._limits.get_stall_timeout_s
+        leased: list[tuple[int, Found]] = []  # RAM hits whose arena slots are leased until they are sent
         try:
             with self.budget.holding() as held:
-                found = self._windows(context, namespace, keys, request.prefix_only, held)
+                found = self._windows(context, namespace, keys, request.prefix_only, held, leased)
                 async for reply in self._get_replies(context, found, request, segment):
                     try:
                         async with asyncio.timeout(stall):  # a timer on this task, no task per message
-                            await context.write(reply)
+                            await context.write(reply)  # serialised (copied) before it returns
                     except TimeoutError:
                         await self._cut_off(
                             context, f"the client read nothing for {stall:g} s (limits.get_stall_timeout_s)"
                         )
+                    sent = _sent_through(reply)
+                    done = [f for i, f in leased if i <= sent]
+                    if done:
+                        self._stack.release(done)
+                        leased[:] = [(i, f) for i, f in leased if i > sent]
         finally:
+            self._stack.release(f for _, f in leased)
             # No worker thread still writes through it: _write_segment waits for its thread even when
             # the call is cancelled (and the thread writes through its own duplicate).
             if segment is not None:
@@ -470,10 +483,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         keys: list[bytes],
         prefix_only: bool,
         held: Holding,
+        leased: list[tuple[int, Found]],
     ) -> AsyncIterator[tuple[int, Found | None]]:
-        """(index, block or None) for every key, fetched window by window.
+        """(index, block or None) for every key, fetched window by window; RAM hits (views of leased
+        arena slots) are noted in `leased` for the caller to release once sent.
 
-        Keys the RAM tier holds cost nothing (the reply references RAM's own objects); the others
+        Keys the RAM tier holds cost nothing (the reply views their leased arena slots); the others
         are fetched from lower tiers at most about get_window_bytes at a time, sized by the largest
         block this server has seen in the namespace (max_block_bytes when it has seen none). What a
         window fetched stays counted in `held` until the next window is asked for, by which time
@@ -507,6 +522,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             held.count(sum(lower))  # what this window really holds beyond RAM's references
             if lower:
                 self._saw_block_size(namespace, max(lower))
+            leased.extend((i, hit) for i, hit in enumerate(found, start) if hit is not None and hit.lease is not None)
             for i, hit in enumerate(found, start):
                 yield i, hit
                 if hit is None and prefix_only:

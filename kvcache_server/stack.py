@@ -52,7 +52,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -63,7 +63,7 @@ from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
-from kvcache_server.tiers.ram import RamTier
+from kvcache_server.tiers.ram import Lease, RamTier
 from kvcache_server.write_queue import DeleteFence, PendingWrite, WriteKind, WriteQueue
 
 log = logging.getLogger(__name__)
@@ -229,10 +229,19 @@ class PutOutcome:
 
 @dataclass(slots=True)
 class Found:
-    """A block served by the stack and the tier it came from."""
+    """A block served by the stack and the tier it came from.
 
-    data: bytes
+    A RAM hit is a read-only view of its arena slot under `lease`: the slot does not change until
+    the caller hands the lease back (TierStack.release) or it expires after SERVE_LEASE_S."""
+
+    data: bytes | memoryview
     tier: TierKind
+    lease: Lease | None = None
+
+
+SERVE_LEASE_S = 600.0
+"""How long the leases of a Get's RAM hits live at most: a handler releases them as soon as the
+reply naming them is sent (or when it ends, whatever way), so this only bounds a bug."""
 
 
 class TierStack:
@@ -247,10 +256,18 @@ class TierStack:
         events: EventHub | None = None,
         observer: Observer | None = None,
         ram_quota_of: Callable[[str], int] | None = None,
+        arena_dir: str | None = None,
+        prefault: bool = True,
     ) -> None:
         self.events = events or EventHub()
         self._observer = observer or NullObserver()
-        self._ram = RamTier(ram_capacity_bytes, on_evict=self._on_ram_evict, quota_of=ram_quota_of)
+        self._ram = RamTier(
+            ram_capacity_bytes,
+            on_evict=self._on_ram_evict,
+            quota_of=ram_quota_of,
+            arena_dir=arena_dir,
+            prefault=prefault,
+        )
         self._ram_counters = _Counters()
         self._lower = [
             _Lower(
@@ -580,8 +597,16 @@ class TierStack:
             prefix.append(kind)
         return prefix
 
+    def release(self, found: Iterable[Found | None]) -> None:
+        """Hands back the leases of RAM hits that get() returned (each at most once)."""
+        ids = [f.lease.id for f in found if f is not None and f.lease is not None]
+        if ids:
+            self._ram.release(ids)
+
     async def get(self, namespace: str, keys: Sequence[bytes]) -> list[Found | None]:
         """Each key's block from the fastest tier holding a valid copy; lower hits are promoted.
+
+        RAM hits come under read leases: hand them back with release() once their bytes are sent.
 
         A Delete that runs while this get reads a lower tier does not change what it returns
         (the copy it read), but stops the promotion of those keys.
@@ -596,12 +621,12 @@ class TierStack:
         out: list[Found | None] = [None] * len(keys)
         missing: list[int] = []
         start = time.perf_counter()
-        for i, block in enumerate(self._ram.get_many_sync(namespace, keys)):
-            if block is None:
+        for i, lease in enumerate(self._ram.lease_many(namespace, keys, SERVE_LEASE_S)):
+            if lease is None:
                 missing.append(i)
             else:
-                out[i] = Found(block, TierKind.RAM)
-                self._ram_counters.bytes_read += len(block)
+                out[i] = Found(lease.view, TierKind.RAM, lease)
+                self._ram_counters.bytes_read += lease.length
         self._ram_op("get", start)
         for depth, lower in enumerate(self._lower):
             if not missing:

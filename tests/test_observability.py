@@ -21,6 +21,7 @@ from kvcache_client import InvalidRequest, KVCacheClient
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.interceptor import RequestIdFilter
+from kvcache_server.tiers.ram import RamTier
 from tests.backends import RedisProcess, free_port, wait_for
 from tests.conftest import ServerThread, keyed, raw_block
 
@@ -179,10 +180,8 @@ class Watcher:
 
 
 def test_events_report_exactly_the_stores_and_removals(make_server) -> None:
-    cost = 100 + 48 + 384  # a 100-byte payload block plus index overhead
-    # Room for three such blocks; the slack covers the framing bytes a block kept as a view of its
-    # Put message is also charged for (the single-block put below).
-    server: ServerThread = make_server(ram={"capacity_bytes": 3 * cost + 64})
+    cost = RamTier.entry_cost_of(100 + 48)  # a 100-byte payload block's arena slot plus index overhead
+    server: ServerThread = make_server(ram={"capacity_bytes": 3 * cost})  # room for three such blocks
     everything = Watcher(server.target).start()
     only_b = Watcher(server.target, namespace="b").start()
     wait_for(lambda: server.stack.events.subscribers == 2, what="subscribers")

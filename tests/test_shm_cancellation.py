@@ -33,6 +33,7 @@ from kvcache_core.blockwire import ShmRange
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server import shm as server_shm
+from kvcache_server.arena import ARENA_PREFIX
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(60)
@@ -263,7 +264,8 @@ def shm_server(make_server, tmp_path: Path) -> ServerThread:
 
 
 def _segments(server: ServerThread) -> list[str]:
-    return sorted(os.listdir(server.config.shm.dir))
+    """The client segments in the server's directory (not its block arena, docs/arena.md)."""
+    return sorted(n for n in os.listdir(server.config.shm.dir) if not n.startswith(ARENA_PREFIX))
 
 
 def _stats(server: ServerThread) -> pb.StatsResponse:
