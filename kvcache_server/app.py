@@ -143,6 +143,7 @@ def build_stack(
     events = EventHub(
         max_subscribers=e.max_subscribers, buffer_events=e.buffer_events, tenant_max_subscribers=tenant_max
     )
+
     def stack(where: str | None) -> TierStack:
         return TierStack(
             config.ram.capacity_bytes,
@@ -155,12 +156,19 @@ def build_stack(
             prefault=config.ram.prefault,
         )
 
-    if arena_dir is not None:
+    if arena_dir is not None and config.shm.share_arena:
         try:
             return stack(arena_dir)
         except OSError as exc:
             log.warning("block arena not shared (in-place transfers off): cannot create it in %s: %s", arena_dir, exc)
-    return stack(None)
+    try:
+        return stack(None)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"cannot preallocate the block arena of ram.capacity_bytes = {_gib(config.ram.capacity_bytes)}: "
+            f"{exc.strerror or exc}; lower ram.capacity_bytes",
+        ) from None
 
 
 async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
@@ -220,7 +228,9 @@ async def create_server(config: ServerConfig) -> RunningServer:
     shm = _open_shm(config.shm)
     stack = build_stack(config, observer, tokens, arena_dir=str(shm.path) if shm is not None else None)
     await stack.start()
-    service = KVCacheService(stack, limits, version=__version__, observer=observer, shm=shm)
+    service = KVCacheService(
+        stack, limits, version=__version__, observer=observer, shm=shm, lease_timeout_s=config.ram.lease_timeout_s
+    )
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -232,6 +232,7 @@ class Lease:
     key-bound checksum before use anyway: a lease misused past its time can only become a miss."""
 
     id: int
+    namespace: str
     offset: int
     length: int
     view: memoryview

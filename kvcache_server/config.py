@@ -344,6 +344,9 @@ class ShmSection:
     dir: str = ""
     # Segments older than this are left over from clients that died mid-call, and removed.
     stale_after_s: float = 600.0
+    # Put the RAM tier's block arena in `dir` so same-host clients move bytes in place (docs/arena.md);
+    # false: a private arena, and same-host clients use per-call segments.
+    share_arena: bool = True
 
     def validate(self) -> None:
         if self.stale_after_s <= 0:

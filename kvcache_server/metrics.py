@@ -141,6 +141,14 @@ class _StatsCollector(Collector):
         family.add_metric(["received"], service["shm_bytes_received"])
         family.add_metric(["sent"], service["shm_bytes_sent"])
         yield family
+        family = CounterMetricFamily(
+            "kvcache_inplace_bytes",
+            "Block bytes moved in place through the block arena (committed from reservations, leased out)",
+            labels=["direction"],
+        )
+        family.add_metric(["received"], service["inplace_bytes_received"])
+        family.add_metric(["sent"], service["inplace_bytes_leased"])
+        yield family
         yield GaugeMetricFamily(
             "kvcache_inflight_bytes",
             "Bytes held for calls in flight, against limits.inflight_bytes",

@@ -39,8 +39,6 @@ from kvcache_core.blockwire import (
     data_len,
     decode_put_request,
 )
-from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
-from kvcache_core.format import BlockFormatError, Compression, verify_block
 from kvcache_core.keys import KEY_BYTES
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
@@ -50,6 +48,8 @@ from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow, TooManySubscribers
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.parts import BlockAssembler
+from kvcache_server.pipeline.inplace import InPlaceRPCs
+from kvcache_server.pipeline.verify import BlockRefused, verify_block_for_put
 from kvcache_server.refusal import Refused
 from kvcache_server.shm import (
     FULL_METADATA,
@@ -101,9 +101,6 @@ _INLINE_DECODE_BLOCKS = 64
 are decoded in a worker thread (many small blocks take milliseconds of Python); the rest inline,
 where a thread hop would cost more than the parsing (a 1 MiB part parses in microseconds)."""
 
-_VERIFY_OFF_LOOP_BYTES = 1 << 20
-"""Blocks at least this large are verified in a worker thread (XXH3 releases the GIL)."""
-
 _MAX_WINDOW_KEYS = 1024
 """A Get window never spans more keys than this, however small its blocks."""
 
@@ -117,8 +114,8 @@ def _sent_through(reply: GetReply) -> int:
     return index - 1 if isinstance(data, GetPart) and data.more else index
 
 
-class KVCacheService(pb_grpc.KVCacheServicer):
-    """Validates requests and forwards them to the tier stack."""
+class KVCacheService(InPlaceRPCs, pb_grpc.KVCacheServicer):
+    """Validates requests and forwards them to the tier stack (the in-place RPCs: pipeline.inplace)."""
 
     def __init__(
         self,
@@ -128,8 +125,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         version: str,
         observer: Observer | None = None,
         shm: ShmDirectory | None = None,
+        lease_timeout_s: float = 30.0,
     ) -> None:
         self._stack = stack
+        self.lease_timeout_s = lease_timeout_s
+        self.inplace_bytes_received = 0  # blocks committed from arena reservations
+        self.inplace_bytes_leased = 0  # blocks read in place under leases
         self._shm = shm
         self._observer = observer or NullObserver()
         self._limits = limits
@@ -147,6 +148,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             "put_checksum_failures": self._counters.put_checksum_failures,
             "shm_bytes_received": self._counters.shm_bytes_received,
             "shm_bytes_sent": self._counters.shm_bytes_sent,
+            "inplace_bytes_received": self.inplace_bytes_received,
+            "inplace_bytes_leased": self.inplace_bytes_leased,
             "inflight_bytes": self.budget.used,
             "inflight_peak_bytes": self.budget.peak,
             "inflight_refused": self.budget.refused,
@@ -211,35 +214,16 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         return out
 
     async def _block(self, context: grpc.aio.ServicerContext, index: int, key: bytes, data: bytes | memoryview) -> None:
-        where = f"block {index}"
-        if len(key) != KEY_BYTES:
-            await self._abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: key is {len(key)} bytes, expected {KEY_BYTES}"
-            )
-        if len(data) > self._limits.max_block_bytes:
-            await self._abort(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{where}: {len(data)} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
-            )
+        """The verify stage (kvcache_server.pipeline.verify); a refused block ends the call with its status."""
         try:
-            # Valid only under the key it is stored under. Large blocks off the event loop: XXH3 drops
-            # the GIL, and the thread only reads `data`, which it keeps alive itself.
-            if len(data) >= _VERIFY_OFF_LOOP_BYTES:
-                header = await asyncio.to_thread(verify_block, data, key)
-            else:
-                header = verify_block(data, key)
-        except ChecksumMismatch as exc:
+            await verify_block_for_put(index, key, data, self._limits.max_block_bytes)
+        except BlockRefused as exc:
+            await self._refuse_block(context, exc)
+
+    async def _refuse_block(self, context: grpc.aio.ServicerContext, exc: BlockRefused) -> NoReturn:
+        if exc.checksum:
             self._counters.put_checksum_failures += 1
-            await self._abort(context, grpc.StatusCode.DATA_LOSS, f"{where}: {exc}")
-        except UnknownFormatVersion as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
-        except BlockFormatError as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: malformed block: {exc}")
-        if header.compression is not Compression.NONE:
-            await self._abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: clients must send uncompressed blocks"
-            )
+        await self._abort(context, exc.code, exc.message)
 
     # -- RPCs ---------------------------------------------------------------------------------
 
@@ -666,6 +650,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             hub.unsubscribe(sub)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        arena = self._stack.ram.arena_stats()
         tiers = [
             pb.TierStats(tier=int(s.kind), **{f.name: getattr(s, f.name) for f in _TIER_STATS_FIELDS})
             for s in self._stack.stats()
@@ -684,6 +669,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             inflight_peak_bytes=self.budget.peak,
             inflight_refused=self.budget.refused,
             cut_off_calls=self.cut_off,
+            inplace_bytes_received=self.inplace_bytes_received,
+            inplace_bytes_leased=self.inplace_bytes_leased,
+            arena_leases=arena["leases"],
+            arena_reservations=arena["reservations"],
+            arena_leases_expired=arena["leases_expired"],
+            arena_reservations_reclaimed=arena["reservations_reclaimed"],
         )
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
@@ -693,4 +684,6 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             max_keys_per_request=self._limits.max_keys_per_request,
             shm_dir=str(self._shm.path) if self._shm is not None else "",
             block_parts=True,
+            arena_path=self._stack.ram.region.path,
+            arena_bytes=self._stack.ram.region.size if self._stack.ram.region.path else 0,
         )

@@ -63,7 +63,7 @@ from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
-from kvcache_server.tiers.ram import Lease, RamTier
+from kvcache_server.tiers.ram import Lease, RamTier, Reservation
 from kvcache_server.write_queue import DeleteFence, PendingWrite, WriteKind, WriteQueue
 
 log = logging.getLogger(__name__)
@@ -597,6 +597,16 @@ class TierStack:
             prefix.append(kind)
         return prefix
 
+    def lease(self, namespace: str, keys: Sequence[bytes], ttl_s: float) -> list[Lease | None]:
+        """Read leases on the blocks RAM holds, for in-place gets (kvcache_server.pipeline.inplace).
+
+        Misses are not counted: the client asks get() for them next, which counts them."""
+        start = time.perf_counter()
+        leases = self._ram.lease_many(namespace, keys, ttl_s, count_misses=False)
+        self._ram_op("lease", start)
+        self._ram_counters.bytes_read += sum(lease.length for lease in leases if lease is not None)
+        return leases
+
     def release(self, found: Iterable[Found | None]) -> None:
         """Hands back the leases of RAM hits that get() returned (each at most once)."""
         ids = [f.lease.id for f in found if f is not None and f.lease is not None]
@@ -703,11 +713,35 @@ class TierStack:
         finally:
             self._fence.end(epoch)
 
-    async def _put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], epoch: int) -> PutOutcome:
+    async def put_reserved(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> PutOutcome:
+        """Stores blocks written in place into reserved arena slots (verified by the caller): RAM
+        indexes each slot under its key without a copy; lower tiers get a copy of its bytes (the slot
+        may be evicted and reused before a write-behind queue drains). Reservations of keys a Delete
+        fenced off, or that RAM does not take, are freed."""
+        epoch = self._fence.begin()
+        try:
+            blocks = [(key, bytes(res.buffer) if self._lower else res.buffer) for key, res in items]
+            return await self._put(namespace, blocks, epoch, reserved=items)
+        finally:
+            self._fence.end(epoch)
+
+    async def _put(
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, bytes | memoryview]],
+        epoch: int,
+        reserved: Sequence[tuple[bytes, Reservation]] | None = None,
+    ) -> PutOutcome:
         start = time.perf_counter()
         kept = [False] * len(items)
         live = [i for i, (key, _) in enumerate(items) if not self._fence.blocked(epoch, namespace, key)]
-        for i, ok in zip(live, self._ram.put_many_sync(namespace, [items[i] for i in live]), strict=True):
+        if reserved is None:
+            stored = self._ram.put_many_sync(namespace, [items[i] for i in live])
+        else:
+            stored = self._ram.adopt_many(namespace, [reserved[i] for i in live])
+            fenced = set(range(len(reserved))) - set(live)
+            self._ram.abandon([reserved[i][1].id for i in sorted(fenced)])
+        for i, ok in zip(live, stored, strict=True):
             kept[i] = ok
         self._ram_op("put", start)
         in_ram = [items[i] for i in live if kept[i]]

@@ -90,8 +90,10 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     assert delta("kvcache_namespace_lookup_hit_keys_total", namespace=NS) == 5
     assert delta("kvcache_tier_operation_duration_seconds_count", tier="ram", op="get", ok="true") == 1
     assert delta("kvcache_request_duration_seconds_count", method="Put") == 1
-    # The client is on the server's host: its get came back through shared memory; its small put did not.
-    assert delta("kvcache_shm_bytes_total", direction="sent") == sum(len(b) for b in blocks)
+    # The client is on the server's host: its get's hits were read in place from the block arena (the
+    # one miss asked Get, through a segment, which sent nothing); its small put went inline.
+    assert delta("kvcache_inplace_bytes_total", direction="sent") == sum(len(b) for b in blocks)
+    assert delta("kvcache_shm_bytes_total", direction="sent") == 0
     assert delta("kvcache_shm_bytes_total", direction="received") == 0
     # The process's own metrics, and admission's.
     for name in ("process_resident_memory_bytes", "process_open_fds", "process_start_time_seconds"):

@@ -34,7 +34,9 @@ def shm_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def shm_server(make_server, shm_dir: Path) -> ServerThread:
-    return make_server(ram={"capacity_bytes": 256 << 20}, shm={"dir": str(shm_dir)})
+    # Per-call segments are what same-host clients use where the block arena is not shared
+    # (tests/test_inplace.py covers the arena).
+    return make_server(ram={"capacity_bytes": 256 << 20}, shm={"dir": str(shm_dir), "share_arena": False})
 
 
 def blocks(n: int, size: int) -> list[tuple[bytes, bytes]]:

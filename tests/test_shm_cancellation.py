@@ -118,7 +118,9 @@ def _collect(out: Any, procs: list[Any], stop: Any) -> list[tuple]:
 
 @pytest.mark.timeout(120)
 def test_cancelled_gets_never_write_into_another_calls_segment(make_server, tmp_path: Path) -> None:
-    server: ServerThread = make_server(ram={"capacity_bytes": 512 << 20}, shm={"dir": str(tmp_path / "shm")})
+    server: ServerThread = make_server(
+        ram={"capacity_bytes": 512 << 20}, shm={"dir": str(tmp_path / "shm"), "share_arena": False}
+    )
     cancelled_keys = [_key(f"cancelled-{i}") for i in range(CANCELLED_KEYS)]
     compared_keys = [_key(f"compared-{i}") for i in range(COMPARED_KEYS)]
     with KVCacheClient(server.target, shm=False) as client:
@@ -260,7 +262,8 @@ def test_a_full_tmpfs_sends_that_call_inline_and_keeps_the_path(tmp_path: Path) 
 
 @pytest.fixture
 def shm_server(make_server, tmp_path: Path) -> ServerThread:
-    return make_server(ram={"capacity_bytes": 256 << 20}, shm={"dir": str(tmp_path / "shm")})
+    # Segments, not the block arena (tests/test_inplace.py): these tests are about segments.
+    return make_server(ram={"capacity_bytes": 256 << 20}, shm={"dir": str(tmp_path / "shm"), "share_arena": False})
 
 
 def _segments(server: ServerThread) -> list[str]:

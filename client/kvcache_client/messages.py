@@ -216,6 +216,12 @@ def server_stats(r: pb.StatsResponse) -> ServerStats:
         inflight_peak_bytes=r.inflight_peak_bytes,
         inflight_refused=r.inflight_refused,
         cut_off_calls=r.cut_off_calls,
+        inplace_bytes_received=r.inplace_bytes_received,
+        inplace_bytes_leased=r.inplace_bytes_leased,
+        arena_leases=r.arena_leases,
+        arena_reservations=r.arena_reservations,
+        arena_leases_expired=r.arena_leases_expired,
+        arena_reservations_reclaimed=r.arena_reservations_reclaimed,
         tiers=tuple(TierInfo(**{name: getattr(t, name) for name in _TIER_INFO_FIELDS}) for t in r.tiers),
     )
 

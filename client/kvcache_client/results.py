@@ -124,6 +124,12 @@ class ServerStats:
     inflight_peak_bytes: int = 0
     inflight_refused: int = 0
     cut_off_calls: int = 0
+    inplace_bytes_received: int = 0  # in-place transfers through the block arena (docs/arena.md)
+    inplace_bytes_leased: int = 0
+    arena_leases: int = 0
+    arena_reservations: int = 0
+    arena_leases_expired: int = 0
+    arena_reservations_reclaimed: int = 0
 
     def tier(self, name: str) -> TierInfo:
         for t in self.tiers:

@@ -204,7 +204,9 @@ class RamTier(Tier):
                     out.append(bytes(self._bytes(slot)))
         return out
 
-    def lease_many(self, namespace: str, keys: Sequence[bytes], ttl_s: float = DEFAULT_LEASE_S) -> list[Lease | None]:
+    def lease_many(
+        self, namespace: str, keys: Sequence[bytes], ttl_s: float = DEFAULT_LEASE_S, *, count_misses: bool = True
+    ) -> list[Lease | None]:
         """A read lease on each key's block, or None for a miss. Release each with release()."""
         out: list[Lease | None] = []
         with self._lock:
@@ -215,7 +217,7 @@ class RamTier(Tier):
                 entry = (namespace, key)
                 slot = self._blocks.get(entry)
                 if slot is None:
-                    self._stats.misses += 1
+                    self._stats.misses += count_misses
                     out.append(None)
                     continue
                 self._stats.hits += 1
@@ -223,6 +225,7 @@ class RamTier(Tier):
                 self._pin(slot)
                 lease = Lease(
                     new_id(self._leases, self._reservations),
+                    namespace,
                     slot.offset,
                     slot.length,
                     self._readonly[slot.offset : slot.offset + slot.length],
@@ -234,13 +237,15 @@ class RamTier(Tier):
                 out.append(lease)
         return out
 
-    def release(self, lease_ids: Sequence[int]) -> int:
-        """Ends the leases (unknown or expired ids are ignored); returns how many were live."""
+    def release(self, lease_ids: Sequence[int], tenant: str | None = None) -> int:
+        """Ends the leases (unknown or expired ids are ignored; with `tenant`, so are other
+        tenants' leases); returns how many were live."""
         released = 0
         with self._lock:
             for lease_id in lease_ids:
-                lease = self._leases.pop(lease_id, None)
-                if lease is not None:
+                lease = self._leases.get(lease_id)
+                if lease is not None and (tenant is None or tenant_of(lease.namespace) == tenant):
+                    del self._leases[lease_id]
                     self._unpin(lease._slot)
                     released += 1
         return released
@@ -258,7 +263,8 @@ class RamTier(Tier):
     def adopt_many(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> list[bool]:
         """Indexes reserved slots under their keys, without a copy (the caller verified the blocks).
 
-        A reservation that expired, was abandoned or is already committed is not stored (False)."""
+        A reservation that expired, was abandoned, is already committed or was made for another
+        namespace is not stored (False)."""
         return self._store(namespace, [(key, res._slot) for key, res in items], [res.id for _, res in items])
 
     def _store(
@@ -277,15 +283,19 @@ class RamTier(Tier):
                 if reservation_ids is None:
                     stored.append(self._put_locked(part, entry, data, evicted))  # type: ignore[arg-type]
                     continue
-                res = self._reservations.pop(reservation_ids[i], None)
-                if res is None:
+                res = self._reservations.get(reservation_ids[i])
+                cost = self.entry_cost_of(res.length) if res is not None else 0
+                if res is None or res.namespace != namespace or (part.quota and cost > part.quota):
                     self._stats.rejected += 1
                     stored.append(False)
                     continue
-                self._reserved -= self.entry_cost_of(res.length)
+                del self._reservations[res.id]
+                self._reserved -= cost
                 slot = res._slot
                 slot.pins -= 1
                 self._drop_entry(part, entry)
+                while part.quota and part.used + cost > part.quota:  # its tenant's share, as for a put
+                    self._evict_from(part, evicted)
                 self._index(part, entry, slot)
                 stored.append(True)
         if self._on_evict is not None:
@@ -330,13 +340,15 @@ class RamTier(Tier):
         with self._lock:
             return self._reservations.get(reservation_id)
 
-    def abandon(self, reservation_ids: Sequence[int]) -> int:
-        """Frees the reservations' slots; returns how many were open."""
+    def abandon(self, reservation_ids: Sequence[int], namespace: str | None = None) -> int:
+        """Frees the reservations' slots (with `namespace`, only those made for it); returns how many
+        were open."""
         freed = 0
         with self._lock:
             for rid in reservation_ids:
-                res = self._reservations.pop(rid, None)
-                if res is not None:
+                res = self._reservations.get(rid)
+                if res is not None and (namespace is None or res.namespace == namespace):
+                    del self._reservations[rid]
                     self._reserved -= self.entry_cost_of(res.length)
                     self._unpin(res._slot)
                     freed += 1
