@@ -36,6 +36,7 @@ import numpy as np
 from kvcache_client.messages import put_result
 from kvcache_client.results import Fetched, PutResult, TierPutResult
 from kvcache_core.blockwire import BlockData, data_len
+from kvcache_core.format import payload_view
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 
@@ -359,3 +360,46 @@ def copy_out(view: memoryview) -> memoryview:
     out = np.empty(len(view), dtype=np.uint8)
     out[:] = np.frombuffer(view, dtype=np.uint8)
     return memoryview(out).toreadonly()
+
+
+def copy_payload_into(block: memoryview, destination: object) -> None:
+    """Copies a verified block's payload once into `destination`: a torch tensor (any device; a
+    pinned host tensor or a GPU tensor takes the bytes in one copy) or a writable buffer (bytearray,
+    numpy array, memoryview), whose size in bytes must be the payload's.
+
+    Raises:
+        ValueError: the destination's size is not the payload's, or a tensor is not contiguous.
+        TypeError: the destination is neither a tensor nor a writable buffer.
+    """
+    payload = payload_view(block)  # blocks are served uncompressed: the payload is the raw bytes
+    if type(destination).__module__.partition(".")[0] == "torch":  # torch only when given a tensor
+        _copy_into_tensor(payload, destination)
+        return
+    try:
+        target = memoryview(destination).cast("B")  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"cannot copy a block into {type(destination).__name__}") from None
+    if target.readonly:
+        raise TypeError("the destination buffer is read-only")
+    if len(target) != len(payload):
+        raise ValueError(f"destination holds {len(target)} bytes, the block's payload is {len(payload)}")
+    target[:] = payload
+
+
+def _copy_into_tensor(payload: memoryview, destination: object) -> None:
+    import warnings
+
+    import torch
+
+    if not isinstance(destination, torch.Tensor):
+        raise TypeError(f"cannot copy a block into {type(destination).__name__}")
+    if not destination.is_contiguous():
+        raise ValueError("a destination tensor must be contiguous")
+    nbytes = destination.numel() * destination.element_size()
+    if nbytes != len(payload):
+        raise ValueError(f"destination holds {nbytes} bytes, the block's payload is {len(payload)}")
+    if nbytes:
+        with warnings.catch_warnings():  # read-only source: torch warns; it is only read here
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(payload, dtype=torch.uint8)
+        destination.view(-1).view(torch.uint8).copy_(source)

@@ -34,6 +34,7 @@ import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.arena import copy_payload_into
 from kvcache_client.connection import TLSConfig, auth_metadata, make_channel
 from kvcache_client.errors import BlockFormatError, DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
@@ -339,11 +340,8 @@ class KVCacheClient:
             ValueError: `timeout_s` is not positive, not one destination per key, a destination of the
                 wrong size, or a non-contiguous tensor (the leases are released either way).
             TypeError: a destination that is neither a tensor nor a writable buffer.
-            ModuleNotFoundError: torch is not installed.
             RPCError: as get_many.
         """
-        from kvcache_client.tensors import copy_payload_into
-
         if len(destinations) != len(keys):
             raise ValueError(f"{len(destinations)} destinations for {len(keys)} keys")
         found: list[bool] = []

@@ -9,7 +9,7 @@ import warnings
 
 import torch
 
-from kvcache_core.format import BlockParts, DType, Layout, decode_block, encode_block_parts, payload_view
+from kvcache_core.format import BlockParts, DType, Layout, decode_block, encode_block_parts
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:
@@ -69,35 +69,3 @@ def block_to_tensor(data: bytes | memoryview, key: bytes | None = None, *, verif
         flat = torch.frombuffer(payload, dtype=torch.uint8)
     return flat.view(dtype).reshape(header.shape)
 
-
-def copy_payload_into(block: memoryview, destination: object) -> None:
-    """Copies a verified block's payload once into `destination`: a torch tensor (any device; a
-    pinned host tensor or a GPU tensor takes the bytes in one copy) or a writable buffer (bytearray,
-    numpy array, memoryview), whose size in bytes must be the payload's.
-
-    Raises:
-        ValueError: the destination's size is not the payload's, or a tensor is not contiguous.
-        TypeError: the destination is neither a tensor nor a writable buffer.
-    """
-    payload = payload_view(block)  # blocks are served uncompressed: the payload is the raw bytes
-    if isinstance(destination, torch.Tensor):
-        if not destination.is_contiguous():
-            raise ValueError("a destination tensor must be contiguous")
-        nbytes = destination.numel() * destination.element_size()
-        if nbytes != len(payload):
-            raise ValueError(f"destination holds {nbytes} bytes, the block's payload is {len(payload)}")
-        if nbytes:
-            with warnings.catch_warnings():  # read-only source: torch warns; it is only read here
-                warnings.simplefilter("ignore", UserWarning)
-                source = torch.frombuffer(payload, dtype=torch.uint8)
-            destination.view(-1).view(torch.uint8).copy_(source)
-        return
-    try:
-        target = memoryview(destination).cast("B")  # type: ignore[arg-type]
-    except TypeError:
-        raise TypeError(f"cannot copy a block into {type(destination).__name__}") from None
-    if target.readonly:
-        raise TypeError("the destination buffer is read-only")
-    if len(target) != len(payload):
-        raise ValueError(f"destination holds {len(target)} bytes, the block's payload is {len(payload)}")
-    target[:] = payload
