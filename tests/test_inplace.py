@@ -299,3 +299,21 @@ def test_uint8_blocks_encoded_by_hand_round_trip(arena_server: ServerThread) -> 
     with KVCacheClient(arena_server.target) as client:
         client.put_many(NS, [(k, block)])
         assert bytes(client.get_many(NS, [k])[0]) == block
+
+
+def test_a_restarted_server_has_a_new_arena_and_the_client_maps_it(make_server, tmp_path: Path) -> None:
+    cfg = {"ram": {"capacity_bytes": 16 * MiB}, "shm": {"dir": str(tmp_path / "shm")}}
+    first: ServerThread = make_server(**cfg)
+    port = first.running.port
+    data = blocks(2, 256 << 10)
+    with KVCacheClient(first.target, timeout_s=30) as client:
+        client.put_many(NS, data[:1])
+        old = client._transport.arena.path
+        first.stop()
+        assert not os.path.exists(old)
+        second: ServerThread = make_server(server={"port": port}, **cfg)
+        assert client.put_many(NS, data[1:]).stored == 1  # reserved in the new arena, written there
+        assert client._transport.arena.path != old and client._transport.arena.state == "on"
+        assert [bytes(b) for b in client.get_many(NS, [data[1][0]])] == [data[1][1]]
+        assert client.get_many(NS, [data[0][0]]) == [None]  # the old server's RAM is gone
+        assert second.stack.ram.arena_stats()["leases"] == 0
