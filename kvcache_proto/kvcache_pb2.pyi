@@ -209,7 +209,7 @@ class TierStats(_message.Message):
     def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., write_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., breaker: _Optional[str] = ..., skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent", "inflight_bytes", "inflight_peak_bytes", "inflight_refused", "cut_off_calls", "bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off")
+    __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent", "inflight_bytes", "inflight_peak_bytes", "inflight_refused", "cut_off_calls", "bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off", "inplace_bytes_received", "inplace_bytes_leased", "arena_leases", "arena_reservations", "arena_leases_expired", "arena_reservations_reclaimed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -228,6 +228,12 @@ class StatsResponse(_message.Message):
     BULK_CONNECTIONS_FIELD_NUMBER: _ClassVar[int]
     BULK_ERRORS_FIELD_NUMBER: _ClassVar[int]
     BULK_CUT_OFF_FIELD_NUMBER: _ClassVar[int]
+    INPLACE_BYTES_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    INPLACE_BYTES_LEASED_FIELD_NUMBER: _ClassVar[int]
+    ARENA_LEASES_FIELD_NUMBER: _ClassVar[int]
+    ARENA_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    ARENA_RESERVATIONS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -246,14 +252,20 @@ class StatsResponse(_message.Message):
     bulk_connections: int
     bulk_errors: int
     bulk_cut_off: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., put_checksum_failures: _Optional[int] = ..., failed_requests: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_bytes_received: _Optional[int] = ..., shm_bytes_sent: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., inflight_peak_bytes: _Optional[int] = ..., inflight_refused: _Optional[int] = ..., cut_off_calls: _Optional[int] = ..., bulk_bytes_received: _Optional[int] = ..., bulk_bytes_sent: _Optional[int] = ..., bulk_connections: _Optional[int] = ..., bulk_errors: _Optional[int] = ..., bulk_cut_off: _Optional[int] = ...) -> None: ...
+    inplace_bytes_received: int
+    inplace_bytes_leased: int
+    arena_leases: int
+    arena_reservations: int
+    arena_leases_expired: int
+    arena_reservations_reclaimed: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., put_checksum_failures: _Optional[int] = ..., failed_requests: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_bytes_received: _Optional[int] = ..., shm_bytes_sent: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., inflight_peak_bytes: _Optional[int] = ..., inflight_refused: _Optional[int] = ..., cut_off_calls: _Optional[int] = ..., bulk_bytes_received: _Optional[int] = ..., bulk_bytes_sent: _Optional[int] = ..., bulk_connections: _Optional[int] = ..., bulk_errors: _Optional[int] = ..., bulk_cut_off: _Optional[int] = ..., inplace_bytes_received: _Optional[int] = ..., inplace_bytes_leased: _Optional[int] = ..., arena_leases: _Optional[int] = ..., arena_reservations: _Optional[int] = ..., arena_leases_expired: _Optional[int] = ..., arena_reservations_reclaimed: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls")
+    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls", "arena_path", "arena_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -262,6 +274,8 @@ class InfoResponse(_message.Message):
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     BULK_HOST_FIELD_NUMBER: _ClassVar[int]
     BULK_TLS_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_block_bytes: int
     max_keys_per_request: int
@@ -270,7 +284,87 @@ class InfoResponse(_message.Message):
     bulk_port: int
     bulk_host: str
     bulk_tls: bool
-    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ...) -> None: ...
+    arena_path: str
+    arena_bytes: int
+    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ...) -> None: ...
+
+class ArenaReserveRequest(_message.Message):
+    __slots__ = ("namespace", "lengths")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    lengths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., lengths: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ArenaSlot(_message.Message):
+    __slots__ = ("id", "offset", "length")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    offset: int
+    length: int
+    def __init__(self, id: _Optional[int] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ArenaReserveResponse(_message.Message):
+    __slots__ = ("slots", "expires_in_s", "arena_path")
+    SLOTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    slots: _containers.RepeatedCompositeFieldContainer[ArenaSlot]
+    expires_in_s: float
+    arena_path: str
+    def __init__(self, slots: _Optional[_Iterable[_Union[ArenaSlot, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., arena_path: _Optional[str] = ...) -> None: ...
+
+class ArenaCommitItem(_message.Message):
+    __slots__ = ("key", "reservation")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    key: bytes
+    reservation: int
+    def __init__(self, key: _Optional[bytes] = ..., reservation: _Optional[int] = ...) -> None: ...
+
+class ArenaCommitRequest(_message.Message):
+    __slots__ = ("namespace", "items", "abandon")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ITEMS_FIELD_NUMBER: _ClassVar[int]
+    ABANDON_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    items: _containers.RepeatedCompositeFieldContainer[ArenaCommitItem]
+    abandon: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, namespace: _Optional[str] = ..., items: _Optional[_Iterable[_Union[ArenaCommitItem, _Mapping]]] = ..., abandon: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LeaseGetRequest(_message.Message):
+    __slots__ = ("namespace", "keys", "prefix_only")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_ONLY_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    prefix_only: bool
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ..., prefix_only: _Optional[bool] = ...) -> None: ...
+
+class LeaseGetResponse(_message.Message):
+    __slots__ = ("leases", "expires_in_s", "arena_path")
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedCompositeFieldContainer[ArenaSlot]
+    expires_in_s: float
+    arena_path: str
+    def __init__(self, leases: _Optional[_Iterable[_Union[ArenaSlot, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., arena_path: _Optional[str] = ...) -> None: ...
+
+class LeaseReleaseRequest(_message.Message):
+    __slots__ = ("leases",)
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    leases: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, leases: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class LeaseReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    def __init__(self, released: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("namespace",)

@@ -69,6 +69,26 @@ class KVCacheStub:
                 request_serializer=kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.KVEvent.FromString,
                 _registered_method=True)
+        self.ArenaReserve = channel.unary_unary(
+                '/kvcache.v1.KVCache/ArenaReserve',
+                request_serializer=kvcache_dot_v1_dot_kvcache__pb2.ArenaReserveRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.ArenaReserveResponse.FromString,
+                _registered_method=True)
+        self.ArenaCommit = channel.unary_unary(
+                '/kvcache.v1.KVCache/ArenaCommit',
+                request_serializer=kvcache_dot_v1_dot_kvcache__pb2.ArenaCommitRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.PutResponse.FromString,
+                _registered_method=True)
+        self.LeaseGet = channel.unary_unary(
+                '/kvcache.v1.KVCache/LeaseGet',
+                request_serializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseGetRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseGetResponse.FromString,
+                _registered_method=True)
+        self.LeaseRelease = channel.unary_unary(
+                '/kvcache.v1.KVCache/LeaseRelease',
+                request_serializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -144,6 +164,47 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ArenaReserve(self, request, context):
+        """In-place transfers through the server's block arena (same host and user
+        only; docs/arena.md, docs/shm.md). InfoResponse.arena_path names the
+        arena file, which the client maps.
+
+        Put in place: ArenaReserve hands out one slot (offset, length) per block;
+        the client writes each whole block into the arena there, then
+        ArenaCommit verifies every block in place (its key-bound checksum) and
+        stores it under its key, exactly as Put would (lower tiers, events), or
+        frees the slots it names in `abandon`. A reservation not committed within
+        `expires_in_s` is reclaimed. RESOURCE_EXHAUSTED from ArenaReserve: no room
+        in the arena now (leases pin it); send the blocks with Put.
+        FAILED_PRECONDITION: no shared arena, or a reservation that expired.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ArenaCommit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseGet(self, request, context):
+        """Get in place: each key the RAM tier holds comes back as a read lease on
+        its slot: the slot is neither evicted nor reused until LeaseRelease or
+        `expires_in_s`. The client verifies each block's key-bound checksum
+        before using it. Keys RAM does not hold are misses here; fetch them with
+        Get (which reads the lower tiers and promotes into RAM).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseRelease(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -181,6 +242,26 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.WatchEvents,
                     request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_kvcache__pb2.KVEvent.SerializeToString,
+            ),
+            'ArenaReserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArenaReserve,
+                    request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.ArenaReserveRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_kvcache__pb2.ArenaReserveResponse.SerializeToString,
+            ),
+            'ArenaCommit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArenaCommit,
+                    request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.ArenaCommitRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_kvcache__pb2.PutResponse.SerializeToString,
+            ),
+            'LeaseGet': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseGet,
+                    request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseGetRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseGetResponse.SerializeToString,
+            ),
+            'LeaseRelease': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseRelease,
+                    request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -372,6 +453,114 @@ class KVCache:
             '/kvcache.v1.KVCache/WatchEvents',
             kvcache_dot_v1_dot_kvcache__pb2.WatchEventsRequest.SerializeToString,
             kvcache_dot_v1_dot_kvcache__pb2.KVEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArenaReserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/ArenaReserve',
+            kvcache_dot_v1_dot_kvcache__pb2.ArenaReserveRequest.SerializeToString,
+            kvcache_dot_v1_dot_kvcache__pb2.ArenaReserveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArenaCommit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/ArenaCommit',
+            kvcache_dot_v1_dot_kvcache__pb2.ArenaCommitRequest.SerializeToString,
+            kvcache_dot_v1_dot_kvcache__pb2.PutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseGet(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/LeaseGet',
+            kvcache_dot_v1_dot_kvcache__pb2.LeaseGetRequest.SerializeToString,
+            kvcache_dot_v1_dot_kvcache__pb2.LeaseGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseRelease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/LeaseRelease',
+            kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseRequest.SerializeToString,
+            kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

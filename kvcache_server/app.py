@@ -117,8 +117,17 @@ def _cluster_tier(r: RedisSection) -> Tier:
     )
 
 
-def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: TokenStore | None = None) -> TierStack:
-    """RAM, then Redis and S3 where enabled; tier modules are imported only when used."""
+def build_stack(
+    config: ServerConfig,
+    observer: Observer | None = None,
+    tokens: TokenStore | None = None,
+    arena_dir: str | None = None,
+) -> TierStack:
+    """RAM, then Redis and S3 where enabled; tier modules are imported only when used.
+
+    With `arena_dir` (the shm directory) the RAM tier's arena is a file there that same-host clients
+    map (docs/arena.md); when it cannot be made there (a small tmpfs), it is private memory (logged).
+    """
     lower: list[tuple[Tier, LowerTierPolicy]] = []
     r = config.redis
     if r.enabled and r.cluster:
@@ -165,14 +174,32 @@ def build_stack(config: ServerConfig, observer: Observer | None = None, tokens: 
         tenant_max_subscribers=tenant_max,
         server_id=e.server_id or f"{socket.gethostname()}:{config.server.port}",  # create_server: the bound port
     )
-    return TierStack(
-        config.ram.capacity_bytes,
-        lower,
-        demote_on_evict=config.ram.demote_on_evict,
-        events=events,
-        observer=observer,
-        ram_quota_of=(lambda tenant: tokens.limits(tenant).ram_quota_bytes) if tokens else None,
-    )
+
+    def stack(where: str | None) -> TierStack:
+        return TierStack(
+            config.ram.capacity_bytes,
+            lower,
+            demote_on_evict=config.ram.demote_on_evict,
+            events=events,
+            observer=observer,
+            ram_quota_of=(lambda tenant: tokens.limits(tenant).ram_quota_bytes) if tokens else None,
+            arena_dir=where,
+            prefault=config.ram.prefault,
+        )
+
+    if arena_dir is not None and config.shm.share_arena:
+        try:
+            return stack(arena_dir)
+        except OSError as exc:
+            log.warning("block arena not shared (in-place transfers off): cannot create it in %s: %s", arena_dir, exc)
+    try:
+        return stack(None)
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"cannot preallocate the block arena of ram.capacity_bytes = {_gib(config.ram.capacity_bytes)}: "
+            f"{exc.strerror or exc}; lower ram.capacity_bytes",
+        ) from None
 
 
 async def _set_health(servicer: health.aio.HealthServicer, serving: bool) -> None:
@@ -229,10 +256,12 @@ async def create_server(config: ServerConfig) -> RunningServer:
             ("grpc.so_reuseport", 0),
         ],
     )
-    stack = build_stack(config, observer, tokens)
-    await stack.start()
     shm = _open_shm(config.shm)
-    service = KVCacheService(stack, limits, version=__version__, observer=observer, shm=shm)
+    stack = build_stack(config, observer, tokens, arena_dir=str(shm.path) if shm is not None else None)
+    await stack.start()
+    service = KVCacheService(
+        stack, limits, version=__version__, observer=observer, shm=shm, lease_timeout_s=config.ram.lease_timeout_s
+    )
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

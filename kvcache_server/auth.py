@@ -5,8 +5,8 @@ The server keeps only SHA-256 hashes of tokens (tokens are long random strings,
 so a fast hash is enough; nothing at rest lets anyone call the server). Each
 token belongs to one tenant and carries rights:
 
-    read   Lookup, Get, WatchEvents (only the tenant's own events)
-    write  Put, Delete
+    read   Lookup, Get, WatchEvents (only the tenant's own events), LeaseGet, LeaseRelease
+    write  Put, Delete, ArenaReserve, ArenaCommit
     admin  Stats (server-wide counters, all tenants); per-namespace series on the metrics port
 
 The health service and reflection need no token.
@@ -63,6 +63,10 @@ METHOD_RIGHTS: Mapping[str, Right] = {
     "WatchEvents": Right.READ,
     "Put": Right.WRITE,
     "Delete": Right.WRITE,
+    "LeaseGet": Right.READ,
+    "LeaseRelease": Right.READ,
+    "ArenaReserve": Right.WRITE,
+    "ArenaCommit": Right.WRITE,
     "Stats": Right.ADMIN,
 }
 

@@ -89,10 +89,16 @@ class RamSection:
     capacity_bytes: int = _GiB
     # A block evicted from RAM is written to the first lower tier unless that tier holds it.
     demote_on_evict: bool = True
+    # Fault the whole block arena in at start-up (docs/arena.md): RSS is the arena from the start.
+    prefault: bool = True
+    # Read leases and in-place put reservations end on their own after this long (docs/arena.md).
+    lease_timeout_s: float = 30.0
 
     def validate(self) -> None:
         if self.capacity_bytes <= 0:
             raise ConfigError("ram.capacity_bytes must be positive")
+        if not 0 < self.lease_timeout_s <= 3600:
+            raise ConfigError("ram.lease_timeout_s must be in (0, 3600]")
 
 
 _WRITE_MODES = ("through", "behind")
@@ -385,6 +391,9 @@ class ShmSection:
     dir: str = ""
     # Segments older than this are left over from clients that died mid-call, and removed.
     stale_after_s: float = 600.0
+    # Put the RAM tier's block arena in `dir` so same-host clients move bytes in place (docs/arena.md);
+    # false: a private arena, and same-host clients use per-call segments.
+    share_arena: bool = True
 
     def validate(self) -> None:
         if self.stale_after_s <= 0:

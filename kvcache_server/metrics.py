@@ -158,6 +158,14 @@ class _StatsCollector(Collector):
             "Bulk connections cut off by bulk.stall_timeout_s",
             value=service["bulk_cut_off"],
         )
+        family = CounterMetricFamily(
+            "kvcache_inplace_bytes",
+            "Block bytes moved in place through the block arena (committed from reservations, leased out)",
+            labels=["direction"],
+        )
+        family.add_metric(["received"], service["inplace_bytes_received"])
+        family.add_metric(["sent"], service["inplace_bytes_leased"])
+        yield family
         yield GaugeMetricFamily(
             "kvcache_inflight_bytes",
             "Bytes held for calls in flight, against limits.inflight_bytes",

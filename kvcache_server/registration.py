@@ -77,6 +77,16 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
         "Delete": unary(_unary(service.Delete), _parser(pb.DeleteRequest), pb.DeleteResponse.SerializeToString),
         "Stats": unary(_unary(service.Stats), _parser(pb.StatsRequest), pb.StatsResponse.SerializeToString),
         "Info": unary(_unary(service.Info), _parser(pb.InfoRequest), pb.InfoResponse.SerializeToString),
+        "ArenaReserve": unary(
+            _unary(service.ArenaReserve), _parser(pb.ArenaReserveRequest), pb.ArenaReserveResponse.SerializeToString
+        ),
+        "ArenaCommit": unary(
+            _unary(service.ArenaCommit), _parser(pb.ArenaCommitRequest), pb.PutResponse.SerializeToString
+        ),
+        "LeaseGet": unary(_unary(service.LeaseGet), _parser(pb.LeaseGetRequest), pb.LeaseGetResponse.SerializeToString),
+        "LeaseRelease": unary(
+            _unary(service.LeaseRelease), _parser(pb.LeaseReleaseRequest), pb.LeaseReleaseResponse.SerializeToString
+        ),
         "WatchEvents": stream(
             _streaming(service.WatchEvents), _parser(pb.WatchEventsRequest), pb.KVEvent.SerializeToString
         ),

@@ -1,25 +1,25 @@
 """The kvcache.v1.KVCache gRPC service: request validation and status codes, nothing else.
 
-Each handler checks what the client sent, answers a precise status for what
-is wrong (see proto/kvcache/v1/kvcache.proto), and hands valid work to the
-TierStack. Block bytes are taken from the request message once and stored as
-that same bytes object; on reads the stored object goes into the reply as is.
+Each handler checks what the client sent, answers a precise status for what is wrong (see
+proto/kvcache/v1/kvcache.proto), and hands valid work to its pipeline, one module per direction,
+whose stages a reader can follow (kvcache_server.pipeline):
+
+    Put      pipeline.put      receive -> assemble -> verify -> commit
+    Get      pipeline.get      locate -> lease -> send
+    Arena*   pipeline.inplace  (same host) reserve -> the client writes -> verify in place -> commit
+    Lease*   pipeline.inplace  (same host) lease -> the client verifies and reads in place -> release
 
 Work per call is bounded (docs/limits.md): what a call holds in flight counts against one
 MemoryBudget (kvcache_server.budget) before it is allocated or as soon as it exists; a Put
 message is decoded no further than the stream's block limit allows, large ones off the event
 loop, and large blocks are verified off it too; a Get fetches from lower tiers window by window
 and sends each window before fetching the next; a Put stream that goes quiet, or a Get whose
-client stops reading, is cut off with DEADLINE_EXCEEDED and what it held is released.
-
-Longer than the project's ~500-line module guideline: each RPC's validation, status codes and budget
-accounting are read together with the wire contract; the Put and Get data paths (budget, windows, shm,
-parts) are the candidates to move out when the bulk path of issue 14 adds a third transport.
+client stops reading, is cut off with DEADLINE_EXCEEDED and what it held is released. Blocks are
+copied into the RAM tier's arena on commit (docs/arena.md); Get replies view leased arena slots.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -31,40 +31,25 @@ from typing import NoReturn
 
 import grpc
 
-from kvcache_core.blockwire import (
-    BlockPart,
-    GetPart,
-    PutMessage,
-    ShmRange,
-    data_len,
-    decode_put_request,
-)
-from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
-from kvcache_core.format import BlockFormatError, Compression, verify_block
 from kvcache_core.keys import KEY_BYTES
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import current_principal
-from kvcache_server.budget import Holding, MemoryBudget
+from kvcache_server.budget import MemoryBudget
 from kvcache_server.bulk import BulkListener
 from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow, TooManySubscribers
 from kvcache_server.observe import NullObserver, Observer
-from kvcache_server.parts import BlockAssembler
-from kvcache_server.refusal import Refused
+from kvcache_server.pipeline import Counters
+from kvcache_server.pipeline.get import GetStages
+from kvcache_server.pipeline.inplace import InPlaceRPCs
+from kvcache_server.pipeline.put import PutStages
 from kvcache_server.shm import (
-    FULL_METADATA,
-    SPACE_ERRNOS,
     ShmDirectory,
     ShmError,
-    align,
-    read_ranges,
-    read_ranges_in_thread,
-    write_ranges,
-    write_ranges_in_thread,
 )
-from kvcache_server.stack import Found, TierPut, TierStack
-from kvcache_server.tiers.base import TierKind, TierStats
+from kvcache_server.stack import TierStack
+from kvcache_server.tiers.base import TierStats
 
 log = logging.getLogger(__name__)
 
@@ -77,46 +62,9 @@ _TIER_STATS_FIELDS = [f for f in dataclasses.fields(TierStats) if f.name != "kin
 _BULK_STATS = ("bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off")
 
 
-class _Counters:
-    def __init__(self) -> None:
-        self.failed_requests = 0
-        self.put_checksum_failures = 0
-        self.shm_bytes_received = 0
-        self.shm_bytes_sent = 0
-
-
-GetReply = list[tuple[int, bool, bytes | memoryview | ShmRange | GetPart, int]]
-"""One streamed Get message: (index, found, block or its place in the shm segment, tier) per item."""
-
-_OFFLOAD_BYTES = 256 << 10
-"""Segment reads and writes at least this large run in a worker thread, off the event loop."""
-
-_GET_PART_BYTES = 1 << 20
-_GET_PARTS_ABOVE = 4 << 20
-"""Inline blocks larger than _GET_PARTS_ABOVE go to clients that accept parts in messages of
-_GET_PART_BYTES (the same rule as the SDK's puts; see kvcache_client.messages.PARTS_ABOVE_BYTES)."""
-
-_SHM_ITEM_BYTES = 96
-"""What a Get item sent as a ShmRange counts against stream_message_bytes."""
-
-_DECODE_OFF_LOOP_BYTES = 256 << 10
-_INLINE_DECODE_BLOCKS = 64
-"""Put messages at least _DECODE_OFF_LOOP_BYTES large that hold more than _INLINE_DECODE_BLOCKS blocks
-are decoded in a worker thread (many small blocks take milliseconds of Python); the rest inline,
-where a thread hop would cost more than the parsing (a 1 MiB part parses in microseconds)."""
-
-_VERIFY_OFF_LOOP_BYTES = 1 << 20
-"""Blocks at least this large are verified in a worker thread (XXH3 releases the GIL)."""
-
-_MAX_WINDOW_KEYS = 1024
-"""A Get window never spans more keys than this, however small its blocks."""
-
-_BLOCK_SIZE_NAMESPACES = 4096
-"""Namespaces whose largest block the server remembers (for Get windows), least recently used out."""
-
-
-class KVCacheService(pb_grpc.KVCacheServicer):
-    """Validates requests and forwards them to the tier stack."""
+class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer):
+    """Validates requests and hands them to the pipelines: kvcache_server.pipeline.put (Put),
+    .get (Get), .inplace (ArenaReserve/ArenaCommit, LeaseGet/LeaseRelease)."""
 
     def __init__(
         self,
@@ -126,14 +74,18 @@ class KVCacheService(pb_grpc.KVCacheServicer):
         version: str,
         observer: Observer | None = None,
         shm: ShmDirectory | None = None,
+        lease_timeout_s: float = 30.0,
     ) -> None:
         self._stack = stack
+        self.lease_timeout_s = lease_timeout_s
+        self.inplace_bytes_received = 0  # blocks committed from arena reservations
+        self.inplace_bytes_leased = 0  # blocks read in place under leases
         self._shm = shm
         self._observer = observer or NullObserver()
         self._limits = limits
         self._version = version
         self._started = time.monotonic()
-        self._counters = _Counters()
+        self._counters = Counters()
         self.budget = MemoryBudget(limits.inflight_bytes, limits.admission_wait_s)
         self._block_sizes: OrderedDict[str, int] = OrderedDict()  # namespace -> largest block seen
         self.cut_off = 0  # Put streams gone quiet and Gets not read, ended by the server
@@ -146,6 +98,8 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             "put_checksum_failures": self._counters.put_checksum_failures,
             "shm_bytes_received": self._counters.shm_bytes_received,
             "shm_bytes_sent": self._counters.shm_bytes_sent,
+            "inplace_bytes_received": self.inplace_bytes_received,
+            "inplace_bytes_leased": self.inplace_bytes_leased,
             "inflight_bytes": self.budget.used,
             "inflight_peak_bytes": self.budget.peak,
             "inflight_refused": self.budget.refused,
@@ -211,37 +165,6 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 )
         return out
 
-    async def _block(self, context: grpc.aio.ServicerContext, index: int, key: bytes, data: bytes | memoryview) -> None:
-        where = f"block {index}"
-        if len(key) != KEY_BYTES:
-            await self._abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: key is {len(key)} bytes, expected {KEY_BYTES}"
-            )
-        if len(data) > self._limits.max_block_bytes:
-            await self._abort(
-                context,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{where}: {len(data)} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
-            )
-        try:
-            # Valid only under the key it is stored under. Large blocks off the event loop: XXH3 drops
-            # the GIL, and the thread only reads `data`, which it keeps alive itself.
-            if len(data) >= _VERIFY_OFF_LOOP_BYTES:
-                header = await asyncio.to_thread(verify_block, data, key)
-            else:
-                header = verify_block(data, key)
-        except ChecksumMismatch as exc:
-            self._counters.put_checksum_failures += 1
-            await self._abort(context, grpc.StatusCode.DATA_LOSS, f"{where}: {exc}")
-        except UnknownFormatVersion as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}")
-        except BlockFormatError as exc:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: malformed block: {exc}")
-        if header.compression is not Compression.NONE:
-            await self._abort(
-                context, grpc.StatusCode.INVALID_ARGUMENT, f"{where}: clients must send uncompressed blocks"
-            )
-
     # -- RPCs ---------------------------------------------------------------------------------
 
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
@@ -262,178 +185,6 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             for fd, _ in segments.values():
                 os.close(fd)
 
-    async def _next_message(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes | None:
-        """The stream's next raw message, None at its end; a stream quiet for put_idle_timeout_s is cut off."""
-        idle = self._limits.put_idle_timeout_s
-        try:
-            async with asyncio.timeout(idle):  # a timer on this task, no task per message
-                return await anext(messages)
-        except StopAsyncIteration:
-            return None
-        except TimeoutError:
-            await self._cut_off(context, f"no Put message for {idle:g} s (limits.put_idle_timeout_s)")
-
-    async def _decode(self, raw: bytes, max_blocks: int) -> PutMessage:
-        """Decodes one Put message, no further than `max_blocks` blocks. Parsing costs per block: a
-        message of a few blocks (a large block, a part) is decoded inline; one that turns out to hold
-        more than _INLINE_DECODE_BLOCKS is decoded again in a worker thread when it is large."""
-        if len(raw) < _DECODE_OFF_LOOP_BYTES or max_blocks <= _INLINE_DECODE_BLOCKS:
-            return decode_put_request(raw, max_blocks)
-        message = decode_put_request(raw, _INLINE_DECODE_BLOCKS)
-        if not message.over_limit:
-            return message
-        return await asyncio.to_thread(decode_put_request, raw, max_blocks)
-
-    async def _put(
-        self,
-        request_iterator: AsyncIterator[bytes],
-        context: grpc.aio.ServicerContext,
-        segments: dict[str, tuple[int, int]],
-        held: Holding,
-    ) -> pb.PutResponse:
-        namespace: str | None = None  # scoped
-        first_namespace = ""  # as the client sent it
-        index = stored = rejected = received = entries = 0
-        tiers: list[TierPut] = []  # what each tier took, summed over the stream's messages
-        assembler = BlockAssembler(self._limits.max_block_bytes, held)  # blocks sent in parts
-        limits = self._limits
-        messages = aiter(request_iterator)
-        while (raw := await self._next_message(messages, context)) is not None:
-            # The message exists already (gRPC received it): counted at once. Everything decoded from
-            # it is released once its blocks are committed; parts of an unfinished block stay counted.
-            held.count(len(raw))
-            message_bytes = len(raw)
-            message = await self._decode(raw, limits.max_put_stream_blocks - entries)
-            if message.over_limit:
-                await self._abort(
-                    context,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"Put stream exceeds max_put_stream_blocks={limits.max_put_stream_blocks}; split it",
-                )
-            if message.error:
-                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, message.error)
-            del raw  # large blocks are views into it; small ones were copied out (counted below)
-            copied = sum(
-                len(d)
-                for d in (b.data if isinstance(b, BlockPart) else b for _, b in message.blocks)
-                if type(d) is bytes
-            )
-            held.count(copied)
-            message_bytes += copied
-            entries += len(message.blocks)
-            received += sum(data_len(d) for _, d in message.blocks)
-            if received > limits.max_put_stream_bytes:
-                await self._abort(
-                    context,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"Put stream exceeds max_put_stream_bytes={limits.max_put_stream_bytes}; split it",
-                )
-            if namespace is None:
-                namespace = await self._namespace(context, message.namespace)
-                first_namespace = message.namespace
-            elif message.namespace and message.namespace != first_namespace:
-                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
-            blocks = message.blocks
-            if any(isinstance(d, ShmRange) for _, d in blocks):
-                from_shm = sum(d.length for _, d in blocks if isinstance(d, ShmRange))
-                try:
-                    await held.reserve(from_shm, f"block {index}")  # before copying them out of the segment
-                except Refused as exc:
-                    await self._abort(context, exc.code, exc.message)
-                message_bytes += from_shm
-                blocks = await self._read_shm_blocks(context, index, blocks, segments)
-            complete: list[tuple[bytes, bytes | memoryview]] = []
-            assembled = 0  # bytes of blocks completed from parts in this message (counted by the assembler)
-            for key, data in blocks:
-                where = index + len(complete)
-                continues = assembler.assembling  # this Block is the next part of a block in parts
-                try:
-                    whole = await assembler.feed(where, key, data)  # type: ignore[arg-type]
-                except Refused as exc:
-                    await self._abort(context, exc.code, exc.message)
-                if whole is None:
-                    continue
-                if continues:  # its last part: the assembler counted all of it
-                    assembled += len(whole[1])
-                await self._block(context, where, *whole)
-                complete.append(whole)
-            index += len(complete)
-            # Commit this message's complete blocks (all verified) before reading the next message.
-            if complete:
-                self._saw_block_size(namespace, max(len(d) for _, d in complete))
-                outcome = await self._stack.put(namespace, complete)
-                stored += sum(outcome.kept)
-                rejected += len(outcome.kept) - sum(outcome.kept)
-                if not tiers:
-                    tiers = outcome.tiers
-                else:
-                    for total, took in zip(tiers, outcome.tiers, strict=True):
-                        total.add(took)
-            del message, blocks, complete
-            # What the RAM tier kept is its capacity's business from now on.
-            held.release(message_bytes + assembled)
-        try:
-            assembler.finish()
-        except Refused as exc:
-            await self._abort(context, exc.code, exc.message)
-        if namespace is None or index == 0:
-            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
-        return pb.PutResponse(
-            stored=stored,
-            rejected=rejected,
-            bytes_received=received,
-            tiers=[
-                pb.TierPutResult(
-                    tier=int(t.kind),
-                    name=t.name,
-                    stored=t.stored,
-                    queued=t.queued,
-                    dropped=t.dropped,
-                    failed=t.failed,
-                    deleted=t.deleted,
-                )
-                for t in tiers
-            ],
-        )
-
-    async def _read_shm_blocks(
-        self,
-        context: grpc.aio.ServicerContext,
-        first_index: int,
-        blocks: list[tuple[bytes, bytes | memoryview | ShmRange]],
-        segments: dict[str, tuple[int, int]],
-    ) -> list[tuple[bytes, bytes | memoryview]]:
-        """The message's blocks with every ShmRange replaced by the bytes it names (copied out of the
-        client's segment now: the client may reuse it as soon as the call returns). One worker-thread
-        hop for the whole message when it is large; a cancelled call waits for that thread to stop."""
-        reads: list[tuple[int, int, int, ShmRange]] = []
-        for i, (_, data) in enumerate(blocks):
-            if not isinstance(data, ShmRange):
-                continue
-            where = first_index + i
-            if data.length > self._limits.max_block_bytes:
-                await self._abort(
-                    context,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"block {where}: {data.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
-                )
-            try:
-                if data.segment not in segments:
-                    segments[data.segment] = self._open_segment(data.segment, writable=False)
-            except ShmError as exc:
-                await self._abort(context, exc.code, f"block {where}: {exc.message}")
-            reads.append((where, *segments[data.segment], data))
-        try:
-            if sum(r[3].length for r in reads) >= _OFFLOAD_BYTES:
-                contents = await read_ranges_in_thread(reads)
-            else:
-                contents = read_ranges(reads)
-        except ShmError as exc:
-            await self._abort(context, exc.code, exc.message)
-        self._counters.shm_bytes_received += sum(len(c) for c in contents)
-        it = iter(contents)
-        return [(key, next(it) if isinstance(data, ShmRange) else data) for key, data in blocks]
-
     def _open_segment(self, name: str, *, writable: bool) -> tuple[int, int]:
         if self._shm is None:
             raise ShmError(
@@ -452,173 +203,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
                 segment = self._open_segment(request.shm.segment, writable=True)
             except ShmError as exc:
                 await self._abort(context, exc.code, exc.message)
-        stall = self._limits.get_stall_timeout_s
-        try:
-            with self.budget.holding() as held:
-                found = self._windows(context, namespace, keys, request.prefix_only, held)
-                async for reply in self._get_replies(context, found, request, segment):
-                    try:
-                        async with asyncio.timeout(stall):  # a timer on this task, no task per message
-                            await context.write(reply)
-                    except TimeoutError:
-                        await self._cut_off(
-                            context, f"the client read nothing for {stall:g} s (limits.get_stall_timeout_s)"
-                        )
-        finally:
-            # No worker thread still writes through it: _write_segment waits for its thread even when
-            # the call is cancelled (and the thread writes through its own duplicate).
-            if segment is not None:
-                os.close(segment[0])
-
-    async def _windows(
-        self,
-        context: grpc.aio.ServicerContext,
-        namespace: str,
-        keys: list[bytes],
-        prefix_only: bool,
-        held: Holding,
-    ) -> AsyncIterator[tuple[int, Found | None]]:
-        """(index, block or None) for every key, fetched window by window.
-
-        Keys the RAM tier holds cost nothing (the reply references RAM's own objects); the others
-        are fetched from lower tiers at most about get_window_bytes at a time, sized by the largest
-        block this server has seen in the namespace (max_block_bytes when it has seen none). What a
-        window fetched stays counted in `held` until the next window is asked for, by which time
-        the replies holding it have been sent (all but the one being filled): a Get of any size
-        holds about one window at a time.
-        """
-        limits = self._limits
-        ram = self._stack.ram
-        start = 0
-        while start < len(keys):
-            per_block = self._block_size(namespace)
-            allowed = max(1, limits.get_window_bytes // per_block)  # lower-tier blocks in this window
-            held.release_all()  # the previous window has been sent
-            try:
-                await held.reserve(min(allowed * per_block, limits.get_window_bytes), "Get")
-            except Refused as exc:
-                await self._abort(context, exc.code, exc.message)
-            # Which keys RAM holds, asked right before the stack reads RAM (no await in between):
-            # promotions of earlier windows may have evicted some since the Get began.
-            ahead = keys[start : start + _MAX_WINDOW_KEYS]
-            end, lower_keys = start, 0
-            for held_in_ram in ram.contains_many_sync(namespace, ahead):
-                if not held_in_ram:
-                    if lower_keys == allowed:
-                        break
-                    lower_keys += 1
-                end += 1
-            found = await self._stack.get(namespace, keys[start:end])
-            lower = [len(f.data) for f in found if f is not None and f.tier is not TierKind.RAM]
-            held.release_all()
-            held.count(sum(lower))  # what this window really holds beyond RAM's references
-            if lower:
-                self._saw_block_size(namespace, max(lower))
-            for i, hit in enumerate(found, start):
-                yield i, hit
-                if hit is None and prefix_only:
-                    return
-            start = end
-
-    def _block_size(self, namespace: str) -> int:
-        """The largest block seen in `namespace` (the size a Get window assumes per lower-tier block)."""
-        size = self._block_sizes.get(namespace)
-        if size is None:
-            return self._limits.max_block_bytes
-        self._block_sizes.move_to_end(namespace)
-        return size
-
-    def _saw_block_size(self, namespace: str, size: int) -> None:
-        sizes = self._block_sizes
-        sizes[namespace] = max(size, sizes.get(namespace, 0))
-        sizes.move_to_end(namespace)
-        if len(sizes) > _BLOCK_SIZE_NAMESPACES:
-            sizes.popitem(last=False)
-
-    async def _get_replies(
-        self,
-        context: grpc.aio.ServicerContext,
-        found: AsyncIterator[tuple[int, Found | None]],
-        request: pb.GetRequest,
-        segment: tuple[int, int] | None,
-    ) -> AsyncIterator[GetReply]:
-        """Found blocks in messages of about stream_message_bytes. With a segment, the blocks that fit
-        are written into it (in key order, 64-byte aligned, within its capacity; one worker-thread hop
-        per message) and only their place is sent; the rest go inline."""
-        budget = self._limits.stream_message_bytes
-        capacity = request.shm.capacity if segment is not None else 0
-        offset = 0
-        items: GetReply = []
-        writes: list[tuple[bytes | memoryview, int]] = []
-        size = 0
-        async for i, hit in found:
-            if hit is None:
-                items.append((i, False, b"", 0))
-                if request.prefix_only:
-                    break
-                continue
-            data = hit.data
-            n = len(data)
-            sent: bytes | memoryview | ShmRange = data
-            if segment is not None and offset + n <= capacity:
-                writes.append((data, offset))
-                sent = ShmRange(request.shm.segment, offset, n)
-                offset = align(offset + n)
-            elif request.accept_parts and n > _GET_PARTS_ABOVE:
-                if items:
-                    await self._write_segment(context, segment, writes)
-                    writes = []
-                    yield items
-                    items, size = [], 0
-                view, tier = memoryview(data), int(hit.tier)
-                for start in range(0, n, _GET_PART_BYTES):
-                    end = start + _GET_PART_BYTES
-                    yield [(i, True, GetPart(view[start:end], end < n), tier)]
-                continue
-            cost = _SHM_ITEM_BYTES if isinstance(sent, ShmRange) else n
-            if size and size + cost > budget:
-                await self._write_segment(context, segment, writes[:-1] if isinstance(sent, ShmRange) else writes)
-                writes = writes[-1:] if isinstance(sent, ShmRange) else []
-                yield items
-                items, size = [], 0
-            items.append((i, True, sent, int(hit.tier)))
-            size += cost
-        if items:
-            await self._write_segment(context, segment, writes)
-            yield items
-
-    async def _write_segment(
-        self,
-        context: grpc.aio.ServicerContext,
-        segment: tuple[int, int] | None,
-        writes: list[tuple[bytes | memoryview, int]],
-    ) -> None:
-        """Writes the blocks of one reply into the client's segment before the reply names them.
-
-        Large writes run in a worker thread, which a cancelled call stops before its next block and
-        waits for: nothing is written into the segment once the call has ended. A write that fails
-        for want of room (tmpfs full) fails the call with RESOURCE_EXHAUSTED and FULL_METADATA: the
-        client redoes this call inline and keeps using segments. Any other failed write is
-        FAILED_PRECONDITION: the client stops using segments with this server."""
-        if segment is None or not writes:
-            return
-        nbytes = sum(len(d) for d, _ in writes)
-        try:
-            if nbytes >= _OFFLOAD_BYTES:
-                await write_ranges_in_thread(segment[0], writes)
-            else:
-                write_ranges(segment[0], writes)
-        except OSError as exc:
-            if exc.errno in SPACE_ERRNOS:
-                context.set_trailing_metadata([FULL_METADATA])
-                await self._abort(
-                    context,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no room for this Get's blocks in the shared-memory directory ({exc.strerror}); "
-                    "redo this call inline",
-                )
-            await self._abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"cannot write into shm segment: {exc}")
-        self._counters.shm_bytes_sent += nbytes
+        await self._serve_get(context, namespace, keys, request, segment)
 
     async def Delete(self, request: pb.DeleteRequest, context: grpc.aio.ServicerContext) -> pb.DeleteResponse:
         namespace = await self._namespace(context, request.namespace)
@@ -658,6 +243,7 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             hub.unsubscribe(sub)
 
     async def Stats(self, request: pb.StatsRequest, context: grpc.aio.ServicerContext) -> pb.StatsResponse:
+        arena = self._stack.ram.arena_stats()
         tiers = [
             pb.TierStats(tier=int(s.kind), **{f.name: getattr(s, f.name) for f in _TIER_STATS_FIELDS})
             for s in self._stack.stats()
@@ -677,6 +263,12 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             inflight_refused=self.budget.refused,
             cut_off_calls=self.cut_off,
             **self._bulk_stats(),
+            inplace_bytes_received=self.inplace_bytes_received,
+            inplace_bytes_leased=self.inplace_bytes_leased,
+            arena_leases=arena["leases"],
+            arena_reservations=arena["reservations"],
+            arena_leases_expired=arena["leases_expired"],
+            arena_reservations_reclaimed=arena["reservations_reclaimed"],
         )
 
     def _bulk_stats(self) -> dict[str, int]:
@@ -701,4 +293,6 @@ class KVCacheService(pb_grpc.KVCacheServicer):
             bulk_port=self.bulk.port if self.bulk is not None else 0,
             bulk_host=self.bulk.advertised_host if self.bulk is not None else "",
             bulk_tls=self.bulk is not None and self.bulk.tls,
+            arena_path=self._stack.ram.region.path,
+            arena_bytes=self._stack.ram.region.size if self._stack.ram.region.path else 0,
         )

@@ -57,6 +57,9 @@ blocks: the client redoes that call inline and keeps the path on (the SDK checks
 SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 """A write into a segment that failed for want of room (this call only), not for want of access."""
 
+OFFLOAD_BYTES = 256 << 10
+"""Segment reads and writes at least this large run in a worker thread, off the event loop."""
+
 T = TypeVar("T")
 
 

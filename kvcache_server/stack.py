@@ -52,7 +52,7 @@ import enum
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -63,7 +63,7 @@ from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
-from kvcache_server.tiers.ram import RamTier
+from kvcache_server.tiers.ram import Lease, RamTier, Reservation
 from kvcache_server.write_queue import DeleteFence, PendingWrite, WriteKind, WriteQueue
 
 log = logging.getLogger(__name__)
@@ -229,10 +229,19 @@ class PutOutcome:
 
 @dataclass(slots=True)
 class Found:
-    """A block served by the stack and the tier it came from."""
+    """A block served by the stack and the tier it came from.
 
-    data: bytes
+    A RAM hit is a read-only view of its arena slot under `lease`: the slot does not change until
+    the caller hands the lease back (TierStack.release) or it expires after SERVE_LEASE_S."""
+
+    data: bytes | memoryview
     tier: TierKind
+    lease: Lease | None = None
+
+
+SERVE_LEASE_S = 600.0
+"""How long the leases of a Get's RAM hits live at most: a handler releases them as soon as the
+reply naming them is sent (or when it ends, whatever way), so this only bounds a bug."""
 
 
 class TierStack:
@@ -247,10 +256,18 @@ class TierStack:
         events: EventHub | None = None,
         observer: Observer | None = None,
         ram_quota_of: Callable[[str], int] | None = None,
+        arena_dir: str | None = None,
+        prefault: bool = True,
     ) -> None:
         self.events = events or EventHub()
         self._observer = observer or NullObserver()
-        self._ram = RamTier(ram_capacity_bytes, on_evict=self._on_ram_evict, quota_of=ram_quota_of)
+        self._ram = RamTier(
+            ram_capacity_bytes,
+            on_evict=self._on_ram_evict,
+            quota_of=ram_quota_of,
+            arena_dir=arena_dir,
+            prefault=prefault,
+        )
         self._ram_counters = _Counters()
         self._lower = [
             _Lower(
@@ -580,8 +597,26 @@ class TierStack:
             prefix.append(kind)
         return prefix
 
+    def lease(self, namespace: str, keys: Sequence[bytes], ttl_s: float) -> list[Lease | None]:
+        """Read leases on the blocks RAM holds, for in-place gets (kvcache_server.pipeline.inplace).
+
+        Misses are not counted: the client asks get() for them next, which counts them."""
+        start = time.perf_counter()
+        leases = self._ram.lease_many(namespace, keys, ttl_s, count_misses=False)
+        self._ram_op("lease", start)
+        self._ram_counters.bytes_read += sum(lease.length for lease in leases if lease is not None)
+        return leases
+
+    def release(self, found: Iterable[Found | None]) -> None:
+        """Hands back the leases of RAM hits that get() returned (each at most once)."""
+        ids = [f.lease.id for f in found if f is not None and f.lease is not None]
+        if ids:
+            self._ram.release(ids)
+
     async def get(self, namespace: str, keys: Sequence[bytes]) -> list[Found | None]:
         """Each key's block from the fastest tier holding a valid copy; lower hits are promoted.
+
+        RAM hits come under read leases: hand them back with release() once their bytes are sent.
 
         A Delete that runs while this get reads a lower tier does not change what it returns
         (the copy it read), but stops the promotion of those keys.
@@ -596,12 +631,12 @@ class TierStack:
         out: list[Found | None] = [None] * len(keys)
         missing: list[int] = []
         start = time.perf_counter()
-        for i, block in enumerate(self._ram.get_many_sync(namespace, keys)):
-            if block is None:
+        for i, lease in enumerate(self._ram.lease_many(namespace, keys, SERVE_LEASE_S)):
+            if lease is None:
                 missing.append(i)
             else:
-                out[i] = Found(block, TierKind.RAM)
-                self._ram_counters.bytes_read += len(block)
+                out[i] = Found(lease.view, TierKind.RAM, lease)
+                self._ram_counters.bytes_read += lease.length
         self._ram_op("get", start)
         for depth, lower in enumerate(self._lower):
             if not missing:
@@ -678,11 +713,35 @@ class TierStack:
         finally:
             self._fence.end(epoch)
 
-    async def _put(self, namespace: str, items: Sequence[tuple[bytes, bytes]], epoch: int) -> PutOutcome:
+    async def put_reserved(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> PutOutcome:
+        """Stores blocks written in place into reserved arena slots (verified by the caller): RAM
+        indexes each slot under its key without a copy; lower tiers get a copy of its bytes (the slot
+        may be evicted and reused before a write-behind queue drains). Reservations of keys a Delete
+        fenced off, or that RAM does not take, are freed."""
+        epoch = self._fence.begin()
+        try:
+            blocks = [(key, bytes(res.buffer) if self._lower else res.buffer) for key, res in items]
+            return await self._put(namespace, blocks, epoch, reserved=items)
+        finally:
+            self._fence.end(epoch)
+
+    async def _put(
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, bytes | memoryview]],
+        epoch: int,
+        reserved: Sequence[tuple[bytes, Reservation]] | None = None,
+    ) -> PutOutcome:
         start = time.perf_counter()
         kept = [False] * len(items)
         live = [i for i, (key, _) in enumerate(items) if not self._fence.blocked(epoch, namespace, key)]
-        for i, ok in zip(live, self._ram.put_many_sync(namespace, [items[i] for i in live]), strict=True):
+        if reserved is None:
+            stored = self._ram.put_many_sync(namespace, [items[i] for i in live])
+        else:
+            stored = self._ram.adopt_many(namespace, [reserved[i] for i in live])
+            fenced = set(range(len(reserved))) - set(live)
+            self._ram.abandon([reserved[i][1].id for i in sorted(fenced)])
+        for i, ok in zip(live, stored, strict=True):
             kept[i] = ok
         self._ram_op("put", start)
         in_ram = [items[i] for i in live if kept[i]]

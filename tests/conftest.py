@@ -24,7 +24,9 @@ class ServerThread:
     """A kvcache server on its own event loop in a daemon thread (port 0)."""
 
     def __init__(self, overrides: dict[str, dict[str, Any]]) -> None:
-        merged = {"server": {"host": "127.0.0.1", "port": 0, "shutdown_grace_s": 0.5}}
+        # Arenas are not pre-faulted in tests (a 1 GiB default would take a second per server);
+        # tests/test_arena.py pre-faults its own and checks RSS.
+        merged = {"server": {"host": "127.0.0.1", "port": 0, "shutdown_grace_s": 0.5}, "ram": {"prefault": False}}
         for section, values in overrides.items():
             merged.setdefault(section, {}).update(values)
         self.config = load_config(env={}, overrides=merged)

@@ -93,14 +93,8 @@ def kv_transfer_config(worker: dict[str, Any]) -> dict[str, Any]:
 
 def test_services() -> None:
     assert set(compose()["services"]) == {
-        "kvcache",
-        "redis",
-        "minio",
-        "minio-init",
-        "vllm-prefill",
-        "vllm-decode",
-        "router",
-    }
+        "kvcache", "redis", "minio", "minio-init", "hf-cache-init", "vllm-prefill", "vllm-decode", "router"
+    }  # fmt: skip
 
 
 def test_kvcache_service_config_ports_and_mount() -> None:
@@ -112,7 +106,7 @@ def test_kvcache_service_config_ports_and_mount() -> None:
     assert (cfg.server.host, cfg.metrics.enabled, cfg.metrics.host) == ("0.0.0.0", True, "127.0.0.1")
     assert published(kvcache) == {cfg.server.port: ("127.0.0.1", cfg.server.port)}
     assert (cfg.server.port, cfg.metrics.port) == (51051, 9400)
-    assert kvcache["volumes"] == [f"./kvcache.toml:{IMAGE_CONFIG_PATH}:ro"]
+    assert kvcache["volumes"][0] == f"./kvcache.toml:{IMAGE_CONFIG_PATH}:ro"
     assert json.loads(one(DOCKER / "Dockerfile", "CMD")) == ["--config", IMAGE_CONFIG_PATH]
     assert kvcache["depends_on"] == {
         "redis": {"condition": "service_healthy"},
@@ -194,7 +188,10 @@ def test_vllm_workers_share_kv_through_the_kvcache_service() -> None:
         assert worker["entrypoint"] == ["vllm", "serve"]
         assert interpolate(worker["command"][0]) == "/models/model"
         assert interpolate(worker["volumes"][0]) == "./models:/models:ro"
-        assert worker["depends_on"] == {"kvcache": {"condition": "service_healthy"}}
+        assert worker["depends_on"] == {
+            "kvcache": {"condition": "service_healthy"},
+            "hf-cache-init": {"condition": "service_completed_successfully"},
+        }
         assert worker["build"] == {"context": "..", "dockerfile": "docker/vllm.Dockerfile"}
         (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
         assert (device["driver"], device["capabilities"]) == ("nvidia", ["gpu"])
@@ -204,6 +201,39 @@ def test_vllm_workers_share_kv_through_the_kvcache_service() -> None:
     ]
     assert gpus == ["0", "1"]
     assert sorted(published(service(n))[8000][1] for n in roles) == [8100, 8200]
+
+
+def server_uid() -> int:
+    (line,) = [ln for ln in (DOCKER / "Dockerfile").read_text().splitlines() if "useradd" in ln]
+    return int(re.search(r"--uid (\d+)", line).group(1))  # type: ignore[union-attr]
+
+
+def test_the_workers_share_the_servers_block_arena() -> None:
+    """Same user, same tmpfs at the server's shm.dir: the workers map the arena and move KV in place."""
+    cfg = config()
+    uid = server_uid()
+    assert cfg.shm.enabled and cfg.shm.share_arena and cfg.shm.dir == ""  # the default: /dev/shm/kvcache-<uid>
+    shm_dir = f"/dev/shm/kvcache-{uid}"
+    mount = f"kvcache-shm:{shm_dir}"
+    assert mount in service("kvcache")["volumes"]
+    for name in ("vllm-prefill", "vllm-decode"):
+        worker = service(name)
+        assert worker["user"] == f"{uid}:{uid}"  # the arena is 0600 and its directory 0700
+        assert mount in worker["volumes"]
+        assert worker["environment"]["HF_HOME"] == "/hf-cache" and "hf-cache:/hf-cache" in worker["volumes"]
+        assert importlib.util.find_spec("kvcache_connectors.vllm") is not None
+    volume = compose()["volumes"]["kvcache-shm"]
+    assert (volume["driver"], volume["driver_opts"]["type"], volume["driver_opts"]["device"]) == (
+        "local",
+        "tmpfs",
+        "tmpfs",
+    )
+    opts = dict(o.split("=") for o in volume["driver_opts"]["o"].split(","))
+    assert (opts["uid"], opts["gid"], opts["mode"]) == (str(uid), str(uid), "0700")  # what ShmDirectory.open accepts
+    size = int(opts["size"].rstrip("g")) << 30
+    assert size >= cfg.ram.capacity_bytes + (1 << 30)  # the arena and room for per-call segments
+    init = service("hf-cache-init")
+    assert init["command"] == ["chown", f"{uid}:{uid}", "/hf-cache"] and init["restart"] == "no"
 
 
 def test_the_connector_accepts_the_extra_config() -> None:

@@ -21,6 +21,7 @@ from kvcache_client import InvalidRequest, KVCacheClient
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.interceptor import RequestIdFilter
+from kvcache_server.tiers.ram import RamTier
 from tests.backends import RedisProcess, free_port, wait_for
 from tests.conftest import ServerThread, keyed, raw_block
 
@@ -89,8 +90,10 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     assert delta("kvcache_namespace_lookup_hit_keys_total", namespace=NS) == 5
     assert delta("kvcache_tier_operation_duration_seconds_count", tier="ram", op="get", ok="true") == 1
     assert delta("kvcache_request_duration_seconds_count", method="Put") == 1
-    # The client is on the server's host: its get came back through shared memory; its small put did not.
-    assert delta("kvcache_shm_bytes_total", direction="sent") == sum(len(b) for b in blocks)
+    # The client is on the server's host: its get's hits were read in place from the block arena (the
+    # one miss asked Get, through a segment, which sent nothing); its small put went inline.
+    assert delta("kvcache_inplace_bytes_total", direction="sent") == sum(len(b) for b in blocks)
+    assert delta("kvcache_shm_bytes_total", direction="sent") == 0
     assert delta("kvcache_shm_bytes_total", direction="received") == 0
     # The process's own metrics, and admission's.
     for name in ("process_resident_memory_bytes", "process_open_fds", "process_start_time_seconds"):
@@ -179,10 +182,8 @@ class Watcher:
 
 
 def test_events_report_exactly_the_stores_and_removals(make_server) -> None:
-    cost = 100 + 48 + 384  # a 100-byte payload block plus index overhead
-    # Room for three such blocks; the slack covers the framing bytes a block kept as a view of its
-    # Put message is also charged for (the single-block put below).
-    server: ServerThread = make_server(ram={"capacity_bytes": 3 * cost + 64})
+    cost = RamTier.entry_cost_of(100 + 48)  # a 100-byte payload block's arena slot plus index overhead
+    server: ServerThread = make_server(ram={"capacity_bytes": 3 * cost})  # room for three such blocks
     everything = Watcher(server.target).start()
     only_b = Watcher(server.target, namespace="b").start()
     wait_for(lambda: server.stack.events.subscribers == 2, what="subscribers")

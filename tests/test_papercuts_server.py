@@ -68,12 +68,15 @@ def _memory_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 
 @pytest.mark.timeout(60)
-def test_a_ram_cap_above_the_machine_warns_with_the_numbers(
+def test_a_ram_cap_above_the_machine_warns_with_the_numbers_and_cannot_be_preallocated(
     make_server: Callable[..., ServerThread], caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.WARNING, logger="kvcache_server.app")
     physical = memory_limits()["physical memory"]
-    make_server(ram={"capacity_bytes": "4TiB"}, shm={"enabled": False})
+    # The block arena is allocated at start-up (docs/arena.md): a cap the machine cannot hold is an
+    # error that says which setting to lower, after the warning with the numbers.
+    with pytest.raises(OSError, match=r"block arena of ram\.capacity_bytes = 4096\.00 GiB"):
+        make_server(ram={"capacity_bytes": "4TiB"}, shm={"enabled": False})
     (message,) = [m for m in _memory_warnings(caplog) if "physical memory" in m]
     assert "ram.capacity_bytes (4096.00 GiB)" in message and "limits.inflight_bytes (0.25 GiB)" in message
     assert f"physical memory of {physical / (1 << 30):.2f} GiB" in message
@@ -151,7 +154,8 @@ def _json_lines(text: str) -> list[dict[str, str]]:
 
 @pytest.mark.timeout(60)
 def test_json_logs_are_json_on_every_line_of_both_streams() -> None:
-    argv = [sys.executable, "-m", "kvcache_server", "--log-json", "--port", "0", "--ram-capacity", "4TiB"]
+    # Warnings from kvcache_server.app: metrics served over plain HTTP on 0.0.0.0.
+    argv = [sys.executable, "-m", "kvcache_server", "--log-json", "--port", "0", "--ram-capacity", "64MiB"]
     argv += ["--set", "metrics.enabled=true", "--set", "metrics.host=0.0.0.0", "--set", "metrics.port=0"]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

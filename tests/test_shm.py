@@ -18,6 +18,7 @@ from kvcache_client.shm import MIN_PUT_BYTES, Segment, SegmentPool
 from kvcache_core.blockwire import ShmRange, encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+from kvcache_server.arena import ARENA_PREFIX
 from kvcache_server.shm import ShmDirectory, ShmError, read_range
 from tests.conftest import ServerThread, keyed, raw_block
 
@@ -33,7 +34,9 @@ def shm_dir(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def shm_server(make_server, shm_dir: Path) -> ServerThread:
-    return make_server(ram={"capacity_bytes": 256 << 20}, shm={"dir": str(shm_dir)})
+    # Per-call segments are what same-host clients use where the block arena is not shared
+    # (tests/test_inplace.py covers the arena).
+    return make_server(ram={"capacity_bytes": 256 << 20}, shm={"dir": str(shm_dir), "share_arena": False})
 
 
 def blocks(n: int, size: int) -> list[tuple[bytes, bytes]]:
@@ -46,7 +49,10 @@ def stats(server: ServerThread) -> pb.StatsResponse:
 
 
 def segments(directory: Path) -> list[str]:
-    return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+    """The client segments in the directory (not the server's block arena, docs/arena.md)."""
+    if not directory.exists():
+        return []
+    return sorted(p.name for p in directory.iterdir() if not p.name.startswith(ARENA_PREFIX))
 
 
 def test_server_creates_an_owner_only_directory_and_advertises_it(shm_server: ServerThread, shm_dir: Path) -> None:
@@ -340,7 +346,7 @@ def test_a_client_that_exits_without_close_leaves_no_segments(shm_server: Server
         "k = os.urandom(16)\n"
         "c.put_many('ns', [(k, encode_block(os.urandom(1 << 20), key=k, dtype='uint8', shape=(1 << 20,)))])\n"
         "assert c.get_many('ns', [k])[0] is not None\n"
-        "print(len(os.listdir(sys.argv[2])))\n"
+        "print(len([n for n in os.listdir(sys.argv[2]) if not n.startswith('kvcache-arena-')]))\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", script, shm_server.target, str(shm_dir)],

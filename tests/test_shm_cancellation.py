@@ -33,6 +33,7 @@ from kvcache_core.blockwire import ShmRange
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server import shm as server_shm
+from kvcache_server.arena import ARENA_PREFIX
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(60)
@@ -117,7 +118,9 @@ def _collect(out: Any, procs: list[Any], stop: Any) -> list[tuple]:
 
 @pytest.mark.timeout(120)
 def test_cancelled_gets_never_write_into_another_calls_segment(make_server, tmp_path: Path) -> None:
-    server: ServerThread = make_server(ram={"capacity_bytes": 512 << 20}, shm={"dir": str(tmp_path / "shm")})
+    server: ServerThread = make_server(
+        ram={"capacity_bytes": 512 << 20}, shm={"dir": str(tmp_path / "shm"), "share_arena": False}
+    )
     cancelled_keys = [_key(f"cancelled-{i}") for i in range(CANCELLED_KEYS)]
     compared_keys = [_key(f"compared-{i}") for i in range(COMPARED_KEYS)]
     with KVCacheClient(server.target, shm=False) as client:
@@ -259,11 +262,13 @@ def test_a_full_tmpfs_sends_that_call_inline_and_keeps_the_path(tmp_path: Path) 
 
 @pytest.fixture
 def shm_server(make_server, tmp_path: Path) -> ServerThread:
-    return make_server(ram={"capacity_bytes": 256 << 20}, shm={"dir": str(tmp_path / "shm")})
+    # Segments, not the block arena (tests/test_inplace.py): these tests are about segments.
+    return make_server(ram={"capacity_bytes": 256 << 20}, shm={"dir": str(tmp_path / "shm"), "share_arena": False})
 
 
 def _segments(server: ServerThread) -> list[str]:
-    return sorted(os.listdir(server.config.shm.dir))
+    """The client segments in the server's directory (not its block arena, docs/arena.md)."""
+    return sorted(n for n in os.listdir(server.config.shm.dir) if not n.startswith(ARENA_PREFIX))
 
 
 def _stats(server: ServerThread) -> pb.StatsResponse:

@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+from kvcache_client.arena import Leased
 from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, stripes
 from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.results import TIER_NAMES, Fetched, LookupResult, PutResult, ServerStats, TierPutResult
@@ -219,6 +220,7 @@ class BulkTransport:
         self.inner = grpc_transport  # the gRPC transport: control calls, small transfers, the fallback
         self.link = link
         self.shm = grpc_transport.shm
+        self.arena = grpc_transport.arena  # same host: the server's block arena (docs/arena.md)
 
     def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
         if self.link.needs_info:
@@ -253,6 +255,13 @@ class BulkTransport:
         fetched = self.inner.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
         return fetched
+
+    def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
+        """In-place reads from the server's arena (same host; docs/arena.md): the gRPC transport's."""
+        return self.inner.lease(namespace, keys, prefix_only, timeout_s)
+
+    def release(self, ids: list[int]) -> None:
+        self.inner.release(ids)
 
     def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
         return self.inner.delete(namespace, keys, timeout_s)

@@ -24,15 +24,17 @@ exception: lookup returns a shorter prefix, get_many None.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.arena import copy_payload_into
 from kvcache_client.bulk import DEFAULT_CONNECTIONS, BulkLink, BulkTransport, bearer_token
 from kvcache_client.connection import TLSConfig, auth_metadata, make_channel
 from kvcache_client.errors import BlockFormatError, DeadlineExceeded, RPCError, from_rpc_error
@@ -282,6 +284,85 @@ class KVCacheClient:
         ns = namespace_name(namespace)
         fetched = self._call(timeout_s, lambda t: self._transport.get(ns, keys, prefix_only, t))
         return verified(fetched, keys, self._count_corrupt)
+
+    @contextlib.contextmanager
+    def leased(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        *,
+        prefix_only: bool = False,
+        timeout_s: float | None = None,
+    ) -> Iterator[list[memoryview | None]]:
+        """Each key's verified block, read in place where it can be, for the `with` block only.
+
+            with client.leased(ns, keys) as blocks:
+                for block in blocks: ...   # read-only views; use them inside the block
+
+        On the same host as the server (its block arena shared, docs/arena.md) the blocks its RAM
+        holds are views of that arena under read leases: no byte is copied, and the server does not
+        reuse their slots until the `with` block ends and the leases are released (or they expire,
+        after the server's ram.lease_timeout_s). Each block's key-bound checksum is verified before
+        it is handed out. Elsewhere, and for keys RAM lacks, the blocks are as get_many returns them.
+        The views are released when the block ends (a later use raises ValueError), unless
+        something still holds a buffer of them: copy what must outlive the block.
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            RPCError: as get_many (InvalidRequest, Unavailable, DeadlineExceeded, ...); a miss is None.
+        """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
+        if not keys:
+            yield []
+            return
+        ns = namespace_name(namespace)
+        lease = getattr(self._transport, "lease", None)
+        if lease is None:  # a transport without in-place reads
+            yield self.get_many(ns, keys, prefix_only=prefix_only, timeout_s=timeout_s)
+            return
+        got = self._call(timeout_s, lambda t: lease(ns, keys, prefix_only, t))
+        blocks: list[memoryview | None] = []
+        try:
+            blocks = verified(got.blocks, keys, self._count_corrupt)
+            yield blocks
+        finally:
+            for block, in_place in zip(blocks, got.in_place, strict=False):
+                if block is not None and in_place:
+                    with contextlib.suppress(BufferError):  # something still views it: it stays readable
+                        block.release()
+            self._transport.release(got.ids)
+
+    def get_into(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        destinations: Sequence[object],
+        *,
+        prefix_only: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
+        """Copies each key's verified block payload once into its destination; True where found.
+
+        A destination is a torch tensor (a pinned host tensor, a GPU tensor: one copy each) or a
+        writable buffer (bytearray, numpy array), of exactly the payload's size in bytes. On the same
+        host the bytes come straight from the server's arena under a read lease (leased()), verified
+        first; elsewhere from what get_many receives. A destination of a key not found is untouched.
+
+        Raises:
+            ValueError: `timeout_s` is not positive, not one destination per key, a destination of the
+                wrong size, or a non-contiguous tensor (the leases are released either way).
+            TypeError: a destination that is neither a tensor nor a writable buffer.
+            RPCError: as get_many.
+        """
+        if len(destinations) != len(keys):
+            raise ValueError(f"{len(destinations)} destinations for {len(keys)} keys")
+        found: list[bool] = []
+        with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s) as blocks:
+            for block, destination in zip(blocks, destinations, strict=True):
+                if block is not None:
+                    copy_payload_into(block, destination)
+                found.append(block is not None)
+        return found
 
     def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """Removes keys from every tier; returns how many were stored.

@@ -221,6 +221,12 @@ def server_stats(r: pb.StatsResponse) -> ServerStats:
         bulk_connections=r.bulk_connections,
         bulk_errors=r.bulk_errors,
         bulk_cut_off=r.bulk_cut_off,
+        inplace_bytes_received=r.inplace_bytes_received,
+        inplace_bytes_leased=r.inplace_bytes_leased,
+        arena_leases=r.arena_leases,
+        arena_reservations=r.arena_reservations,
+        arena_leases_expired=r.arena_leases_expired,
+        arena_reservations_reclaimed=r.arena_reservations_reclaimed,
         tiers=tuple(TierInfo(**{name: getattr(t, name) for name in _TIER_INFO_FIELDS}) for t in r.tiers),
     )
 

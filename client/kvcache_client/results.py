@@ -129,6 +129,12 @@ class ServerStats:
     bulk_connections: int = 0
     bulk_errors: int = 0
     bulk_cut_off: int = 0
+    inplace_bytes_received: int = 0  # in-place transfers through the block arena (docs/arena.md)
+    inplace_bytes_leased: int = 0
+    arena_leases: int = 0
+    arena_reservations: int = 0
+    arena_leases_expired: int = 0
+    arena_reservations_reclaimed: int = 0
 
     def tier(self, name: str) -> TierInfo:
         for t in self.tiers:

@@ -15,11 +15,22 @@ clients map, retry and time out.
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Protocol
 
 import grpc
 
+from kvcache_client.arena import (
+    ArenaLink,
+    ArenaMoved,
+    InPlaceCalls,
+    Leased,
+    arena_fallback,
+    copy_out,
+    merge_put,
+    put_groups,
+)
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
     GetCollector,
@@ -32,7 +43,7 @@ from kvcache_client.messages import (
     shm_get_request,
 )
 from kvcache_client.results import Fetched, LookupResult, PutResult, ServerStats
-from kvcache_client.shm import Segment, ShmLink, run_to_end
+from kvcache_client.shm import Segment, ShmLink, env_allows_shm, run_to_end
 from kvcache_core.blockwire import BlockData, PutData, data_len, decode_get_response
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
@@ -107,6 +118,8 @@ class GrpcTransport:
         self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
         self._message_bytes = message_bytes
         self.shm = ShmLink(shm)
+        self.arena = ArenaLink(shm and env_allows_shm())
+        self._inplace = InPlaceCalls(self._stub, self._md, self.arena)
         self.part_bytes = 0  # set from the server's Info
         self.info_response: pb.InfoResponse | None = None
         self._info_done = False
@@ -123,6 +136,10 @@ class GrpcTransport:
             info = None
         self.part_bytes = apply_info(self.shm, info)
         self.info_response = info
+        if info is None:
+            self.arena.off("the server has no Info call")
+        else:
+            self.arena.configure(info.arena_path, info.arena_bytes, info.max_keys_per_request, info.max_block_bytes)
         self._info_done = True
 
     def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
@@ -139,6 +156,29 @@ class GrpcTransport:
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
         self._check_info(timeout_s)
+        if self.arena.takes(items):
+            return self._put_in_place(namespace, list(items), time.monotonic() + timeout_s)
+        return self._put_through_segment(namespace, items, timeout_s)
+
+    def _put_in_place(self, namespace: str, items: list[tuple[bytes, BlockData]], deadline: float) -> PutResult:
+        """Group by group into reserved arena slots; from a group the arena cannot take on, the rest
+        goes the ordinary way (arena_fallback)."""
+        results: list[PutResult] = []
+        groups = put_groups(items, self.arena)
+        for g, group in enumerate(groups):
+            try:
+                results.append(self._inplace.put_group(namespace, group, deadline))
+            except (grpc.RpcError, ArenaMoved) as exc:
+                if not arena_fallback(exc, self.arena):
+                    raise
+                rest = [item for later in groups[g:] for item in later]
+                results.append(self._put_through_segment(namespace, rest, max(0.001, deadline - time.monotonic())))
+                break
+        return merge_put(results)
+
+    def _put_through_segment(
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float
+    ) -> PutResult:
         segment = self.shm.put_segment(sum(data_len(d) for _, d in items))
         if segment is not None:
             completed = False
@@ -159,7 +199,52 @@ class GrpcTransport:
         return put_result(self._put(messages, timeout=timeout_s, metadata=self._md))
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
+        """Blocks in this client's own memory: leased ones copied out of the arena once, then released."""
+        leased = self.lease(namespace, keys, prefix_only, timeout_s)
+        try:
+            return [
+                (copy_out(f[0]), f[1]) if f is not None and in_place else f
+                for f, in_place in zip(leased.blocks, leased.in_place, strict=True)
+            ]
+        finally:
+            self._inplace.release(leased.ids)
+
+    def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
+        """As get, but blocks the server's RAM holds are read-only views of its arena under leases
+        (when the arena is shared with this process), to hand back with release(leased.ids) once used."""
         self._check_info(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if not self.arena.on:
+            return Leased(self._get_through_segment(namespace, keys, prefix_only, timeout_s))
+        try:
+            out, ids = self._inplace.lease(namespace, keys, prefix_only, deadline)
+        except (grpc.RpcError, ArenaMoved) as exc:
+            if not arena_fallback(exc, self.arena):
+                raise
+            return Leased(self._get_through_segment(namespace, keys, prefix_only, timeout_s))
+        in_place = [f is not None for f in out]
+        try:
+            missing = [i for i, f in enumerate(out) if f is None]
+            if prefix_only and missing:
+                missing = list(range(missing[0], len(keys)))
+            if missing:
+                rest = self._get_through_segment(
+                    namespace, [keys[i] for i in missing], prefix_only, max(0.001, deadline - time.monotonic())
+                )
+                for i, f in zip(missing, rest, strict=True):
+                    out[i] = f
+        except BaseException:
+            self._inplace.release(ids)
+            raise
+        return Leased(out, ids, in_place)
+
+    def release(self, ids: list[int]) -> None:
+        """Hands back leases that lease() returned."""
+        self._inplace.release(ids)
+
+    def _get_through_segment(
+        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
+    ) -> list[Fetched | None]:
         segment = self.shm.get_segment()
         if segment is not None:
             completed = False

@@ -48,6 +48,7 @@ refused with ValueError rather than stored in a form nobody can read.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections.abc import Sequence
@@ -59,6 +60,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 from kvcache_client import DeadlineExceeded, KVCacheClient, Namespace, ResourceExhausted, Unavailable
+from kvcache_client.tensors import block_to_tensor
 from kvcache_core.format import DType
 from kvcache_core.keys import CANONICAL_LAYOUT, HEADS_LAYOUT_VERSION
 
@@ -343,21 +345,26 @@ class TransformersKVConnector:
         # The prompt's own chunk keys (tail included), not those of tokens[:limit]: when len is a
         # multiple of chunk_tokens the last needed chunk is a full one, whose key is what was stored.
         keys = self.client.chunk_keys(tokens, self.namespace)[: -(-limit // size)]
-        try:
-            fetched = self.client.get_tensors(self.namespace, keys, prefix_only=True)
-        except _DEGRADE_TO_MISS as exc:
-            self.stats.load_failures += 1
-            log.warning("kvcache load failed, recomputing the prompt: %s", exc)
-            return None, 0
-        chunks = self._valid_prefix(fetched, len(tokens))
-        if not chunks:
-            return None, 0
-        num_tokens = min(limit, sum(c.shape[3] for c in chunks))
-        cache = cache_from_chunks(chunks, num_tokens, device=device, config=config)
+        # Read in place (the server's arena, on its host) and copied once, into the cache's buffer.
+        with contextlib.ExitStack() as held:
+            try:
+                blocks = held.enter_context(self.client.leased(self.namespace, keys, prefix_only=True))
+            except _DEGRADE_TO_MISS as exc:
+                self.stats.load_failures += 1
+                log.warning("kvcache load failed, recomputing the prompt: %s", exc)
+                return None, 0
+            fetched = [None if b is None else block_to_tensor(b, verify=False) for b in blocks]  # verified
+            chunks = self._valid_prefix(fetched, len(tokens))
+            if not chunks:
+                return None, 0
+            num_tokens = min(limit, sum(c.shape[3] for c in chunks))
+            cache = cache_from_chunks(chunks, num_tokens, device=device, config=config)
+            loaded, nbytes = len(chunks), sum(c.nbytes for c in chunks)
+            del fetched, chunks  # the leases end with this block
         self.stats.load_hits += 1
         self.stats.tokens_loaded += num_tokens
-        self.stats.chunks_loaded += len(chunks)
-        self.stats.bytes_loaded += sum(c.nbytes for c in chunks)
+        self.stats.chunks_loaded += loaded
+        self.stats.bytes_loaded += nbytes
         return cache, num_tokens
 
     # -- checks --------------------------------------------------------------------------------

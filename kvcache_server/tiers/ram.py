@@ -1,30 +1,46 @@
-"""The host-RAM tier: a hard byte cap, pluggable eviction (LRU by default), no copies on reads.
+"""The host-RAM tier: blocks in slots of the block arena, a hard byte cap, pluggable eviction (LRU by
+default), read leases and reservations for in-place transfers.
 
-Accounting: every entry costs len(block) + ENTRY_OVERHEAD_BYTES, where the
-overhead covers the key objects, the index slots and the eviction policy's
-bookkeeping (measured with tracemalloc in tests/test_ram_tier.py). The sum
-never exceeds capacity_bytes: room is made by evicting *before* an entry is
-inserted, and an entry that could never fit is refused.
+Memory: every block lives in one slot of one preallocated, pre-faulted region of capacity_bytes
+(kvcache_server.arena, docs/arena.md), so RSS is that region plus the index, whatever the traffic:
+no block is ever a fresh allocation. Accounting: every entry costs align(len(block)) +
+ENTRY_OVERHEAD_BYTES, where the overhead covers the key objects, the index slot and the eviction
+policy's bookkeeping, held outside the region (measured with tracemalloc in
+tests/test_ram_tier.py). The sum, with the reservations in flight, never exceeds capacity_bytes:
+room is made by evicting *before* an entry is inserted (until the sum fits and a contiguous slot
+is free), and an entry that could never fit is refused.
 
-Reads hand back the very bytes object that was stored; gRPC's serialisation
-is the only copy on the read path.
+Reads: get_many_sync copies a block out of its slot once (the caller owns the bytes); lease_many
+hands out read-only views under a **lease**: a leased slot is never reused nor overwritten until
+the lease is released or expires (an entry evicted or deleted while leased leaves the index at
+once; its slot is freed when the last lease ends). Writes: put_many_sync copies a block into a
+slot; reserve() hands out a writable slot for a block written in place (same-host clients, the
+bulk path), which adopt_many() indexes under a key without a copy and abandon() frees; a
+reservation not committed within its time-out is reclaimed.
 
-All methods take one lock for a few dictionary operations, so the tier is safe
-from the event loop and from threads alike; nothing slow happens under it.
+All methods take one lock for a few dictionary operations and at most the copies of the blocks
+they move, so the tier is safe from the event loop and from threads alike.
+
+Longer than the project's ~500-line module guideline: the index, the eviction order, the byte cap,
+leases and reservations share one lock and one set of invariants (every arena byte is free or in
+exactly one slot that the index, a lease or a reservation holds); split apart, each piece would
+need the others' internals. The region and the extent allocator are in kvcache_server.arena.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
-from kvcache_core.blockwire import block_cost
+from kvcache_server.arena import Extents, Lease, Region, Reservation, Slot, align, new_id
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
 
 ENTRY_OVERHEAD_BYTES = 384
-"""Bytes charged per entry on top of the block (index, key objects, policy node)."""
+"""Bytes charged per entry on top of its slot (index, key objects, policy node; outside the arena)."""
 
 EntryKey = tuple[str, bytes]
 EvictCallback = Callable[[str, bytes, bytes], None]
@@ -86,16 +102,22 @@ class _Partition:
         return self.used - self.quota if self.quota else self.used
 
 
+DEFAULT_LEASE_S = 30.0
+"""How long a lease or a reservation lives unless released, committed or abandoned first."""
+
+
 class RamTier(Tier):
-    """Blocks in this process's memory, under a hard byte cap, partitioned by tenant.
+    """Blocks in the arena, under a hard byte cap, partitioned by tenant.
 
     Eviction, when an entry of tenant T needs room:
       1. while T is over its own quota (if it has one), evict T's least recently used;
-      2. while the tier is over capacity, evict the least recently used entry of the
-         tenant furthest over its quota (tenants without a quota count as over by all
-         they hold).
-    So with quotas that sum to at most the capacity, one tenant's flood only ever
-    evicts its own blocks. Without auth there is one partition and this is plain LRU.
+      2. while the tier is over capacity, or no free extent of the arena fits the block, evict the
+         least recently used entry of the tenant furthest over its quota (tenants without a quota
+         count as over by all they hold).
+    So with quotas that sum to at most the capacity, one tenant's flood only ever evicts its own
+    blocks. Without auth there is one partition and this is plain LRU. An entry whose slot is
+    leased can be evicted from the index, but its slot stays put until the lease ends: when leases
+    pin so much of the arena that no slot fits, the put is refused (a miss later, never wrong bytes).
     """
 
     name = "ram"
@@ -108,7 +130,16 @@ class RamTier(Tier):
         policy_factory: Callable[[], EvictionPolicy] = LRUPolicy,
         on_evict: EvictCallback | None = None,
         quota_of: Callable[[str], int] | None = None,
+        arena_dir: str | None = None,
+        prefault: bool = True,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """Maps the arena (see kvcache_server.arena.Region; `arena_dir` shares it through a file there).
+
+        Raises:
+            ValueError: capacity_bytes is not positive.
+            OSError: the arena cannot be created (its file, or its space on the tmpfs).
+        """
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be positive, got {capacity_bytes}")
         self._capacity = capacity_bytes
@@ -116,19 +147,34 @@ class RamTier(Tier):
         self._quota_of = quota_of or (lambda tenant: 0)
         self._partitions: dict[str, _Partition] = {}
         self._on_evict = on_evict
-        self._blocks: dict[EntryKey, bytes] = {}
-        self._used = 0
+        self._blocks: dict[EntryKey, Slot] = {}
+        self._used = 0  # entry costs of indexed blocks
+        self._reserved = 0  # entry costs of open reservations
+        self._indexed_bytes = 0  # arena bytes of indexed slots
+        self._pinned_indexed = 0  # ... of those, leased ones (eviction cannot free them)
         self._lock = threading.Lock()
+        self._clock = clock
         self._stats = TierStats(name=self.name, kind=self.kind, capacity_bytes=capacity_bytes)
+        self.region = Region(capacity_bytes, arena_dir, prefault=prefault)
+        self._readonly = self.region.view.toreadonly()
+        self._extents = Extents(self.region.size)
+        self._leases: dict[int, Lease] = {}
+        self._reservations: dict[int, Reservation] = {}
+        self._expiries: list[tuple[float, int]] = []  # (expires, lease or reservation id), a heap
+        self.leases_expired = 0
+        self.reservations_reclaimed = 0
 
     @staticmethod
     def entry_cost(block: bytes | memoryview) -> int:
-        # A memoryview block (a large block kept in its received message) keeps that message alive.
-        return block_cost(block) + ENTRY_OVERHEAD_BYTES
+        return align(len(block)) + ENTRY_OVERHEAD_BYTES
 
     @property
     def used_bytes(self) -> int:
-        return self._used
+        return self._used + self._reserved
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._capacity
 
     def tenant_used_bytes(self, tenant: str) -> int:
         part = self._partitions.get(tenant)
@@ -141,70 +187,285 @@ class RamTier(Tier):
             part = self._partitions[tenant] = _Partition(self._policy_factory(), self._quota_of(tenant))
         return part
 
+    def _bytes(self, slot: Slot) -> memoryview:
+        return self.region.view[slot.offset : slot.offset + slot.length]
+
+    # -- reads ---------------------------------------------------------------------------------
+
     def get_many_sync(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
+        """Each key's block, copied out of its slot (the caller owns it), or None."""
         out: list[bytes | None] = []
         with self._lock:
             part = self._partition(namespace)
             for key in keys:
                 entry = (namespace, key)
-                block = self._blocks.get(entry)
-                if block is None:
+                slot = self._blocks.get(entry)
+                if slot is None:
                     self._stats.misses += 1
+                    out.append(None)
                 else:
                     self._stats.hits += 1
                     part.policy.accessed(entry)
-                out.append(block)
+                    out.append(bytes(self._bytes(slot)))
         return out
+
+    def lease_many(
+        self, namespace: str, keys: Sequence[bytes], ttl_s: float = DEFAULT_LEASE_S, *, count_misses: bool = True
+    ) -> list[Lease | None]:
+        """A read lease on each key's block, or None for a miss. Release each with release()."""
+        out: list[Lease | None] = []
+        with self._lock:
+            now = self._clock()
+            self._reap_locked(now)
+            part = self._partition(namespace)
+            for key in keys:
+                entry = (namespace, key)
+                slot = self._blocks.get(entry)
+                if slot is None:
+                    self._stats.misses += count_misses
+                    out.append(None)
+                    continue
+                self._stats.hits += 1
+                part.policy.accessed(entry)
+                self._pin(slot)
+                lease = Lease(
+                    new_id(self._leases, self._reservations),
+                    namespace,
+                    slot.offset,
+                    slot.length,
+                    self._readonly[slot.offset : slot.offset + slot.length],
+                    now + ttl_s,
+                    slot,
+                )
+                self._leases[lease.id] = lease
+                heapq.heappush(self._expiries, (lease.expires, lease.id))
+                out.append(lease)
+        return out
+
+    def release(self, lease_ids: Sequence[int], tenant: str | None = None) -> int:
+        """Ends the leases (unknown or expired ids are ignored; with `tenant`, so are other
+        tenants' leases); returns how many were live."""
+        released = 0
+        with self._lock:
+            for lease_id in lease_ids:
+                lease = self._leases.get(lease_id)
+                if lease is not None and (tenant is None or tenant_of(lease.namespace) == tenant):
+                    del self._leases[lease_id]
+                    self._unpin(lease._slot)
+                    released += 1
+        return released
 
     def contains_many_sync(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
             return [(namespace, key) in self._blocks for key in keys]
 
-    def put_many_sync(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    # -- writes --------------------------------------------------------------------------------
+
+    def put_many_sync(self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+        """Copies each block into a slot of its own and indexes it under its key."""
+        return self._store(namespace, items, None)
+
+    def adopt_many(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> list[bool]:
+        """Indexes reserved slots under their keys, without a copy (the caller verified the blocks).
+
+        A reservation that expired, was abandoned, is already committed or was made for another
+        namespace is not stored (False)."""
+        return self._store(namespace, [(key, res._slot) for key, res in items], [res.id for _, res in items])
+
+    def _store(
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, bytes | memoryview | Slot]],
+        reservation_ids: list[int] | None,
+    ) -> list[bool]:
         stored: list[bool] = []
         evicted: list[tuple[str, bytes, bytes]] = []
         with self._lock:
+            self._reap_locked(self._clock())
             part = self._partition(namespace)
-            for key, block in items:
-                stored.append(self._put_locked(part, (namespace, key), block, evicted))
+            for i, (key, data) in enumerate(items):
+                entry = (namespace, key)
+                if reservation_ids is None:
+                    stored.append(self._put_locked(part, entry, data, evicted))  # type: ignore[arg-type]
+                    continue
+                res = self._reservations.get(reservation_ids[i])
+                cost = self.entry_cost_of(res.length) if res is not None else 0
+                if res is None or res.namespace != namespace or (part.quota and cost > part.quota):
+                    self._stats.rejected += 1
+                    stored.append(False)
+                    continue
+                del self._reservations[res.id]
+                self._reserved -= cost
+                slot = res._slot
+                slot.pins -= 1
+                self._drop_entry(part, entry)
+                while part.quota and part.used + cost > part.quota:  # its tenant's share, as for a put
+                    self._evict_from(part, evicted)
+                self._index(part, entry, slot)
+                stored.append(True)
         if self._on_evict is not None:
             # Outside the lock: the callback may be slow or re-enter the tier.
             for ns, key, block in evicted:
                 self._on_evict(ns, key, block)
         return stored
 
-    def _evict_from(self, part: _Partition, evicted: list[tuple[str, bytes, bytes]]) -> None:
-        victim = part.policy.victim()
-        block = self._blocks.pop(victim)  # type: ignore[call-overload]
-        part.policy.removed(victim)
-        cost = self.entry_cost(block)
-        part.used -= cost
-        self._used -= cost
-        self._stats.evictions += 1
-        evicted.append((victim[0], victim[1], block))  # type: ignore[index]
+    @staticmethod
+    def entry_cost_of(length: int) -> int:
+        return align(length) + ENTRY_OVERHEAD_BYTES
 
-    def _put_locked(
-        self, part: _Partition, entry: EntryKey, block: bytes, evicted: list[tuple[str, bytes, bytes]]
-    ) -> bool:
-        cost = self.entry_cost(block)
-        if cost > self._capacity or (part.quota and cost > part.quota):
-            self._stats.rejected += 1
-            return False
-        old = self._blocks.pop(entry, None)
-        if old is not None:
-            part.used -= self.entry_cost(old)
-            self._used -= self.entry_cost(old)
-            part.policy.removed(entry)
-        while part.quota and part.used + cost > part.quota:
-            self._evict_from(part, evicted)
-        while self._used + cost > self._capacity:
-            worst = max((p for p in self._partitions.values() if p.used), key=_Partition.overage)
-            self._evict_from(worst, evicted)
-        self._blocks[entry] = block
+    def reserve(self, namespace: str, nbytes: int, ttl_s: float = DEFAULT_LEASE_S) -> Reservation | None:
+        """A writable slot for a block of `nbytes`, evicting to make room; None if it cannot fit."""
+        evicted: list[tuple[str, bytes, bytes]] = []
+        res: Reservation | None = None
+        with self._lock:
+            now = self._clock()
+            self._reap_locked(now)
+            slot = self._allocate_locked(self._partition(namespace), nbytes, evicted, reserving=True)
+            if slot is not None:
+                self._pin(slot)
+                self._reserved += self.entry_cost_of(nbytes)
+                res = Reservation(
+                    new_id(self._leases, self._reservations),
+                    namespace,
+                    slot.offset,
+                    nbytes,
+                    self.region.view[slot.offset : slot.offset + nbytes],
+                    now + ttl_s,
+                    slot,
+                )
+                self._reservations[res.id] = res
+                heapq.heappush(self._expiries, (res.expires, res.id))
+        if self._on_evict is not None:
+            for ns, key, block in evicted:
+                self._on_evict(ns, key, block)
+        return res
+
+    def reservation(self, reservation_id: int) -> Reservation | None:
+        """The open reservation of that id, or None (never made, committed, abandoned or reclaimed)."""
+        with self._lock:
+            return self._reservations.get(reservation_id)
+
+    def abandon(self, reservation_ids: Sequence[int], namespace: str | None = None) -> int:
+        """Frees the reservations' slots (with `namespace`, only those made for it); returns how many
+        were open."""
+        freed = 0
+        with self._lock:
+            for rid in reservation_ids:
+                res = self._reservations.get(rid)
+                if res is not None and (namespace is None or res.namespace == namespace):
+                    del self._reservations[rid]
+                    self._reserved -= self.entry_cost_of(res.length)
+                    self._unpin(res._slot)
+                    freed += 1
+        return freed
+
+    def reap(self) -> int:
+        """Ends the leases and reclaims the reservations whose time is up; returns how many."""
+        with self._lock:
+            return self._reap_locked(self._clock())
+
+    def _reap_locked(self, now: float) -> int:
+        reaped = 0
+        while self._expiries and self._expiries[0][0] <= now:
+            _, item_id = heapq.heappop(self._expiries)
+            lease = self._leases.pop(item_id, None)
+            if lease is not None:
+                self.leases_expired += 1
+                self._unpin(lease._slot)
+                reaped += 1
+                continue
+            res = self._reservations.pop(item_id, None)
+            if res is not None:
+                self.reservations_reclaimed += 1
+                self._reserved -= self.entry_cost_of(res.length)
+                self._unpin(res._slot)
+                reaped += 1
+        return reaped
+
+    def _pin(self, slot: Slot) -> None:
+        if slot.pins == 0 and slot.indexed:
+            self._pinned_indexed += align(slot.length)
+        slot.pins += 1
+
+    def _unpin(self, slot: Slot) -> None:
+        slot.pins -= 1
+        if slot.pins == 0:
+            if slot.indexed:
+                self._pinned_indexed -= align(slot.length)
+            else:
+                self._extents.free(slot.offset, slot.length)
+
+    def _index(self, part: _Partition, entry: EntryKey, slot: Slot) -> None:
+        slot.indexed = True
+        self._indexed_bytes += align(slot.length)
+        self._blocks[entry] = slot
         part.policy.inserted(entry)
+        cost = self.entry_cost_of(slot.length)
         part.used += cost
         self._used += cost
         self._stats.puts += 1
+
+    def _drop_entry(self, part: _Partition, entry: EntryKey) -> Slot | None:
+        """Removes an entry from the index; its slot is freed unless a lease or reservation pins it."""
+        slot = self._blocks.pop(entry, None)
+        if slot is None:
+            return None
+        part.policy.removed(entry)
+        cost = self.entry_cost_of(slot.length)
+        part.used -= cost
+        self._used -= cost
+        slot.indexed = False
+        self._indexed_bytes -= align(slot.length)
+        if slot.pins == 0:
+            self._extents.free(slot.offset, slot.length)
+        else:
+            self._pinned_indexed -= align(slot.length)  # the lease keeps the slot; the index lets go
+        return slot
+
+    def _evict_from(self, part: _Partition, evicted: list[tuple[str, bytes, bytes]]) -> None:
+        victim = part.policy.victim()
+        if self._on_evict is not None:  # copied out before the slot can be reused
+            evicted.append((victim[0], victim[1], bytes(self._bytes(self._blocks[victim]))))  # type: ignore[index]
+        self._drop_entry(part, victim)  # type: ignore[arg-type]
+        self._stats.evictions += 1
+
+    def _allocate_locked(
+        self, part: _Partition, nbytes: int, evicted: list[tuple[str, bytes, bytes]], *, reserving: bool
+    ) -> Slot | None:
+        """A free slot for `nbytes`, evicting as the class docstring says; None (counted) if none fits."""
+        cost = self.entry_cost_of(nbytes)
+        if cost > self._capacity or (part.quota and cost > part.quota and not reserving):
+            self._stats.rejected += 1
+            return None
+        if self._extents.free_bytes + self._indexed_bytes - self._pinned_indexed < align(nbytes):
+            self._stats.rejected += 1  # leases and reservations pin too much: evicting would be in vain
+            return None
+        while not reserving and part.quota and part.used + cost > part.quota:
+            self._evict_from(part, evicted)
+        while self._used + self._reserved + cost > self._capacity or not self._extents.fits(nbytes):
+            held = [p for p in self._partitions.values() if p.used]
+            if not held:
+                self._stats.rejected += 1  # leases and reservations pin what is left
+                return None
+            self._evict_from(max(held, key=_Partition.overage), evicted)
+        offset = self._extents.alloc(nbytes)
+        assert offset is not None  # fits() said so, under the same lock
+        return Slot(offset, nbytes)
+
+    def _put_locked(
+        self, part: _Partition, entry: EntryKey, block: bytes | memoryview, evicted: list[tuple[str, bytes, bytes]]
+    ) -> bool:
+        n = len(block)
+        cost = self.entry_cost_of(n)
+        if cost > self._capacity or (part.quota and cost > part.quota):
+            self._stats.rejected += 1
+            return False
+        self._drop_entry(part, entry)
+        slot = self._allocate_locked(part, n, evicted, reserving=False)
+        if slot is None:
+            return False
+        self.region.view[slot.offset : slot.offset + n] = block
+        self._index(part, entry, slot)
         return True
 
     def delete_many_sync(self, namespace: str, keys: Sequence[bytes]) -> int:
@@ -212,12 +473,7 @@ class RamTier(Tier):
         with self._lock:
             part = self._partition(namespace)
             for key in keys:
-                entry = (namespace, key)
-                block = self._blocks.pop(entry, None)
-                if block is not None:
-                    part.policy.removed(entry)
-                    part.used -= self.entry_cost(block)
-                    self._used -= self.entry_cost(block)
+                if self._drop_entry(part, (namespace, key)) is not None:
                     deleted += 1
         return deleted
 
@@ -233,13 +489,34 @@ class RamTier(Tier):
     async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
         return self.delete_many_sync(namespace, keys)
 
+    def arena_stats(self) -> dict[str, int]:
+        """Slot bookkeeping: free bytes and extents of the arena, leases and reservations open."""
+        with self._lock:
+            return {
+                "arena_bytes": self.region.size,
+                "free_bytes": self._extents.free_bytes,
+                "free_extents": len(self._extents.extents()),
+                "leases": len(self._leases),
+                "reservations": len(self._reservations),
+                "leases_expired": self.leases_expired,
+                "reservations_reclaimed": self.reservations_reclaimed,
+            }
+
+    async def close(self) -> None:
+        """Unmaps the arena (and removes its file). Leases and reservations end with it."""
+        with self._lock:
+            self._leases.clear()
+            self._reservations.clear()
+            self._readonly.release()
+            self.region.close()
+
     def stats(self) -> TierStats:
         with self._lock:
             s = self._stats
             return TierStats(
                 name=s.name,
                 kind=s.kind,
-                used_bytes=self._used,
+                used_bytes=self._used + self._reserved,
                 capacity_bytes=self._capacity,
                 blocks=len(self._blocks),
                 hits=s.hits,

@@ -193,8 +193,8 @@ def test_prefill_and_decode_instances_hand_over_the_whole_prompt(model_dir: str,
     assert decode.computed_positions("d") == [99]
     assert bitwise_equal(decode.paged_kv("d", 0, 100), decode.expected_kv("d", 0, 100))
     assert server.stack.ram.stats().puts == puts_after_prefill  # a consumer never saves
-    with KVCacheClient(server.target, shm=False) as client:  # the decode worker's KV came through shm, or not
-        assert (client.stats().shm_bytes_sent > 0) is shm
+    with KVCacheClient(server.target, shm=False) as client:  # the decode worker's KV came in place, or not
+        assert (client.stats().inplace_bytes_leased > 0) is shm  # through the block arena (docs/arena.md)
 
     # A producer never offers hits, even for a prompt it stored itself (only vLLM's local cache).
     prefill.add("p2", PROMPT)

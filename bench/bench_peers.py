@@ -1,0 +1,429 @@
+"""kvcache beside its floors and peers on the same payloads, in one run (issue 14's tables).
+
+    python bench/bench_peers.py                        # 4 chunks x 32 MiB, 15 interleaved rounds
+    python bench/bench_peers.py --chunk-mib 8 --rounds 5 --sweep 1,2,4,8,16
+    PYTHONPATH=/path/to/other/checkout python bench/bench_peers.py   # the same bench on other code
+
+Paths, each timed on the same prompt (`--chunks` blocks of `--chunk-mib`, bf16-like random bytes)
+and interleaved round by round (every path once per round, medians over the rounds):
+
+- numpy memcpy: the floor (copy the prompt into a warm buffer, and back);
+- raw loopback TCP socket, Python at both ends (sendall / recv_into into warm buffers): the floor
+  of a remote client;
+- redis-py: SET / MGET of the chunks against a redis-server child (pipelined);
+- the kvcache SDK against a kvcache server child, with `shm` (same host: the block arena in place,
+  or segments on code without it) and with `shm=False` (as a remote client). Its get is get_into
+  (one copy into a warm destination, verified) where the SDK has it, and get_many;
+- peers, where they are installed (docs: ../shared/reference/peers.md; `--peers-dir`): LMCache's MP
+  server and Mooncake Store, each driven by a child in its own virtual environment; skipped with a
+  message otherwise.
+
+Then ratios to memcpy, to the raw socket and to each peer, and the concurrency sweep: N client
+processes (`--sweep`) each putting and getting its own prompt (`--sweep-chunk-mib`) for
+`--sweep-rounds`, aggregate GB/s (all bytes moved / wall time) and p99 of one call, for the SDK with
+shm on and off. Figures only: nothing here is a pass/fail threshold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import struct
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from kvcache_client import KVCacheClient
+from kvcache_core.format import encode_block
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import GB, MiB, ServerProcess, free_port, python_cmd
+
+import kvcache_server
+
+CODE_ROOT = Path(kvcache_server.__file__).resolve().parent.parent
+NS = "bench-peers"
+
+_SOCKET_SERVER = r"""
+import socket, struct, sys
+n = int(sys.argv[1])
+buf = bytearray(n); view = memoryview(buf)
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+print("socket serving on 127.0.0.1:%d" % srv.getsockname()[1], flush=True)
+conn, _ = srv.accept()
+conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+while True:
+    head = conn.recv(9, socket.MSG_WAITALL)
+    if len(head) < 9:
+        break
+    op, size = head[:1], struct.unpack("<Q", head[1:])[0]
+    if op == b"P":
+        got = 0
+        while got < size:
+            got += conn.recv_into(view[got:size])
+        conn.sendall(b"k")
+    else:
+        conn.sendall(view[:size])
+"""
+
+
+class Path_:
+    """One system under test: put() and get() move the whole prompt once."""
+
+    name = ""
+
+    def put(self) -> None:
+        raise NotImplementedError
+
+    def get(self) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class Memcpy(Path_):
+    name = "numpy memcpy (floor)"
+
+    def __init__(self, chunks: list[np.ndarray]) -> None:
+        self.src = chunks
+        self.dst = [np.empty_like(c) for c in chunks]
+        self.put()
+
+    def put(self) -> None:
+        for s, d in zip(self.src, self.dst, strict=True):
+            np.copyto(d, s)
+
+    def get(self) -> None:
+        for s, d in zip(self.dst, self.src, strict=True):
+            np.copyto(d, s)
+
+
+class RawSocket(Path_):
+    name = "raw loopback TCP socket, Python"
+
+    def __init__(self, chunks: list[np.ndarray]) -> None:
+        self.chunks = chunks
+        size = max(c.nbytes for c in chunks)
+        self.proc = ServerProcess("socket-server", python_cmd("-c", _SOCKET_SERVER, str(size)))
+        port = self.proc.start(r"on 127.0.0.1:(\d+)")
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buf = memoryview(bytearray(size))
+
+    def put(self) -> None:
+        for c in self.chunks:
+            self.sock.sendall(b"P" + struct.pack("<Q", c.nbytes))
+            self.sock.sendall(memoryview(c).cast("B"))
+            self.sock.recv(1)
+
+    def get(self) -> None:
+        for c in self.chunks:
+            self.sock.sendall(b"G" + struct.pack("<Q", c.nbytes))
+            got = 0
+            while got < c.nbytes:
+                got += self.sock.recv_into(self.buf[got : c.nbytes])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.proc.stop()
+
+
+class RedisPy(Path_):
+    name = "redis-py"
+
+    def __init__(self, chunks: list[np.ndarray]) -> None:
+        import redis
+
+        self.chunks = [c.tobytes() for c in chunks]
+        self.keys = [f"chunk-{i}" for i in range(len(chunks))]
+        port = free_port()
+        argv = ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.proc = ServerProcess("redis-server", argv)
+        self.proc.start(None)
+        self.client = redis.Redis(host="127.0.0.1", port=port, socket_timeout=60)
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                self.client.ping()
+                break
+            except redis.ConnectionError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        try:
+            import hiredis  # noqa: F401
+
+            self.name = "redis-py + hiredis"
+        except ImportError:
+            pass
+
+    def put(self) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        for k, v in zip(self.keys, self.chunks, strict=True):
+            pipe.set(k, v)
+        pipe.execute()
+
+    def get(self) -> None:
+        got = self.client.mget(self.keys)
+        assert all(g is not None for g in got)
+
+    def close(self) -> None:
+        self.client.close()
+        self.proc.stop()
+
+
+def start_kvcache(capacity_bytes: int) -> tuple[ServerProcess, str]:
+    argv = python_cmd(
+        "-m", "kvcache_server", "--port", "0", "--ram-capacity", str(capacity_bytes),
+        "--set", "limits.max_block_bytes=256MiB", "--set", "limits.inflight_bytes=2GiB",
+    )  # fmt: skip
+    proc = ServerProcess("kvcache-server", argv, cwd=str(CODE_ROOT))
+    port = proc.start(r"serving \S+ on [^\s:]+:(\d+)", timeout_s=120)
+    return proc, f"127.0.0.1:{port}"
+
+
+class Sdk(Path_):
+    def __init__(self, target: str, chunks: list[np.ndarray], *, shm: bool, into: bool) -> None:
+        self.client = KVCacheClient(target, shm=shm, timeout_s=120)
+        self.keys = [os.urandom(16) for _ in chunks]
+        self.blocks = [
+            encode_block(memoryview(c).cast("B"), key=k, dtype="bfloat16", shape=(c.nbytes // 2,))
+            for k, c in zip(self.keys, chunks, strict=True)
+        ]
+        self.into = into and hasattr(self.client, "get_into")
+        self.dst = [np.empty(c.nbytes, dtype=np.uint8) for c in chunks]
+        where = "shm" if shm else "shm=False, as a remote client"
+        self.name = f"kvcache SDK ({where}){', get_into' if self.into else ''}"
+        self.put()
+
+    def put(self) -> None:
+        result = self.client.put_many(NS, list(zip(self.keys, self.blocks, strict=True)))
+        assert result.stored == len(self.keys), result
+
+    def get(self) -> None:
+        if self.into:
+            assert all(self.client.get_into(NS, self.keys, self.dst))
+        else:
+            got = self.client.get_many(NS, self.keys)
+            assert all(g is not None for g in got)
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class PeerDriver(Path_):
+    """A peer driven by a child in its own environment: it prints "ready", then answers each "put"
+    or "get" line on stdin with the seconds the operation took (bench/peers/*.py)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        import subprocess
+        import tempfile
+
+        self.name = name
+        self._log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - closed with the driver; never a full pipe
+        self.proc = subprocess.Popen(
+            argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, env=env
+        )
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if line.strip() != "ready":
+            self.proc.kill()
+            self._log.seek(0)
+            raise RuntimeError(f"{name} did not start: {line.strip()} {self._log.read()[-2000:]}")
+        self.last = 0.0
+
+    def _do(self, op: str) -> None:
+        self.proc.stdin.write(op + "\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        self.last = float(self.proc.stdout.readline())  # type: ignore[union-attr]
+
+    def put(self) -> None:
+        self._do("put")
+
+    def get(self) -> None:
+        self._do("get")
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write("quit\n")  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+            self.proc.wait(30)
+        except Exception:  # a peer that will not stop is killed
+            self.proc.kill()
+        self._log.close()
+
+
+def peers(args: argparse.Namespace) -> list[Path_]:
+    out: list[Path_] = []
+    root = Path(args.peers_dir)
+    here = Path(__file__).resolve().parent / "peers"
+    print(
+        "skipped LMCache MP server: no driver here yet (its SDK context stores engine pages and needs the "
+        "model's layout registered as a vLLM instance would; peers.md)"
+    )
+    for name, venv, script, prefix in (("Mooncake Store over TCP", "mc", "mooncake_driver.py", ["unshare", "-n"]),):
+        python = root / venv / "bin" / "python"
+        if not python.exists():
+            print(f"skipped {name}: no virtual environment at {root / venv} (install it as peers.md says)")
+            continue
+        argv = [*prefix, str(python), str(here / script), str(args.chunks), str(args.chunk_mib)]
+        try:
+            out.append(PeerDriver(name, argv, {**os.environ, "PYTHONPATH": ""}))
+        except (OSError, RuntimeError) as exc:
+            print(f"skipped {name}: {exc}")
+    return out
+
+
+def timed(fn: Callable[[], None], path: Path_) -> float:
+    t0 = time.perf_counter()
+    fn()
+    took = time.perf_counter() - t0
+    return path.last if isinstance(path, PeerDriver) else took
+
+
+def run_table(args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    rng = np.random.default_rng(0)
+    n = args.chunk_mib * MiB
+    chunks = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(args.chunks)]
+    total = n * args.chunks
+    proc, target = start_kvcache(max(1 << 30, 3 * total))
+    paths: list[Path_] = []
+    try:
+        paths = [Memcpy(chunks), RawSocket(chunks), RedisPy(chunks)]
+        paths += [Sdk(target, chunks, shm=True, into=True), Sdk(target, chunks, shm=True, into=False)]
+        paths += [Sdk(target, chunks, shm=False, into=False)]
+        if not args.no_peers:
+            paths += peers(args)
+        times: dict[str, dict[str, list[float]]] = {p.name: {"put": [], "get": []} for p in paths}
+        for p in paths:  # warm-up round, untimed
+            p.put()
+            p.get()
+        for _ in range(args.rounds):
+            for p in paths:
+                times[p.name]["put"].append(timed(p.put, p))
+                times[p.name]["get"].append(timed(p.get, p))
+    finally:
+        for p in paths:
+            p.close()
+        proc.stop()
+    return {name: {op: total / statistics.median(ts) / GB for op, ts in ops.items()} for name, ops in times.items()}
+
+
+def print_table(rates: dict[str, dict[str, float]], args: argparse.Namespace) -> None:
+    names = list(rates)
+    floor, sock = rates[names[0]], rates[names[1]]
+    print(f"\n{args.chunks} chunks x {args.chunk_mib} MiB, {args.rounds} interleaved rounds, medians (GB/s)\n")
+    peer_names = [n for n in names if "LMCache" in n or "Mooncake" in n]
+    head = "| path | put GB/s | get GB/s | put / memcpy | get / memcpy | put / socket | get / socket |"
+    head += "".join(f" put / {p.split()[0]} | get / {p.split()[0]} |" for p in peer_names)
+    print(head)
+    print("|" + "---|" * (7 + 2 * len(peer_names)))
+    for name in names:
+        r = rates[name]
+        row = f"| {name} | {r['put']:.2f} | {r['get']:.2f} | {r['put'] / floor['put']:.2f} | "
+        row += f"{r['get'] / floor['get']:.2f} | {r['put'] / sock['put']:.2f} | {r['get'] / sock['get']:.2f} |"
+        row += "".join(f" {r['put'] / rates[p]['put']:.2f} | {r['get'] / rates[p]['get']:.2f} |" for p in peer_names)
+        print(row)
+
+
+def _sweep_client(
+    target: str, shm: bool, chunks: int, chunk_mib: int, rounds: int, start: float, out: mp.Queue
+) -> None:
+    client = KVCacheClient(target, shm=shm, timeout_s=300)
+    n = chunk_mib * MiB
+    keys = [os.urandom(16) for _ in range(chunks)]
+    blocks = [encode_block(os.urandom(n), key=k, dtype="uint8", shape=(n,)) for k in keys]
+    dst = [np.empty(n, dtype=np.uint8) for _ in keys]
+    items = list(zip(keys, blocks, strict=True))
+    client.put_many(NS, items)  # warm: mappings, pools, first faults, imports
+    into = hasattr(client, "get_into")
+    if into:
+        client.get_into(NS, keys, dst)
+    else:
+        client.get_many(NS, keys)
+    while time.time() < start:
+        time.sleep(0.001)
+    lat: list[float] = []
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        a = time.perf_counter()
+        client.put_many(NS, items)
+        b = time.perf_counter()
+        if into:
+            client.get_into(NS, keys, dst)
+        else:
+            client.get_many(NS, keys)
+        lat += [b - a, time.perf_counter() - b]
+    out.put((time.perf_counter() - t0, lat, 2 * rounds * chunks * n))
+    client.close()
+
+
+def run_sweep(args: argparse.Namespace) -> None:
+    counts = [int(c) for c in args.sweep.split(",") if c]
+    if not counts:
+        return
+    per_client = args.chunks * args.sweep_chunk_mib * MiB
+    proc, target = start_kvcache(max(1 << 30, 2 * max(counts) * per_client))
+    ctx = mp.get_context("spawn")
+    print(f"\nConcurrency sweep: N client processes, each {args.chunks} x {args.sweep_chunk_mib} MiB put + get,")
+    print(f"{args.sweep_rounds} rounds; aggregate = all bytes moved / wall time of the slowest client\n")
+    print("| clients | shm GB/s | shm p99 ms | shm=False GB/s | shm=False p99 ms |")
+    print("|---:|---:|---:|---:|---:|")
+    try:
+        for n in counts:
+            cells = []
+            for shm in (True, False):
+                q: mp.Queue = ctx.Queue()
+                start = time.time() + 3 + 0.3 * n
+                ps = [
+                    ctx.Process(
+                        target=_sweep_client,
+                        args=(target, shm, args.chunks, args.sweep_chunk_mib, args.sweep_rounds, start, q),
+                    )
+                    for _ in range(n)
+                ]
+                for p in ps:
+                    p.start()
+                results = [q.get(timeout=900) for _ in ps]
+                for p in ps:
+                    p.join(60)
+                wall = max(r[0] for r in results)
+                moved = sum(r[2] for r in results)
+                lat = sorted(x for r in results for x in r[1])
+                p99 = lat[min(len(lat) - 1, int(0.99 * len(lat)))]
+                cells += [f"{moved / wall / GB:.2f}", f"{p99 * 1000:.0f}"]
+            print(f"| {n} | " + " | ".join(cells) + " |", flush=True)
+    finally:
+        proc.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--chunks", type=int, default=4)
+    ap.add_argument("--chunk-mib", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--sweep", default="1,2,4,8,16", help="client process counts; '' skips the sweep")
+    ap.add_argument("--sweep-chunk-mib", type=int, default=8)
+    ap.add_argument("--sweep-rounds", type=int, default=5)
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--peers-dir", default=os.environ.get("KVCACHE_PEERS_DIR", "/tmp/peers"))
+    ap.add_argument("--json", help="also write the table's rates here")
+    args = ap.parse_args(argv)
+    print(f"code under test: {CODE_ROOT}")
+    rates = run_table(args)
+    print_table(rates, args)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rates, indent=2))
+    run_sweep(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

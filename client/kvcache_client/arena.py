@@ -1,0 +1,405 @@
+"""The client's side of in-place transfers through the server's block arena (docs/shm.md, docs/arena.md).
+
+When the server shares its arena (Info.arena_path: a file in its shared-memory directory) and this
+process may map it (same host, same user), block bytes never travel at all:
+
+- **put**: ArenaReserve hands out one slot per block; the SDK copies each block straight into its
+  slot (the one copy, from the caller's bytes or tensor), and ArenaCommit has the server verify it
+  there and store it under its key. An exception while copying abandons the reservations.
+- **get**: LeaseGet answers, for each key the server's RAM holds, where its block lies under a
+  read lease (the slot is not reused until LeaseRelease or the lease's time-out). The SDK verifies
+  the key-bound checksum before anything uses the bytes, then reads them in place
+  (KVCacheClient.leased), copies them once into the caller's destination (get_into) or into memory
+  of its own (get_many), and releases. Keys RAM does not hold are fetched with Get.
+
+The arena is mapped twice: writable (puts write only into slots reserved for them) and read-only
+(leased views handed to callers cannot be written through). A restarted server has a new arena
+file; every answer names its arena, and the SDK maps the new one when it changes. When the arena
+cannot be used (another host or user, an older server, no room now) the call goes the other way
+(per-call segments, then inline gRPC), counted in `ArenaLink.fallbacks`.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import stat
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+
+from kvcache_client.messages import put_result
+from kvcache_client.results import Fetched, PutResult, TierPutResult
+from kvcache_core.blockwire import BlockData, data_len
+from kvcache_core.format import payload_view
+from kvcache_proto import kvcache_pb2 as pb
+from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+MIN_PUT_BYTES = 64 << 10
+"""Puts smaller than this stay inline: an extra round trip costs more than it saves."""
+
+
+class ArenaLink:
+    """Whether this client moves block bytes in place through the server's arena, and its mappings.
+
+    States: "unknown" until the first Info, then "on" or "off". Thread-safe.
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.state = "unknown" if enabled else "off"
+        self.reason = "" if enabled else "disabled by the client"
+        self.path = ""
+        self.size = 0
+        self.max_keys = 0
+        self.max_block_bytes = 0
+        self.fallbacks = 0
+        self.last_fallback = ""
+        self._writable: mmap.mmap | None = None
+        self._readonly: memoryview | None = None
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+
+    @property
+    def on(self) -> bool:
+        if self._pid != os.getpid():  # a forked child maps the arena itself, if it uses it
+            self._pid, self._writable, self._readonly = os.getpid(), None, None
+            if self.state == "on":
+                self._map(self.path, self.size)
+        return self.state == "on"
+
+    def configure(self, path: str, size: int, max_keys: int, max_block_bytes: int) -> None:
+        """Takes the server's Info answer: on when the arena file is here and this process's to map."""
+        self.max_keys, self.max_block_bytes = max_keys, max_block_bytes
+        if self.state == "off":
+            return
+        if not path:
+            self.off("the server does not share its block arena")
+            return
+        self._map(path, size)
+
+    def _map(self, path: str, size: int) -> None:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            self.off(f"cannot open the server's arena {path} ({exc.strerror}): another host or user")
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
+                self.off(f"{path} is not a {size}-byte regular file of this user")
+                return
+            # Populated now, once: no call of this client page-faults on the arena afterwards.
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            writable = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            readonly = memoryview(mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ))
+        except OSError as exc:
+            self.off(f"cannot map the server's arena {path}: {exc}")
+            return
+        finally:
+            os.close(fd)  # the mappings keep the memory; the server keeps the file
+        with self._lock:
+            self._writable, self._readonly = writable, readonly
+            self.state, self.path, self.size, self.reason = "on", path, size, ""
+        log.debug("in-place path on: %s (%d bytes)", path, size)
+
+    def follow(self, path: str, size: int | None = None) -> None:
+        """Maps the arena an answer names, when the server has a new one (it restarted).
+
+        Raises:
+            ArenaMoved: the new arena cannot be mapped here (the call goes another way).
+        """
+        if path == self.path:
+            return
+        self._map(path, size if size is not None else self.size)
+        if self.state != "on":
+            raise ArenaMoved(f"the server's arena moved to {path} and cannot be mapped: {self.reason}")
+
+    def off(self, reason: str) -> None:
+        if self.state == "on":
+            log.info("in-place path off: %s", reason)
+        with self._lock:
+            self.state, self.reason = "off", reason
+            self._writable, self._readonly = None, None  # views handed out keep their mapping
+
+    def fallback(self, reason: str) -> None:
+        with self._lock:
+            self.fallbacks += 1
+            self.last_fallback = reason
+        log.debug("in-place path: %s; this call goes another way (%d such calls)", reason, self.fallbacks)
+
+    def takes(self, items: Sequence[tuple[bytes, BlockData]]) -> bool:
+        """Whether a put goes in place: the path is on, the put is worth a round trip more, and no
+        block is over the server's limit (the ordinary path reports that, as for any put)."""
+        sizes = [data_len(d) for _, d in items]
+        return self.on and sum(sizes) >= MIN_PUT_BYTES and max(sizes) <= self.max_block_bytes
+
+    def write(self, offset: int, length: int, data: BlockData) -> None:
+        """Copies one block (bytes, or (header, payload) parts) into its reserved slot.
+
+        Raises:
+            ValueError: the block is not `length` bytes, or the slot is not inside the arena.
+        """
+        mapping = self._writable
+        if mapping is None:
+            raise ArenaMoved("the arena is no longer mapped")
+        if data_len(data) != length or offset + length > len(mapping):
+            raise ValueError(f"a {data_len(data)}-byte block for slot [{offset}, {offset + length}) of the arena")
+        pos = offset
+        for part in data if isinstance(data, tuple) else (data,):
+            n = len(part)
+            mapping[pos : pos + n] = part
+            pos += n
+
+    def view(self, offset: int, length: int) -> memoryview:
+        """The read-only view of a leased block.
+
+        Raises:
+            ValueError: the range is not inside the arena.
+        """
+        mapping = self._readonly
+        if mapping is None:
+            raise ArenaMoved("the arena is no longer mapped")
+        if offset + length > len(mapping):
+            raise ValueError(f"lease [{offset}, {offset + length}) runs past the {len(mapping)}-byte arena")
+        return mapping[offset : offset + length]
+
+
+@dataclass(slots=True)
+class Leased:
+    """A get whose RAM hits may be views of the server's arena under leases.
+
+    Attributes:
+        blocks: per key, (block, tier) or None: unverified, as received.
+        ids: the leases to release once the views are no longer used.
+        in_place: per key, whether its block is a leased view of the arena (else this client's own memory).
+    """
+
+    blocks: list[Fetched | None]
+    ids: list[int] = field(default_factory=list)
+    in_place: list[bool] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.in_place:
+            self.in_place = [False] * len(self.blocks)
+
+
+class ArenaMoved(Exception):
+    """The arena an answer named cannot be used here; the call goes another way."""
+
+
+def arena_fallback(exc: grpc.RpcError | ArenaMoved, link: ArenaLink) -> bool:
+    """True when an in-place call failed in a way the ordinary path avoids (the caller redoes it
+    that way; counted on `link`):
+
+    - RESOURCE_EXHAUSTED from ArenaReserve: no room in the arena now (or a block over the limit,
+      which the ordinary path then reports). This call only.
+    - FAILED_PRECONDITION: a reservation expired, or the arena is not shared. This call only, off
+      for the latter.
+    - UNIMPLEMENTED: a server that predates the arena; off.
+    - ArenaMoved: a restarted server's arena cannot be mapped; off.
+    """
+    if isinstance(exc, ArenaMoved):
+        link.fallback(str(exc))
+        link.off(str(exc))
+        return True
+    code = exc.code()
+    if code not in {
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }:
+        return False
+    reason = exc.details() or str(code)
+    link.fallback(reason)
+    if code is grpc.StatusCode.UNIMPLEMENTED or "not shared" in reason:
+        link.off(reason)
+    return True
+
+
+def put_groups(items: list[tuple[bytes, BlockData]], link: ArenaLink) -> list[list[tuple[bytes, BlockData]]]:
+    """The blocks in groups one ArenaReserve can take: at most max_keys blocks and a quarter of the
+    arena each (so one put never evicts most of what the arena holds just to reserve)."""
+    groups: list[list[tuple[bytes, BlockData]]] = [[]]
+    size = 0
+    cap_keys, cap_bytes = max(1, link.max_keys), max(1, link.size // 4)
+    for item in items:
+        n = data_len(item[1])
+        if groups[-1] and (len(groups[-1]) >= cap_keys or size + n > cap_bytes):
+            groups.append([])
+            size = 0
+        groups[-1].append(item)
+        size += n
+    return groups
+
+
+def merge_put(results: list[PutResult]) -> PutResult:
+    """One PutResult for a put sent in several calls (tiers summed by position, RAM first)."""
+    if len(results) == 1:
+        return results[0]
+    tiers: list[TierPutResult] = []
+    for r in results:
+        for i, t in enumerate(r.tiers):
+            if i == len(tiers):
+                tiers.append(t)
+            else:
+                a = tiers[i]
+                tiers[i] = TierPutResult(
+                    a.name,
+                    a.stored + t.stored,
+                    a.queued + t.queued,
+                    a.dropped + t.dropped,
+                    a.failed + t.failed,
+                    a.deleted + t.deleted,
+                )
+    return PutResult(
+        sum(r.stored for r in results),
+        sum(r.rejected for r in results),
+        sum(r.bytes_sent for r in results),
+        tuple(tiers),
+    )
+
+
+class InPlaceCalls:
+    """The in-place RPC sequences of the blocking transport (kvcache_client.transport.GrpcTransport)."""
+
+    def __init__(self, stub: pb_grpc.KVCacheStub, metadata: tuple[tuple[str, str], ...], link: ArenaLink) -> None:
+        self._stub = stub
+        self._md = metadata
+        self.link = link
+
+    def put_group(self, namespace: str, items: list[tuple[bytes, BlockData]], deadline: float) -> PutResult:
+        """Reserves, copies in, commits one group of blocks.
+
+        Raises:
+            grpc.RpcError: from either call (see arena_fallback for those the caller redoes another way).
+            ArenaMoved: the server's arena cannot be mapped here any more.
+        """
+        reply = self._stub.ArenaReserve(
+            pb.ArenaReserveRequest(namespace=namespace, lengths=[data_len(d) for _, d in items]),
+            timeout=_left(deadline),
+            metadata=self._md,
+        )
+        ids = [s.id for s in reply.slots]
+        committed = False
+        try:
+            self.link.follow(reply.arena_path)
+            for slot, (_, data) in zip(reply.slots, items, strict=True):
+                self.link.write(slot.offset, slot.length, data)
+            request = pb.ArenaCommitRequest(
+                namespace=namespace,
+                items=[pb.ArenaCommitItem(key=k, reservation=i) for (k, _), i in zip(items, ids, strict=True)],
+            )
+            result = put_result(self._stub.ArenaCommit(request, timeout=_left(deadline), metadata=self._md))
+            committed = True
+            return result
+        finally:
+            if not committed:  # the server frees what a failed commit named; this frees the rest early
+                self._abandon(namespace, ids)
+
+    def _abandon(self, namespace: str, ids: list[int]) -> None:
+        try:
+            self._stub.ArenaCommit(
+                pb.ArenaCommitRequest(namespace=namespace, abandon=ids), timeout=_CLEANUP_S, metadata=self._md
+            )
+        except grpc.RpcError as exc:  # they expire on the server anyway
+            log.debug("abandoning %d reservations: %s", len(ids), exc.code())
+
+    def lease(
+        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float
+    ) -> tuple[list[Fetched | None], list[int]]:
+        """Views of the leased blocks RAM holds (None for the others), and the lease ids to release.
+
+        Raises:
+            grpc.RpcError: see arena_fallback.
+            ArenaMoved: the server's arena cannot be mapped here any more.
+        """
+        reply = self._stub.LeaseGet(
+            pb.LeaseGetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only),
+            timeout=_left(deadline),
+            metadata=self._md,
+        )
+        ids = [s.id for s in reply.leases if s.id]
+        try:
+            self.link.follow(reply.arena_path)
+            out: list[Fetched | None] = [None] * len(keys)
+            for i, s in enumerate(reply.leases):
+                if s.id:
+                    out[i] = (self.link.view(s.offset, s.length), "ram")
+        except BaseException:
+            self.release(ids)
+            raise
+        return out, ids
+
+    def release(self, ids: list[int]) -> None:
+        """Ends leases; a failure only logs (they expire on the server)."""
+        if not ids:
+            return
+        try:
+            self._stub.LeaseRelease(pb.LeaseReleaseRequest(leases=ids), timeout=_CLEANUP_S, metadata=self._md)
+        except grpc.RpcError as exc:
+            log.debug("releasing %d leases: %s (they expire on the server)", len(ids), exc.code())
+
+
+_CLEANUP_S = 5.0
+"""Deadline of an abandon or release: cleanup after the caller's call, whatever its deadline was."""
+
+
+def _left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())
+
+
+def copy_out(view: memoryview) -> memoryview:
+    """A read-only copy of a leased block in this process's own memory (valid after the release)."""
+    out = np.empty(len(view), dtype=np.uint8)
+    out[:] = np.frombuffer(view, dtype=np.uint8)
+    return memoryview(out).toreadonly()
+
+
+def copy_payload_into(block: memoryview, destination: object) -> None:
+    """Copies a verified block's payload once into `destination`: a torch tensor (any device; a
+    pinned host tensor or a GPU tensor takes the bytes in one copy) or a writable buffer (bytearray,
+    numpy array, memoryview), whose size in bytes must be the payload's.
+
+    Raises:
+        ValueError: the destination's size is not the payload's, or a tensor is not contiguous.
+        TypeError: the destination is neither a tensor nor a writable buffer.
+    """
+    payload = payload_view(block)  # blocks are served uncompressed: the payload is the raw bytes
+    if type(destination).__module__.partition(".")[0] == "torch":  # torch only when given a tensor
+        _copy_into_tensor(payload, destination)
+        return
+    try:
+        target = memoryview(destination).cast("B")  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"cannot copy a block into {type(destination).__name__}") from None
+    if target.readonly:
+        raise TypeError("the destination buffer is read-only")
+    if len(target) != len(payload):
+        raise ValueError(f"destination holds {len(target)} bytes, the block's payload is {len(payload)}")
+    target[:] = payload
+
+
+def _copy_into_tensor(payload: memoryview, destination: object) -> None:
+    import warnings
+
+    import torch
+
+    if not isinstance(destination, torch.Tensor):
+        raise TypeError(f"cannot copy a block into {type(destination).__name__}")
+    if not destination.is_contiguous():
+        raise ValueError("a destination tensor must be contiguous")
+    nbytes = destination.numel() * destination.element_size()
+    if nbytes != len(payload):
+        raise ValueError(f"destination holds {nbytes} bytes, the block's payload is {len(payload)}")
+    if nbytes:
+        with warnings.catch_warnings():  # read-only source: torch warns; it is only read here
+            warnings.simplefilter("ignore", UserWarning)
+            source = torch.frombuffer(payload, dtype=torch.uint8)
+        destination.view(-1).view(torch.uint8).copy_(source)

@@ -1,0 +1,264 @@
+"""The block arena: one preallocated, pre-faulted region that holds every block of the RAM tier.
+
+Design (docs/arena.md has the diagram and the figures):
+
+- **Region.** One mapping of exactly `ram.capacity_bytes`, made at start-up and never grown,
+  shrunk or remapped. With a shared-memory directory it is a file there (tmpfs, mode 0600, named
+  "kvcache-arena-" + 32 hex digits) so that same-user clients on the host can map it; without one
+  it is anonymous memory. Either way every page is faulted in at start-up (MADV_POPULATE_WRITE
+  where the kernel has it, else one write per page; MADV_HUGEPAGE first where offered): no put
+  ever waits for the kernel to find it memory, and RSS is the region from the first second on.
+- **Extents.** Blocks live in *slots*: contiguous extents of the region, SLOT_ALIGN-aligned, one
+  per block, so that every block is one contiguous, directly usable view. `Extents` is a
+  best-fit allocator over the free extents (kept sorted by offset, coalesced on free); the RAM
+  tier evicts until a fitting extent exists, so fragmentation costs evictions, never memory.
+
+This module knows nothing of keys, leases or reservations: kvcache_server/tiers/ram.py keeps those
+(the index, eviction order and who may use a slot) under one lock.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import fcntl
+import logging
+import mmap
+import os
+import secrets
+from dataclasses import dataclass, field
+
+log = logging.getLogger(__name__)
+
+SLOT_ALIGN = 64
+"""Every slot starts at a multiple of this and its size is one (a cache line; O_DIRECT-friendly)."""
+
+ARENA_PREFIX = "kvcache-arena-"
+"""An arena file's name: this + 32 hex digits, in the server's shared-memory directory."""
+
+_MADV_POPULATE_WRITE = 23
+"""Linux >= 5.14: fault every page in, writable, in one call (Python 3.11's mmap lacks the name)."""
+
+PAGE = mmap.PAGESIZE
+
+
+def align(n: int) -> int:
+    """`n` rounded up to a multiple of SLOT_ALIGN."""
+    return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
+
+
+class Region:
+    """The arena's memory: a fixed-size mapping, optionally backed by a file that clients can map.
+
+    Attributes:
+        path: the file clients map ("" for anonymous memory).
+        size: bytes in the region.
+        view: a writable memoryview of the whole region.
+        prefault: how the pages were faulted in ("populate", "touch" or "none").
+    """
+
+    def __init__(self, size: int, directory: str | None = None, *, prefault: bool = True) -> None:
+        """Maps (and with `prefault`, faults in) `size` bytes.
+
+        Args:
+            size: bytes; rounded up to whole pages.
+            directory: an owner-only directory (the shm directory) to create the arena file in;
+                None for anonymous memory.
+            prefault: fault every page in now.
+
+        Raises:
+            OSError: the file cannot be created or its space reserved (ENOSPC on a small tmpfs).
+        """
+        self.size = (size + PAGE - 1) // PAGE * PAGE
+        self.path = ""
+        self._fd = -1
+        if directory is not None:
+            remove_dead_arenas(directory)
+            name = ARENA_PREFIX + secrets.token_hex(16)
+            path = os.path.join(directory, name)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this server lives
+                # Every page allocated now: a full tmpfs is an error here, never a SIGBUS later.
+                os.posix_fallocate(fd, 0, self.size)
+                self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
+            except BaseException:
+                os.close(fd)
+                os.unlink(path)
+                raise
+            self._fd, self.path = fd, path
+        else:
+            self._map = mmap.mmap(-1, self.size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS)
+        self.prefault = self._prefault() if prefault else "none"
+        self.view = memoryview(self._map)
+
+    def _prefault(self) -> str:
+        with contextlib.suppress(OSError, AttributeError, ValueError):
+            self._map.madvise(mmap.MADV_HUGEPAGE)  # shmem honours it only where shmem_enabled allows
+        try:
+            self._map.madvise(_MADV_POPULATE_WRITE)
+            return "populate"
+        except (OSError, ValueError):
+            pass
+        import numpy as np  # a strided write touches one byte per page at C speed
+
+        np.frombuffer(self._map, dtype=np.uint8)[::PAGE] = 0
+        return "touch"
+
+    def close(self) -> None:
+        """Removes the file (clients' mappings stay valid until they unmap) and unmaps the region.
+
+        Views of the region still held elsewhere keep the mapping alive until they are dropped."""
+        if self._fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+            os.close(self._fd)
+            self._fd = -1
+        self.view.release()
+        with contextlib.suppress(BufferError):  # exported views still alive: the GC unmaps later
+            self._map.close()
+
+
+def remove_dead_arenas(directory: str) -> int:
+    """Removes arena files whose server died without removing them (a killed server's tmpfs pages).
+
+    A live server holds an exclusive flock on its arena file for its lifetime, so a file whose lock
+    can be taken belongs to no live server, whatever its age; clients never lock it.
+    """
+    removed = 0
+    try:
+        names = [n for n in os.listdir(directory) if n.startswith(ARENA_PREFIX)]
+    except OSError:
+        return 0
+    for name in names:
+        path = os.path.join(directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live server's
+        else:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+        finally:
+            os.close(fd)
+    if removed:
+        log.info("removed %d arena file(s) of servers that died in %s", removed, directory)
+    return removed
+
+
+class Extents:
+    """A best-fit allocator of SLOT_ALIGN-aligned extents in [0, size). Not thread-safe (the RAM
+    tier's lock guards it). O(free extents) per allocation, O(log n) plus a list shift per free.
+
+    Invariants (checked by tests): free extents never overlap nor touch (touching ones coalesce),
+    and free_bytes + allocated bytes == size.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size // SLOT_ALIGN * SLOT_ALIGN
+        self._starts: list[int] = [0] if self.size else []  # free extents' offsets, sorted
+        self._len: dict[int, int] = {0: self.size} if self.size else {}
+        self.free_bytes = self.size
+
+    def alloc(self, nbytes: int) -> int | None:
+        """The offset of a free extent of align(nbytes) bytes, now allocated; None if none fits."""
+        need = align(max(nbytes, 1))
+        best, best_len = -1, 0
+        for start in self._starts:
+            n = self._len[start]
+            if n >= need and (best < 0 or n < best_len):
+                best, best_len = start, n
+                if n == need:
+                    break
+        if best < 0:
+            return None
+        i = bisect.bisect_left(self._starts, best)
+        del self._starts[i]
+        del self._len[best]
+        if best_len > need:
+            rest = best + need
+            self._starts.insert(i, rest)
+            self._len[rest] = best_len - need
+        self.free_bytes -= need
+        return best
+
+    def free(self, offset: int, nbytes: int) -> None:
+        """Returns the extent [offset, offset + align(nbytes)) allocated by alloc()."""
+        size = align(max(nbytes, 1))
+        self.free_bytes += size
+        i = bisect.bisect_left(self._starts, offset)
+        if i > 0:  # coalesce with the extent before
+            prev = self._starts[i - 1]
+            if prev + self._len[prev] == offset:
+                offset, size = prev, self._len.pop(prev) + size
+                del self._starts[i - 1]
+                i -= 1
+        if i < len(self._starts) and self._starts[i] == offset + size:  # and with the one after
+            nxt = self._starts.pop(i)
+            size += self._len.pop(nxt)
+        self._starts.insert(i, offset)
+        self._len[offset] = size
+
+    def fits(self, nbytes: int) -> bool:
+        need = align(max(nbytes, 1))
+        return any(n >= need for n in self._len.values())
+
+    def extents(self) -> list[tuple[int, int]]:
+        """The free extents as (offset, length), by offset (for tests and stats)."""
+        return [(s, self._len[s]) for s in self._starts]
+
+
+class Slot:
+    """One allocated extent of the arena and who still needs it (the RAM tier's lock guards it)."""
+
+    __slots__ = ("indexed", "length", "offset", "pins")
+
+    def __init__(self, offset: int, length: int) -> None:
+        self.offset = offset
+        self.length = length  # the block's bytes; the extent is align(length)
+        self.pins = 0  # live leases, plus 1 while it is a reservation
+        self.indexed = False  # an index entry names it
+
+
+@dataclass(slots=True, eq=False)
+class Lease:
+    """A read lease on one block: `view` (read-only, `length` bytes at `offset` of the arena) stays
+    unchanged until release() or `expires` (time.monotonic()). Readers verify the block's
+    key-bound checksum before use anyway: a lease misused past its time can only become a miss."""
+
+    id: int
+    namespace: str
+    offset: int
+    length: int
+    view: memoryview
+    expires: float
+    _slot: Slot = field(repr=False)
+
+
+@dataclass(slots=True, eq=False)
+class Reservation:
+    """A writable slot of `length` bytes at `offset` of the arena, for one block written in place.
+
+    Write the whole block into `buffer`, then commit it under its key (TierStack.put_reserved, which
+    calls RamTier.adopt_many) or abandon() it; not committed by `expires`, it is reclaimed."""
+
+    id: int
+    namespace: str
+    offset: int
+    length: int
+    buffer: memoryview
+    expires: float
+    _slot: Slot = field(repr=False)
+
+
+def new_id(*tables: dict[int, object]) -> int:
+    """A fresh random 63-bit id (a client cannot guess another's lease or reservation)."""
+    while True:
+        new = secrets.randbits(63) or 1
+        if all(new not in t for t in tables):
+            return new

@@ -1,0 +1,251 @@
+"""The Put pipeline, stage by stage, the same for every way block bytes arrive (docs/arena.md):
+
+    receive   _next_message (a gRPC message, bounded in time), _decode (bounded in blocks, large
+              ones off the event loop), _read_shm_blocks (ranges of a client's shm segment)
+    assemble  kvcache_server.parts.BlockAssembler (blocks sent in parts)
+    verify    _block -> kvcache_server.pipeline.verify (size, format, key-bound checksum)
+    commit    TierStack.put, message by message (the in-place path: pipeline.inplace ->
+              TierStack.put_reserved; the same verify stage, in the arena slot)
+
+Mixed into KVCacheService, which provides validation (_namespace, _abort), the stack and the budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, NoReturn
+
+import grpc
+
+from kvcache_core.blockwire import BlockPart, PutMessage, ShmRange, data_len, decode_put_request
+from kvcache_proto import kvcache_pb2 as pb
+from kvcache_server.budget import Holding
+from kvcache_server.parts import BlockAssembler
+from kvcache_server.pipeline.verify import BlockRefused, verify_block_for_put
+from kvcache_server.refusal import Refused
+from kvcache_server.shm import (
+    OFFLOAD_BYTES,
+    ShmDirectory,
+    ShmError,
+    read_ranges,
+    read_ranges_in_thread,
+)
+from kvcache_server.stack import TierPut
+
+if TYPE_CHECKING:
+    from kvcache_server.budget import MemoryBudget
+    from kvcache_server.config import LimitsSection
+    from kvcache_server.pipeline import Counters
+    from kvcache_server.stack import TierStack
+
+
+_DECODE_OFF_LOOP_BYTES = 256 << 10
+_INLINE_DECODE_BLOCKS = 64
+"""Put messages at least _DECODE_OFF_LOOP_BYTES large that hold more than _INLINE_DECODE_BLOCKS blocks
+are decoded in a worker thread (many small blocks take milliseconds of Python); the rest inline,
+where a thread hop would cost more than the parsing (a 1 MiB part parses in microseconds)."""
+
+
+class PutStages:
+    """receive -> assemble -> verify -> commit (module docstring)."""
+
+    _stack: TierStack
+    _limits: LimitsSection
+    _shm: ShmDirectory | None
+    _counters: Counters
+    budget: MemoryBudget
+
+    if TYPE_CHECKING:  # provided by KVCacheService (declared only: a stub here would shadow it)
+
+        async def _abort(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn: ...
+
+        async def _namespace(self, context: grpc.aio.ServicerContext, namespace: str) -> str: ...
+
+        def _open_segment(self, name: str, *, writable: bool) -> tuple[int, int]: ...
+
+        def _saw_block_size(self, namespace: str, size: int) -> None: ...
+
+    async def _next_message(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes | None:
+        """The stream's next raw message, None at its end; a stream quiet for put_idle_timeout_s is cut off."""
+        idle = self._limits.put_idle_timeout_s
+        try:
+            async with asyncio.timeout(idle):  # a timer on this task, no task per message
+                return await anext(messages)
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            await self._cut_off(context, f"no Put message for {idle:g} s (limits.put_idle_timeout_s)")
+
+    async def _decode(self, raw: bytes, max_blocks: int) -> PutMessage:
+        """Decodes one Put message, no further than `max_blocks` blocks. Parsing costs per block: a
+        message of a few blocks (a large block, a part) is decoded inline; one that turns out to hold
+        more than _INLINE_DECODE_BLOCKS is decoded again in a worker thread when it is large."""
+        if len(raw) < _DECODE_OFF_LOOP_BYTES or max_blocks <= _INLINE_DECODE_BLOCKS:
+            return decode_put_request(raw, max_blocks)
+        message = decode_put_request(raw, _INLINE_DECODE_BLOCKS)
+        if not message.over_limit:
+            return message
+        return await asyncio.to_thread(decode_put_request, raw, max_blocks)
+
+    async def _put(
+        self,
+        request_iterator: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
+        segments: dict[str, tuple[int, int]],
+        held: Holding,
+    ) -> pb.PutResponse:
+        namespace: str | None = None  # scoped
+        first_namespace = ""  # as the client sent it
+        index = stored = rejected = received = entries = 0
+        tiers: list[TierPut] = []  # what each tier took, summed over the stream's messages
+        assembler = BlockAssembler(self._limits.max_block_bytes, held)  # blocks sent in parts
+        limits = self._limits
+        messages = aiter(request_iterator)
+        while (raw := await self._next_message(messages, context)) is not None:
+            # The message exists already (gRPC received it): counted at once. Everything decoded from
+            # it is released once its blocks are committed; parts of an unfinished block stay counted.
+            held.count(len(raw))
+            message_bytes = len(raw)
+            message = await self._decode(raw, limits.max_put_stream_blocks - entries)
+            if message.over_limit:
+                await self._abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Put stream exceeds max_put_stream_blocks={limits.max_put_stream_blocks}; split it",
+                )
+            if message.error:
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, message.error)
+            del raw  # large blocks are views into it; small ones were copied out (counted below)
+            copied = sum(
+                len(d)
+                for d in (b.data if isinstance(b, BlockPart) else b for _, b in message.blocks)
+                if type(d) is bytes
+            )
+            held.count(copied)
+            message_bytes += copied
+            entries += len(message.blocks)
+            received += sum(data_len(d) for _, d in message.blocks)
+            if received > limits.max_put_stream_bytes:
+                await self._abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"Put stream exceeds max_put_stream_bytes={limits.max_put_stream_bytes}; split it",
+                )
+            if namespace is None:
+                namespace = await self._namespace(context, message.namespace)
+                first_namespace = message.namespace
+            elif message.namespace and message.namespace != first_namespace:
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
+            blocks = message.blocks
+            if any(isinstance(d, ShmRange) for _, d in blocks):
+                from_shm = sum(d.length for _, d in blocks if isinstance(d, ShmRange))
+                try:
+                    await held.reserve(from_shm, f"block {index}")  # before copying them out of the segment
+                except Refused as exc:
+                    await self._abort(context, exc.code, exc.message)
+                message_bytes += from_shm
+                blocks = await self._read_shm_blocks(context, index, blocks, segments)
+            complete: list[tuple[bytes, bytes | memoryview]] = []
+            assembled = 0  # bytes of blocks completed from parts in this message (counted by the assembler)
+            for key, data in blocks:
+                where = index + len(complete)
+                continues = assembler.assembling  # this Block is the next part of a block in parts
+                try:
+                    whole = await assembler.feed(where, key, data)  # type: ignore[arg-type]
+                except Refused as exc:
+                    await self._abort(context, exc.code, exc.message)
+                if whole is None:
+                    continue
+                if continues:  # its last part: the assembler counted all of it
+                    assembled += len(whole[1])
+                await self._block(context, where, *whole)
+                complete.append(whole)
+            index += len(complete)
+            # Commit this message's complete blocks (all verified) before reading the next message.
+            if complete:
+                self._saw_block_size(namespace, max(len(d) for _, d in complete))
+                outcome = await self._stack.put(namespace, complete)
+                stored += sum(outcome.kept)
+                rejected += len(outcome.kept) - sum(outcome.kept)
+                if not tiers:
+                    tiers = outcome.tiers
+                else:
+                    for total, took in zip(tiers, outcome.tiers, strict=True):
+                        total.add(took)
+            del message, blocks, complete
+            # What the RAM tier kept is its capacity's business from now on.
+            held.release(message_bytes + assembled)
+        try:
+            assembler.finish()
+        except Refused as exc:
+            await self._abort(context, exc.code, exc.message)
+        if namespace is None or index == 0:
+            await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
+        return pb.PutResponse(
+            stored=stored,
+            rejected=rejected,
+            bytes_received=received,
+            tiers=[
+                pb.TierPutResult(
+                    tier=int(t.kind),
+                    name=t.name,
+                    stored=t.stored,
+                    queued=t.queued,
+                    dropped=t.dropped,
+                    failed=t.failed,
+                    deleted=t.deleted,
+                )
+                for t in tiers
+            ],
+        )
+
+    async def _read_shm_blocks(
+        self,
+        context: grpc.aio.ServicerContext,
+        first_index: int,
+        blocks: list[tuple[bytes, bytes | memoryview | ShmRange]],
+        segments: dict[str, tuple[int, int]],
+    ) -> list[tuple[bytes, bytes | memoryview]]:
+        """The message's blocks with every ShmRange replaced by the bytes it names (copied out of the
+        client's segment now: the client may reuse it as soon as the call returns). One worker-thread
+        hop for the whole message when it is large; a cancelled call waits for that thread to stop."""
+        reads: list[tuple[int, int, int, ShmRange]] = []
+        for i, (_, data) in enumerate(blocks):
+            if not isinstance(data, ShmRange):
+                continue
+            where = first_index + i
+            if data.length > self._limits.max_block_bytes:
+                await self._abort(
+                    context,
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"block {where}: {data.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
+                )
+            try:
+                if data.segment not in segments:
+                    segments[data.segment] = self._open_segment(data.segment, writable=False)
+            except ShmError as exc:
+                await self._abort(context, exc.code, f"block {where}: {exc.message}")
+            reads.append((where, *segments[data.segment], data))
+        try:
+            if sum(r[3].length for r in reads) >= OFFLOAD_BYTES:
+                contents = await read_ranges_in_thread(reads)
+            else:
+                contents = read_ranges(reads)
+        except ShmError as exc:
+            await self._abort(context, exc.code, exc.message)
+        self._counters.shm_bytes_received += sum(len(c) for c in contents)
+        it = iter(contents)
+        return [(key, next(it) if isinstance(data, ShmRange) else data) for key, data in blocks]
+
+    async def _block(self, context: grpc.aio.ServicerContext, index: int, key: bytes, data: bytes | memoryview) -> None:
+        """The verify stage (kvcache_server.pipeline.verify); a refused block ends the call with its status."""
+        try:
+            await verify_block_for_put(index, key, data, self._limits.max_block_bytes)
+        except BlockRefused as exc:
+            await self._refuse_block(context, exc)
+
+    async def _refuse_block(self, context: grpc.aio.ServicerContext, exc: BlockRefused) -> NoReturn:
+        if exc.checksum:
+            self._counters.put_checksum_failures += 1
+        await self._abort(context, exc.code, exc.message)

@@ -1,0 +1,61 @@
+"""Put stage "verify": what makes a block acceptable, whatever path its bytes took.
+
+A block is stored only when its key is a chunk key, its length is within max_block_bytes, it parses
+as format v2 and its key-bound checksum matches *the key it is stored under* (a block made for
+another key fails), and it is uncompressed (clients send raw blocks; tiers compress). The gRPC Put,
+the shared-memory segments and the in-place arena commit all call verify_block_for_put.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
+from kvcache_core.format import BlockFormatError, Compression, verify_block
+from kvcache_core.keys import KEY_BYTES
+from kvcache_server.refusal import Refused
+
+VERIFY_OFF_LOOP_BYTES = 1 << 20
+"""Blocks at least this large are verified in a worker thread (XXH3 releases the GIL)."""
+
+
+class BlockRefused(Refused):
+    """A block that may not be stored; `checksum` says whether it failed its checksum (counted)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str, *, checksum: bool = False) -> None:
+        super().__init__(code, message)
+        self.checksum = checksum
+
+
+async def verify_block_for_put(index: int, key: bytes, data: bytes | memoryview, max_block_bytes: int) -> None:
+    """Checks one block before it is committed under `key`.
+
+    Large blocks are verified off the event loop; the thread only reads `data`, which the caller
+    keeps alive (and, for an arena slot, reserved) until this returns.
+
+    Raises:
+        BlockRefused: INVALID_ARGUMENT (bad key, malformed block, unknown version, compressed),
+            RESOURCE_EXHAUSTED (over max_block_bytes), DATA_LOSS (checksum; `checksum` is True).
+    """
+    where = f"block {index}"
+    if len(key) != KEY_BYTES:
+        raise BlockRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: key is {len(key)} bytes, expected {KEY_BYTES}")
+    if len(data) > max_block_bytes:
+        raise BlockRefused(
+            grpc.StatusCode.RESOURCE_EXHAUSTED, f"{where}: {len(data)} bytes exceed max_block_bytes={max_block_bytes}"
+        )
+    try:
+        if len(data) >= VERIFY_OFF_LOOP_BYTES:
+            header = await asyncio.to_thread(verify_block, data, key)
+        else:
+            header = verify_block(data, key)
+    except ChecksumMismatch as exc:
+        raise BlockRefused(grpc.StatusCode.DATA_LOSS, f"{where}: {exc}", checksum=True) from None
+    except UnknownFormatVersion as exc:
+        raise BlockRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: {exc}") from None
+    except BlockFormatError as exc:
+        raise BlockRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: malformed block: {exc}") from None
+    if header.compression is not Compression.NONE:
+        raise BlockRefused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: clients must send uncompressed blocks")
