@@ -105,7 +105,7 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
 def test_metrics_cover_lower_tiers(make_server, redis_server: RedisProcess) -> None:
     server: ServerThread = make_server(
         metrics={"enabled": True, "port": 0},
-        redis={"enabled": True, "url": redis_server.url, "timeout_s": 0.5, "breaker_failures": 1},
+        redis={"enabled": True, "url": redis_server.url, "timeout_s": 3.0, "breaker_failures": 1},
     )
     with KVCacheClient(server.target) as client:
         client.put_many(NS, [keyed(b"x" * 100)])
