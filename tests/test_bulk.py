@@ -648,3 +648,22 @@ def test_the_sdk_refuses_a_server_that_lies(lie: str) -> None:
     thread.join(5)
     ours.close()
     theirs.close()
+
+
+def test_bulk_gets_hand_back_their_arena_leases(make_server) -> None:
+    """A bulk GET's RAM hits are arena slots under read leases: each window's are released once
+    sent, so a flood of new blocks can evict and reuse those slots (before, they stayed pinned for
+    the stack's SERVE_LEASE_S and the flood's puts found no room)."""
+    server = bulk_server(make_server, ram={"capacity_bytes": 32 << 20})
+    old = blocks(8, 2 << 20)
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        assert client.put_many("n", old).stored == 8
+        for _ in range(30):
+            got = client.get_many("n", [k for k, _ in old])
+            assert [bytes(g) for g in got] == [b for _, b in old]
+        assert client.bulk.counters.bulk_bytes_received == 30 * sum(len(b) for _, b in old)  # all over bulk
+        assert server.stack.ram.arena_stats()["leases"] == 0
+        new = blocks(16, 2 << 20)  # 32 MiB: every old block's slot is needed
+        assert client.put_many("n", new[:8]).stored == 8
+        assert client.put_many("n", new[8:]).stored == 8
+        assert client.stats().arena_leases == 0

@@ -380,14 +380,19 @@ class Session:
             start = 0
             while start < len(keys):
                 end, found = self._on_loop(self._window(held, scoped, keys, start))
-                for i, hit in enumerate(found, start):
-                    if hit is None:
-                        if prefix_only:
-                            end = len(keys)
-                            break
-                        continue
-                    self._send_block(i, hit)
-                    sent += 1
+                try:
+                    for i, hit in enumerate(found, start):
+                        if hit is None:
+                            if prefix_only:
+                                end = len(keys)
+                                break
+                            continue
+                        self._send_block(i, hit)
+                        sent += 1
+                finally:
+                    # RAM hits are views of arena slots under read leases: sent (or failed), they
+                    # are handed back at once, so their slots can be evicted and reused again.
+                    self._s.stack.release(found)
                 start = end
         finally:
             self._release(held)
