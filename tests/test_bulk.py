@@ -667,3 +667,29 @@ def test_bulk_gets_hand_back_their_arena_leases(make_server) -> None:
         assert client.put_many("n", new[:8]).stored == 8
         assert client.put_many("n", new[8:]).stored == 8
         assert client.stats().arena_leases == 0
+
+
+def test_bulk_puts_land_straight_in_arena_slots_and_fall_back_to_buffers_when_full(make_server) -> None:
+    """Each block is received into the RAM tier's arena slot it is stored in; where RAM has no room
+    for a reservation (every slot leased), that block goes to a buffer and the stack's put, and the
+    PUT's answer counts both kinds exactly."""
+    server = bulk_server(make_server, ram={"capacity_bytes": 16 << 20})
+    sink = server.running.bulk.sink
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        first = blocks(4, 3 << 20)
+        assert client.put_many("n", first).stored == 4
+        assert (sink.reserved, sink.in_arena, sink.committed) == (4, 4, 4)
+        pinned = server.stack.lease("n", [k for k, _ in first], 60.0)  # 12 MiB of 16 held by readers
+        assert None not in pinned
+        second = blocks(3, 1 << 20) + blocks(1, 3 << 20)  # the first 3 fit beside them, the last does not
+        result = client.put_many("n", second)
+        assert (result.stored, result.rejected) == (3, 1)
+        assert (result.tier("ram").stored, result.tier("ram").failed) == (3, 1)
+        assert (sink.reserved, sink.in_arena, sink.committed, sink.abandoned) == (8, 7, 8, 0)
+        assert [g is not None for g in client.get_many("n", [k for k, _ in second])] == [True] * 3 + [False]
+        server.stack.ram.release([lease.id for lease in pinned])
+        assert client.put_many("n", second[3:]).stored == 1  # room again (an old block evicted)
+        got = client.get_many("n", [k for k, _ in second])
+        assert [bytes(g) for g in got] == [b for _, b in second]
+    stats = server.stack.ram.arena_stats()
+    assert (stats["leases"], stats["reservations"]) == (0, 0)

@@ -8,6 +8,6 @@ listener (accepting, TLS, connection limits, shutdown).
 """
 
 from kvcache_server.bulk.listener import BulkCounters, BulkListener
-from kvcache_server.bulk.sink import BlockSink, BufferSink, Slot
+from kvcache_server.bulk.sink import ArenaSink, BlockSink, BufferSink, Slot
 
-__all__ = ["BlockSink", "BufferSink", "BulkCounters", "BulkListener", "Slot"]
+__all__ = ["ArenaSink", "BlockSink", "BufferSink", "BulkCounters", "BulkListener", "Slot"]

@@ -22,7 +22,7 @@ from kvcache_server.config import ServerConfig, TlsSection
 from kvcache_server.stack import TierStack
 
 from .session import BulkCounters, Session, Shared
-from .sink import BlockSink, BufferSink
+from .sink import ArenaSink, BlockSink
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ class BulkListener:
     ) -> None:
         self._config = config
         self.counters = BulkCounters()
-        self.sink = sink or BufferSink(stack)
+        self.sink = sink or ArenaSink(stack)
         self._stack = stack
         self._budget = budget
         self._authenticator = authenticator

@@ -329,7 +329,7 @@ class Session:
                     raise bw.FrameError(f"block {i}: expected a DATA frame, got {kind.name}")
                 if got != n:
                     raise bw.FrameError(f"block {i}: DATA frame of {got} bytes for a block announced as {n} bytes")
-                slot = sink.reserve(n)
+                slot = self._on_loop(sink.reserve(scoped, n))
                 slots.append(slot)
                 self._recv(slot.view, f"block {i}")
                 self._s.counters.add("bytes_received", n)

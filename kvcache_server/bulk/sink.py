@@ -5,20 +5,33 @@ block's bytes with recv_into straight into `slot.view`, verifies it in place, an
 commits the request's slots under their keys (a put is visible all at once or not at all). A slot
 of a request that fails (a lying frame, a checksum mismatch, a peer gone mid-frame) is abandoned.
 
-BufferSink implements this over fresh buffers and the tier stack's put (the RAM tier stores the
-buffer itself, without a copy). A preallocated shared-memory arena can implement the same protocol
-to receive straight into its slots.
+ArenaSink (the server's) receives straight into slots of the RAM tier's block arena
+(kvcache_server.arena, docs/arena.md): a slot is reserved before its block's first byte arrives,
+and committing indexes it under its key without a copy. Where RAM has no room for a reservation
+now (every slot leased or reserved), that block falls back to a fresh buffer, which the stack's put
+then stores as any other put. BufferSink is that fallback alone (tests, and a stack without an arena).
+
+Reservations are made on the event loop (reserving may evict, and eviction feeds demotions); the
+session thread only writes into the slot's memory, which nothing else touches until it is
+committed or abandoned: every path out of a PUT abandons what it did not commit, so the
+reservation's expiry (SESSION_RESERVATION_S) only bounds a bug.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
-from kvcache_server.stack import PutOutcome, TierStack
+from kvcache_server.arena import Reservation
+from kvcache_server.stack import PutOutcome, TierPut, TierStack
+
+SESSION_RESERVATION_S = 3600.0
+"""How long a bulk PUT's arena reservation lives at most: the session abandons or commits it
+first, however the PUT ends, so this only bounds a bug (ram.lease_timeout_s is for clients)."""
 
 
 class Slot(Protocol):
@@ -33,10 +46,10 @@ class Slot(Protocol):
 class BlockSink(Protocol):
     """Reserves slots for blocks being received and commits verified ones under their keys.
 
-    reserve and abandon are called from session threads; commit runs on the server's event loop.
+    reserve and commit run on the server's event loop; abandon is called from session threads.
     """
 
-    def reserve(self, nbytes: int) -> Slot: ...
+    async def reserve(self, namespace: str, nbytes: int) -> Slot: ...
 
     def abandon(self, slot: Slot) -> None: ...
 
@@ -61,7 +74,7 @@ class BufferSink:
         self.committed = 0
         self.abandoned = 0
 
-    def reserve(self, nbytes: int) -> Slot:
+    async def reserve(self, namespace: str, nbytes: int) -> Slot:
         with self._lock:
             self.reserved += 1
         return _Buffer(nbytes)
@@ -76,3 +89,79 @@ class BufferSink:
             self.committed += len(blocks)
         items = [(key, slot.view.toreadonly()) for key, slot in blocks]
         return await self._stack.put(namespace, items)  # type: ignore[arg-type]
+
+
+class _ArenaSlot:
+    __slots__ = ("reservation", "view")
+
+    def __init__(self, reservation: Reservation) -> None:
+        self.reservation = reservation
+        self.view = reservation.buffer
+
+
+class ArenaSink(BufferSink):
+    """Slots are reservations in the RAM tier's arena where it has room, fresh buffers elsewhere.
+
+    Attributes (besides BufferSink's counts, which cover both kinds):
+        in_arena: blocks received straight into arena slots.
+    """
+
+    def __init__(self, stack: TierStack) -> None:
+        super().__init__(stack)
+        self.in_arena = 0
+
+    async def reserve(self, namespace: str, nbytes: int) -> Slot:
+        reservation = self._stack.ram.reserve(namespace, nbytes, SESSION_RESERVATION_S)
+        if reservation is None:  # no room now: a buffer, stored by the stack's put like any block
+            return await super().reserve(namespace, nbytes)
+        with self._lock:
+            self.reserved += 1
+            self.in_arena += 1
+        return _ArenaSlot(reservation)
+
+    def abandon(self, slot: Slot) -> None:
+        if isinstance(slot, _ArenaSlot):
+            with self._lock:
+                self.abandoned += 1
+            self._stack.ram.abandon([slot.reservation.id])
+        else:
+            super().abandon(slot)
+
+    async def commit(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome:
+        in_place = [(key, slot.reservation) for key, slot in blocks if isinstance(slot, _ArenaSlot)]
+        buffered = [(key, slot) for key, slot in blocks if not isinstance(slot, _ArenaSlot)]
+        if not buffered:
+            with self._lock:
+                self.committed += len(blocks)
+            try:
+                return await self._stack.put_reserved(namespace, in_place)
+            finally:
+                self._stack.ram.abandon([r.id for _, r in in_place])  # nothing for those committed
+        if not in_place:
+            return await super().commit(namespace, buffered)
+        # Both kinds in one PUT (RAM ran out of room mid-way): the buffered blocks are copied into
+        # arena slots of their own by the stack's put; one outcome per block, in the PUT's order.
+        with self._lock:
+            self.committed += len(in_place)
+        try:
+            first = await self._stack.put_reserved(namespace, in_place)
+        finally:
+            self._stack.ram.abandon([r.id for _, r in in_place])
+        second = await super().commit(namespace, buffered)
+        kept_in_place, kept_buffered = iter(first.kept), iter(second.kept)
+        kept = [next(kept_in_place) if isinstance(slot, _ArenaSlot) else next(kept_buffered) for _, slot in blocks]
+        return merge_outcomes(first, second, kept)
+
+
+def merge_outcomes(first: PutOutcome, second: PutOutcome, kept: list[bool]) -> PutOutcome:
+    """One PUT's outcome from two puts of parts of its blocks: `kept` in the PUT's order, each
+    tier's counts summed."""
+    tiers: list[TierPut] = []
+    for a, b in zip(first.tiers, second.tiers, strict=True):
+        counts = {
+            f.name: getattr(a, f.name) + getattr(b, f.name)
+            for f in dataclasses.fields(TierPut)
+            if f.name not in ("name", "kind")
+        }
+        tiers.append(TierPut(a.name, a.kind, **counts))
+    return PutOutcome(kept, tiers)
