@@ -112,7 +112,7 @@ def test_a_load_runs_in_the_background_while_other_requests_decode(model_dir: st
     replica = make_engine(model_dir, extra={"target": server.target})
     replica.add("dec", SHORT, max_tokens=12)
     replica.step()  # prefills "dec"
-    gate = Gate(replica.workers[0]._client, "get_many")
+    gate = Gate(replica.workers[0]._client, "leased")
     replica.add("ld", PROMPT)
     replica.step()  # admits "ld": its load is handed to the load thread
     assert gate.entered.wait(10)
@@ -153,7 +153,7 @@ def test_a_hung_server_never_stalls_the_engine(model_dir: str, server_process) -
     worker_time = Timer(engine.workers[0], WORKER_HOOKS)
     engine.add("dec", SHORT, max_tokens=400)
     engine.step()
-    gate = Gate(engine.workers[0]._client, "get_many")
+    gate = Gate(engine.workers[0]._client, "leased")
     engine.add("ld", PROMPT)
     engine.step()
     assert gate.entered.wait(10)

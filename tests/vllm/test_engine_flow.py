@@ -102,14 +102,17 @@ def test_requests_admitted_together_share_one_get_and_one_put_per_step(model_dir
     replica = make_engine(model_dir, extra={"target": server.target}, max_num_batched_tokens=256)
     client = replica.workers[0]._client
     calls: list[str] = []
-    for name in ("get_many", "put_many"):
+    for name in ("leased", "put_many"):
         method = getattr(client, name)
         setattr(client, name, lambda *a, _m=method, _n=name, **k: calls.append(_n) or _m(*a, **k))
     replica.add("a", PROMPT[:40] + list(range(700, 740)))  # chunk 0 stored; chunks 1, 2 new
     replica.add("b", PROMPT[50:90] + list(range(800, 840)))
     steps = replica.run()
 
-    assert len(steps) == 1 and calls == ["get_many", "put_many"]
+    assert len(steps) == 1 and calls == ["leased", "put_many"]
+    # Same host: both chunks were read in place from the server's arena, and their leases handed back.
+    stats = client.stats()
+    assert stats.inplace_bytes_leased > 0 and stats.arena_leases == 0
     assert [(r, [c[0] for c in chunks]) for r, chunks in all_loads(replica)] == [("a", [0]), ("b", [0])]
     for request in ("a", "b"):
         assert replica.computed_positions(request) == list(range(32, 80))

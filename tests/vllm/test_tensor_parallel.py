@@ -43,15 +43,15 @@ def assert_every_rank_holds_the_prompt(engine: Engine) -> None:
 
 @pytest.fixture
 def gets(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, int]]]:
-    """Every get_many the SDK makes: (namespace, number of keys)."""
+    """Every read the SDK makes for the connector (leased: in place where it can): (namespace, number of keys)."""
     calls: list[tuple[str, int]] = []
-    original = SDKClient.get_many
+    original = SDKClient.leased
 
     def counting(self, namespace, keys, **kwargs):
         calls.append((str(namespace), len(keys)))
         return original(self, namespace, keys, **kwargs)
 
-    monkeypatch.setattr(SDKClient, "get_many", counting)
+    monkeypatch.setattr(SDKClient, "leased", counting)
     yield calls
 
 

@@ -53,6 +53,7 @@ staging, the unsettled-block bookkeeping and the job threads, which are kept in 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
@@ -295,8 +296,11 @@ class WorkerSide:
         """
         started = time.perf_counter()
         loaded = Counters()  # counted into the job's only once the scatter succeeded
+        # On the server's host the fetched blocks are views of its arena under read leases (one
+        # copy: the scatter into vLLM's blocks); they are handed back once the job is scattered.
+        leases = contextlib.ExitStack()
         try:
-            fetched = self._fetch(job)
+            fetched = self._fetch(job, leases)
             # Per group: the slots and the values to scatter into its layers.
             blocks: dict[int, list[torch.Tensor]] = {}
             offsets: dict[int, list[torch.Tensor]] = {}
@@ -348,12 +352,14 @@ class WorkerSide:
                 job.failed.update(transfer.block_ids[transfer.start // bs : math.ceil(transfer.end / bs)])
             job.counters.load_failures += loaded.load_chunks  # the chunks it had fetched but did not write
         finally:
+            leases.close()  # the job's tensors are scattered (or dropped): nothing reads the views again
             job.counters.load_s += time.perf_counter() - started
             with self._lock:
                 self._done_loads.append(job)
 
-    def _fetch(self, job: _LoadJob) -> dict[tuple[str, bytes], torch.Tensor]:
-        """The job's chunks that arrived intact and in the expected shape, by (namespace, key).
+    def _fetch(self, job: _LoadJob, leases: contextlib.ExitStack) -> dict[tuple[str, bytes], torch.Tensor]:
+        """The job's chunks that arrived intact and in the expected shape, by (namespace, key);
+        blocks read in place stay leased until `leases` is closed.
 
         A chunk of a transfer with `wait_s` (a P/D hand-off whose producer is still writing it)
         that is not stored yet is asked for again every poll_s, until that wait or the job's
@@ -379,7 +385,7 @@ class WorkerSide:
                 if remaining <= 0 or not self._breaker.allow():
                     return out
                 try:
-                    blocks = self._client.get_many(namespace, list(missing), timeout_s=remaining)
+                    blocks = leases.enter_context(self._client.leased(namespace, list(missing), timeout_s=remaining))
                 except KVCacheError as exc:
                     if self._breaker.failure():
                         log.warning("kvcache get failed (%s); loads fail for %.1f s", exc, self._breaker.cooldown_s)
