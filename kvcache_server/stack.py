@@ -638,6 +638,17 @@ class TierStack:
                 out[i] = Found(lease.view, TierKind.RAM, lease)
                 self._ram_counters.bytes_read += lease.length
         self._ram_op("get", start)
+        try:
+            await self._get_lower(namespace, keys, epoch, out, missing)
+        except BaseException:  # cancelled (a deadline, a failover cut) or failed: nobody can release them
+            self.release(out)
+            raise
+        return out
+
+    async def _get_lower(
+        self, namespace: str, keys: Sequence[bytes], epoch: int, out: list[Found | None], missing: list[int]
+    ) -> None:
+        """Fills `out` at the `missing` indexes from the lower tiers, fastest first."""
         for depth, lower in enumerate(self._lower):
             if not missing:
                 break
@@ -679,7 +690,6 @@ class TierStack:
             if hits and lower.policy.promote:
                 self._promote(depth, namespace, hits, epoch)
             missing = still
-        return out
 
     def _promote(self, depth: int, namespace: str, hits: list[tuple[bytes, bytes]], epoch: int) -> None:
         """Copies blocks found at lower tier `depth` into RAM and into the lower tiers above it,

@@ -25,7 +25,7 @@ from kvcache_server.stack import LowerTierPolicy, TierStack
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
 from tests.backends import RedisProcess, S3Process, wait_for
-from tests.conftest import ServerThread, raw_block
+from tests.conftest import ServerThread, keyed, raw_block
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -316,6 +316,35 @@ def test_callers_that_give_up_still_count_for_the_breaker() -> None:
         assert (s.errors, s.skipped) == (3, 0)  # each call counted once: 2 late Lookups, 1 timed-out Get
         assert await stack.get(NS, [key]) == [None]
         assert stack.stats()[1].skipped == 1
+        await stack.close(0)
+
+    asyncio.run(main())
+
+
+def test_a_get_cancelled_while_a_lower_tier_hangs_hands_back_its_ram_leases() -> None:
+    """A Get with RAM hits and a key it reads from a hung lower tier, cancelled 100 times (a client's
+    deadline, a failover cut): no lease of its RAM hits stays open (they pinned their slots for
+    SERVE_LEASE_S, 600 s, before), so the RAM tier can still evict and reuse them."""
+
+    async def main() -> None:
+        tier = MemoryTier(hang=True)
+        stack = TierStack(4 << 20, [(tier, LowerTierPolicy(timeout_s=1.0, breaker_failures=1000))])
+        await stack.start()
+        in_ram = [keyed(os.urandom(64 << 10)) for _ in range(8)]
+        await stack.put(NS, in_ram)
+        keys = [k for k, _ in in_ram] + [os.urandom(16)]  # the last one goes to the hung tier
+        for _ in range(100):
+            get = asyncio.create_task(stack.get(NS, keys))
+            await asyncio.sleep(0.002)
+            get.cancel()
+            try:
+                found = await get
+            except asyncio.CancelledError:
+                continue
+            stack.release(found)  # answered first (the hung tier's orphans are capped, so it was skipped)
+        assert stack.ram.arena_stats()["leases"] == 0
+        flood = [keyed(os.urandom(64 << 10)) for _ in range(80)]  # 5 MiB into 4: every old slot is needed
+        assert all((await stack.put(NS, flood)).kept)
         await stack.close(0)
 
     asyncio.run(main())
