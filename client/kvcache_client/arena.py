@@ -22,6 +22,7 @@ cannot be used (another host or user, an older server, no room now) the call goe
 from __future__ import annotations
 
 import logging
+import math
 import mmap
 import os
 import stat
@@ -179,15 +180,32 @@ class Leased:
         blocks: per key, (block, tier) or None: unverified, as received.
         ids: the leases to release once the views are no longer used.
         in_place: per key, whether its block is a leased view of the arena (else this client's own memory).
+        expires_at: time.monotonic() by which the leases end on the server at the latest (counted
+            from before the request was sent, so never later than the server's own expiry); the
+            views are this call's blocks only before then. inf without leases.
     """
 
     blocks: list[Fetched | None]
     ids: list[int] = field(default_factory=list)
     in_place: list[bool] = field(default_factory=list)
+    expires_at: float = math.inf
 
     def __post_init__(self) -> None:
         if not self.in_place:
             self.in_place = [False] * len(self.blocks)
+
+
+class LeasedBlocks(list):  # type: ignore[type-arg]  # list[memoryview | None]
+    """What KVCacheClient.leased() hands out: each key's verified block or None, and `expires_at`.
+
+    `expires_at` (time.monotonic(); inf when no block is a leased view) bounds how long the views
+    are this call's blocks: the server may reuse an expired lease's slot. A copy out of them that
+    ended before it read exactly the bytes that were verified; check `time.monotonic() <
+    blocks.expires_at` after copying, and drop the copy otherwise (leases last ram.lease_timeout_s,
+    30 s by default: only a stalled reader gets there).
+    """
+
+    expires_at: float = math.inf
 
 
 class ArenaMoved(Exception):
@@ -313,13 +331,15 @@ class InPlaceCalls:
 
     def lease(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float
-    ) -> tuple[list[Fetched | None], list[int]]:
-        """Views of the leased blocks RAM holds (None for the others), and the lease ids to release.
+    ) -> tuple[list[Fetched | None], list[int], float]:
+        """Views of the leased blocks RAM holds (None for the others), the lease ids to release, and
+        the time.monotonic() by which the leases end at the latest (Leased.expires_at).
 
         Raises:
             grpc.RpcError: see arena_fallback.
             ArenaMoved: the server's arena cannot be mapped here any more.
         """
+        sent = time.monotonic()
         reply = self._stub.LeaseGet(
             pb.LeaseGetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only),
             timeout=_left(deadline),
@@ -335,7 +355,7 @@ class InPlaceCalls:
         except BaseException:
             self.release(ids)
             raise
-        return out, ids
+        return out, ids, sent + reply.expires_in_s if ids else math.inf
 
     def release(self, ids: list[int]) -> None:
         """Ends leases; a failure only logs (they expire on the server)."""

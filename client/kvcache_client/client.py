@@ -34,7 +34,7 @@ import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
-from kvcache_client.arena import copy_payload_into
+from kvcache_client.arena import LeasedBlocks, copy_payload_into
 from kvcache_client.bulk import DEFAULT_CONNECTIONS, BulkLink, BulkTransport, bearer_token
 from kvcache_client.connection import TLSConfig, auth_metadata, make_channel
 from kvcache_client.errors import BlockFormatError, DeadlineExceeded, RPCError, from_rpc_error
@@ -305,7 +305,9 @@ class KVCacheClient:
         after the server's ram.lease_timeout_s). Each block's key-bound checksum is verified before
         it is handed out. Elsewhere, and for keys RAM lacks, the blocks are as get_many returns them.
         The views are released when the block ends (a later use raises ValueError), unless
-        something still holds a buffer of them: copy what must outlive the block.
+        something still holds a buffer of them: copy what must outlive the block. The list's
+        `expires_at` (LeasedBlocks) says until when the views hold these blocks at the latest: a
+        copy finished before it is exact.
 
         Raises:
             ValueError: `timeout_s` is not positive.
@@ -313,17 +315,18 @@ class KVCacheClient:
         """
         timeout_s = call_timeout_s(timeout_s, self._timeout_s)
         if not keys:
-            yield []
+            yield LeasedBlocks()
             return
         ns = namespace_name(namespace)
         lease = getattr(self._transport, "lease", None)
         if lease is None:  # a transport without in-place reads
-            yield self.get_many(ns, keys, prefix_only=prefix_only, timeout_s=timeout_s)
+            yield LeasedBlocks(self.get_many(ns, keys, prefix_only=prefix_only, timeout_s=timeout_s))
             return
         got = self._call(timeout_s, lambda t: lease(ns, keys, prefix_only, t))
-        blocks: list[memoryview | None] = []
+        blocks = LeasedBlocks()
         try:
-            blocks = verified(got.blocks, keys, self._count_corrupt)
+            blocks.extend(verified(got.blocks, keys, self._count_corrupt))
+            blocks.expires_at = got.expires_at
             yield blocks
         finally:
             for block, in_place in zip(blocks, got.in_place, strict=False):
@@ -346,7 +349,8 @@ class KVCacheClient:
         A destination is a torch tensor (a pinned host tensor, a GPU tensor: one copy each) or a
         writable buffer (bytearray, numpy array), of exactly the payload's size in bytes. On the same
         host the bytes come straight from the server's arena under a read lease (leased()), verified
-        first; elsewhere from what get_many receives. A destination of a key not found is untouched.
+        first; elsewhere from what get_many receives. A destination of a key not found is untouched;
+        all are False (the destinations not to be used) if the copies outlived the leases (LeasedBlocks).
 
         Raises:
             ValueError: `timeout_s` is not positive, not one destination per key, a destination of the
@@ -362,6 +366,9 @@ class KVCacheClient:
                 if block is not None:
                     copy_payload_into(block, destination)
                 found.append(block is not None)
+            if time.monotonic() >= blocks.expires_at:  # the copies outlived the leases: not trusted
+                log.warning("get_into outlived its arena leases; %d blocks treated as misses", sum(found))
+                return [False] * len(found)
         return found
 
     def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:

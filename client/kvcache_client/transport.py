@@ -217,7 +217,7 @@ class GrpcTransport:
         if not self.arena.on:
             return Leased(self._get_through_segment(namespace, keys, prefix_only, timeout_s))
         try:
-            out, ids = self._inplace.lease(namespace, keys, prefix_only, deadline)
+            out, ids, expires_at = self._inplace.lease(namespace, keys, prefix_only, deadline)
         except (grpc.RpcError, ArenaMoved) as exc:
             if not arena_fallback(exc, self.arena):
                 raise
@@ -236,7 +236,7 @@ class GrpcTransport:
         except BaseException:
             self._inplace.release(ids)
             raise
-        return Leased(out, ids, in_place)
+        return Leased(out, ids, in_place, expires_at)
 
     def release(self, ids: list[int]) -> None:
         """Hands back leases that lease() returned."""

@@ -288,6 +288,37 @@ def test_a_load_that_fails_after_the_fetch_fails_every_block_it_did_not_write(mo
     assert (engine.stats.data.get("load_chunks", 0), engine.stats.data["load_failures"]) == (0, 4)
 
 
+def test_a_load_that_outlives_its_arena_leases_is_recomputed(model_dir: str, make_server) -> None:
+    """Loads read the server's arena in place under read leases. A scatter that ends after a lease
+    expired may have read a slot the server reused meanwhile: the job's blocks fail (vLLM recomputes
+    them) instead of being trusted; the same load inside the leases' time is served."""
+    server = make_server(ram={"capacity_bytes": 256 << 20, "lease_timeout_s": 0.3})
+    saved_prompt(model_dir, server)
+    engine = make_engine(model_dir, role="kv_consumer", extra={"target": server.target})
+    side = engine.workers[0]._worker_side()
+    scatter = side._scatter
+
+    def stalled(*args: object) -> None:
+        time.sleep(0.5)  # the leases (0.3 s) end meanwhile
+        scatter(*args)
+
+    side._scatter = stalled
+    engine.add("r", PROMPT)
+    engine.run()
+
+    assert engine.invalid_block_ids() == set(engine.last_block_ids("r")[:7])
+    assert engine.computed_positions("r") == list(range(100))
+    assert bitwise_equal(engine.paged_kv("r", 0, 100), engine.expected_kv("r", 0, 100))
+    assert (engine.stats.data.get("load_chunks", 0), engine.stats.data["load_failures"]) == (0, 4)
+
+    side._scatter = scatter  # in time: loaded in place, nothing recomputed
+    fresh = make_engine(model_dir, role="kv_consumer", extra={"target": server.target})
+    fresh.add("r", PROMPT)
+    fresh.run()
+    assert fresh.computed_positions("r") == [99]
+    assert (fresh.stats.data["load_chunks"], fresh.stats.data.get("load_failures", 0)) == (4, 0)
+
+
 def test_another_chunks_intact_block_is_refused(model_dir: str, server) -> None:
     """Chunk 1's intact block under chunk 0's key (right shape, dtype and layout): before format v2 it was
     scattered as chunk 0's KV. Now the SDK's key check refuses it and the engine recomputes."""
