@@ -24,6 +24,7 @@ from kvcache_client import (
 )
 from kvcache_client.bulkconn import BulkConnection, BulkUnreachable, stripes
 from kvcache_core import bulkwire as bw
+from kvcache_core.format import payload_view
 from kvcache_server.auth import token_digest
 from kvcache_server.config import ConfigError, load_config
 from kvcache_server.launcher import ChildServer
@@ -696,3 +697,21 @@ def test_bulk_puts_land_straight_in_arena_slots_and_fall_back_to_buffers_when_fu
         server.stack.ram.release([lease.id for lease in pinned])
     stats = server.stack.ram.arena_stats()
     assert (stats["leases"], stats["reservations"]) == (0, 0)
+
+
+def test_leased_and_get_into_use_the_bulk_port_off_the_servers_host(make_server) -> None:
+    """leased() and get_into() (what the connectors read with) go in place on the server's host and
+    over the bulk port elsewhere; before, off the host they fell back to a plain gRPC Get."""
+    server = bulk_server(make_server)
+    items = blocks(2, 4 << 20)
+    keys = [k for k, _ in items]
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        assert client.put_many("n", items).stored == 2
+        with client.leased("n", keys) as got:
+            assert [bytes(g) for g in got] == [b for _, b in items]
+        nbytes = sum(len(b) for _, b in items)
+        assert (client.bulk.counters.bulk_bytes_received, client.bulk.counters.grpc_bytes_received) == (nbytes, 0)
+        destinations = [bytearray(len(payload_view(b))) for _, b in items]
+        assert client.get_into("n", keys, destinations) == [True, True]
+        assert [bytes(d) for d in destinations] == [bytes(payload_view(b)) for _, b in items]
+        assert client.bulk.counters.bulk_bytes_received == 2 * nbytes

@@ -257,8 +257,13 @@ class BulkTransport:
         return fetched
 
     def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
-        """In-place reads from the server's arena (same host; docs/arena.md): the gRPC transport's."""
-        return self.inner.lease(namespace, keys, prefix_only, timeout_s)
+        """In-place reads from the server's arena on its host (docs/arena.md, the gRPC transport's);
+        elsewhere a get, over the bulk port where it is usable."""
+        start = time.monotonic()
+        self.inner.info(timeout_s)  # what the server shares: its arena, its bulk port
+        if self.inner.arena.on:
+            return self.inner.lease(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
+        return Leased(self.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start)))
 
     def release(self, ids: list[int]) -> None:
         self.inner.release(ids)
