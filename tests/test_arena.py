@@ -120,6 +120,7 @@ def test_a_leased_slot_is_never_reused_while_a_flood_evicts_everything() -> None
     tier.put_many_sync(NS, [(key(0), mine)])
     (lease,) = tier.lease_many(NS, [key(0)])
     assert lease is not None
+
     def flood(seed: int) -> None:
         rng = random.Random(seed)
         for i in range(300):  # ~3 MiB each through a 256 KiB arena: it is evicted over and over
@@ -191,6 +192,31 @@ def test_reservations_commit_in_place_or_are_reclaimed() -> None:
     assert tier.used_bytes == RamTier.entry_cost(block)
     check_bookkeeping(tier)
     assert tier.arena_stats()["reservations"] == 0
+
+
+def test_a_tenants_reservations_evict_only_its_own_blocks_and_count_against_its_share() -> None:
+    """Tenants T and U with shares of 4 blocks each in a tier of 8: T reserving (an in-place or bulk
+    put) evicts T's own least recently used block, never U's (before, reservations skipped the
+    share and the tier evicted from whoever was furthest over it, U included), and T's open
+    reservations count against T's share."""
+    size = 4000
+    cost = RamTier.entry_cost_of(size)
+    tier = RamTier(capacity_bytes=8 * cost, prefault=False, quota_of=lambda tenant: 4 * cost)
+    for tenant in ("U", "T"):  # U first: of two partitions equally at their share, it was evicted from
+        for i in range(4):
+            assert tier.put_many_sync(f"{tenant}:ns", [(key(i), os.urandom(size))]) == [True]
+    res = tier.reserve("T:ns", size)
+    assert res is not None
+    res.buffer[:] = os.urandom(size)
+    assert tier.adopt_many("T:ns", [(key(9), res)]) == [True]
+    assert tier.contains_many_sync("U:ns", [key(i) for i in range(4)]) == [True] * 4
+    assert tier.contains_many_sync("T:ns", [key(i) for i in range(4)]) == [False, True, True, True]
+    # Four open reservations of T fill its share: a fifth is refused, U's blocks stay.
+    open_ = [tier.reserve("T:ns", size) for _ in range(4)]
+    assert None not in open_ and tier.reserve("T:ns", size) is None
+    assert tier.contains_many_sync("U:ns", [key(i) for i in range(4)]) == [True] * 4
+    assert tier.abandon([r.id for r in open_ if r is not None]) == 4
+    check_bookkeeping(tier)
 
 
 def test_reservations_and_leases_pinning_the_arena_refuse_puts_without_evicting_in_vain() -> None:

@@ -90,12 +90,13 @@ def tenant_of(namespace: str) -> str:
 class _Partition:
     """One tenant's share of the tier: its own eviction order and byte count."""
 
-    __slots__ = ("policy", "quota", "used")
+    __slots__ = ("policy", "quota", "reserved", "used")
 
     def __init__(self, policy: EvictionPolicy, quota: int) -> None:
         self.policy = policy
         self.quota = quota  # 0: no share of its own
         self.used = 0
+        self.reserved = 0  # entry costs of its open reservations (they count against its share)
 
     def overage(self) -> int:
         """How far the partition is over its share; a partition without one is over by all it holds."""
@@ -296,6 +297,7 @@ class RamTier(Tier):
                     continue
                 del self._reservations[res.id]
                 self._reserved -= cost
+                part.reserved -= cost
                 slot = res._slot
                 slot.pins -= 1
                 self._drop_entry(part, entry)
@@ -320,10 +322,12 @@ class RamTier(Tier):
         with self._lock:
             now = self._clock()
             self._reap_locked(now)
-            slot = self._allocate_locked(self._partition(namespace), nbytes, evicted, reserving=True)
+            part = self._partition(namespace)
+            slot = self._allocate_locked(part, nbytes, evicted, reserving=True)
             if slot is not None:
                 self._pin(slot)
                 self._reserved += self.entry_cost_of(nbytes)
+                part.reserved += self.entry_cost_of(nbytes)
                 res = Reservation(
                     new_id(self._leases, self._reservations),
                     namespace,
@@ -355,6 +359,7 @@ class RamTier(Tier):
                 if res is not None and (namespace is None or res.namespace == namespace):
                     del self._reservations[rid]
                     self._reserved -= self.entry_cost_of(res.length)
+                    self._partition(res.namespace).reserved -= self.entry_cost_of(res.length)
                     self._unpin(res._slot)
                     freed += 1
         return freed
@@ -378,6 +383,7 @@ class RamTier(Tier):
             if res is not None:
                 self.reservations_reclaimed += 1
                 self._reserved -= self.entry_cost_of(res.length)
+                self._partition(res.namespace).reserved -= self.entry_cost_of(res.length)
                 self._unpin(res._slot)
                 reaped += 1
         return reaped
@@ -434,14 +440,19 @@ class RamTier(Tier):
     ) -> Slot | None:
         """A free slot for `nbytes`, evicting as the class docstring says; None (counted) if none fits."""
         cost = self.entry_cost_of(nbytes)
-        if cost > self._capacity or (part.quota and cost > part.quota and not reserving):
+        if cost > self._capacity or (part.quota and cost > part.quota):
             self._stats.rejected += 1
             return None
         if self._extents.free_bytes + self._indexed_bytes - self._pinned_indexed < align(nbytes):
             self._stats.rejected += 1  # leases and reservations pin too much: evicting would be in vain
             return None
-        while not reserving and part.quota and part.used + cost > part.quota:
+        # A tenant's puts and reservations make room within its own share first (its open
+        # reservations count against it), so one tenant's flood evicts only its own blocks.
+        while part.quota and part.used and part.used + part.reserved + cost > part.quota:
             self._evict_from(part, evicted)
+        if part.quota and part.used + part.reserved + cost > part.quota:
+            self._stats.rejected += 1  # its own open reservations fill its share
+            return None
         while self._used + self._reserved + cost > self._capacity or not self._extents.fits(nbytes):
             held = [p for p in self._partitions.values() if p.used]
             if not held:
