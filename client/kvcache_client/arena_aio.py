@@ -138,7 +138,7 @@ class AsyncInPlaceCalls:
         )
         committed = False
         try:
-            self.link.follow(reply.arena_path)
+            await self._follow(reply.arena_path)
             if sum(data_len(d) for _, d in items) >= self._offload_bytes:
                 # A cancelled call stops the copy at its next block and waits for the thread: the
                 # slots are abandoned (and may be reused) only once nothing writes into them.
@@ -153,6 +153,11 @@ class AsyncInPlaceCalls:
         finally:
             if not committed:  # the server frees what a failed commit named; this frees the rest early
                 await self._cleanup(self._abandon(namespace, [s.id for s in reply.slots]))
+
+    async def _follow(self, path: str) -> None:
+        """Maps a restarted server's new arena (populating it) off the event loop; see ArenaLink.follow."""
+        if path != self.link.path:
+            await asyncio.to_thread(self.link.follow, path)
 
     async def _abandon(self, namespace: str, ids: list[int]) -> None:
         try:
@@ -180,6 +185,7 @@ class AsyncInPlaceCalls:
         )
         ids = lease_ids(reply)
         try:
+            await self._follow(reply.arena_path)
             return self.link.leased_views(reply, len(keys)), ids
         except BaseException:
             await self.release(ids)
