@@ -164,10 +164,9 @@ def test_async_client_built_outside_a_loop_in_asyncio_run(server: ServerThread) 
 def test_every_public_method_documents_what_it_raises(cls: type) -> None:
     # chunk_keys too: it validates token ids. The class docstring sums the rule up for help().
     names = sorted(n for n, v in vars(cls).items() if callable(getattr(cls, n)) and not n.startswith("_"))
-    in_place = ["get_into", "leased"] if cls is KVCacheClient else []  # the blocking SDK's in-place reads
     assert names == sorted([
-        "chunk_keys", "close", "connect", "delete", "get_many", "get_tensors",
-        "lookup", "put_many", "put_tensors", "stats", *in_place,
+        "chunk_keys", "close", "connect", "delete", "get_into", "get_many", "get_tensors",
+        "leased", "lookup", "put_many", "put_tensors", "stats",
     ])  # fmt: skip
     for name in [*names, "__init__"]:
         doc = inspect.getdoc(getattr(cls, name)) or ""

@@ -8,15 +8,18 @@ RuntimeError. Deadlines, retries and errors are KVCacheClient's (see its docstri
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.arena import Leased, LeasedBlocks, copy_payload_into
 from kvcache_client.bulk import DEFAULT_CONNECTIONS, AsyncBulkTransport, BulkLink, bearer_token
 from kvcache_client.client import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -29,7 +32,9 @@ from kvcache_client.client import (
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata
 from kvcache_client.errors import DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
+from kvcache_client.shm import CallEnded, run_to_end
 from kvcache_client.transport import (
+    OFFLOAD_BYTES,
     AsyncGrpcTransport,
     AsyncTransport,
     LookupResult,
@@ -210,8 +215,9 @@ class AsyncKVCacheClient:
     ) -> list[memoryview | None]:
         """Each key's verified block, or None. With prefix_only, stops at the first miss.
 
-        Blocks are read-only memoryviews, without a copy, of this client's own receive buffers: the
-        received message, or on the same-host path (docs/shm.md) this client's get segment. Nothing
+        Blocks are read-only memoryviews of this client's own memory: the received message, on the
+        same-host path (docs/shm.md) this client's get segment, or a copy made once out of the
+        server's arena (docs/arena.md; leased() reads it without that copy). Nothing
         else sees those bytes: the server's stored copy is never changed through them. Use bytearray(block)
         or a clone of get_tensors' tensor for bytes to modify (see get_tensors).
 
@@ -231,6 +237,96 @@ class AsyncKVCacheClient:
         ns = namespace_name(namespace)
         fetched = await self._call(timeout_s, lambda tr, t: tr.get(ns, keys, prefix_only, t))
         return verified(fetched, keys, self._count_corrupt)
+
+    @contextlib.asynccontextmanager
+    async def leased(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        *,
+        prefix_only: bool = False,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[list[memoryview | None]]:
+        """Each key's verified block, read in place where it can be, for the `async with` block only.
+
+            async with client.leased(ns, keys) as blocks:
+                for block in blocks: ...   # read-only views; use them inside the block
+
+        As KVCacheClient.leased: on the same host as the server the blocks its RAM holds are views
+        of its arena under read leases (no byte copied; each block's key-bound checksum verified
+        before it is handed out), released when the block ends, also when it ends by an exception
+        or a cancellation (the release runs to its end with its own deadline). A call cancelled or
+        past its deadline before the block starts leaves no lease behind either. Elsewhere, and for
+        keys RAM lacks, the blocks are as get_many returns them.
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            RuntimeError: the client is bound to another event loop.
+            RPCError: as get_many (InvalidRequest, Unavailable, DeadlineExceeded, ...); a miss is None.
+        """
+        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
+        if not keys:
+            yield LeasedBlocks()
+            return
+        ns = namespace_name(namespace)
+        transport = self._bound()
+        if not hasattr(transport, "lease"):  # a transport without in-place reads
+            yield LeasedBlocks(await self.get_many(ns, keys, prefix_only=prefix_only, timeout_s=timeout_s))
+            return
+        lease: Callable[..., Awaitable[Leased]] = transport.lease  # type: ignore[attr-defined]
+        got = await self._call(timeout_s, lambda _tr, t: lease(ns, keys, prefix_only, t))
+        blocks = LeasedBlocks()
+        try:
+            blocks.extend(verified(got.blocks, keys, self._count_corrupt))
+            blocks.expires_at = got.expires_at
+            yield blocks
+        finally:
+            for block, in_place in zip(blocks, got.in_place, strict=False):
+                if block is not None and in_place:
+                    with contextlib.suppress(BufferError):  # something still views it: it stays readable
+                        block.release()
+            await transport.release(got.ids)  # type: ignore[attr-defined]
+
+    async def get_into(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        destinations: Sequence[object],
+        *,
+        prefix_only: bool = False,
+        timeout_s: float | None = None,
+    ) -> list[bool]:
+        """Copies each key's verified block payload once into its destination; True where found.
+
+        As KVCacheClient.get_into (torch tensors on any device, or writable buffers of exactly the
+        payload's size; on the same host straight from the server's arena under read leases). Large
+        copies run in a worker thread; a cancelled call waits for it before the leases are released.
+
+        Raises:
+            ValueError: `timeout_s` is not positive, not one destination per key, a destination of the
+                wrong size, or a non-contiguous tensor (the leases are released either way).
+            TypeError: a destination that is neither a tensor nor a writable buffer.
+            RuntimeError, RPCError: as get_many.
+        """
+        if len(destinations) != len(keys):
+            raise ValueError(f"{len(destinations)} destinations for {len(keys)} keys")
+        async with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s) as blocks:
+
+            def copy(stop: threading.Event | None) -> None:
+                for block, destination in zip(blocks, destinations, strict=True):
+                    if stop is not None and stop.is_set():
+                        raise CallEnded("stopped before every block was copied")
+                    if block is not None:
+                        copy_payload_into(block, destination)
+
+            if sum(len(b) for b in blocks if b is not None) >= OFFLOAD_BYTES:
+                await run_to_end(copy)
+            else:
+                copy(None)
+            if time.monotonic() >= blocks.expires_at:  # the copies outlived the leases: not trusted
+                log.warning("get_into outlived its arena leases; its blocks are treated as misses")
+                return [False] * len(blocks)
+            return [block is not None for block in blocks]
 
     async def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """Removes keys from every tier; returns how many were stored.

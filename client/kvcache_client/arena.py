@@ -36,6 +36,7 @@ import numpy as np
 
 from kvcache_client.messages import put_result
 from kvcache_client.results import Fetched, PutResult, TierPutResult
+from kvcache_client.shm import CallEnded
 from kvcache_core.blockwire import BlockData, data_len
 from kvcache_core.format import payload_view
 from kvcache_proto import kvcache_pb2 as pb
@@ -157,6 +158,37 @@ class ArenaLink:
             n = len(part)
             mapping[pos : pos + n] = part
             pos += n
+
+    def write_slots(
+        self,
+        slots: Sequence[pb.ArenaSlot],
+        items: Sequence[tuple[bytes, BlockData]],
+        stop: threading.Event | None = None,
+    ) -> None:
+        """Copies each block into its reserved slot, in order.
+
+        Raises:
+            ValueError: as write.
+            CallEnded: `stop` was set (the call was cancelled) before all blocks were copied.
+        """
+        for slot, (_, data) in zip(slots, items, strict=True):
+            if stop is not None and stop.is_set():
+                raise CallEnded("stopped before every block was in its slot")
+            self.write(slot.offset, slot.length, data)
+
+    def leased_views(self, reply: pb.LeaseGetResponse, n: int) -> list[Fetched | None]:
+        """Per key of a LeaseGet, the read-only view of its leased block, or None (RAM lacks it).
+
+        Raises:
+            ArenaMoved: the arena the answer names cannot be mapped here.
+            ValueError: a lease is not inside the arena.
+        """
+        self.follow(reply.arena_path)
+        out: list[Fetched | None] = [None] * n
+        for i, s in enumerate(reply.leases):
+            if s.id:
+                out[i] = (self.view(s.offset, s.length), "ram")
+        return out
 
     def view(self, offset: int, length: int) -> memoryview:
         """The read-only view of a leased block.
@@ -284,6 +316,40 @@ def merge_put(results: list[PutResult]) -> PutResult:
     )
 
 
+def reserve_request(namespace: str, items: Sequence[tuple[bytes, BlockData]]) -> pb.ArenaReserveRequest:
+    return pb.ArenaReserveRequest(namespace=namespace, lengths=[data_len(d) for _, d in items])
+
+
+def commit_request(
+    namespace: str, items: Sequence[tuple[bytes, BlockData]], reply: pb.ArenaReserveResponse
+) -> pb.ArenaCommitRequest:
+    return pb.ArenaCommitRequest(
+        namespace=namespace,
+        items=[pb.ArenaCommitItem(key=k, reservation=s.id) for (k, _), s in zip(items, reply.slots, strict=True)],
+    )
+
+
+def lease_ids(reply: pb.LeaseGetResponse) -> list[int]:
+    return [s.id for s in reply.leases if s.id]
+
+
+def not_leased(out: Sequence[Fetched | None], prefix_only: bool) -> list[int]:
+    """The positions a get fetches the ordinary way after its LeaseGet: the keys RAM lacks (with
+    prefix_only, everything from the first of them on, since the server cut its answer there)."""
+    missing = [i for i, f in enumerate(out) if f is None]
+    if prefix_only and missing:
+        return list(range(missing[0], len(out)))
+    return missing
+
+
+def copied_out(leased: Leased) -> list[Fetched | None]:
+    """A lease's blocks in this process's own memory (leased views copied once), to release after."""
+    return [
+        (copy_out(f[0]), f[1]) if f is not None and in_place else f
+        for f, in_place in zip(leased.blocks, leased.in_place, strict=True)
+    ]
+
+
 class InPlaceCalls:
     """The in-place RPC sequences of the blocking transport (kvcache_client.transport.GrpcTransport)."""
 
@@ -299,27 +365,18 @@ class InPlaceCalls:
             grpc.RpcError: from either call (see arena_fallback for those the caller redoes another way).
             ArenaMoved: the server's arena cannot be mapped here any more.
         """
-        reply = self._stub.ArenaReserve(
-            pb.ArenaReserveRequest(namespace=namespace, lengths=[data_len(d) for _, d in items]),
-            timeout=_left(deadline),
-            metadata=self._md,
-        )
-        ids = [s.id for s in reply.slots]
+        reply = self._stub.ArenaReserve(reserve_request(namespace, items), timeout=_left(deadline), metadata=self._md)
         committed = False
         try:
             self.link.follow(reply.arena_path)
-            for slot, (_, data) in zip(reply.slots, items, strict=True):
-                self.link.write(slot.offset, slot.length, data)
-            request = pb.ArenaCommitRequest(
-                namespace=namespace,
-                items=[pb.ArenaCommitItem(key=k, reservation=i) for (k, _), i in zip(items, ids, strict=True)],
-            )
+            self.link.write_slots(reply.slots, items)
+            request = commit_request(namespace, items, reply)
             result = put_result(self._stub.ArenaCommit(request, timeout=_left(deadline), metadata=self._md))
             committed = True
             return result
         finally:
             if not committed:  # the server frees what a failed commit named; this frees the rest early
-                self._abandon(namespace, ids)
+                self._abandon(namespace, [s.id for s in reply.slots])
 
     def _abandon(self, namespace: str, ids: list[int]) -> None:
         try:
@@ -345,17 +402,12 @@ class InPlaceCalls:
             timeout=_left(deadline),
             metadata=self._md,
         )
-        ids = [s.id for s in reply.leases if s.id]
+        ids = lease_ids(reply)
         try:
-            self.link.follow(reply.arena_path)
-            out: list[Fetched | None] = [None] * len(keys)
-            for i, s in enumerate(reply.leases):
-                if s.id:
-                    out[i] = (self.link.view(s.offset, s.length), "ram")
+            return self.link.leased_views(reply, len(keys)), ids, sent + reply.expires_in_s if ids else math.inf
         except BaseException:
             self.release(ids)
             raise
-        return out, ids, sent + reply.expires_in_s if ids else math.inf
 
     def release(self, ids: list[int]) -> None:
         """Ends leases; a failure only logs (they expire on the server)."""

@@ -287,6 +287,7 @@ class AsyncBulkTransport:
         self.inner = grpc_transport  # the gRPC transport: control calls, small transfers, the fallback
         self.link = link
         self.shm = grpc_transport.shm
+        self.arena = grpc_transport.arena  # same host: the server's block arena (docs/arena.md)
 
     async def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
         if self.link.needs_info:
@@ -325,6 +326,13 @@ class AsyncBulkTransport:
         fetched = await self.inner.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
         return fetched
+
+    async def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
+        """In-place reads from the server's arena (same host; docs/arena.md): the gRPC transport's."""
+        return await self.inner.lease(namespace, keys, prefix_only, timeout_s)
+
+    async def release(self, ids: list[int]) -> None:
+        await self.inner.release(ids)
 
     async def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
         return await self.inner.delete(namespace, keys, timeout_s)

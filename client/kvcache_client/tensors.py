@@ -68,4 +68,3 @@ def block_to_tensor(data: bytes | memoryview, key: bytes | None = None, *, verif
         warnings.simplefilter("ignore", UserWarning)
         flat = torch.frombuffer(payload, dtype=torch.uint8)
     return flat.view(dtype).reshape(header.shape)
-

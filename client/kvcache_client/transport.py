@@ -15,6 +15,7 @@ clients map, retry and time out.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable, Sequence
 from typing import Protocol
@@ -27,10 +28,12 @@ from kvcache_client.arena import (
     InPlaceCalls,
     Leased,
     arena_fallback,
-    copy_out,
+    copied_out,
     merge_put,
+    not_leased,
     put_groups,
 )
+from kvcache_client.arena_aio import AsyncInPlaceCalls
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
     GetCollector,
@@ -202,10 +205,7 @@ class GrpcTransport:
         """Blocks in this client's own memory: leased ones copied out of the arena once, then released."""
         leased = self.lease(namespace, keys, prefix_only, timeout_s)
         try:
-            return [
-                (copy_out(f[0]), f[1]) if f is not None and in_place else f
-                for f, in_place in zip(leased.blocks, leased.in_place, strict=True)
-            ]
+            return copied_out(leased)
         finally:
             self._inplace.release(leased.ids)
 
@@ -224,9 +224,7 @@ class GrpcTransport:
             return Leased(self._get_through_segment(namespace, keys, prefix_only, timeout_s))
         in_place = [f is not None for f in out]
         try:
-            missing = [i for i, f in enumerate(out) if f is None]
-            if prefix_only and missing:
-                missing = list(range(missing[0], len(keys)))
+            missing = not_leased(out, prefix_only)
             if missing:
                 rest = self._get_through_segment(
                     namespace, [keys[i] for i in missing], prefix_only, max(0.001, deadline - time.monotonic())
@@ -282,7 +280,7 @@ class GrpcTransport:
         self._channel.close()
 
 
-_OFFLOAD_BYTES = 1 << 20
+OFFLOAD_BYTES = 1 << 20
 """Async puts at least this large copy into their segment in a worker thread."""
 
 
@@ -309,12 +307,14 @@ class AsyncGrpcTransport:
         self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
         self._message_bytes = message_bytes
         self.shm = ShmLink(shm)
+        self.arena = ArenaLink(shm and env_allows_shm())
+        self._inplace = AsyncInPlaceCalls(self._stub, self._md, self.arena, OFFLOAD_BYTES)
         self.part_bytes = 0  # set from the server's Info
         self.info_response: pb.InfoResponse | None = None
         self._info_done = False
 
     async def _check_info(self, timeout_s: float) -> None:
-        """Asks the server once what it accepts (shm directory, blocks in parts)."""
+        """Asks the server once what it accepts (shm directory, blocks in parts, its arena)."""
         if self._info_done:
             return
         try:
@@ -325,6 +325,17 @@ class AsyncGrpcTransport:
             info = None
         self.part_bytes = apply_info(self.shm, info)
         self.info_response = info
+        if info is None:
+            self.arena.off("the server has no Info call")
+        else:
+            # Mapping a large arena populates it: off the event loop.
+            await asyncio.to_thread(
+                self.arena.configure,
+                info.arena_path,
+                info.arena_bytes,
+                info.max_keys_per_request,
+                info.max_block_bytes,
+            )
         self._info_done = True
 
     async def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
@@ -340,6 +351,30 @@ class AsyncGrpcTransport:
 
     async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
         await self._check_info(timeout_s)
+        if self.arena.takes(items):
+            return await self._put_in_place(namespace, list(items), time.monotonic() + timeout_s)
+        return await self._put_through_segment(namespace, items, timeout_s)
+
+    async def _put_in_place(self, namespace: str, items: list[tuple[bytes, BlockData]], deadline: float) -> PutResult:
+        """As GrpcTransport._put_in_place: group by group into reserved arena slots, the rest the
+        ordinary way from a group the arena cannot take on."""
+        results: list[PutResult] = []
+        groups = put_groups(items, self.arena)
+        for g, group in enumerate(groups):
+            try:
+                results.append(await self._inplace.put_group(namespace, group, deadline))
+            except (grpc.RpcError, ArenaMoved) as exc:
+                if not arena_fallback(exc, self.arena):
+                    raise
+                rest = [item for later in groups[g:] for item in later]
+                left = max(0.001, deadline - time.monotonic())
+                results.append(await self._put_through_segment(namespace, rest, left))
+                break
+        return merge_put(results)
+
+    async def _put_through_segment(
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float
+    ) -> PutResult:
         nbytes = sum(data_len(d) for _, d in items)
         segment = self.shm.put_segment(nbytes)
         if segment is not None:
@@ -347,7 +382,7 @@ class AsyncGrpcTransport:
             try:
                 # Copying into the segment, off the event loop when it is large. A cancelled call stops
                 # the copy at its next block and waits for it before the segment is retired below.
-                if nbytes >= _OFFLOAD_BYTES:
+                if nbytes >= OFFLOAD_BYTES:
                     refs = await run_to_end(lambda stop: segment.write_blocks(items, stop))
                 else:
                     refs = segment.write_blocks(items)  # OSError: no room in the tmpfs
@@ -368,7 +403,53 @@ class AsyncGrpcTransport:
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
     ) -> list[Fetched | None]:
+        """Blocks in this client's own memory: leased ones copied out of the arena once (in a
+        worker thread when large, waited for even when cancelled), then released."""
+        leased = await self.lease(namespace, keys, prefix_only, timeout_s)
+        try:
+            nbytes = sum(len(f[0]) for f, p in zip(leased.blocks, leased.in_place, strict=True) if f is not None and p)
+            if nbytes >= OFFLOAD_BYTES:
+                return await run_to_end(lambda _: copied_out(leased))
+            return copied_out(leased)
+        finally:
+            await self._inplace.release(leased.ids)
+
+    async def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
+        """As GrpcTransport.lease: blocks the server's RAM holds are read-only views of its arena
+        under leases (when it is shared with this process), to hand back with release(leased.ids).
+        A call cancelled or past its deadline leaves no lease behind (kvcache_client.arena_aio)."""
         await self._check_info(timeout_s)
+        deadline = time.monotonic() + timeout_s
+        if not self.arena.on:
+            return Leased(await self._get_through_segment(namespace, keys, prefix_only, timeout_s))
+        try:
+            out, ids, expires_at = await self._inplace.lease(namespace, keys, prefix_only, deadline)
+        except (grpc.RpcError, ArenaMoved) as exc:
+            if not arena_fallback(exc, self.arena):
+                raise
+            left = max(0.001, deadline - time.monotonic())
+            return Leased(await self._get_through_segment(namespace, keys, prefix_only, left))
+        in_place = [f is not None for f in out]
+        try:
+            missing = not_leased(out, prefix_only)
+            if missing:
+                rest = await self._get_through_segment(
+                    namespace, [keys[i] for i in missing], prefix_only, max(0.001, deadline - time.monotonic())
+                )
+                for i, f in zip(missing, rest, strict=True):
+                    out[i] = f
+        except BaseException:
+            await self._inplace.release(ids)
+            raise
+        return Leased(out, ids, in_place, expires_at)
+
+    async def release(self, ids: list[int]) -> None:
+        """Hands back leases that lease() returned (to its end even when the caller is cancelled)."""
+        await self._inplace.release(ids)
+
+    async def _get_through_segment(
+        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
+    ) -> list[Fetched | None]:
         segment = self.shm.get_segment()
         if segment is not None:
             completed = False
@@ -392,7 +473,7 @@ class AsyncGrpcTransport:
         request = shm_get_request(namespace, keys, prefix_only, segment, self.shm)
         async for items in self._get(request, timeout=timeout_s, metadata=self._md):
             collector.add(items)
-        if collector.segment_bytes >= _OFFLOAD_BYTES:
+        if collector.segment_bytes >= OFFLOAD_BYTES:
             # Mapping (and populating) it is off the event loop; a cancelled call waits for the thread
             # before get() retires the segment.
             return await run_to_end(lambda _: collector.resolve(segment))
@@ -408,5 +489,6 @@ class AsyncGrpcTransport:
         return server_stats(await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md))
 
     async def close(self) -> None:
+        await self._inplace.drain()  # abandons and releases still under way, each with its own deadline
         self.shm.close()
         await self._channel.close()

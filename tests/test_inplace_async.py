@@ -1,0 +1,321 @@
+"""The asyncio SDK's in-place transfers through the shared block arena (docs/arena.md), mirroring
+tests/test_inplace.py, and what asyncio adds: cancellations and deadlines of a few ms never leave a
+lease or a reservation open on the server, and never hand out wrong bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from kvcache_client import AsyncKVCacheClient
+from kvcache_client.errors import DeadlineExceeded, KVCacheError
+from tests.conftest import ServerThread, raw_block
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "ns"
+MiB = 1 << 20
+
+
+@pytest.fixture
+def arena_server(make_server, tmp_path: Path) -> ServerThread:
+    return make_server(ram={"capacity_bytes": 64 * MiB, "lease_timeout_s": 60.0}, shm={"dir": str(tmp_path / "shm")})
+
+
+def blocks(n: int, size: int) -> list[tuple[bytes, bytes]]:
+    out = []
+    for _ in range(n):
+        k = os.urandom(16)
+        out.append((k, raw_block(k, os.urandom(size))))
+    return out
+
+
+def open_pins(server: ServerThread) -> tuple[int, int]:
+    stats = server.stack.ram.arena_stats()
+    return stats["leases"], stats["reservations"]
+
+
+def test_puts_and_gets_move_no_byte_through_grpc_or_segments(arena_server: ServerThread) -> None:
+    data = blocks(4, 2 * MiB)
+    keys = [k for k, _ in data]
+    total = sum(len(b) for _, b in data)
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(arena_server.target) as client:
+            result = await client.put_many(NS, data)
+            assert (result.stored, result.bytes_sent) == (4, total)
+            assert client._transport.arena.state == "on"
+            assert [bytes(b) for b in await client.get_many(NS, keys)] == [b for _, b in data]
+            async with client.leased(NS, keys) as views:
+                assert [bytes(v) for v in views] == [b for _, b in data]
+                assert all(v.readonly for v in views)
+                assert (await client.stats()).arena_leases == 4  # held while the block runs
+            with pytest.raises(ValueError):
+                bytes(views[0])  # released with the block
+            tensors = [torch.empty(len(b) - 48, dtype=torch.uint8) for _, b in data]
+            buffers = [bytearray(len(b) - 48) for _, b in data]
+            assert await client.get_into(NS, keys, tensors) == [True] * 4
+            assert await client.get_into(NS, keys[:1], buffers[:1]) == [True]  # under the offload size
+            assert await client.get_into(NS, keys, buffers) == [True] * 4
+            assert [t.numpy().tobytes() for t in tensors] == [b[48:] for _, b in data]
+            assert [bytes(b) for b in buffers] == [b[48:] for _, b in data]
+            stats = await client.stats()
+            assert client._transport.arena.fallbacks == 0
+        assert (stats.shm_bytes_received, stats.shm_bytes_sent) == (0, 0)
+        assert stats.inplace_bytes_received == total
+        assert stats.inplace_bytes_leased == 4 * total + len(data[0][1])  # get_many, leased, three get_into
+        assert (stats.arena_leases, stats.arena_reservations) == (0, 0)
+
+    asyncio.run(run())
+    assert open_pins(arena_server) == (0, 0)
+
+
+def test_keys_ram_lacks_come_the_ordinary_way_and_prefixes_stop_at_the_first_miss(
+    arena_server: ServerThread,
+) -> None:
+    data = blocks(3, 256 << 10)
+    keys = [k for k, _ in data]
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(arena_server.target) as client:
+            await client.put_many(NS, [data[0], data[2]])
+            got = await client.get_many(NS, keys)
+            assert [None if g is None else bytes(g) for g in got] == [data[0][1], None, data[2][1]]
+            prefix = await client.get_many(NS, keys, prefix_only=True)
+            assert [g is not None for g in prefix] == [True, False, False]
+            async with client.leased(NS, keys) as views:
+                assert [None if v is None else bytes(v) for v in views] == [data[0][1], None, data[2][1]]
+            dst = [np.zeros(len(b) - 48, dtype=np.uint8) for _, b in data]
+            assert await client.get_into(NS, keys, dst) == [True, False, True]
+            assert not dst[1].any() and dst[2].tobytes() == data[2][1][48:]
+            assert (await client.stats()).inplace_bytes_received == len(data[0][1]) + len(data[2][1])
+
+    asyncio.run(run())
+    assert open_pins(arena_server) == (0, 0)
+
+
+def test_a_wrong_destination_or_an_exception_in_the_block_releases_the_leases(arena_server: ServerThread) -> None:
+    data = blocks(2, 128 << 10)
+    keys = [k for k, _ in data]
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(arena_server.target) as client:
+            await client.put_many(NS, data)
+            with pytest.raises(ValueError, match="destination holds"):
+                await client.get_into(NS, keys, [bytearray(10), bytearray(10)])
+            with pytest.raises(TypeError, match="read-only"):
+                await client.get_into(NS, keys[:1], [bytes(len(data[0][1]) - 48)])
+            with pytest.raises(RuntimeError, match="boom"):
+                async with client.leased(NS, keys):
+                    assert open_pins(arena_server) == (2, 0)
+                    raise RuntimeError("boom")
+            assert open_pins(arena_server) == (0, 0)
+
+    asyncio.run(run())
+
+
+def test_without_a_shared_arena_the_async_sdk_uses_segments(make_server, tmp_path: Path) -> None:
+    server: ServerThread = make_server(shm={"dir": str(tmp_path / "shm"), "share_arena": False})
+    data = blocks(2, 512 << 10)
+    keys = [k for k, _ in data]
+    total = sum(len(b) for _, b in data)
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(server.target) as client:
+            assert (await client.put_many(NS, data)).stored == 2
+            assert client._transport.arena.state == "off"
+            assert client._transport.shm.on
+            assert [bytes(b) for b in await client.get_many(NS, keys)] == [b for _, b in data]
+            async with client.leased(NS, keys) as views:
+                assert [bytes(v) for v in views] == [b for _, b in data]
+            buffers = [bytearray(len(b) - 48) for _, b in data]
+            assert await client.get_into(NS, keys, buffers) == [True, True]
+            assert [bytes(b) for b in buffers] == [b[48:] for _, b in data]
+            stats = await client.stats()
+        assert (stats.inplace_bytes_received, stats.inplace_bytes_leased) == (0, 0)
+        assert stats.shm_bytes_received == total  # the put, through a per-call segment
+        assert stats.shm_bytes_sent == 3 * total  # get_many, leased, get_into
+
+    asyncio.run(run())
+
+
+def test_a_full_arena_sends_the_put_the_ordinary_way(make_server, tmp_path: Path) -> None:
+    server: ServerThread = make_server(ram={"capacity_bytes": 8 * MiB}, shm={"dir": str(tmp_path / "shm")})
+    (pinned,) = blocks(1, 7 * MiB)
+    (item,) = blocks(1, 2 * MiB)
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(server.target) as client:
+            await client.put_many(NS, [pinned])
+            async with client.leased(NS, [pinned[0]]):  # the arena is pinned: a 2 MiB put cannot be reserved
+                result = await client.put_many(NS, [item])
+                assert result.stored + result.rejected == 1
+                arena = client._transport.arena
+                assert (arena.fallbacks, arena.state) == (1, "on")
+                assert (await client.stats()).shm_bytes_received == len(item[1])  # through a per-call segment
+
+    asyncio.run(run())
+    assert open_pins(server) == (0, 0)
+
+
+def test_a_client_with_shm_off_uses_no_arena(arena_server: ServerThread) -> None:
+    (item,) = blocks(1, MiB)
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(arena_server.target, shm=False) as client:
+            await client.put_many(NS, [item])
+            assert [bytes(b) for b in await client.get_many(NS, [item[0]])] == [item[1]]
+            async with client.leased(NS, [item[0]]) as views:
+                assert [bytes(v) for v in views] == [item[1]]
+            assert client._transport.arena.state == "off"
+            stats = await client.stats()
+            assert (stats.inplace_bytes_received, stats.inplace_bytes_leased, stats.shm_bytes_sent) == (0, 0, 0)
+
+    asyncio.run(run())
+
+
+def test_a_restarted_server_has_a_new_arena_and_the_async_client_maps_it(make_server, tmp_path: Path) -> None:
+    cfg = {"ram": {"capacity_bytes": 16 * MiB}, "shm": {"dir": str(tmp_path / "shm")}}
+    first: ServerThread = make_server(**cfg)
+    port = first.running.port
+    data = blocks(2, 256 << 10)
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(first.target, timeout_s=30) as client:
+            await client.put_many(NS, data[:1])
+            old = client._transport.arena.path
+            await asyncio.to_thread(first.stop)
+            second: ServerThread = await asyncio.to_thread(make_server, server={"port": port}, **cfg)
+            assert (await client.put_many(NS, data[1:])).stored == 1  # reserved in the new arena
+            assert client._transport.arena.path != old and client._transport.arena.state == "on"
+            assert [bytes(b) for b in await client.get_many(NS, [data[1][0]])] == [data[1][1]]
+            assert await client.get_many(NS, [data[0][0]]) == [None]  # the old server's RAM is gone
+            assert (await client.stats()).inplace_bytes_received == len(data[1][1])
+        assert open_pins(second) == (0, 0)
+
+    asyncio.run(run())
+
+
+def test_cancelled_and_timed_out_calls_leave_no_pin_and_every_read_is_exact(arena_server: ServerThread) -> None:
+    """Deadlines of a few ms and task.cancel() at random points of puts, gets, leased blocks and
+    get_into, concurrently. Leases and reservations last 60 s on this server, so one left open would
+    still be counted at the end; then every block reads back exactly."""
+    logging.getLogger("kvcache_client").setLevel(logging.CRITICAL)
+    rng = random.Random(14)
+    stored = blocks(12, 256 << 10)
+    expected = dict(stored)
+    keys = [k for k, _ in stored]
+    counts = {"ok": 0, "ended": 0, "wrong": 0, "blocks": 0}
+
+    def check(got_keys: list[bytes], got: list[memoryview | None]) -> None:
+        for k, b in zip(got_keys, got, strict=True):
+            if b is not None:
+                counts["blocks"] += 1
+                counts["wrong"] += bytes(b) != expected[k]
+
+    async def one(client: AsyncKVCacheClient, i: int) -> None:
+        order = rng.sample(keys, 6)
+        t = rng.uniform(0.001, 0.005) if i % 2 else rng.uniform(0.005, 0.060)
+        kind = i % 4
+        if kind == 0:
+            fresh = blocks(3, (128 << 10) if i % 8 else (512 << 10))  # 1.5 MiB: copied in by a thread
+            await client.put_many(NS, fresh, timeout_s=t)
+        elif kind == 1:
+            check(order, await client.get_many(NS, order, timeout_s=t))
+        elif kind == 2:
+            async with client.leased(NS, order, timeout_s=t) as views:
+                await asyncio.sleep(0)
+                check(order, views)
+        else:
+            dst = [bytearray(len(expected[k]) - 48) for k in order]
+            found = await client.get_into(NS, order, dst, timeout_s=t)
+            for k, f, d in zip(order, found, dst, strict=True):
+                if f and bytes(d) != expected[k][48:]:
+                    counts["wrong"] += 1
+
+    async def attempt(client: AsyncKVCacheClient, i: int) -> None:
+        task = asyncio.ensure_future(one(client, i))
+        if i % 3 == 0:  # cancelled from outside at a random point, before or after its deadline
+            await asyncio.sleep(rng.uniform(0, 0.010))
+            task.cancel()
+        try:
+            await task
+            counts["ok"] += 1
+        except (KVCacheError, asyncio.CancelledError):
+            counts["ended"] += 1
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(arena_server.target, timeout_s=30) as client:
+            await client.put_many(NS, stored)
+            for start in range(0, 400, 8):
+                await asyncio.gather(*(attempt(client, i) for i in range(start, start + 8)))
+            inplace = client._transport.inner._inplace
+            await inplace.drain()  # the cleanups of the last calls, each with its own deadline
+            assert open_pins(arena_server) == (0, 0)
+            check(keys, await client.get_many(NS, keys))
+            async with client.leased(NS, keys) as views:
+                check(keys, views)
+                assert all(v is not None for v in views)
+            dst = [bytearray(len(expected[k]) - 48) for k in keys]
+            assert await client.get_into(NS, keys, dst) == [True] * len(keys)
+            assert [bytes(d) for d in dst] == [expected[k][48:] for k in keys]
+            assert client._transport.arena.state == "on"
+        assert open_pins(arena_server) == (0, 0)
+        assert counts["wrong"] == 0 and client.corrupt_blocks == 0
+        assert counts["ended"] > 0 and counts["ok"] > 0 and counts["blocks"] > 0, counts
+
+    asyncio.run(run())
+    stats = arena_server.stack.ram.arena_stats()
+    assert (stats["leases"], stats["reservations"]) == (0, 0)
+
+
+def test_answers_that_come_after_the_caller_stopped_waiting_have_their_pins_handed_back(
+    arena_server: ServerThread,
+) -> None:
+    """The server answers ArenaReserve and LeaseGet (pinning slots) only after each caller's
+    deadline passed or its task was cancelled: every pin is handed back once the answer arrives."""
+    data = blocks(4, 256 << 10)
+    keys = [k for k, _ in data]
+    total = sum(len(b) for _, b in data)
+
+    async def cancelled(coro) -> None:
+        task = asyncio.ensure_future(coro)
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    async def leased_block(client: AsyncKVCacheClient) -> None:
+        async with client.leased(NS, keys):
+            raise AssertionError("cancelled before its leases came")
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(arena_server.target, timeout_s=30) as client:
+            await client.put_many(NS, data)
+            inplace = client._transport.inner._inplace
+            arena_server.loop.call_soon_threadsafe(time.sleep, 0.5)  # the server answers nothing for 0.5 s
+            await asyncio.sleep(0.05)
+            with pytest.raises(DeadlineExceeded, match="LeaseGet"):
+                await client.get_many(NS, keys, timeout_s=0.02)
+            with pytest.raises(DeadlineExceeded, match="ArenaReserve"):
+                await client.put_many(NS, blocks(2, 256 << 10), timeout_s=0.02)
+            await cancelled(client.get_into(NS, keys, [bytearray(len(b) - 48) for _, b in data]))
+            await cancelled(leased_block(client))
+            await inplace.drain()  # the answers came, and their cleanups ran
+            assert inplace.handed_back == 4
+            assert open_pins(arena_server) == (0, 0)
+            stats = await client.stats()
+            assert stats.inplace_bytes_leased == 3 * total  # the server did lease them, three times
+            assert stats.inplace_bytes_received == total  # the late reservation stored nothing
+            assert [bytes(b) for b in await client.get_many(NS, keys)] == [b for _, b in data]
+        assert open_pins(arena_server) == (0, 0)
+
+    asyncio.run(run())
