@@ -104,7 +104,12 @@ def test_kvcache_service_config_ports_and_mount() -> None:
     assert (DOCKER / ".." / kvcache["build"]["dockerfile"]).resolve() == DOCKER / "Dockerfile"
     # Metrics are plain HTTP: loopback inside the container, not published (docs/deployment.md, "Metrics").
     assert (cfg.server.host, cfg.metrics.enabled, cfg.metrics.host) == ("0.0.0.0", True, "127.0.0.1")
-    assert published(kvcache) == {cfg.server.port: ("127.0.0.1", cfg.server.port)}
+    # gRPC and the bulk port, each published under its own number: Info advertises the bulk port as is.
+    assert published(kvcache) == {
+        cfg.server.port: ("127.0.0.1", cfg.server.port),
+        cfg.bulk.port: ("127.0.0.1", cfg.bulk.port),
+    }
+    assert cfg.bulk.enabled and cfg.bulk.port == 51061 and not cfg.bulk.host
     assert (cfg.server.port, cfg.metrics.port) == (51051, 9400)
     assert kvcache["volumes"][0] == f"./kvcache.toml:{IMAGE_CONFIG_PATH}:ro"
     assert json.loads(one(DOCKER / "Dockerfile", "CMD")) == ["--config", IMAGE_CONFIG_PATH]

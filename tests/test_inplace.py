@@ -318,38 +318,3 @@ def test_a_restarted_server_has_a_new_arena_and_the_client_maps_it(make_server, 
         assert client.get_many(NS, [data[0][0]]) == [None]  # the old server's RAM is gone
         assert second.stack.ram.arena_stats()["leases"] == 0
 
-
-def test_the_arena_sink_other_receivers_plug_into(arena_server: ServerThread) -> None:
-    """reserve -> writable view -> commit (verified) / abandon; lease -> readable view -> release."""
-    from kvcache_server.pipeline.inplace import ArenaSink
-    from kvcache_server.pipeline.verify import BlockRefused
-
-    stack = arena_server.stack
-    sink = ArenaSink(stack, arena_server.config.limits.max_block_bytes, ttl_s=5)
-    (item,) = blocks(1, 100_000)
-
-    async def flow() -> None:
-        res = sink.reserve(NS, len(item[1]))
-        assert res is not None
-        res.buffer[:] = item[1]
-        with pytest.raises(BlockRefused):
-            await sink.commit(res, os.urandom(16))  # not this block's key: refused, slot freed
-        assert stack.ram.arena_stats()["reservations"] == 0
-        res = sink.reserve(NS, len(item[1]))
-        assert res is not None
-        res.buffer[:] = item[1]
-        assert await sink.commit(res, item[0])
-        other = sink.reserve(NS, 1000)
-        assert other is not None
-        sink.abandon(other)
-
-    arena_server.call(flow())
-    lease = sink.lease(NS, item[0])
-    assert lease is not None and bytes(lease.view) == item[1] and lease.view.readonly
-    sink.release(lease)
-    assert sink.lease(NS, os.urandom(16)) is None
-    with pytest.raises(BlockRefused):
-        sink.reserve(NS, 0)
-    assert stack.ram.arena_stats()["leases"] == stack.ram.arena_stats()["reservations"] == 0
-    with KVCacheClient(arena_server.target) as client:
-        assert [bytes(b) for b in client.get_many(NS, [item[0]])] == [item[1]]

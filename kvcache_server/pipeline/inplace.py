@@ -8,16 +8,7 @@ RamTier.lease_many; send = only the slot's place: the client verifies the key-bo
 copies or reads in place, then releases. Keys RAM lacks are misses here: the client fetches them
 with Get, which reads the lower tiers and promotes into RAM.
 
-For other receivers (a bulk TCP path), ArenaSink below is the same pipeline without gRPC:
-
-    sink = ArenaSink(stack, max_block_bytes, ttl_s)
-    res = sink.reserve(namespace, nbytes)           # a writable memoryview in res.buffer; None: no room
-    sock.recv_into(res.buffer)
-    stored = await sink.commit(res, key)            # verify in place, then index; BlockRefused
-    sink.abandon(res)                               # or give it up (a reservation not committed expires)
-
-    lease = sink.lease(namespace, key)              # a read-only memoryview in lease.view; None: not in RAM
-    sock.sendmsg([lease.view]); sink.release(lease)
+The bulk TCP path receives into arena slots the same way, through kvcache_server.bulk.sink.ArenaSink.
 
 Who may: the arena file is 0600 in the owner-only shm directory, so only processes of the server's
 user map it; token rights and tenant scoping apply to these RPCs as to Put and Get (reservations
@@ -33,7 +24,7 @@ import grpc
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.auth import current_principal
 from kvcache_server.pipeline.verify import BlockRefused, verify_block_for_put
-from kvcache_server.tiers.ram import Lease, Reservation, tenant_of
+from kvcache_server.tiers.ram import Reservation, tenant_of
 
 if TYPE_CHECKING:
     from kvcache_server.config import LimitsSection
@@ -194,50 +185,3 @@ class InPlaceRPCs:
         tenant = tenant_of(f"{principal.tenant}:") if principal is not None else None
         return pb.LeaseReleaseResponse(released=self._stack.ram.release(ids, tenant))
 
-
-class ArenaSink:
-    """reserve -> writable memoryview; commit verifies and stores under the key; abandon frees;
-    lease -> readable memoryview; release. The in-place pipeline for receivers other than gRPC.
-
-    Namespaces are the server's scoped names ("tenant:namespace" with auth), as the tiers store them.
-    """
-
-    def __init__(self, stack: TierStack, max_block_bytes: int, ttl_s: float) -> None:
-        self._stack = stack
-        self._max_block_bytes = max_block_bytes
-        self._ttl_s = ttl_s
-
-    def reserve(self, namespace: str, nbytes: int) -> Reservation | None:
-        """A slot of exactly `nbytes` for one block, evicting to make room; None when there is none now.
-
-        Raises:
-            BlockRefused: RESOURCE_EXHAUSTED when `nbytes` is over max_block_bytes, INVALID_ARGUMENT for 0.
-        """
-        if not 0 < nbytes <= self._max_block_bytes:
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if nbytes else grpc.StatusCode.INVALID_ARGUMENT
-            raise BlockRefused(code, f"a block is 1..max_block_bytes={self._max_block_bytes} bytes, not {nbytes}")
-        return self._stack.ram.reserve(namespace, nbytes, self._ttl_s)
-
-    async def commit(self, reservation: Reservation, key: bytes) -> bool:
-        """Verifies the block in its slot under `key` and stores it as Put would (RAM without a copy,
-        lower tiers by their write modes); True when some tier took it. A refused block's slot is freed.
-
-        Raises:
-            BlockRefused: the block is not valid under `key` (see pipeline.verify).
-        """
-        try:
-            await verify_block_for_put(0, key, reservation.buffer, self._max_block_bytes)
-            outcome = await self._stack.put_reserved(reservation.namespace, [(key, reservation)])
-        finally:
-            self._stack.ram.abandon([reservation.id])  # nothing when it was committed
-        return outcome.kept[0]
-
-    def abandon(self, reservation: Reservation) -> None:
-        self._stack.ram.abandon([reservation.id])
-
-    def lease(self, namespace: str, key: bytes) -> Lease | None:
-        """A read lease on the block RAM holds under `key` (its slot stays as it is until released)."""
-        return self._stack.lease(namespace, [key], self._ttl_s)[0]
-
-    def release(self, lease: Lease) -> None:
-        self._stack.ram.release([lease.id])
