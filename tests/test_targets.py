@@ -52,6 +52,32 @@ def test_the_own_server_first_then_another_sharing_its_tiers(
         assert transport.rotation.failovers == 1
 
 
+def test_fleet_reads_go_in_place_or_over_bulk_and_leases_go_back_to_their_server(
+    make_server: Callable[..., ServerThread], redis_server: RedisProcess
+) -> None:
+    """A fleet client reads in place from a server whose arena this host shares, over the bulk port
+    from one whose it does not, and hands each lease back to the server that granted it (before,
+    leased() through failover fell back to a copying get and fleet clients never used bulk)."""
+    own, other = pair(make_server, redis_server)
+    items = [keyed(os.urandom(2 << 20)) for _ in range(3)]
+    keys = [k for k, _ in items]
+    with fleet_client([own.target, other.target], timeout_s=10, retry=ONCE) as client:
+        assert client.put_many(NS, items).stored == 3
+        with client.leased(NS, keys) as got:
+            assert [bytes(g) for g in got] == [b for _, b in items]
+            assert own.stack.ram.arena_stats()["leases"] == 3  # views of own's arena, leased there
+        assert own.stack.ram.arena_stats()["leases"] == 0
+        assert client.stats().inplace_bytes_leased == sum(len(b) for _, b in items)
+    with fleet_client([own.target, other.target], timeout_s=10, retry=ONCE, shm=False) as client:
+        own.stop()  # off the servers' host (shm=False): the other answers, over its bulk port
+        with client.leased(NS, keys) as got:
+            assert [bytes(g) for g in got] == [b for _, b in items]  # from the shared Redis tier
+        assert client._transport.rotation.last_target == other.target
+        bulk = client._transport._transports[1].link.counters
+        assert bulk.bulk_bytes_received == sum(len(b) for _, b in items)
+        assert other.stack.ram.arena_stats()["leases"] == 0
+
+
 def test_a_refused_first_target_fails_over_and_an_answer_does_not(
     make_server: Callable[..., ServerThread], redis_server: RedisProcess
 ) -> None:

@@ -30,6 +30,8 @@ from typing import TypeVar
 import grpc
 
 from kvcache_client.aio import AsyncKVCacheClient
+from kvcache_client.arena import Leased
+from kvcache_client.bulk import BulkLink, BulkTransport, bearer_token
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, make_channel
 from kvcache_client.errors import RPCError
@@ -136,6 +138,8 @@ class FailoverTransport:
             raise ValueError("FailoverTransport needs one name per transport, and at least one")
         self._transports = list(transports)
         self.rotation = _Rotation(names, cooldown_s, attempt_timeout_s)
+        self._lock = threading.Lock()
+        self._lease_owner: dict[int, Transport] = {}  # open lease id -> the transport to release it through
 
     def _each(self, timeout_s: float, fn: Callable[[Transport, float], T]) -> T:
         deadline = time.monotonic() + timeout_s
@@ -161,6 +165,33 @@ class FailoverTransport:
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
         return self._each(timeout_s, lambda t, s: t.get(namespace, keys, prefix_only, s))
+
+    def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
+        """In-place reads (KVCacheClient.leased) from whichever server answers: its arena where this
+        host shares it, else a get; release() hands the leases back to that server."""
+
+        def one(t: Transport, s: float) -> tuple[Leased, Transport]:
+            lease = getattr(t, "lease", None)
+            return (
+                Leased(t.get(namespace, keys, prefix_only, s))
+                if lease is None
+                else lease(namespace, keys, prefix_only, s)
+            ), t
+
+        leased, owner = self._each(timeout_s, one)
+        with self._lock:
+            self._lease_owner.update(dict.fromkeys(leased.ids, owner))
+        return leased
+
+    def release(self, ids: list[int]) -> None:
+        by_owner: dict[int, tuple[Transport, list[int]]] = {}
+        with self._lock:
+            for lease_id in ids:
+                owner = self._lease_owner.pop(lease_id, None)
+                if owner is not None:
+                    by_owner.setdefault(id(owner), (owner, []))[1].append(lease_id)
+        for owner, owned in by_owner.values():
+            owner.release(owned)  # type: ignore[attr-defined]
 
     def delete(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> int:
         return self._each(timeout_s, lambda t, s: t.delete(namespace, keys, s))
@@ -259,8 +290,12 @@ def fleet_client(
     """
     names = split_targets(targets)
     metadata = auth_metadata(token)
+    # Each server's block bytes: its arena on this host, its bulk port elsewhere (docs/bulk.md), else gRPC.
     transports: list[Transport] = [
-        GrpcTransport(make_channel(t, tls=tls, max_message_bytes=max_message_bytes), metadata=metadata, shm=shm)
+        BulkTransport(
+            GrpcTransport(make_channel(t, tls=tls, max_message_bytes=max_message_bytes), metadata=metadata, shm=shm),
+            BulkLink(t, token=bearer_token(token), tls=tls),
+        )
         for t in names
     ]
     transport = FailoverTransport(transports, names, cooldown_s=cooldown_s, attempt_timeout_s=attempt_timeout_s)
