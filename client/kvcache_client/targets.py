@@ -31,7 +31,7 @@ import grpc
 
 from kvcache_client.aio import AsyncKVCacheClient
 from kvcache_client.arena import Leased
-from kvcache_client.bulk import BulkLink, BulkTransport, bearer_token
+from kvcache_client.bulk import AsyncBulkTransport, BulkLink, BulkTransport, bearer_token
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, make_channel
 from kvcache_client.errors import RPCError
@@ -324,7 +324,10 @@ def async_fleet_client(
 
     def factory(target: str) -> Callable[[], AsyncTransport]:
         channel = aio_channel_factory(target, tls=tls, max_message_bytes=max_message_bytes)
-        return lambda: AsyncGrpcTransport(channel(), metadata=metadata, shm=shm)
+        return lambda: AsyncBulkTransport(
+            AsyncGrpcTransport(channel(), metadata=metadata, shm=shm),
+            BulkLink(target, token=bearer_token(token), tls=tls),
+        )
 
     transport = AsyncFailoverTransport(
         [factory(t) for t in names], names, cooldown_s=cooldown_s, attempt_timeout_s=attempt_timeout_s
