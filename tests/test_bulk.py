@@ -715,3 +715,19 @@ def test_leased_and_get_into_use_the_bulk_port_off_the_servers_host(make_server)
         assert client.get_into("n", keys, destinations) == [True, True]
         assert [bytes(d) for d in destinations] == [bytes(payload_view(b)) for _, b in items]
         assert client.bulk.counters.bulk_bytes_received == 2 * nbytes
+
+
+def test_bulk_is_reconsidered_when_shared_memory_turns_off(make_server) -> None:
+    """A server whose shm directory exists on this host turns shared memory on, so bulk off; when
+    shared memory then turns off (the directory was not the server's: its first segment call fails),
+    the bulk path is asked for again instead of staying off for the client's life."""
+    server = bulk_server(make_server, shm={"enabled": True, "share_arena": False})
+    items = blocks(2, 2 << 20)
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        assert client.put_many("n", items).stored == 2
+        assert client._transport.shm.on and client.bulk.state == "off"
+        client._transport.shm.off("not this server's directory (simulated)")
+        got = client.get_many("n", [k for k, _ in items])
+        assert [bytes(g) for g in got] == [b for _, b in items]
+        assert client.bulk.state == "on"
+        assert client.bulk.counters.bulk_bytes_received == sum(len(b) for _, b in items)

@@ -68,6 +68,9 @@ def client_tls_context(tls: TLSConfig) -> ssl.SSLContext:
     return context
 
 
+_SHM_ON = "the same-host shared-memory path is on"
+
+
 class BulkLink:
     """Whether this client uses the bulk path, its pool, and which path moved the bytes.
 
@@ -124,7 +127,7 @@ class BulkLink:
                 self._off("the gRPC target is not host:port")
                 return
             if shm_on:
-                self._off("the same-host shared-memory path is on")
+                self._off(_SHM_ON)  # reconsidered once shared memory turns off (reconsider)
                 return
             if info.bulk_tls != (self._tls is not None):  # never a token in clear from a TLS client
                 self._off(f"the bulk port is {'TLS' if info.bulk_tls else 'plaintext'}, this client is not")
@@ -143,6 +146,14 @@ class BulkLink:
 
     def _off(self, reason: str) -> None:
         self.state, self.reason = "off", reason
+
+    def reconsider(self, shm_on: bool) -> None:
+        """Off only because shared memory was on, which it no longer is (a server whose shm directory
+        exists here but is not its own turns it off at the first call): ask Info again."""
+        if self.state == "off" and self.reason == _SHM_ON and not shm_on:
+            with self._lock:
+                if self.state == "off" and self.reason == _SHM_ON:
+                    self.state, self.reason = "unknown", ""
 
     def usable(self, nbytes: int) -> BulkPool | None:
         """The pool to move `nbytes` with, or None (use gRPC)."""
@@ -223,6 +234,7 @@ class BulkTransport:
         self.arena = grpc_transport.arena  # same host: the server's block arena (docs/arena.md)
 
     def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
+        self.link.reconsider(self.inner.shm.on)
         if self.link.needs_info:
             refresh = self.link.state == "down"
             self.link.configure(self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
@@ -290,6 +302,7 @@ class AsyncBulkTransport:
         self.arena = grpc_transport.arena  # same host: the server's block arena (docs/arena.md)
 
     async def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
+        self.link.reconsider(self.inner.shm.on)
         if self.link.needs_info:
             refresh = self.link.state == "down"
             self.link.configure(await self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
