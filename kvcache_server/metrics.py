@@ -166,6 +166,24 @@ class _StatsCollector(Collector):
         family.add_metric(["received"], service["inplace_bytes_received"])
         family.add_metric(["sent"], service["inplace_bytes_leased"])
         yield family
+        # The block arena (docs/arena.md): what leases and reservations pin, and those that ran out of time.
+        yield GaugeMetricFamily("kvcache_arena_free_bytes", "Arena bytes in no slot", value=service["arena_free_bytes"])
+        yield GaugeMetricFamily("kvcache_arena_leases", "Read leases open now", value=service["arena_leases"])
+        yield GaugeMetricFamily(
+            "kvcache_arena_reservations",
+            "Reservations open now (blocks being written in place)",
+            value=service["arena_reservations"],
+        )
+        yield CounterMetricFamily(
+            "kvcache_arena_leases_expired",
+            "Read leases that ended by time-out, not release",
+            value=service["arena_leases_expired"],
+        )
+        yield CounterMetricFamily(
+            "kvcache_arena_reservations_reclaimed",
+            "Reservations reclaimed by time-out, neither committed nor abandoned",
+            value=service["arena_reservations_reclaimed"],
+        )
         yield GaugeMetricFamily(
             "kvcache_inflight_bytes",
             "Bytes held for calls in flight, against limits.inflight_bytes",

@@ -104,6 +104,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             "inflight_peak_bytes": self.budget.peak,
             "inflight_refused": self.budget.refused,
             "cut_off_calls": self.cut_off,
+            **{f"arena_{name}": n for name, n in self._stack.ram.arena_stats().items()},
             **dict.fromkeys(_BULK_STATS, 0),
             **self._bulk_stats(),
         }

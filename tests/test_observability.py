@@ -93,6 +93,9 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     # The client is on the server's host: its get's hits were read in place from the block arena (the
     # one miss asked Get, through a segment, which sent nothing); its small put went inline.
     assert delta("kvcache_inplace_bytes_total", direction="sent") == sum(len(b) for b in blocks)
+    # Every lease of those reads was handed back; nothing is being written in place.
+    assert (metric(after, "kvcache_arena_leases"), metric(after, "kvcache_arena_reservations")) == (0, 0)
+    assert 0 < metric(after, "kvcache_arena_free_bytes") <= ram.capacity_bytes
     assert delta("kvcache_shm_bytes_total", direction="sent") == 0
     assert delta("kvcache_shm_bytes_total", direction="received") == 0
     # The process's own metrics, and admission's.
