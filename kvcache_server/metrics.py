@@ -27,6 +27,7 @@ import platform
 import socket
 import socketserver
 import ssl
+import sys
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import fields
@@ -87,6 +88,25 @@ _BREAKER = {"closed": 0, "open": 1, "half_open": 2}
 assert set(_TIER_COUNTERS) | set(_TIER_BYTES) <= {f.name for f in fields(TierStats)}
 
 
+_CLUSTER_COUNTERS = {
+    "node_failures": "Redis Cluster nodes that failed a batch (then read from their replicas, skipped a moment)",
+    "replica_reads": "Batches of a failed master's keys read from one of its replicas",
+    "refreshes": "Slot-map refreshes after a redirection or a failed master",
+    "round_trips": "Pipelines sent to Redis Cluster nodes",
+}
+
+
+def _cluster_families(stack: TierStack) -> Iterator[CounterMetricFamily]:
+    """The Redis Cluster tier's own counters (docs/tiers.md), when the stack has one."""
+    module = sys.modules.get("kvcache_server.tiers.redis_cluster")  # imported only with [redis] cluster
+    tiers = [t for t in stack.tiers if module is not None and isinstance(t, module.RedisClusterTier)]
+    for name, help_text in _CLUSTER_COUNTERS.items():
+        family = CounterMetricFamily(f"kvcache_redis_cluster_{name}", help_text, labels=["tier"])
+        for tier in tiers:
+            family.add_metric([tier.name], getattr(tier, name))
+        yield family
+
+
 class _StatsCollector(Collector):
     def __init__(
         self,
@@ -129,6 +149,7 @@ class _StatsCollector(Collector):
             for s in stats:
                 family.add_metric([s.name], value(s))
             yield family
+        yield from _cluster_families(self._stack)
         service = self._service()
         yield CounterMetricFamily(
             "kvcache_put_checksum_failures",

@@ -27,6 +27,7 @@ from kvcache_server.tiers.base import TierError
 from kvcache_server.tiers.redis_cluster import RedisClusterTier
 from tests.backends import KVServerProcess, RedisClusterProcesses, S3Process, make_certs, wait_for
 from tests.conftest import ServerThread, keyed
+from tests.test_observability import metric, scrape
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -387,7 +388,10 @@ def test_a_master_killed_under_load_serves_no_wrong_bytes_then_the_promoted_repl
         for m in masters:  # every replica has every block before the load begins
             wait_for(lambda m=m: c.replica_of(m).client().dbsize() == m.client().dbsize(), what="replication")
         redis = {**c.overrides(), "promote": False, "timeout_s": 3.0, "breaker_failures": 1000}
-        servers = [ServerThread({"ram": {"capacity_bytes": 64 << 20}, "redis": redis}) for _ in range(3)]
+        servers = [
+            ServerThread({"ram": {"capacity_bytes": 64 << 20}, "redis": redis, "metrics": {"enabled": True, "port": 0}})
+            for _ in range(3)
+        ]
         cs = [KVCacheClient(s.target, timeout_s=20, shm=False) for s in servers]
         wrong, missed, served = [0], [0], [0]
         stop = threading.Event()
@@ -428,6 +432,10 @@ def test_a_master_killed_under_load_serves_no_wrong_bytes_then_the_promoted_repl
         assert served[0] > 0
         assert missed[0] == misses_counted()
         assert sum(t.node_failures for t in tiers) > 0  # the load did meet the dead master
+        for s, t in zip(servers, tiers, strict=True):  # and /metrics says so, per server
+            samples = scrape(s.running.metrics_port)
+            assert metric(samples, "kvcache_redis_cluster_node_failures_total", tier="redis") == t.node_failures
+            assert metric(samples, "kvcache_redis_cluster_replica_reads_total", tier="redis") == t.replica_reads
         for cl in cs:  # after the failover, from the promoted replica: every block, byte-identical
             wait_for(lambda cl=cl: None not in cl.get_many(NS, keys), timeout_s=15, what="every block served")
             assert [bytes(b) for b in cl.get_many(NS, keys)] == [b for _, b in items]
