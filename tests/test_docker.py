@@ -452,7 +452,7 @@ def test_fleet_services() -> None:
 def test_fleet_servers_share_the_redis_cluster_and_minio_and_name_themselves() -> None:
     services = fleet()
     redis_nodes = sorted(n for n in services if re.fullmatch(r"redis-\d", n))
-    ids, ports = set(), set()
+    ids, ports, bulk_ports = set(), set(), set()
     for name in fleet_nodes():
         svc = services[name]
         assert svc["volumes"] == [f"./fleet.toml:{IMAGE_CONFIG_PATH}:ro"]
@@ -462,6 +462,9 @@ def test_fleet_servers_share_the_redis_cluster_and_minio_and_name_themselves() -
         assert (cfg.s3.enabled, urlparse(cfg.s3.endpoint_url).hostname, cfg.s3.bucket) == (True, "minio", "kvcache")
         ids.add(cfg.events.server_id)
         ports.add(published(svc)[cfg.server.port])
+        # The bulk port is published under its own number (Info advertises it as the server binds it).
+        assert cfg.bulk.enabled and published(svc)[cfg.bulk.port] == ("127.0.0.1", cfg.bulk.port)
+        bulk_ports.add(cfg.bulk.port)
         assert svc["depends_on"] == {
             "redis-cluster-init": {"condition": "service_completed_successfully"},
             "minio": {"condition": "service_healthy"},
@@ -471,7 +474,7 @@ def test_fleet_servers_share_the_redis_cluster_and_minio_and_name_themselves() -
         need = cfg.ram.capacity_bytes + cfg.limits.inflight_bytes + queues + (80 << 20)
         assert need <= int(svc["mem_limit"][:-1]) << 30 <= need + (1 << 30)
     assert ids == {"node-1", "node-2", "node-3"}
-    assert len(ports) == 3
+    assert len(ports) == 3 and len(bulk_ports) == 3
 
 
 def test_fleet_redis_is_a_cluster_of_three_masters_with_a_replica_each() -> None:
