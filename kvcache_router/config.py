@@ -15,8 +15,6 @@ KVCACHE_ROUTER_* variables to the router).
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +22,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from kvcache_core.keys import CANONICAL_LAYOUT, HEADS_LAYOUT_VERSION, LAYOUT_VERSION, MLA_LAYOUT, Namespace
-from kvcache_server.config import ConfigError, parse_assignment, parse_size
+from kvcache_server.config_loader import ConfigError, load_layered, parse_assignment
 
 ENV_PREFIX = "KVCACHE_ROUTER_"
 ENV_CONFIG = "KVCACHE_ROUTER_CONFIG"
@@ -229,73 +227,6 @@ class RouterConfig:
         return self
 
 
-def _coerce(where: str, kind: str, value: Any) -> Any:
-    try:
-        if where.endswith("_bytes"):
-            return parse_size(value)
-        if kind == "tuple[str, ...]":
-            items = value if isinstance(value, list | tuple) else str(value).split(",")
-            return tuple(str(v).strip() for v in items if str(v).strip())
-        if kind == "bool":
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text not in {"1", "true", "yes", "on", "0", "false", "no", "off"}:
-                raise ConfigError(f"{where}: {value!r} is not a boolean")
-            return text in {"1", "true", "yes", "on"}
-        if kind == "int":
-            if isinstance(value, bool):
-                raise ConfigError(f"{where}: {value!r} is not an integer")
-            return int(value)
-        if kind == "float":
-            return float(value)
-        if isinstance(value, list | dict):
-            raise ConfigError(f"{where}: {value!r} is not a string")
-        return str(value)
-    except ConfigError:
-        raise
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}: {value!r} is not a valid {kind}") from None
-
-
-def _apply(config: RouterConfig, updates: Mapping[str, Mapping[str, Any]], source: str) -> RouterConfig:
-    sections = {f.name for f in dataclasses.fields(config)}
-    changes: dict[str, Any] = {}
-    for section, values in updates.items():
-        if section not in sections:
-            raise ConfigError(f"{source}: unknown section [{section}]; known: {sorted(sections)}")
-        if not isinstance(values, Mapping):
-            raise ConfigError(f"{source}: [{section}] must be a table")
-        current = changes.get(section, getattr(config, section))
-        fields = {f.name: str(f.type) for f in dataclasses.fields(current)}
-        kwargs = {}
-        for name, value in values.items():
-            if name not in fields:
-                raise ConfigError(f"{source}: unknown field {section}.{name}; known: {sorted(fields)}")
-            kwargs[name] = _coerce(f"{section}.{name}", fields[name], value)
-        changes[section] = dataclasses.replace(current, **kwargs)
-    return dataclasses.replace(config, **changes)
-
-
-def _from_env(config: RouterConfig, env: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    known = {
-        f"{ENV_PREFIX}{s.name}_{f.name}".upper(): (s.name, f.name)
-        for s in dataclasses.fields(config)
-        for f in dataclasses.fields(getattr(config, s.name))
-    }
-    updates: dict[str, dict[str, str]] = {}
-    for var in sorted(env):
-        if var in known:
-            section, name = known[var]
-            updates.setdefault(section, {})[name] = env[var]
-        elif var.startswith(ENV_PREFIX) and var != ENV_CONFIG:
-            short = len(ENV_PREFIX)
-            close = difflib.get_close_matches(var[short:], [k[short:] for k in known], n=1, cutoff=0.6)
-            hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else f"; names are {ENV_PREFIX}<SECTION>_<FIELD>"
-            raise ConfigError(f"environment: unknown variable {var}{hint} (docs/router.md)")
-    return updates
-
-
 def assignments(items: list[str]) -> dict[str, dict[str, str]]:
     """`--set section.field=value` flags as {section: {field: value}}."""
     out: dict[str, dict[str, str]] = {}
@@ -322,17 +253,12 @@ def load_config(
         ConfigError: for any unknown or invalid setting, naming it.
     """
     env = env or {}
-    config = RouterConfig()
-    path = path or env.get(ENV_CONFIG)
-    if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        config = _apply(config, data, str(path))
-    config = _apply(config, _from_env(config, env), "environment")
-    if overrides:
-        config = _apply(config, overrides, "command line")
-    return config.validate()
+    return load_layered(
+        RouterConfig(),
+        path=path or env.get(ENV_CONFIG),
+        env=env,
+        overrides=overrides,
+        prefix=ENV_PREFIX,
+        ignored=lambda var: var == ENV_CONFIG,
+        docs="docs/router.md",
+    ).validate()

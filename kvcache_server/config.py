@@ -14,31 +14,28 @@ silently unapplied; so is any KVCACHE_* environment variable that names no field
 is not one of ENV_NOT_FIELDS.
 
 Longer than the project's ~500-line module guideline: one typed section per TOML table, each with its
-validation next to its fields, and the loader that merges file, environment and flags.
+validation next to its fields (the loader that merges file, environment and flags is config_loader.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import ipaddress
-import re
-import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvcache_server.config_loader import ConfigError, load_layered
+from kvcache_server.config_loader import parse_assignment as parse_assignment  # re-exported: the CLI, the router
+from kvcache_server.config_loader import parse_size as parse_size  # re-exported: auth, tests
+
 DEFAULT_PORT = 51051
 DEFAULT_HOST = "127.0.0.1"
 
 _GiB = 1 << 30
 _MiB = 1 << 20
-
-
-class ConfigError(ValueError):
-    """A configuration value that is missing, malformed or out of range."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -474,80 +471,6 @@ class ServerConfig:
         return self
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {
-    "b": 1,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
-    "kib": 1 << 10,
-    "mib": 1 << 20,
-    "gib": 1 << 30,
-    "tib": 1 << 40,
-}
-
-
-def parse_size(value: str | int) -> int:
-    """'4GiB' -> 4294967296; ints pass through."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    m = _SIZE.match(str(value))
-    if not m:
-        raise ConfigError(f"{value!r} is not a size (e.g. 1048576, '512MiB', '4GiB')")
-    number, unit = m.groups()
-    return int(float(number) * _UNITS[(unit or "b").lower()])
-
-
-def _coerce(section: str, name: str, kind: type, value: Any) -> Any:
-    where = f"{section}.{name}"
-    try:
-        if name.endswith("_bytes"):
-            return parse_size(value)
-        if kind is bool:
-            if isinstance(value, bool):
-                return value
-            text = str(value).strip().lower()
-            if text in {"1", "true", "yes", "on"}:
-                return True
-            if text in {"0", "false", "no", "off"}:
-                return False
-            raise ConfigError(f"{where}: {value!r} is not a boolean")
-        if kind is int:
-            if isinstance(value, bool):
-                raise ConfigError(f"{where}: {value!r} is not an integer")
-            return int(value)
-        if kind is float:
-            return float(value)
-        return str(value)
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, ConfigError):
-            raise
-        raise ConfigError(f"{where}: {value!r} is not a valid {kind.__name__}") from None
-
-
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
-
-
-def _apply(config: ServerConfig, updates: Mapping[str, Mapping[str, Any]], source: str) -> ServerConfig:
-    sections = {f.name: f for f in dataclasses.fields(config)}
-    changes: dict[str, Any] = {}
-    for section_name, values in updates.items():
-        if section_name not in sections:
-            raise ConfigError(f"{source}: unknown section [{section_name}]; known: {sorted(sections)}")
-        if not isinstance(values, Mapping):
-            raise ConfigError(f"{source}: [{section_name}] must be a table")
-        current = changes.get(section_name, getattr(config, section_name))
-        fields = {f.name: f for f in dataclasses.fields(current)}
-        kwargs = {}
-        for name, value in values.items():
-            if name not in fields:
-                raise ConfigError(f"{source}: unknown field {section_name}.{name}; known: {sorted(fields)}")
-            kwargs[name] = _coerce(section_name, name, _TYPES[str(fields[name].type)], value)
-        changes[section_name] = dataclasses.replace(current, **kwargs)
-    return dataclasses.replace(config, **changes)
-
-
 ENV_NOT_FIELDS = {
     "KVCACHE_CONFIG": "the server's TOML file (--config)",
     "KVCACHE_TARGET": "the CLI's server address (docs/cli.md)",
@@ -559,33 +482,6 @@ ENV_NOT_FIELDS = {
 
 ENV_ROUTER_PREFIX = "KVCACHE_ROUTER_"
 """kvcache-router's variables (docs/router.md): its own config checks them, the server leaves them alone."""
-
-
-def _from_env(config: ServerConfig, env: Mapping[str, str]) -> dict[str, dict[str, str]]:
-    known: dict[str, tuple[str, str]] = {}
-    for f in dataclasses.fields(config):
-        for sub in dataclasses.fields(getattr(config, f.name)):
-            known[f"KVCACHE_{f.name}_{sub.name}".upper()] = (f.name, sub.name)
-    updates: dict[str, dict[str, str]] = {}
-    for var in sorted(env):
-        if var in known:
-            section, name = known[var]
-            updates.setdefault(section, {})[name] = env[var]
-        elif var.startswith("KVCACHE_") and var not in ENV_NOT_FIELDS and not var.startswith(ENV_ROUTER_PREFIX):
-            # Compared without the common prefix, which would make every name look close.
-            close = difflib.get_close_matches(var[8:], [k[8:] for k in known], n=1, cutoff=0.6)
-            hint = f"; did you mean KVCACHE_{close[0]}?" if close else "; names are KVCACHE_<SECTION>_<FIELD>"
-            raise ConfigError(f"environment: unknown variable {var}{hint} (docs/tiers.md)")
-    return updates
-
-
-def parse_assignment(text: str) -> tuple[str, str, str]:
-    """'section.field=value' -> (section, field, value)."""
-    key, sep, value = text.partition("=")
-    section, dot, name = key.strip().partition(".")
-    if not sep or not dot or not section or not name:
-        raise ConfigError(f"--set expects section.field=value, got {text!r}")
-    return section, name, value
 
 
 def load_config(
@@ -605,17 +501,12 @@ def load_config(
         ConfigError: for any unknown or invalid setting, naming it.
     """
     env = env or {}
-    config = ServerConfig()
-    path = path or env.get("KVCACHE_CONFIG")
-    if path:
-        try:
-            data = tomllib.loads(Path(path).read_text())
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
-        config = _apply(config, data, str(path))
-    config = _apply(config, _from_env(config, env), "environment")
-    if overrides:
-        config = _apply(config, overrides, "command line")
-    return config.validate()
+    return load_layered(
+        ServerConfig(),
+        path=path or env.get("KVCACHE_CONFIG"),
+        env=env,
+        overrides=overrides,
+        prefix="KVCACHE_",
+        ignored=lambda var: var in ENV_NOT_FIELDS or var.startswith(ENV_ROUTER_PREFIX),
+        docs="docs/tiers.md",
+    ).validate()

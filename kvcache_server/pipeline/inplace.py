@@ -184,4 +184,3 @@ class InPlaceRPCs:
         principal = current_principal.get()
         tenant = tenant_of(f"{principal.tenant}:") if principal is not None else None
         return pb.LeaseReleaseResponse(released=self._stack.ram.release(ids, tenant))
-
