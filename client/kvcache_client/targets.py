@@ -267,6 +267,31 @@ class AsyncFailoverTransport:
         await asyncio.gather(*(t.close() for t in made))
 
 
+def target_transports(
+    names: Sequence[str],
+    *,
+    token: str | None,
+    tls: TLSConfig | bool,
+    shm: bool,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    channel_options: Sequence[tuple[str, int | str]] = (),
+) -> list[Transport]:
+    """One blocking transport per server target, in order: block bytes through its arena on this
+    host, over its bulk port elsewhere (docs/bulk.md), else gRPC."""
+    metadata = auth_metadata(token)
+    return [
+        BulkTransport(
+            GrpcTransport(
+                make_channel(t, tls=tls, max_message_bytes=max_message_bytes, extra_options=channel_options),
+                metadata=metadata,
+                shm=shm,
+            ),
+            BulkLink(t, token=bearer_token(token), tls=tls),
+        )
+        for t in names
+    ]
+
+
 def fleet_client(
     targets: str | Sequence[str],
     *,
@@ -289,15 +314,7 @@ def fleet_client(
         OSError: a file of `tls` cannot be read.
     """
     names = split_targets(targets)
-    metadata = auth_metadata(token)
-    # Each server's block bytes: its arena on this host, its bulk port elsewhere (docs/bulk.md), else gRPC.
-    transports: list[Transport] = [
-        BulkTransport(
-            GrpcTransport(make_channel(t, tls=tls, max_message_bytes=max_message_bytes), metadata=metadata, shm=shm),
-            BulkLink(t, token=bearer_token(token), tls=tls),
-        )
-        for t in names
-    ]
+    transports = target_transports(names, token=token, tls=tls, shm=shm, max_message_bytes=max_message_bytes)
     transport = FailoverTransport(transports, names, cooldown_s=cooldown_s, attempt_timeout_s=attempt_timeout_s)
     return KVCacheClient(",".join(names), timeout_s=timeout_s, retry=retry, transport=transport)
 

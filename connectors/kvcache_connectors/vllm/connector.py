@@ -72,12 +72,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvcache_client.bulk import BulkLink, BulkTransport, bearer_token
-from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
-from kvcache_client.connection import auth_metadata, make_channel
+from kvcache_client.client import KVCacheClient
 from kvcache_client.retry import NO_RETRY
-from kvcache_client.targets import FailoverTransport, split_targets
-from kvcache_client.transport import GrpcTransport, Transport
+from kvcache_client.targets import FailoverTransport, split_targets, target_transports
 from kvcache_connectors.vllm.config import KVCacheConnectorConfig
 from kvcache_connectors.vllm.events import StoredBlockEvents
 from kvcache_connectors.vllm.metadata import KVCacheConnectorMetadata, StoredChunks
@@ -114,19 +111,10 @@ def connect(config: KVCacheConnectorConfig) -> KVCacheClient:
         ("grpc.max_reconnect_backoff_ms", backoff_ms),
     ]
     targets = split_targets(config.target)  # several: the node's own server first (kvcache_client.targets)
-    tls, metadata, token = config.tls_config(), auth_metadata(config.api_token()), bearer_token(config.api_token())
     # Off this host, KV bytes travel on each server's bulk port when it has one (docs/bulk.md; KVCACHE_BULK=0: gRPC).
-    transports: list[Transport] = [
-        BulkTransport(
-            GrpcTransport(
-                make_channel(t, tls=tls, max_message_bytes=DEFAULT_MAX_MESSAGE_BYTES, extra_options=reconnect),
-                metadata=metadata,
-                shm=config.shm,
-            ),
-            BulkLink(t, token=token, tls=tls),
-        )
-        for t in targets
-    ]
+    transports = target_transports(
+        targets, token=config.api_token(), tls=config.tls_config(), shm=config.shm, channel_options=reconnect
+    )
     transport = transports[0] if len(transports) == 1 else FailoverTransport(transports, targets)
     return KVCacheClient(config.target, timeout_s=config.transfer_timeout_s, retry=NO_RETRY, transport=transport)
 
