@@ -323,7 +323,7 @@ class AsyncKVCacheClient:
                 await run_to_end(copy)
             else:
                 copy(None)
-            if time.monotonic() >= blocks.expires_at:  # the copies outlived the leases: not trusted
+            if blocks.expired():  # the copies outlived the leases: not trusted
                 log.warning("get_into outlived its arena leases; its blocks are treated as misses")
                 return [False] * len(blocks)
             return [block is not None for block in blocks]

@@ -239,6 +239,10 @@ class LeasedBlocks(list):  # type: ignore[type-arg]  # list[memoryview | None]
 
     expires_at: float = math.inf
 
+    def expired(self) -> bool:
+        """Whether the leases may have ended: a copy made from the views is then not to be trusted."""
+        return time.monotonic() >= self.expires_at
+
 
 class ArenaMoved(Exception):
     """The arena an answer named cannot be used here; the call goes another way."""

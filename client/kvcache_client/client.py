@@ -366,7 +366,7 @@ class KVCacheClient:
                 if block is not None:
                     copy_payload_into(block, destination)
                 found.append(block is not None)
-            if time.monotonic() >= blocks.expires_at:  # the copies outlived the leases: not trusted
+            if blocks.expired():  # the copies outlived the leases: not trusted
                 log.warning("get_into outlived its arena leases; %d blocks treated as misses", sum(found))
                 return [False] * len(found)
         return found

@@ -51,7 +51,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
@@ -360,7 +359,7 @@ class TransformersKVConnector:
                 return None, 0
             num_tokens = min(limit, sum(c.shape[3] for c in chunks))
             cache = cache_from_chunks(chunks, num_tokens, device=device, config=config)
-            if time.monotonic() >= blocks.expires_at:  # the copy outlived the leases: not trusted
+            if blocks.expired():  # the copy outlived the leases: not trusted
                 self.stats.load_failures += 1
                 log.warning("kvcache load outlived its arena leases, recomputing the prompt")
                 return None, 0

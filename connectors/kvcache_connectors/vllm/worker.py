@@ -63,6 +63,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvcache_client.arena import LeasedBlocks
 from kvcache_client.client import KVCacheClient
 from kvcache_client.results import PutResult
 from kvcache_client.tensors import block_to_tensor, tensor_block_parts
@@ -299,9 +300,9 @@ class WorkerSide:
         # On the server's host the fetched blocks are views of its arena under read leases (one
         # copy: the scatter into vLLM's blocks); they are handed back once the job is scattered.
         leases = contextlib.ExitStack()
-        expiry: list[float] = []  # when each leased() call's views stop being its blocks at the latest
+        leased: list[LeasedBlocks] = []  # each leased() call's blocks, to check their leases held throughout
         try:
-            fetched = self._fetch(job, leases, expiry)
+            fetched = self._fetch(job, leases, leased)
             # Per group: the slots and the values to scatter into its layers.
             blocks: dict[int, list[torch.Tensor]] = {}
             offsets: dict[int, list[torch.Tensor]] = {}
@@ -344,10 +345,10 @@ class WorkerSide:
                     torch.cat(offsets[group]),
                     torch.cat(group_values, dim=self._token_dim(group)),
                 )
-            if expiry and time.monotonic() >= min(expiry):
+            if any(blocks.expired() for blocks in leased):
                 # The scatter ended after a lease did: the server may have reused that slot while it
                 # was read, so none of the job's blocks is trusted (vLLM recomputes them).
-                raise TimeoutError(f"loads outlived their arena leases ({time.monotonic() - min(expiry):.1f} s)")
+                raise TimeoutError("loads outlived their arena leases")
             job.counters.load_chunks += loaded.load_chunks
             job.counters.load_bytes += loaded.load_bytes
         except Exception:
@@ -363,11 +364,11 @@ class WorkerSide:
                 self._done_loads.append(job)
 
     def _fetch(
-        self, job: _LoadJob, leases: contextlib.ExitStack, expiry: list[float]
+        self, job: _LoadJob, leases: contextlib.ExitStack, leased: list[LeasedBlocks]
     ) -> dict[tuple[str, bytes], torch.Tensor]:
         """The job's chunks that arrived intact and in the expected shape, by (namespace, key);
-        blocks read in place stay leased until `leases` is closed, and each call's expires_at is
-        appended to `expiry`.
+        blocks read in place stay leased until `leases` is closed, and each call's blocks are
+        appended to `leased`.
 
         A chunk of a transfer with `wait_s` (a P/D hand-off whose producer is still writing it)
         that is not stored yet is asked for again every poll_s, until that wait or the job's
@@ -394,7 +395,7 @@ class WorkerSide:
                     return out
                 try:
                     blocks = leases.enter_context(self._client.leased(namespace, list(missing), timeout_s=remaining))
-                    expiry.append(blocks.expires_at)
+                    leased.append(blocks)
                 except KVCacheError as exc:
                     if self._breaker.failure():
                         log.warning("kvcache get failed (%s); loads fail for %.1f s", exc, self._breaker.cooldown_s)
