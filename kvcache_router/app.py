@@ -12,6 +12,10 @@ Per /v1/completions or /v1/chat/completions request (docs/router.md):
 Every upstream call has a deadline ([workers] *_timeout_s); a worker that cannot be reached is
 ejected (workers.py). Errors are OpenAI-style bodies, {"error": {"message", "type", "param", "code"}};
 a worker's own 4xx answer reaches the client unchanged.
+
+At the project's ~500-line module guideline: this is the one request path above, kept in one reading
+order; the pieces with a job of their own live beside it (prefix.py, workers.py, tokens.py,
+errors.py, metrics.py).
 """
 
 from __future__ import annotations
