@@ -3,8 +3,9 @@
 Design (docs/arena.md has the diagram and the figures):
 
 - **Region.** One mapping of exactly `ram.capacity_bytes`, made at start-up and never grown,
-  shrunk or remapped. With a shared-memory directory it is a file there (tmpfs, mode 0600, named
-  "kvcache-arena-" + 32 hex digits) so that same-user clients on the host can map it; without one
+  shrunk or remapped. With a shared-memory directory it is a file there (tmpfs, named
+  "kvcache-arena-" + 32 hex digits, mode 0400 once created) so that same-user clients on the host
+  can map it read-only; only the server writes it; without one
   it is anonymous memory. Either way every page is faulted in at start-up (MADV_POPULATE_WRITE
   where the kernel has it, else one write per page; MADV_HUGEPAGE first where offered): no put
   ever waits for the kernel to find it memory, and RSS is the region from the first second on.
@@ -79,6 +80,9 @@ class Region:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this server lives
+                # Read-only from now on for every other opener (this descriptor stays writable):
+                # clients map it to read leased blocks, and an open for writing fails (EACCES).
+                os.fchmod(fd, 0o400)
                 # Every page allocated now: a full tmpfs is an error here, never a SIGBUS later.
                 os.posix_fallocate(fd, 0, self.size)
                 self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
@@ -216,13 +220,14 @@ class Extents:
 class Slot:
     """One allocated extent of the arena and who still needs it (the RAM tier's lock guards it)."""
 
-    __slots__ = ("indexed", "length", "offset", "pins")
+    __slots__ = ("indexed", "length", "offset", "orphan_of", "pins")
 
     def __init__(self, offset: int, length: int) -> None:
         self.offset = offset
         self.length = length  # the block's bytes; the extent is align(length)
         self.pins = 0  # live leases, plus 1 while it is a reservation
         self.indexed = False  # an index entry names it
+        self.orphan_of: object | None = None  # out of the index but pinned: the partition it is charged to
 
 
 @dataclass(slots=True, eq=False)

@@ -212,6 +212,68 @@ def read_range(fd: int, size: int, name: str, offset: int, length: int) -> bytes
     return data
 
 
+def read_range_into(fd: int, size: int, name: str, offset: int, buffer: memoryview) -> None:
+    """Reads len(buffer) bytes at `offset` of a segment straight into `buffer` (an arena slot;
+    blocking, os.preadv drops the GIL): the kernel's copy is the only one.
+
+    Raises:
+        ShmError: INVALID_ARGUMENT when the range is not inside the segment, or it shrank meanwhile.
+    """
+    length = len(buffer)
+    if offset + length > size:
+        raise ShmError(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"shm range [{offset}, {offset + length}) runs past the end of segment {name} ({size} bytes)",
+        )
+    done = 0
+    while done < length:
+        n = os.preadv(fd, [buffer[done:]], offset + done)
+        if n <= 0:
+            raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"shm segment {name} shrank while being read")
+        done += n
+
+
+def read_ranges_into(
+    reads: Sequence[tuple[int, int, int, ShmRange, memoryview]], stop: threading.Event | None = None
+) -> None:
+    """Reads (block index, fd, segment size, range, destination) in order, each into its destination.
+
+    Raises:
+        ShmError: as read_range_into, naming the block.
+        CallEnded: `stop` was set (the call was cancelled) before all blocks were read.
+    """
+    for where, fd, size, ref, buffer in reads:
+        if stop is not None and stop.is_set():
+            raise CallEnded(f"stopped before block {where}")
+        try:
+            read_range_into(fd, size, ref.segment, ref.offset, buffer)
+        except ShmError as exc:
+            raise ShmError(exc.code, f"block {where}: {exc.message}") from None
+        except OSError as exc:
+            raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
+
+
+async def read_ranges_into_slots_in_thread(reads: Sequence[tuple[int, int, int, ShmRange, memoryview]]) -> None:
+    """read_ranges_into in a worker thread that owns duplicates of the segments' descriptors and is
+    waited for before a cancellation propagates (see _run_to_end): no write into a destination
+    outlives the call.
+
+    Raises:
+        ShmError: as read_ranges_into.
+    """
+    own: dict[int, int] = {}
+    try:
+        for _, fd, _, _, _ in reads:
+            if fd not in own:
+                own[fd] = os.dup(fd)
+    except BaseException:
+        for dup in own.values():
+            os.close(dup)
+        raise
+    mine = [(where, own[fd], size, ref, buffer) for where, fd, size, ref, buffer in reads]
+    await _run_to_end(read_ranges_into, (mine,), list(own.values()))
+
+
 def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:
     """Writes a block into a client's Get segment (blocking).
 

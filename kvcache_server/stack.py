@@ -629,14 +629,18 @@ class TierStack:
 
     async def _get(self, namespace: str, keys: Sequence[bytes], epoch: int) -> list[Found | None]:
         out: list[Found | None] = [None] * len(keys)
-        missing: list[int] = []
         start = time.perf_counter()
-        for i, lease in enumerate(self._ram.lease_many(namespace, keys, SERVE_LEASE_S)):
-            if lease is None:
-                missing.append(i)
-            else:
+        refused: list[int] = []  # RAM holds them, but the tenant pins its share already: copied
+        for i, lease in enumerate(self._ram.lease_many(namespace, keys, SERVE_LEASE_S, refused=refused)):
+            if lease is not None:
                 out[i] = Found(lease.view, TierKind.RAM, lease)
                 self._ram_counters.bytes_read += lease.length
+        if refused:
+            for i, block in zip(refused, self._ram.get_many_sync(namespace, [keys[i] for i in refused]), strict=True):
+                if block is not None:
+                    out[i] = Found(block, TierKind.RAM, None)
+                    self._ram_counters.bytes_read += len(block)
+        missing = [i for i, f in enumerate(out) if f is None]
         self._ram_op("get", start)
         try:
             await self._get_lower(namespace, keys, epoch, out, missing)

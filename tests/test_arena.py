@@ -55,9 +55,13 @@ def check_bookkeeping(tier: RamTier) -> None:
         reserved = sum(1 for r in tier._reservations.values() if r._slot is s)
         assert s.pins == leases + reserved
         assert s.indexed == any(b is s for b in tier._blocks.values())
+    reserved_slots = {id(r._slot) for r in tier._reservations.values()}
+    orphans = [s for s in slots.values() if not s.indexed and id(s) not in reserved_slots]
+    assert all(s.orphan_of is not None for s in orphans)  # out of the index, pinned: still on an account
     assert tier.used_bytes == sum(RamTier.entry_cost_of(s.length) for s in tier._blocks.values()) + sum(
         RamTier.entry_cost_of(r.length) for r in tier._reservations.values()
-    )
+    ) + sum(RamTier.entry_cost_of(s.length) for s in orphans)
+    assert tier.used_bytes == sum(p.held() for p in tier._partitions.values())  # every byte on an account
     assert tier.used_bytes <= tier.capacity_bytes
 
 
@@ -137,9 +141,10 @@ def test_a_leased_slot_is_never_reused_while_a_flood_evicts_everything() -> None
     for w in writers:
         w.join()
     assert tier.stats().evictions > 100
-    assert tier.contains_many_sync(NS, [key(0)]) == [False]  # evicted from the index long ago
-    assert bytes(lease.view) == mine  # but its slot was never handed out again
+    assert tier.contains_many_sync(NS, [key(0)]) == [True]  # a pinned block is never an eviction victim
+    assert bytes(lease.view) == mine  # and its slot was never handed out again
     check_bookkeeping(tier)
+    assert tier.delete_many_sync(NS, [key(0)]) == 1  # out of the index; the lease keeps the slot
     free = tier._extents.free_bytes
     assert tier.release([lease.id]) == 1 and tier.release([lease.id]) == 0
     assert tier._extents.free_bytes == free + align(len(mine))  # freed by the release
@@ -220,7 +225,7 @@ def test_a_tenants_reservations_evict_only_its_own_blocks_and_count_against_its_
 
 
 def test_reservations_and_leases_pinning_the_arena_refuse_puts_without_evicting_in_vain() -> None:
-    tier = RamTier(capacity_bytes=32 << 10, prefault=False)
+    tier = RamTier(capacity_bytes=32 << 10, prefault=False, pin_share=1.0)
     tier.put_many_sync(NS, [(key(i), bytes(7000)) for i in range(4)])
     leases = tier.lease_many(NS, [key(i) for i in range(4)])
     assert tier.put_many_sync(NS, [(key(9), bytes(7000))]) == [False]

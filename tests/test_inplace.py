@@ -49,7 +49,7 @@ def test_the_arena_is_advertised_as_an_owner_only_file_of_the_server(arena_serve
     info = stub(arena_server).Info(pb.InfoRequest(), timeout=5)
     st = os.stat(info.arena_path)
     assert Path(info.arena_path).parent == Path(info.shm_dir)
-    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_size) == (0o600, os.geteuid(), info.arena_bytes)
+    assert (stat.S_IMODE(st.st_mode), st.st_uid, st.st_size) == (0o400, os.geteuid(), info.arena_bytes)
     assert info.arena_bytes == 64 * MiB
 
 

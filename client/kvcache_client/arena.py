@@ -3,18 +3,19 @@
 When the server shares its arena (Info.arena_path: a file in its shared-memory directory) and this
 process may map it (same host, same user), block bytes never travel at all:
 
-- **put**: ArenaReserve hands out one slot per block; the SDK copies each block straight into its
-  slot (the one copy, from the caller's bytes or tensor), and ArenaCommit has the server verify it
-  there and store it under its key. An exception while copying abandons the reservations.
+- **put**: not through the arena. The SDK writes the blocks into a segment of its own (kvcache_client.
+  shm) and the server reads them from there straight into slots it reserves, verifies and commits
+  them: no client is ever handed a writable slot (one stalled past its reservation's time-out would
+  write into a slot reused for another key).
 - **get**: LeaseGet answers, for each key the server's RAM holds, where its block lies under a
   read lease (the slot is not reused until LeaseRelease or the lease's time-out). The SDK verifies
   the key-bound checksum before anything uses the bytes, then reads them in place
   (KVCacheClient.leased), copies them once into the caller's destination (get_into) or into memory
   of its own (get_many), and releases. Keys RAM does not hold are fetched with Get.
 
-The arena is mapped twice: writable (puts write only into slots reserved for them) and read-only
-(leased views handed to callers cannot be written through). A restarted server has a new arena
-file; every answer names its arena, and the SDK maps the new one when it changes. When the arena
+The arena is mapped read-only (the file is 0400: an open for writing fails), so nothing this client
+does can change a block in it. A restarted server has a new arena file, possibly of another size;
+every answer names its arena, and the SDK maps the new one, at its own size, when it changes. When the arena
 cannot be used (another host or user, an older server, no room now) the call goes the other way
 (per-call segments, then inline gRPC), counted in `ArenaLink.fallbacks`.
 """
@@ -34,10 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 import numpy as np
 
-from kvcache_client.messages import put_result
-from kvcache_client.results import Fetched, PutResult, TierPutResult
-from kvcache_client.shm import CallEnded
-from kvcache_core.blockwire import BlockData, data_len
+from kvcache_client.results import Fetched
 from kvcache_core.format import payload_view
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
@@ -63,7 +61,6 @@ class ArenaLink:
         self.max_block_bytes = 0
         self.fallbacks = 0
         self.last_fallback = ""
-        self._writable: mmap.mmap | None = None
         self._readonly: memoryview | None = None
         self._lock = threading.Lock()
         self._pid = os.getpid()
@@ -71,7 +68,7 @@ class ArenaLink:
     @property
     def on(self) -> bool:
         if self._pid != os.getpid():  # a forked child maps the arena itself, if it uses it
-            self._pid, self._writable, self._readonly = os.getpid(), None, None
+            self._pid, self._readonly = os.getpid(), None
             if self.state == "on":
                 self._map(self.path, self.size)
         return self.state == "on"
@@ -86,20 +83,21 @@ class ArenaLink:
             return
         self._map(path, size)
 
-    def _map(self, path: str, size: int) -> None:
+    def _map(self, path: str, size: int | None) -> None:
+        """Maps the arena read-only; `size` None takes the file's own (a restarted server's may differ)."""
         try:
-            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except OSError as exc:
             self.off(f"cannot open the server's arena {path} ({exc.strerror}): another host or user")
             return
         try:
             st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size:
+            size = st.st_size if size is None else size
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size != size or not size:
                 self.off(f"{path} is not a {size}-byte regular file of this user")
                 return
             # Populated now, once: no call of this client page-faults on the arena afterwards.
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            writable = mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
             readonly = memoryview(mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ))
         except OSError as exc:
             self.off(f"cannot map the server's arena {path}: {exc}")
@@ -107,7 +105,7 @@ class ArenaLink:
         finally:
             os.close(fd)  # the mappings keep the memory; the server keeps the file
         with self._lock:
-            self._writable, self._readonly = writable, readonly
+            self._readonly = readonly
             self.state, self.path, self.size, self.reason = "on", path, size, ""
         log.debug("in-place path on: %s (%d bytes)", path, size)
 
@@ -119,7 +117,7 @@ class ArenaLink:
         """
         if path == self.path:
             return
-        self._map(path, size if size is not None else self.size)
+        self._map(path, size)
         if self.state != "on":
             raise ArenaMoved(f"the server's arena moved to {path} and cannot be mapped: {self.reason}")
 
@@ -128,53 +126,13 @@ class ArenaLink:
             log.info("in-place path off: %s", reason)
         with self._lock:
             self.state, self.reason = "off", reason
-            self._writable, self._readonly = None, None  # views handed out keep their mapping
+            self._readonly = None  # views handed out keep their mapping
 
     def fallback(self, reason: str) -> None:
         with self._lock:
             self.fallbacks += 1
             self.last_fallback = reason
         log.debug("in-place path: %s; this call goes another way (%d such calls)", reason, self.fallbacks)
-
-    def takes(self, items: Sequence[tuple[bytes, BlockData]]) -> bool:
-        """Whether a put goes in place: the path is on, the put is worth a round trip more, and no
-        block is over the server's limit (the ordinary path reports that, as for any put)."""
-        sizes = [data_len(d) for _, d in items]
-        return self.on and sum(sizes) >= MIN_PUT_BYTES and max(sizes) <= self.max_block_bytes
-
-    def write(self, offset: int, length: int, data: BlockData) -> None:
-        """Copies one block (bytes, or (header, payload) parts) into its reserved slot.
-
-        Raises:
-            ValueError: the block is not `length` bytes, or the slot is not inside the arena.
-        """
-        mapping = self._writable
-        if mapping is None:
-            raise ArenaMoved("the arena is no longer mapped")
-        if data_len(data) != length or offset + length > len(mapping):
-            raise ValueError(f"a {data_len(data)}-byte block for slot [{offset}, {offset + length}) of the arena")
-        pos = offset
-        for part in data if isinstance(data, tuple) else (data,):
-            n = len(part)
-            mapping[pos : pos + n] = part
-            pos += n
-
-    def write_slots(
-        self,
-        slots: Sequence[pb.ArenaSlot],
-        items: Sequence[tuple[bytes, BlockData]],
-        stop: threading.Event | None = None,
-    ) -> None:
-        """Copies each block into its reserved slot, in order.
-
-        Raises:
-            ValueError: as write.
-            CallEnded: `stop` was set (the call was cancelled) before all blocks were copied.
-        """
-        for slot, (_, data) in zip(slots, items, strict=True):
-            if stop is not None and stop.is_set():
-                raise CallEnded("stopped before every block was in its slot")
-            self.write(slot.offset, slot.length, data)
 
     def leased_views(self, reply: pb.LeaseGetResponse, n: int) -> list[Fetched | None]:
         """Per key of a LeaseGet, the read-only view of its leased block, or None (RAM lacks it).
@@ -252,10 +210,8 @@ def arena_fallback(exc: grpc.RpcError | ArenaMoved, link: ArenaLink) -> bool:
     """True when an in-place call failed in a way the ordinary path avoids (the caller redoes it
     that way; counted on `link`):
 
-    - RESOURCE_EXHAUSTED from ArenaReserve: no room in the arena now (or a block over the limit,
-      which the ordinary path then reports). This call only.
-    - FAILED_PRECONDITION: a reservation expired, or the arena is not shared. This call only, off
-      for the latter.
+    - RESOURCE_EXHAUSTED: the server cannot lease now. This call only.
+    - FAILED_PRECONDITION: the arena is not shared; off.
     - UNIMPLEMENTED: a server that predates the arena; off.
     - ArenaMoved: a restarted server's arena cannot be mapped; off.
     """
@@ -275,62 +231,6 @@ def arena_fallback(exc: grpc.RpcError | ArenaMoved, link: ArenaLink) -> bool:
     if code is grpc.StatusCode.UNIMPLEMENTED or "not shared" in reason:
         link.off(reason)
     return True
-
-
-def put_groups(items: list[tuple[bytes, BlockData]], link: ArenaLink) -> list[list[tuple[bytes, BlockData]]]:
-    """The blocks in groups one ArenaReserve can take: at most max_keys blocks and a quarter of the
-    arena each (so one put never evicts most of what the arena holds just to reserve)."""
-    groups: list[list[tuple[bytes, BlockData]]] = [[]]
-    size = 0
-    cap_keys, cap_bytes = max(1, link.max_keys), max(1, link.size // 4)
-    for item in items:
-        n = data_len(item[1])
-        if groups[-1] and (len(groups[-1]) >= cap_keys or size + n > cap_bytes):
-            groups.append([])
-            size = 0
-        groups[-1].append(item)
-        size += n
-    return groups
-
-
-def merge_put(results: list[PutResult]) -> PutResult:
-    """One PutResult for a put sent in several calls (tiers summed by position, RAM first)."""
-    if len(results) == 1:
-        return results[0]
-    tiers: list[TierPutResult] = []
-    for r in results:
-        for i, t in enumerate(r.tiers):
-            if i == len(tiers):
-                tiers.append(t)
-            else:
-                a = tiers[i]
-                tiers[i] = TierPutResult(
-                    a.name,
-                    a.stored + t.stored,
-                    a.queued + t.queued,
-                    a.dropped + t.dropped,
-                    a.failed + t.failed,
-                    a.deleted + t.deleted,
-                )
-    return PutResult(
-        sum(r.stored for r in results),
-        sum(r.rejected for r in results),
-        sum(r.bytes_sent for r in results),
-        tuple(tiers),
-    )
-
-
-def reserve_request(namespace: str, items: Sequence[tuple[bytes, BlockData]]) -> pb.ArenaReserveRequest:
-    return pb.ArenaReserveRequest(namespace=namespace, lengths=[data_len(d) for _, d in items])
-
-
-def commit_request(
-    namespace: str, items: Sequence[tuple[bytes, BlockData]], reply: pb.ArenaReserveResponse
-) -> pb.ArenaCommitRequest:
-    return pb.ArenaCommitRequest(
-        namespace=namespace,
-        items=[pb.ArenaCommitItem(key=k, reservation=s.id) for (k, _), s in zip(items, reply.slots, strict=True)],
-    )
 
 
 def lease_ids(reply: pb.LeaseGetResponse) -> list[int]:
@@ -361,34 +261,6 @@ class InPlaceCalls:
         self._stub = stub
         self._md = metadata
         self.link = link
-
-    def put_group(self, namespace: str, items: list[tuple[bytes, BlockData]], deadline: float) -> PutResult:
-        """Reserves, copies in, commits one group of blocks.
-
-        Raises:
-            grpc.RpcError: from either call (see arena_fallback for those the caller redoes another way).
-            ArenaMoved: the server's arena cannot be mapped here any more.
-        """
-        reply = self._stub.ArenaReserve(reserve_request(namespace, items), timeout=_left(deadline), metadata=self._md)
-        committed = False
-        try:
-            self.link.follow(reply.arena_path)
-            self.link.write_slots(reply.slots, items)
-            request = commit_request(namespace, items, reply)
-            result = put_result(self._stub.ArenaCommit(request, timeout=_left(deadline), metadata=self._md))
-            committed = True
-            return result
-        finally:
-            if not committed:  # the server frees what a failed commit named; this frees the rest early
-                self._abandon(namespace, [s.id for s in reply.slots])
-
-    def _abandon(self, namespace: str, ids: list[int]) -> None:
-        try:
-            self._stub.ArenaCommit(
-                pb.ArenaCommitRequest(namespace=namespace, abandon=ids), timeout=_CLEANUP_S, metadata=self._md
-            )
-        except grpc.RpcError as exc:  # they expire on the server anyway
-            log.debug("abandoning %d reservations: %s", len(ids), exc.code())
 
     def lease(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float
@@ -424,7 +296,7 @@ class InPlaceCalls:
 
 
 _CLEANUP_S = 5.0
-"""Deadline of an abandon or release: cleanup after the caller's call, whatever its deadline was."""
+"""Deadline of a release: cleanup after the caller's call, whatever its deadline was."""
 
 
 def _left(deadline: float) -> float:

@@ -5,16 +5,16 @@ views, fallbacks) it shares.
 What asyncio adds is cancellation: a task may stop waiting at any await, and a deadline of a few
 milliseconds may pass while the server is still answering. Neither may leave arena space pinned:
 
-- ArenaReserve and LeaseGet pin slots on the server the moment it answers, and an answer lost to a
-  cancellation or a passed deadline names slots nobody would hand back until they expire. So these
-  two calls run as tasks of their own, to their own end (the caller's deadline plus a cleanup's):
-  the caller waits for them until its deadline, and when it stops waiting first, whatever the
-  answer pinned is abandoned or released as soon as it arrives.
-- Abandons and releases are tasks of their own too, each with its own short deadline: a caller
-  waits for them (so counters are exact once a call returns), but a cancellation of the caller
-  does not stop them. close() waits for those still running.
-- A slot is abandoned only once no thread writes into it any more (run_to_end), and a leased view
-  is only handed out once its block passed its key-bound checksum (the client verifies).
+- LeaseGet pins slots on the server the moment it answers, and an answer lost to a cancellation or
+  a passed deadline names slots nobody would hand back until they expire. So it runs as a task of
+  its own, to its own end (the caller's deadline plus a cleanup's): the caller waits for it until
+  its deadline, and when it stops waiting first, whatever the answer pinned is released as soon as
+  it arrives.
+- Releases are tasks of their own too, each with its own short deadline: a caller waits for them
+  (so counters are exact once a call returns), but a cancellation of the caller does not stop
+  them. close() waits for those still running.
+- A leased view is only handed out once its block passed its key-bound checksum (the client
+  verifies). Puts do not go through the arena (kvcache_client.arena).
 """
 
 from __future__ import annotations
@@ -32,14 +32,9 @@ from kvcache_client.arena import (
     _CLEANUP_S,
     ArenaLink,
     _left,
-    commit_request,
     lease_ids,
-    reserve_request,
 )
-from kvcache_client.messages import put_result
-from kvcache_client.results import Fetched, PutResult
-from kvcache_core.blockwire import BlockData, data_len
-from kvcache_core.threads import run_to_end
+from kvcache_client.results import Fetched
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 
@@ -124,50 +119,10 @@ class AsyncInPlaceCalls:
         """Runs a cleanup to its end; a cancellation of the caller does not stop it."""
         await asyncio.shield(self._spawn(coro))
 
-    async def put_group(self, namespace: str, items: list[tuple[bytes, BlockData]], deadline: float) -> PutResult:
-        """Reserves, copies in (in a worker thread when large), commits one group of blocks.
-
-        Raises:
-            grpc.RpcError: from either call (see arena.arena_fallback for those the caller redoes another way).
-            ArenaMoved: the server's arena cannot be mapped here any more.
-        """
-        request = reserve_request(namespace, items)
-        reply = await self._pinning(
-            lambda t: self._stub.ArenaReserve(request, timeout=t, metadata=self._md),
-            deadline,
-            "ArenaReserve",
-            lambda r: self._abandon(namespace, [s.id for s in r.slots]),
-        )
-        committed = False
-        try:
-            await self._follow(reply.arena_path)
-            if sum(data_len(d) for _, d in items) >= self._offload_bytes:
-                # A cancelled call stops the copy at its next block and waits for the thread: the
-                # slots are abandoned (and may be reused) only once nothing writes into them.
-                await run_to_end(lambda stop: self.link.write_slots(reply.slots, items, stop))
-            else:
-                self.link.write_slots(reply.slots, items)
-            answer = await self._stub.ArenaCommit(
-                commit_request(namespace, items, reply), timeout=_left(deadline), metadata=self._md
-            )
-            committed = True
-            return put_result(answer)
-        finally:
-            if not committed:  # the server frees what a failed commit named; this frees the rest early
-                await self._cleanup(self._abandon(namespace, [s.id for s in reply.slots]))
-
     async def _follow(self, path: str) -> None:
         """Maps a restarted server's new arena (populating it) off the event loop; see ArenaLink.follow."""
         if path != self.link.path:
             await asyncio.to_thread(self.link.follow, path)
-
-    async def _abandon(self, namespace: str, ids: list[int]) -> None:
-        try:
-            await self._stub.ArenaCommit(
-                pb.ArenaCommitRequest(namespace=namespace, abandon=ids), timeout=_CLEANUP_S, metadata=self._md
-            )
-        except grpc.RpcError as exc:  # they expire on the server anyway
-            log.debug("abandoning %d reservations: %s", len(ids), exc.code())
 
     async def lease(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float

@@ -29,9 +29,7 @@ from kvcache_client.arena import (
     Leased,
     arena_fallback,
     copied_out,
-    merge_put,
     not_leased,
-    put_groups,
 )
 from kvcache_client.arena_aio import AsyncInPlaceCalls
 from kvcache_client.messages import (
@@ -158,26 +156,10 @@ class GrpcTransport:
         )
 
     def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+        """Through a segment of this client's own on the server's host (the server reads it straight
+        into arena slots), inline elsewhere: a client never writes into the server's arena."""
         self._check_info(timeout_s)
-        if self.arena.takes(items):
-            return self._put_in_place(namespace, list(items), time.monotonic() + timeout_s)
         return self._put_through_segment(namespace, items, timeout_s)
-
-    def _put_in_place(self, namespace: str, items: list[tuple[bytes, BlockData]], deadline: float) -> PutResult:
-        """Group by group into reserved arena slots; from a group the arena cannot take on, the rest
-        goes the ordinary way (arena_fallback)."""
-        results: list[PutResult] = []
-        groups = put_groups(items, self.arena)
-        for g, group in enumerate(groups):
-            try:
-                results.append(self._inplace.put_group(namespace, group, deadline))
-            except (grpc.RpcError, ArenaMoved) as exc:
-                if not arena_fallback(exc, self.arena):
-                    raise
-                rest = [item for later in groups[g:] for item in later]
-                results.append(self._put_through_segment(namespace, rest, max(0.001, deadline - time.monotonic())))
-                break
-        return merge_put(results)
 
     def _put_through_segment(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float
@@ -350,27 +332,9 @@ class AsyncGrpcTransport:
         return lookup_result(await self._stub.Lookup(request, timeout=timeout_s, metadata=self._md))
 
     async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+        """As GrpcTransport.put."""
         await self._check_info(timeout_s)
-        if self.arena.takes(items):
-            return await self._put_in_place(namespace, list(items), time.monotonic() + timeout_s)
         return await self._put_through_segment(namespace, items, timeout_s)
-
-    async def _put_in_place(self, namespace: str, items: list[tuple[bytes, BlockData]], deadline: float) -> PutResult:
-        """As GrpcTransport._put_in_place: group by group into reserved arena slots, the rest the
-        ordinary way from a group the arena cannot take on."""
-        results: list[PutResult] = []
-        groups = put_groups(items, self.arena)
-        for g, group in enumerate(groups):
-            try:
-                results.append(await self._inplace.put_group(namespace, group, deadline))
-            except (grpc.RpcError, ArenaMoved) as exc:
-                if not arena_fallback(exc, self.arena):
-                    raise
-                rest = [item for later in groups[g:] for item in later]
-                left = max(0.001, deadline - time.monotonic())
-                results.append(await self._put_through_segment(namespace, rest, left))
-                break
-        return merge_put(results)
 
     async def _put_through_segment(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float

@@ -13,8 +13,9 @@ then stores as any other put. BufferSink is that fallback alone (tests, and a st
 
 Reservations are made on the event loop (reserving may evict, and eviction feeds demotions); the
 session thread only writes into the slot's memory, which nothing else touches until it is
-committed or abandoned: every path out of a PUT abandons what it did not commit, so the
-reservation's expiry (SESSION_RESERVATION_S) only bounds a bug.
+committed or abandoned: every path out of a PUT abandons what it did not commit, after the session
+thread has stopped writing. The reservations never expire (RamTier.reserve): one reclaimed while
+that thread still wrote would let its late bytes land in a slot reused for another key.
 """
 
 from __future__ import annotations
@@ -28,10 +29,6 @@ import numpy as np
 
 from kvcache_server.arena import Reservation
 from kvcache_server.stack import PutOutcome, TierPut, TierStack
-
-SESSION_RESERVATION_S = 3600.0
-"""How long a bulk PUT's arena reservation lives at most: the session abandons or commits it
-first, however the PUT ends, so this only bounds a bug (ram.lease_timeout_s is for clients)."""
 
 
 class Slot(Protocol):
@@ -111,7 +108,7 @@ class ArenaSink(BufferSink):
         self.in_arena = 0
 
     async def reserve(self, namespace: str, nbytes: int) -> Slot:
-        reservation = self._stack.ram.reserve(namespace, nbytes, SESSION_RESERVATION_S)
+        reservation = self._stack.ram.reserve(namespace, nbytes)
         if reservation is None:  # no room now: a buffer, stored by the stack's put like any block
             return await super().reserve(namespace, nbytes)
         with self._lock:

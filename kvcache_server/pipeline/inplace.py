@@ -1,18 +1,19 @@
 """In-place transfers through the shared block arena: the ArenaReserve/ArenaCommit and
 LeaseGet/LeaseRelease RPCs (docs/arena.md, docs/shm.md).
 
-Put, same host: receive = the client writes each block into a slot ArenaReserve handed out (its one
-copy, from its tensor); verify = pipeline.verify in place, in the slot; commit = TierStack.put_reserved
-(RAM indexes the slot without a copy, lower tiers get theirs). Get, same host: locate + lease =
-RamTier.lease_many; send = only the slot's place: the client verifies the key-bound checksum and
-copies or reads in place, then releases. Keys RAM lacks are misses here: the client fetches them
+Put, same host: no longer here. A client writes its blocks into its own segment and the Put
+pipeline reads them straight into slots the server reserves (pipeline.put._shm_into_slots), so no
+client ever holds a writable slot; ArenaReserve and ArenaCommit answer FAILED_PRECONDITION.
+Get, same host: locate + lease = RamTier.lease_many; send = only the slot's place: the client
+verifies the key-bound checksum and copies or reads in place, then releases. Keys RAM lacks are
+misses here: the client fetches them
 with Get, which reads the lower tiers and promotes into RAM.
 
 The bulk TCP path receives into arena slots the same way, through kvcache_server.bulk.sink.ArenaSink.
 
-Who may: the arena file is 0600 in the owner-only shm directory, so only processes of the server's
-user map it; token rights and tenant scoping apply to these RPCs as to Put and Get (reservations
-commit only into the namespace they were made for, leases are released only by their tenant).
+Who may: the arena file is 0400 in the owner-only shm directory, so only processes of the server's
+user map it, read-only; token rights and tenant scoping apply to these RPCs as to Put and Get
+(leases are released only by their tenant; each tenant's leases are capped, RamTier.lease_many).
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ import grpc
 
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.auth import current_principal
-from kvcache_server.pipeline.verify import BlockRefused, verify_block_for_put
-from kvcache_server.tiers.ram import Reservation, tenant_of
+from kvcache_server.pipeline.verify import BlockRefused
+from kvcache_server.tiers.ram import tenant_of
 
 if TYPE_CHECKING:
     from kvcache_server.config import LimitsSection
@@ -66,91 +67,22 @@ class InPlaceRPCs:
     async def ArenaReserve(
         self, request: pb.ArenaReserveRequest, context: grpc.aio.ServicerContext
     ) -> pb.ArenaReserveResponse:
-        await self._shared_arena(context)
-        namespace = await self._namespace(context, request.namespace)
-        lengths = list(request.lengths)
-        if not lengths or len(lengths) > self._limits.max_keys_per_request:
-            await self._abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"ArenaReserve needs 1..{self._limits.max_keys_per_request} lengths, got {len(lengths)}",
-            )
-        for i, n in enumerate(lengths):
-            if n == 0 or n > self._limits.max_block_bytes:
-                code = grpc.StatusCode.RESOURCE_EXHAUSTED if n else grpc.StatusCode.INVALID_ARGUMENT
-                await self._abort(
-                    context, code, f"lengths[{i}] = {n}: a block is 1..max_block_bytes={self._limits.max_block_bytes}"
-                )
-        ram = self._stack.ram
-        made: list[Reservation] = []
-        for n in lengths:
-            res = ram.reserve(namespace, n, self.lease_timeout_s)
-            if res is None:
-                ram.abandon([r.id for r in made])
-                await self._abort(
-                    context,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"no room in the block arena for {len(lengths)} blocks of {sum(lengths)} bytes now "
-                    "(leases and reservations pin it); send them with Put",
-                )
-            made.append(res)
-        return pb.ArenaReserveResponse(
-            slots=[pb.ArenaSlot(id=r.id, offset=r.offset, length=r.length) for r in made],
-            expires_in_s=self.lease_timeout_s,
-            arena_path=ram.region.path,
-        )
+        await self._writes_withdrawn(context)
+        raise AssertionError("unreachable")
 
     async def ArenaCommit(self, request: pb.ArenaCommitRequest, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        await self._shared_arena(context)
-        namespace = await self._namespace(context, request.namespace)
-        ram = self._stack.ram
-        items = list(request.items)
-        all_ids = [it.reservation for it in items]
-        try:
-            if len(items) > self._limits.max_keys_per_request:
-                await self._abort(
-                    context,
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{len(items)} items exceed max_keys_per_request={self._limits.max_keys_per_request}",
-                )
-            ram.abandon(list(request.abandon), namespace)
-            taken: list[tuple[bytes, Reservation]] = []
-            for i, item in enumerate(items):
-                res = ram.reservation(item.reservation)
-                if res is None or res.namespace != namespace:
-                    await self._abort(
-                        context,
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        f"block {i}: reservation {item.reservation} is not open for this namespace (expired "
-                        f"after {self.lease_timeout_s:g} s, committed or abandoned); send the block with Put",
-                    )
-                try:
-                    await verify_block_for_put(i, item.key, res.buffer, self._limits.max_block_bytes)
-                except BlockRefused as exc:
-                    await self._refuse_block(context, exc)
-                taken.append((item.key, res))
-            if taken:
-                self._saw_block_size(namespace, max(r.length for _, r in taken))
-            outcome = await self._stack.put_reserved(namespace, taken)
-        finally:
-            ram.abandon(all_ids, namespace)  # whatever was not committed (a refused block, a cancelled call)
-        self.inplace_bytes_received += sum(r.length for _, r in taken)
-        return pb.PutResponse(
-            stored=sum(outcome.kept),
-            rejected=len(outcome.kept) - sum(outcome.kept),
-            bytes_received=sum(r.length for _, r in taken),
-            tiers=[
-                pb.TierPutResult(
-                    tier=int(t.kind),
-                    name=t.name,
-                    stored=t.stored,
-                    queued=t.queued,
-                    dropped=t.dropped,
-                    failed=t.failed,
-                    deleted=t.deleted,
-                )
-                for t in outcome.tiers
-            ],
+        await self._writes_withdrawn(context)
+        raise AssertionError("unreachable")
+
+    async def _writes_withdrawn(self, context: grpc.aio.ServicerContext) -> NoReturn:
+        """Clients are no longer handed writable arena slots: a client stalled past its
+        reservation's time-out wrote into a slot already reused for another key (docs/arena.md).
+        Same-host puts go through the client's own segment, which the server reads into a slot."""
+        await self._abort(
+            context,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "in-place writes into the block arena are withdrawn (a stalled writer could change another key's "
+            "block); put through a shared-memory segment (Put with shm ranges; kvcache_client does) or inline",
         )
 
     async def LeaseGet(self, request: pb.LeaseGetRequest, context: grpc.aio.ServicerContext) -> pb.LeaseGetResponse:

@@ -30,8 +30,11 @@ from kvcache_server.shm import (
     ShmError,
     read_ranges,
     read_ranges_in_thread,
+    read_ranges_into,
+    read_ranges_into_slots_in_thread,
 )
-from kvcache_server.stack import TierPut
+from kvcache_server.stack import PutOutcome, TierPut
+from kvcache_server.tiers.ram import Reservation
 
 if TYPE_CHECKING:
     from kvcache_server.budget import MemoryBudget
@@ -138,6 +141,21 @@ class PutStages:
             elif message.namespace and message.namespace != first_namespace:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
             blocks = message.blocks
+            if blocks and all(isinstance(d, ShmRange) for _, d in blocks):
+                # Same host: straight from the client's segment into arena slots the server reserves.
+                outcome = await self._shm_into_slots(context, index, namespace, blocks, segments)  # type: ignore[arg-type]
+                if outcome is not None:
+                    index += len(blocks)
+                    stored += sum(outcome.kept)
+                    rejected += len(outcome.kept) - sum(outcome.kept)
+                    if not tiers:
+                        tiers = outcome.tiers
+                    else:
+                        for total, took in zip(tiers, outcome.tiers, strict=True):
+                            total.add(took)
+                    del message, blocks
+                    held.release(message_bytes)
+                    continue
             if any(isinstance(d, ShmRange) for _, d in blocks):
                 from_shm = sum(d.length for _, d in blocks if isinstance(d, ShmRange))
                 try:
@@ -199,6 +217,63 @@ class PutStages:
                 for t in tiers
             ],
         )
+
+    async def _shm_into_slots(
+        self,
+        context: grpc.aio.ServicerContext,
+        first_index: int,
+        namespace: str,
+        blocks: list[tuple[bytes, ShmRange]],
+        segments: dict[str, tuple[int, int]],
+    ) -> PutOutcome | None:
+        """receive + verify + commit for a message of segment ranges, without a copy of the server's
+        heap: each block is read (pread, by the kernel) from the client's segment straight into an
+        arena slot the server reserved for it, verified there, where no client can write (clients map
+        the arena read-only and are never handed a writable slot), and committed without a copy.
+        None when RAM has no room for them all now (the caller reads them into memory instead).
+
+        The slots are the server's own: the worker thread that fills them is waited for however the
+        call ends (cancelled, a deadline), and only then is whatever was not committed abandoned, so
+        no late write can land in a slot that was reused."""
+        ram = self._stack.ram
+        made: list[Reservation] = []
+        reads: list[tuple[int, int, int, ShmRange, memoryview]] = []
+        try:
+            for i, (_, ref) in enumerate(blocks):
+                where = first_index + i
+                if ref.length > self._limits.max_block_bytes:
+                    await self._abort(
+                        context,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"block {where}: {ref.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
+                    )
+                try:
+                    if ref.segment not in segments:
+                        segments[ref.segment] = self._open_segment(ref.segment, writable=False)
+                except ShmError as exc:
+                    await self._abort(context, exc.code, f"block {where}: {exc.message}")
+                res = ram.reserve(namespace, ref.length) if ref.length else None
+                if res is None:
+                    return None
+                made.append(res)
+                reads.append((where, *segments[ref.segment], ref, res.buffer))
+            try:
+                if sum(r[3].length for r in reads) >= OFFLOAD_BYTES:
+                    await read_ranges_into_slots_in_thread(reads)
+                else:
+                    read_ranges_into(reads)
+            except ShmError as exc:
+                await self._abort(context, exc.code, exc.message)
+            self._counters.shm_bytes_received += sum(r[3].length for r in reads)
+            self.inplace_bytes_received += sum(r[3].length for r in reads)  # type: ignore[attr-defined]
+            for (key, _), (where, *_rest), res in zip(blocks, reads, made, strict=True):
+                await self._block(context, where, key, res.buffer)
+            self._saw_block_size(namespace, max(r.length for r in made))
+            return await self._stack.put_reserved(
+                namespace, [(key, res) for (key, _), res in zip(blocks, made, strict=True)]
+            )
+        finally:
+            ram.abandon([r.id for r in made])  # what was not committed: refused, cancelled, no room
 
     async def _read_shm_blocks(
         self,

@@ -30,14 +30,16 @@ need the others' internals. The region and the extent allocator are in kvcache_s
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Protocol
 
 from kvcache_server.arena import Extents, Lease, Region, Reservation, Slot, align, new_id
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
+from kvcache_server.tiers.room import plan_room
 
 ENTRY_OVERHEAD_BYTES = 384
 """Bytes charged per entry on top of its slot (index, key objects, policy node; outside the arena)."""
@@ -60,6 +62,10 @@ class EvictionPolicy(Protocol):
         """The key to evict next. Only called while at least one key is present."""
         ...
 
+    def candidates(self) -> Iterator[Hashable]:
+        """Every key, next victim first (the tier plans an eviction before it evicts anything)."""
+        ...
+
 
 class LRUPolicy:
     """Least recently used first (an access is a get hit or a put)."""
@@ -80,6 +86,9 @@ class LRUPolicy:
     def victim(self) -> Hashable:
         return next(iter(self._order))
 
+    def candidates(self) -> Iterator[Hashable]:
+        return iter(self._order)
+
 
 def tenant_of(namespace: str) -> str:
     """The partition of a namespace: the tenant the server scoped it with ("tenant:ns"), or "" without auth."""
@@ -88,23 +97,48 @@ def tenant_of(namespace: str) -> str:
 
 
 class _Partition:
-    """One tenant's share of the tier: its own eviction order and byte count."""
+    """One tenant's share of the tier: its own eviction order, byte count and what it pins.
 
-    __slots__ = ("policy", "quota", "reserved", "used")
+    Every arena byte the tenant makes the server hold is on its account until it is freed: indexed
+    blocks (`used`), open reservations (`reserved`), and slots its leases still pin after their
+    entry was deleted or evicted (`orphaned`). `leased` and `leases` bound what its readers pin.
+    """
 
-    def __init__(self, policy: EvictionPolicy, quota: int) -> None:
+    __slots__ = ("leased", "leases", "orphaned", "pin_cap", "policy", "quota", "reserved", "used")
+
+    def __init__(self, policy: EvictionPolicy, quota: int, pin_cap: int) -> None:
         self.policy = policy
         self.quota = quota  # 0: no share of its own
+        self.pin_cap = pin_cap  # bytes its leases and reservations may pin at once
         self.used = 0
         self.reserved = 0  # entry costs of its open reservations (they count against its share)
+        self.orphaned = 0  # entry costs of its slots out of the index that leases still pin
+        self.leased = 0  # entry costs of the blocks its open leases pin (each lease counted)
+        self.leases = 0  # its open leases
+
+    def held(self) -> int:
+        """Every byte on its account: indexed, reserved, and pinned out of the index."""
+        return self.used + self.reserved + self.orphaned
+
+    def pinned(self) -> int:
+        return self.leased + self.reserved
 
     def overage(self) -> int:
         """How far the partition is over its share; a partition without one is over by all it holds."""
-        return self.used - self.quota if self.quota else self.used
+        return self.held() - self.quota if self.quota else self.held()
 
 
 DEFAULT_LEASE_S = 30.0
-"""How long a lease or a reservation lives unless released, committed or abandoned first."""
+"""How long a lease lives unless released first."""
+
+DEFAULT_PIN_SHARE = 0.5
+"""The share of the capacity a tenant without a quota may pin with leases and reservations."""
+
+DEFAULT_MAX_LEASES = 16384
+"""Open leases one tenant may hold."""
+
+DEFAULT_MAX_LEASE_KEYS = 16384
+"""Keys one lease_many call leases; the others are answered unleased (fetched another way)."""
 
 
 class RamTier(Tier):
@@ -134,8 +168,17 @@ class RamTier(Tier):
         arena_dir: str | None = None,
         prefault: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        pin_share: float = DEFAULT_PIN_SHARE,
+        max_leases_per_tenant: int = DEFAULT_MAX_LEASES,
+        max_keys_per_lease: int = DEFAULT_MAX_LEASE_KEYS,
     ) -> None:
         """Maps the arena (see kvcache_server.arena.Region; `arena_dir` shares it through a file there).
+
+        Args:
+            pin_share: the share of the capacity that one tenant's open leases and reservations may
+                pin at once when it has no quota (with a quota: its quota).
+            max_leases_per_tenant: open leases one tenant may hold.
+            max_keys_per_lease: keys one lease_many call leases; the rest are answered unleased.
 
         Raises:
             ValueError: capacity_bytes is not positive.
@@ -155,6 +198,11 @@ class RamTier(Tier):
         self._pinned_indexed = 0  # ... of those, leased ones (eviction cannot free them)
         self._lock = threading.Lock()
         self._clock = clock
+        self._pin_share = pin_share
+        self._max_leases = max_leases_per_tenant
+        self._max_lease_keys = max_keys_per_lease
+        self._orphaned = 0  # entry costs of slots out of the index that leases still pin
+        self.leases_refused = 0  # keys answered unleased: a tenant's lease caps, or the per-call cap
         self._stats = TierStats(name=self.name, kind=self.kind, capacity_bytes=capacity_bytes)
         self.region = Region(capacity_bytes, arena_dir, prefault=prefault)
         self._readonly = self.region.view.toreadonly()
@@ -171,21 +219,25 @@ class RamTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        return self._used + self._reserved
+        return self._used + self._reserved + self._orphaned
 
     @property
     def capacity_bytes(self) -> int:
         return self._capacity
 
     def tenant_used_bytes(self, tenant: str) -> int:
+        """Bytes on the tenant's account: its indexed blocks, open reservations and orphaned pinned slots."""
         part = self._partitions.get(tenant)
-        return part.used if part else 0
+        return part.held() if part else 0
 
     def _partition(self, namespace: str) -> _Partition:
         tenant = tenant_of(namespace)
         part = self._partitions.get(tenant)
         if part is None:
-            part = self._partitions[tenant] = _Partition(self._policy_factory(), self._quota_of(tenant))
+            quota = self._quota_of(tenant)
+            # Without auth there is one partition: its pins are bounded by the arena itself.
+            cap = quota or (int(self._capacity * self._pin_share) if tenant else self._capacity)
+            part = self._partitions[tenant] = _Partition(self._policy_factory(), quota, cap)
         return part
 
     def _bytes(self, slot: Slot) -> memoryview:
@@ -211,24 +263,46 @@ class RamTier(Tier):
         return out
 
     def lease_many(
-        self, namespace: str, keys: Sequence[bytes], ttl_s: float = DEFAULT_LEASE_S, *, count_misses: bool = True
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        ttl_s: float = DEFAULT_LEASE_S,
+        *,
+        count_misses: bool = True,
+        refused: list[int] | None = None,
     ) -> list[Lease | None]:
-        """A read lease on each key's block, or None for a miss. Release each with release()."""
+        """A read lease on each key's block, or None (a miss, or a key past the tenant's lease caps
+        or the per-call cap: counted in leases_refused, its position appended to `refused`, for the
+        caller to fetch another way). A key named twice shares one lease. Release each with release()."""
         out: list[Lease | None] = []
         with self._lock:
             now = self._clock()
             self._reap_locked(now)
             part = self._partition(namespace)
-            for key in keys:
+            given: dict[bytes, Lease] = {}
+            for n, key in enumerate(keys):
+                again = given.get(key)
+                if again is not None:
+                    out.append(again)
+                    continue
                 entry = (namespace, key)
                 slot = self._blocks.get(entry)
                 if slot is None:
                     self._stats.misses += count_misses
                     out.append(None)
                     continue
+                cost = self.entry_cost_of(slot.length)
+                if n >= self._max_lease_keys or part.leases >= self._max_leases or part.pinned() + cost > part.pin_cap:
+                    self.leases_refused += 1
+                    if refused is not None:
+                        refused.append(n)
+                    out.append(None)
+                    continue
                 self._stats.hits += 1
                 part.policy.accessed(entry)
                 self._pin(slot)
+                part.leases += 1
+                part.leased += cost
                 lease = Lease(
                     new_id(self._leases, self._reservations),
                     namespace,
@@ -240,6 +314,7 @@ class RamTier(Tier):
                 )
                 self._leases[lease.id] = lease
                 heapq.heappush(self._expiries, (lease.expires, lease.id))
+                given[key] = lease
                 out.append(lease)
         return out
 
@@ -251,10 +326,16 @@ class RamTier(Tier):
             for lease_id in lease_ids:
                 lease = self._leases.get(lease_id)
                 if lease is not None and (tenant is None or tenant_of(lease.namespace) == tenant):
-                    del self._leases[lease_id]
-                    self._unpin(lease._slot)
+                    self._end_lease(lease)
                     released += 1
         return released
+
+    def _end_lease(self, lease: Lease) -> None:
+        del self._leases[lease.id]
+        part = self._partition(lease.namespace)
+        part.leases -= 1
+        part.leased -= self.entry_cost_of(lease.length)
+        self._unpin(lease._slot)
 
     def contains_many_sync(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         with self._lock:
@@ -290,58 +371,70 @@ class RamTier(Tier):
                     stored.append(self._put_locked(part, entry, data, evicted))  # type: ignore[arg-type]
                     continue
                 res = self._reservations.get(reservation_ids[i])
-                cost = self.entry_cost_of(res.length) if res is not None else 0
-                if res is None or res.namespace != namespace or (part.quota and cost > part.quota):
+                if res is None or res.namespace != namespace:
                     self._stats.rejected += 1
                     stored.append(False)
                     continue
+                # The reservation already counts against the share and the cap: it becomes the
+                # entry, and the entry it replaces (if any) leaves the index.
+                cost = self.entry_cost_of(res.length)
                 del self._reservations[res.id]
                 self._reserved -= cost
                 part.reserved -= cost
                 slot = res._slot
                 slot.pins -= 1
                 self._drop_entry(part, entry)
-                while part.quota and part.used + cost > part.quota:  # its tenant's share, as for a put
-                    self._evict_from(part, evicted)
                 self._index(part, entry, slot)
                 stored.append(True)
+        self._evicted(evicted)
+        return stored
+
+    def _evicted(self, evicted: list[tuple[str, bytes, bytes]]) -> None:
         if self._on_evict is not None:
             # Outside the lock: the callback may be slow or re-enter the tier.
             for ns, key, block in evicted:
                 self._on_evict(ns, key, block)
-        return stored
 
     @staticmethod
     def entry_cost_of(length: int) -> int:
         return align(length) + ENTRY_OVERHEAD_BYTES
 
-    def reserve(self, namespace: str, nbytes: int, ttl_s: float = DEFAULT_LEASE_S) -> Reservation | None:
-        """A writable slot for a block of `nbytes`, evicting to make room; None if it cannot fit."""
+    def reserve(self, namespace: str, nbytes: int, ttl_s: float = math.inf) -> Reservation | None:
+        """A writable slot for a block of `nbytes`, evicting to make room; None if it cannot fit or
+        the tenant pins its share already.
+
+        Reservations are the server's own (a segment put, a bulk session): only server threads write
+        into them, and their owner abandons whatever it did not commit, after its writer has ended.
+        By default they never expire: a reservation reclaimed while its writer still ran would let
+        that writer's late bytes land in a slot reused for another key."""
         evicted: list[tuple[str, bytes, bytes]] = []
         res: Reservation | None = None
         with self._lock:
             now = self._clock()
             self._reap_locked(now)
             part = self._partition(namespace)
-            slot = self._allocate_locked(part, nbytes, evicted, reserving=True)
-            if slot is not None:
-                self._pin(slot)
-                self._reserved += self.entry_cost_of(nbytes)
-                part.reserved += self.entry_cost_of(nbytes)
-                res = Reservation(
-                    new_id(self._leases, self._reservations),
-                    namespace,
-                    slot.offset,
-                    nbytes,
-                    self.region.view[slot.offset : slot.offset + nbytes],
-                    now + ttl_s,
-                    slot,
-                )
-                self._reservations[res.id] = res
-                heapq.heappush(self._expiries, (res.expires, res.id))
-        if self._on_evict is not None:
-            for ns, key, block in evicted:
-                self._on_evict(ns, key, block)
+            cost = self.entry_cost_of(nbytes)
+            if part.pinned() + cost > part.pin_cap:
+                self._stats.rejected += 1
+            else:
+                slot = self._allocate_locked(part, nbytes, evicted, extra=cost)
+                if slot is not None:
+                    self._pin(slot)
+                    self._reserved += cost
+                    part.reserved += cost
+                    res = Reservation(
+                        new_id(self._leases, self._reservations),
+                        namespace,
+                        slot.offset,
+                        nbytes,
+                        self.region.view[slot.offset : slot.offset + nbytes],
+                        now + ttl_s,
+                        slot,
+                    )
+                    self._reservations[res.id] = res
+                    if ttl_s != math.inf:
+                        heapq.heappush(self._expiries, (res.expires, res.id))
+        self._evicted(evicted)
         return res
 
     def reservation(self, reservation_id: int) -> Reservation | None:
@@ -357,12 +450,16 @@ class RamTier(Tier):
             for rid in reservation_ids:
                 res = self._reservations.get(rid)
                 if res is not None and (namespace is None or res.namespace == namespace):
-                    del self._reservations[rid]
-                    self._reserved -= self.entry_cost_of(res.length)
-                    self._partition(res.namespace).reserved -= self.entry_cost_of(res.length)
-                    self._unpin(res._slot)
+                    self._end_reservation(res)
                     freed += 1
         return freed
+
+    def _end_reservation(self, res: Reservation) -> None:
+        del self._reservations[res.id]
+        cost = self.entry_cost_of(res.length)
+        self._reserved -= cost
+        self._partition(res.namespace).reserved -= cost
+        self._unpin(res._slot)
 
     def reap(self) -> int:
         """Ends the leases and reclaims the reservations whose time is up; returns how many."""
@@ -373,18 +470,16 @@ class RamTier(Tier):
         reaped = 0
         while self._expiries and self._expiries[0][0] <= now:
             _, item_id = heapq.heappop(self._expiries)
-            lease = self._leases.pop(item_id, None)
+            lease = self._leases.get(item_id)
             if lease is not None:
                 self.leases_expired += 1
-                self._unpin(lease._slot)
+                self._end_lease(lease)
                 reaped += 1
                 continue
-            res = self._reservations.pop(item_id, None)
+            res = self._reservations.get(item_id)
             if res is not None:
                 self.reservations_reclaimed += 1
-                self._reserved -= self.entry_cost_of(res.length)
-                self._partition(res.namespace).reserved -= self.entry_cost_of(res.length)
-                self._unpin(res._slot)
+                self._end_reservation(res)
                 reaped += 1
         return reaped
 
@@ -399,7 +494,17 @@ class RamTier(Tier):
             if slot.indexed:
                 self._pinned_indexed -= align(slot.length)
             else:
-                self._extents.free(slot.offset, slot.length)
+                self._free_slot(slot)
+
+    def _free_slot(self, slot: Slot) -> None:
+        """The slot's extent goes back to the allocator; an orphan's cost leaves its tenant's account."""
+        self._extents.free(slot.offset, slot.length)
+        owner = slot.orphan_of
+        if owner is not None:
+            cost = self.entry_cost_of(slot.length)
+            owner.orphaned -= cost  # type: ignore[attr-defined]
+            self._orphaned -= cost
+            slot.orphan_of = None
 
     def _index(self, part: _Partition, entry: EntryKey, slot: Slot) -> None:
         slot.indexed = True
@@ -412,7 +517,8 @@ class RamTier(Tier):
         self._stats.puts += 1
 
     def _drop_entry(self, part: _Partition, entry: EntryKey) -> Slot | None:
-        """Removes an entry from the index; its slot is freed unless a lease or reservation pins it."""
+        """Removes an entry from the index; its slot is freed unless a lease or reservation pins it,
+        in which case its cost stays on the tenant's account (orphaned) until the last pin ends."""
         slot = self._blocks.pop(entry, None)
         if slot is None:
             return None
@@ -426,56 +532,70 @@ class RamTier(Tier):
             self._extents.free(slot.offset, slot.length)
         else:
             self._pinned_indexed -= align(slot.length)  # the lease keeps the slot; the index lets go
+            slot.orphan_of = part
+            part.orphaned += cost
+            self._orphaned += cost
         return slot
 
-    def _evict_from(self, part: _Partition, evicted: list[tuple[str, bytes, bytes]]) -> None:
-        victim = part.policy.victim()
+    def _evict(self, entry: EntryKey, evicted: list[tuple[str, bytes, bytes]]) -> None:
         if self._on_evict is not None:  # copied out before the slot can be reused
-            evicted.append((victim[0], victim[1], bytes(self._bytes(self._blocks[victim]))))  # type: ignore[index]
-        self._drop_entry(part, victim)  # type: ignore[arg-type]
+            evicted.append((entry[0], entry[1], bytes(self._bytes(self._blocks[entry]))))
+        self._drop_entry(self._partition(entry[0]), entry)
         self._stats.evictions += 1
 
     def _allocate_locked(
-        self, part: _Partition, nbytes: int, evicted: list[tuple[str, bytes, bytes]], *, reserving: bool
+        self,
+        part: _Partition,
+        nbytes: int,
+        evicted: list[tuple[str, bytes, bytes]],
+        *,
+        extra: int,
+        keep: EntryKey | None = None,
     ) -> Slot | None:
-        """A free slot for `nbytes`, evicting as the class docstring says; None (counted) if none fits."""
-        cost = self.entry_cost_of(nbytes)
-        if cost > self._capacity or (part.quota and cost > part.quota):
+        """A free slot for `nbytes` whose entry costs `extra`, evicting as the class docstring says;
+        None (counted) if none can be made. The evictions are planned first (kvcache_server.tiers.
+        room.plan_room): nothing is evicted unless the plan yields both the byte room and one
+        contiguous extent that fits; `keep` (the entry a re-put replaces) is never a victim."""
+        if extra > self._capacity or (part.quota and extra > part.quota):
             self._stats.rejected += 1
             return None
-        if self._extents.free_bytes + self._indexed_bytes - self._pinned_indexed < align(nbytes):
-            self._stats.rejected += 1  # leases and reservations pin too much: evicting would be in vain
+        if self._extents.fits(nbytes) and self._room_for(part, extra):
+            offset = self._extents.alloc(nbytes)
+            assert offset is not None
+            return Slot(offset, nbytes)
+        victims = plan_room(self, part, nbytes, extra, keep)
+        if victims is None:
+            self._stats.rejected += 1
             return None
-        # A tenant's puts and reservations make room within its own share first (its open
-        # reservations count against it), so one tenant's flood evicts only its own blocks.
-        while part.quota and part.used and part.used + part.reserved + cost > part.quota:
-            self._evict_from(part, evicted)
-        if part.quota and part.used + part.reserved + cost > part.quota:
-            self._stats.rejected += 1  # its own open reservations fill its share
-            return None
-        while self._used + self._reserved + cost > self._capacity or not self._extents.fits(nbytes):
-            held = [p for p in self._partitions.values() if p.used]
-            if not held:
-                self._stats.rejected += 1  # leases and reservations pin what is left
-                return None
-            self._evict_from(max(held, key=_Partition.overage), evicted)
+        for entry in victims:
+            self._evict(entry, evicted)
         offset = self._extents.alloc(nbytes)
-        assert offset is not None  # fits() said so, under the same lock
+        if offset is None or not self._room_for(part, extra):  # the plan is exact; a bug must not overfill
+            if offset is not None:
+                self._extents.free(offset, nbytes)
+            self._stats.rejected += 1
+            return None
         return Slot(offset, nbytes)
+
+    def _room_for(self, part: _Partition, cost: int) -> bool:
+        within_share = not part.quota or part.held() + cost <= part.quota
+        return within_share and self._used + self._reserved + self._orphaned + cost <= self._capacity
 
     def _put_locked(
         self, part: _Partition, entry: EntryKey, block: bytes | memoryview, evicted: list[tuple[str, bytes, bytes]]
     ) -> bool:
         n = len(block)
-        cost = self.entry_cost_of(n)
-        if cost > self._capacity or (part.quota and cost > part.quota):
-            self._stats.rejected += 1
-            return False
-        self._drop_entry(part, entry)
-        slot = self._allocate_locked(part, n, evicted, reserving=False)
+        old = self._blocks.get(entry)
+        # The entry it replaces leaves the index only once the new slot exists (a refused re-put
+        # keeps the old block); its cost is not counted twice meanwhile.
+        extra = self.entry_cost_of(n)
+        if old is not None and old.pins == 0:  # a leased old block stays charged (orphaned) after the swap
+            extra = max(0, extra - self.entry_cost_of(old.length))
+        slot = self._allocate_locked(part, n, evicted, extra=extra, keep=entry if old is not None else None)
         if slot is None:
             return False
         self.region.view[slot.offset : slot.offset + n] = block
+        self._drop_entry(part, entry)
         self._index(part, entry, slot)
         return True
 
@@ -527,7 +647,7 @@ class RamTier(Tier):
             return TierStats(
                 name=s.name,
                 kind=s.kind,
-                used_bytes=self._used + self._reserved,
+                used_bytes=self._used + self._reserved + self._orphaned,
                 capacity_bytes=self._capacity,
                 blocks=len(self._blocks),
                 hits=s.hits,

@@ -1,0 +1,200 @@
+"""Planning room in the RAM tier's arena before anything is evicted (docs/arena.md, "Room").
+
+A put (or a reservation) needs three things at once: its tenant within its share, the tier within
+its byte cap, and one free *contiguous* extent of the arena that fits the block. Evicting in LRU
+order until all three hold can flush the whole tier and still fail: bytes freed here and there do
+not make one extent when leased or reserved slots sit between them. So the tier plans first, on
+its own state under its lock, and evicts only a plan that yields all three:
+
+1. its own share: its least recently used unpinned blocks, until it is within its quota;
+2. the byte cap: the least recently used unpinned block of the tenant furthest over its share,
+   again and again (tenants without a quota count as over by all they hold);
+3. contiguity: if no free extent fits once those are gone, a few more LRU victims (up to 4x the
+   block) when they free one; else the cheapest *window*: the run of
+   adjacent free extents and evictable blocks (unpinned, of the tenant itself or of a tenant over
+   its share) that spans the block with the fewest block bytes to evict. A pinned slot (leased,
+   reserved, or out of the index but leased) ends a run.
+
+   offset 0                                                               capacity
+   | free | blk a | LEASED | free | blk b | blk c | RES | free | blk d | free |
+                           `------ window: evict b, c ---'
+                             (spans free + b + c; a lease and a reservation bound it)
+
+No plan: the put is refused and nothing is evicted. A pinned block is never a victim (evicting
+it frees nothing: its slot stays, on its tenant's account, until the last lease ends).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from kvcache_server.arena import align
+
+if TYPE_CHECKING:
+    from kvcache_server.tiers.ram import EntryKey, RamTier, _Partition
+
+
+class _Plan:
+    """Victims chosen so far and what they free, per partition."""
+
+    def __init__(self, tier: RamTier, keep: EntryKey | None) -> None:
+        self.tier = tier
+        self.keep = keep
+        self.victims: list[EntryKey] = []
+        self.chosen: set[EntryKey] = set()
+        self.freed: dict[int, int] = {}
+
+    def cost(self, entry: EntryKey) -> int:
+        return self.tier.entry_cost_of(self.tier._blocks[entry].length)
+
+    def evictable(self, entry: EntryKey) -> bool:
+        return entry != self.keep and entry not in self.chosen and self.tier._blocks[entry].pins == 0
+
+    def take(self, part: _Partition, entry: EntryKey) -> int:
+        c = self.cost(entry)
+        self.chosen.add(entry)
+        self.victims.append(entry)
+        self.freed[id(part)] = self.freed.get(id(part), 0) + c
+        return c
+
+    def held(self, part: _Partition) -> int:
+        return part.held() - self.freed.get(id(part), 0)
+
+    def overage(self, part: _Partition) -> int:
+        return self.held(part) - part.quota if part.quota else self.held(part)
+
+    def next_victim(self, part: _Partition, order: Iterator[EntryKey]) -> EntryKey | None:
+        for entry in order:
+            if self.evictable(entry):
+                return entry
+        return None
+
+
+def plan_room(tier: RamTier, part: _Partition, nbytes: int, cost: int, keep: EntryKey | None) -> list[EntryKey] | None:
+    """The entries to evict, in order, so that a block of `nbytes` whose entry costs `cost` fits for
+    `part`; None when no eviction can make it fit (then nothing may be evicted). Under the tier's lock."""
+    plan = _Plan(tier, keep)
+    # 1. Its own share.
+    if part.quota:
+        over = plan.held(part) + cost - part.quota
+        order: Iterator[EntryKey] = part.policy.candidates()  # type: ignore[assignment]
+        while over > 0:
+            entry = plan.next_victim(part, order)
+            if entry is None:
+                return None  # its own pins fill its share
+            over -= plan.take(part, entry)
+    # 2. The byte cap.
+    over = tier._used + tier._reserved + tier._orphaned + cost - tier._capacity - sum(plan.freed.values())
+    if over > 0:
+        parts = list(tier._partitions.values())
+        orders = {id(p): p.policy.candidates() for p in parts}
+        heads: dict[int, EntryKey | None] = {id(p): plan.next_victim(p, orders[id(p)]) for p in parts}  # type: ignore[arg-type]
+        while over > 0:
+            ready = [p for p in parts if heads[id(p)] is not None]
+            if not ready:
+                return None  # leases and reservations pin what is left
+            worst = max(ready, key=plan.overage)
+            entry = heads[id(worst)]
+            assert entry is not None
+            over -= plan.take(worst, entry)
+            heads[id(worst)] = plan.next_victim(worst, orders[id(worst)])  # type: ignore[arg-type]
+    # 3. One contiguous extent: most often the victims so far, or a few more in LRU order, free
+    # one (same-size KV blocks); else the cheapest window, found by one scan of the arena.
+    need = align(max(nbytes, 1))
+    if tier._extents.fits(nbytes):
+        return plan.victims
+    free = _Runs(tier._extents.extents())
+    for entry in plan.victims:
+        slot = tier._blocks[entry]
+        free.add(slot.offset, align(slot.length))
+    if free.longest >= need:
+        return plan.victims
+    checkpoint = len(plan.victims)
+    allowed = [part] + [p for p in tier._partitions.values() if p is not part and plan.overage(p) > 0]
+    budget = 4 * need  # bytes this cheap search may evict beyond steps 1-2
+    for p in allowed:
+        order = p.policy.candidates()
+        while budget > 0 and (entry := plan.next_victim(p, order)) is not None:  # type: ignore[arg-type]
+            slot = tier._blocks[entry]
+            budget -= plan.take(p, entry)
+            free.add(slot.offset, align(slot.length))
+            if free.longest >= need:
+                return plan.victims
+    for entry in plan.victims[checkpoint:]:  # not enough nearby: undo the cheap search
+        plan.chosen.discard(entry)
+    del plan.victims[checkpoint:]
+    window = _cheapest_window(plan, part, need)
+    if window is None:
+        return None
+    for entry in window:
+        plan.take(tier._partition(entry[0]), entry)
+    return plan.victims
+
+
+class _Runs:
+    """Free runs of the arena as a plan would leave them: (offset, length) pieces merged as added."""
+
+    def __init__(self, extents: list[tuple[int, int]]) -> None:
+        self._by_start: dict[int, int] = {}
+        self._by_end: dict[int, int] = {}
+        self.longest = 0
+        for offset, length in extents:
+            self.add(offset, length)
+
+    def add(self, offset: int, length: int) -> None:
+        end = offset + length
+        before = self._by_end.pop(offset, None)  # a run ending where this one starts
+        if before is not None:
+            del self._by_start[before]
+            offset = before
+        after = self._by_start.pop(end, None)  # a run starting where this one ends
+        if after is not None:
+            del self._by_end[after]
+            end = after
+        self._by_start[offset] = end
+        self._by_end[end] = offset
+        self.longest = max(self.longest, end - offset)
+
+
+def _cheapest_window(plan: _Plan, part: _Partition, need: int) -> list[EntryKey] | None:
+    """The evictable entries of the cheapest run that spans `need` bytes ([] when the plan's victims
+    and the free extents already leave one), or None when no run does."""
+    tier = plan.tier
+    # (offset, size, bytes to evict, entry): free extents and the victims so far cost nothing.
+    runs: list[list] = [[o, n, 0, None] for o, n in tier._extents.extents()]  # lists: no tuple free-list
+    allowed = {id(part)} | {id(p) for p in tier._partitions.values() if plan.overage(p) > 0}
+    barrier = -1
+    for entry, slot in tier._blocks.items():
+        size = align(slot.length)
+        if entry in plan.chosen:
+            runs.append([slot.offset, size, 0, None])
+        elif plan.evictable(entry) and id(tier._partition(entry[0])) in allowed:
+            runs.append([slot.offset, size, size, entry])
+        else:
+            runs.append([slot.offset, size, barrier, None])
+    runs.sort(key=lambda r: r[0])
+    best: tuple[int, int, int] | None = None  # (evict bytes, first, last)
+    first = 0
+    evict = 0
+    for last, (offset, size, cost, _) in enumerate(runs):  # two pointers over the runs by offset
+        contiguous = last > first and runs[last - 1][0] + runs[last - 1][1] == offset
+        if cost == barrier or (last > first and not contiguous):
+            first, evict = last + (cost == barrier), 0
+            if cost == barrier:
+                continue
+        evict += cost
+        span = offset + size - runs[first][0]
+        # Shrink from the left while the run still spans the block.
+        while first < last and span - runs[first][1] >= need:
+            span -= runs[first][1]
+            evict -= runs[first][2]
+            first += 1
+        if span >= need and (best is None or evict < best[0]):
+            best = (evict, first, last)
+            if evict == 0:
+                break
+    if best is None:
+        return None
+    _, lo, hi = best
+    return [r[3] for r in runs[lo : hi + 1] if r[3] is not None]
