@@ -30,7 +30,7 @@ from kvcache_server.registration import add_to_server
 from kvcache_server.service import SERVICE_NAME, KVCacheService
 from kvcache_server.shm import ShmDirectory
 from kvcache_server.shm import default_dir as shm_default_dir
-from kvcache_server.stack import LowerTierPolicy, QueueFull, TierStack, WriteMode
+from kvcache_server.stack import LowerTierPolicy, PinLimits, QueueFull, TierStack, WriteMode
 from kvcache_server.tiers.base import Tier
 from kvcache_server.tiers.codec import CompressionMode
 
@@ -185,8 +185,31 @@ def build_stack(
             ram_quota_of=(lambda tenant: tokens.limits(tenant).ram_quota_bytes) if tokens else None,
             arena_dir=where,
             prefault=config.ram.prefault,
+            pins=PinLimits(config.ram.pin_share, config.ram.max_leases_per_tenant, config.ram.max_keys_per_lease),
         )
 
+    tenants = sorted({t.principal.tenant for t in tokens.tokens}) if tokens else []
+    if arena_dir is not None and config.shm.share_arena and len(tenants) > 1:
+        if not config.shm.share_arena_across_tenants:
+            # One arena file holds every tenant's blocks, and a process of the server's user can map
+            # it whole: the server must not hand it to one tenant's clients. Same-host clients get
+            # their blocks through segments of their own instead, holding only what they asked for.
+            log.warning(
+                "block arena not shared: auth has %d tenants (%s) and any process of this user could map "
+                "every tenant's blocks; same-host clients use per-call segments. Run each tenant's clients as "
+                "their own Unix user, or set shm.share_arena_across_tenants = true if they trust each other "
+                "(docs/security.md)",
+                len(tenants),
+                ", ".join(tenants),
+            )
+            arena_dir = None
+        else:
+            log.warning(
+                "block arena shared by %d tenants (%s; shm.share_arena_across_tenants = true): a client of any "
+                "of them running as this server's user can read every tenant's blocks in it (docs/security.md)",
+                len(tenants),
+                ", ".join(tenants),
+            )
     if arena_dir is not None and config.shm.share_arena:
         try:
             return stack(arena_dir)

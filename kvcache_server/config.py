@@ -88,14 +88,25 @@ class RamSection:
     demote_on_evict: bool = True
     # Fault the whole block arena in at start-up (docs/arena.md): RSS is the arena from the start.
     prefault: bool = True
-    # Read leases and in-place put reservations end on their own after this long (docs/arena.md).
+    # Read leases end on their own after this long (docs/arena.md).
     lease_timeout_s: float = 30.0
+    # What one tenant may pin at once (open leases and the server's reservations for its puts), as a
+    # share of capacity_bytes, when it has no ram_quota_bytes (with one: its quota; without auth: all).
+    pin_share: float = 0.5
+    # Open read leases one tenant may hold; keys one LeaseGet leases (the rest are answered unleased,
+    # and the SDK fetches them with Get).
+    max_leases_per_tenant: int = 16384
+    max_keys_per_lease: int = 16384
 
     def validate(self) -> None:
         if self.capacity_bytes <= 0:
             raise ConfigError("ram.capacity_bytes must be positive")
         if not 0 < self.lease_timeout_s <= 3600:
             raise ConfigError("ram.lease_timeout_s must be in (0, 3600]")
+        if not 0 < self.pin_share <= 1:
+            raise ConfigError("ram.pin_share must be in (0, 1]")
+        if self.max_leases_per_tenant <= 0 or self.max_keys_per_lease <= 0:
+            raise ConfigError("ram.max_leases_per_tenant and ram.max_keys_per_lease must be positive")
 
 
 _WRITE_MODES = ("through", "behind")
@@ -391,6 +402,9 @@ class ShmSection:
     # Put the RAM tier's block arena in `dir` so same-host clients move bytes in place (docs/arena.md);
     # false: a private arena, and same-host clients use per-call segments.
     share_arena: bool = True
+    # With auth and several tenants the arena is not shared (any process of the server's user could
+    # map every tenant's blocks) unless this says their same-host clients may trust each other.
+    share_arena_across_tenants: bool = False
 
     def validate(self) -> None:
         if self.stale_after_s <= 0:

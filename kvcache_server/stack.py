@@ -63,7 +63,14 @@ from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
-from kvcache_server.tiers.ram import Lease, RamTier, Reservation
+from kvcache_server.tiers.ram import (
+    DEFAULT_MAX_LEASE_KEYS,
+    DEFAULT_MAX_LEASES,
+    DEFAULT_PIN_SHARE,
+    Lease,
+    RamTier,
+    Reservation,
+)
 from kvcache_server.write_queue import DeleteFence, PendingWrite, WriteKind, WriteQueue
 
 log = logging.getLogger(__name__)
@@ -109,6 +116,15 @@ def _decode_cost(stored: bytes) -> int:
     except BlockFormatError:
         return 0  # fails at once, on the loop
     return len(stored) if compressed else len(stored) // 16
+
+
+@dataclass(frozen=True, slots=True)
+class PinLimits:
+    """What one tenant may pin in the RAM tier's arena (RamTier's arguments of the same names)."""
+
+    pin_share: float = DEFAULT_PIN_SHARE
+    max_leases_per_tenant: int = DEFAULT_MAX_LEASES
+    max_keys_per_lease: int = DEFAULT_MAX_LEASE_KEYS
 
 
 class WriteMode(enum.StrEnum):
@@ -258,8 +274,10 @@ class TierStack:
         ram_quota_of: Callable[[str], int] | None = None,
         arena_dir: str | None = None,
         prefault: bool = True,
+        pins: PinLimits | None = None,
     ) -> None:
         self.events = events or EventHub()
+        pins = pins or PinLimits()
         self._observer = observer or NullObserver()
         self._ram = RamTier(
             ram_capacity_bytes,
@@ -267,6 +285,9 @@ class TierStack:
             quota_of=ram_quota_of,
             arena_dir=arena_dir,
             prefault=prefault,
+            pin_share=pins.pin_share,
+            max_leases_per_tenant=pins.max_leases_per_tenant,
+            max_keys_per_lease=pins.max_keys_per_lease,
         )
         self._ram_counters = _Counters()
         self._lower = [

@@ -202,6 +202,39 @@ class LeasedBlocks(list):  # type: ignore[type-arg]  # list[memoryview | None]
         return time.monotonic() >= self.expires_at
 
 
+class DeadlineBeforeAnswer(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    """DEADLINE_EXCEEDED raised by the SDK itself: the caller's deadline passed while a call that
+    pins server memory was still answering (what the answer pins is handed back when it comes)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(f"deadline passed before {what} answered")
+        self._what = what
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self) -> str:
+        return f"deadline passed before {self._what} answered (what it pins is handed back when it does)"
+
+    def initial_metadata(self) -> tuple:
+        return ()
+
+    def trailing_metadata(self) -> tuple:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: object) -> bool:
+        return False
+
+
 class ArenaMoved(Exception):
     """The arena an answer named cannot be used here; the call goes another way."""
 
@@ -261,6 +294,9 @@ class InPlaceCalls:
         self._stub = stub
         self._md = metadata
         self.link = link
+        self.handed_back = 0  # LeaseGet answers that came after their caller stopped waiting, released
+        self._count_lock = threading.Lock()
+        self._releasing: set[grpc.Future] = set()
 
     def lease(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float
@@ -273,10 +309,8 @@ class InPlaceCalls:
             ArenaMoved: the server's arena cannot be mapped here any more.
         """
         sent = time.monotonic()
-        reply = self._stub.LeaseGet(
-            pb.LeaseGetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only),
-            timeout=_left(deadline),
-            metadata=self._md,
+        reply = self._pinning_lease(
+            pb.LeaseGetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only), deadline
         )
         ids = lease_ids(reply)
         try:
@@ -284,6 +318,52 @@ class InPlaceCalls:
         except BaseException:
             self.release(ids)
             raise
+
+    def _pinning_lease(self, request: pb.LeaseGetRequest, deadline: float) -> pb.LeaseGetResponse:
+        """LeaseGet run to its own end (the caller's deadline plus a cleanup's), waited for until the
+        caller's deadline: when that passes first, the leases its answer grants are released as soon
+        as it arrives (counted in `handed_back`), so no deadline, however short, leaves slots pinned.
+
+        Raises:
+            grpc.RpcError: the call's status, or DEADLINE_EXCEEDED when the deadline passed first.
+        """
+        future = self._stub.LeaseGet.future(request, timeout=_left(deadline) + _CLEANUP_S, metadata=self._md)
+        try:
+            return future.result(timeout=_left(deadline))
+        except grpc.FutureTimeoutError:
+            self._later(future)
+            raise DeadlineBeforeAnswer("LeaseGet") from None
+        except BaseException:  # KeyboardInterrupt and the like: the answer may still come
+            if not future.done():
+                self._later(future)
+            raise
+
+    def _later(self, future: grpc.Future) -> None:
+        with self._count_lock:  # kept until it ends: gRPC cancels a call whose future is collected
+            self._releasing.add(future)
+        future.add_done_callback(self._release_late)
+
+    def _release_late(self, future: grpc.Future) -> None:
+        """Runs in a gRPC thread once a LeaseGet its caller stopped waiting for has ended."""
+        self._released(future)
+        if future.cancelled() or future.exception() is not None:
+            return  # nothing was granted
+        ids = lease_ids(future.result())
+        if not ids:
+            return
+        # Non-blocking: a callback thread must not wait on another call. The future is kept until it
+        # ends (gRPC cancels a call whose future is garbage-collected).
+        release = self._stub.LeaseRelease.future(
+            pb.LeaseReleaseRequest(leases=ids), timeout=_CLEANUP_S, metadata=self._md
+        )
+        with self._count_lock:
+            self.handed_back += 1
+            self._releasing.add(release)
+        release.add_done_callback(self._released)
+
+    def _released(self, future: grpc.Future) -> None:
+        with self._count_lock:
+            self._releasing.discard(future)
 
     def release(self, ids: list[int]) -> None:
         """Ends leases; a failure only logs (they expire on the server)."""

@@ -7,13 +7,14 @@ not make one extent when leased or reserved slots sit between them. So the tier 
 its own state under its lock, and evicts only a plan that yields all three:
 
 1. its own share: its least recently used unpinned blocks, until it is within its quota;
-2. the byte cap: the least recently used unpinned block of the tenant furthest over its share,
-   again and again (tenants without a quota count as over by all they hold);
-3. contiguity: if no free extent fits once those are gone, a few more LRU victims (up to 4x the
+2. contiguity: if no free extent fits once those are gone, a few more LRU victims (up to 4x the
    block) when they free one; else the cheapest *window*: the run of
    adjacent free extents and evictable blocks (unpinned, of the tenant itself or of a tenant over
    its share) that spans the block with the fewest block bytes to evict. A pinned slot (leased,
-   reserved, or out of the index but leased) ends a run.
+   reserved, or out of the index but leased) ends a run;
+3. the byte cap: the least recently used unpinned block of the tenant furthest over its share,
+   again and again (tenants without a quota count as over by all they hold), counting what
+   steps 1 and 2 freed.
 
    offset 0                                                               capacity
    | free | blk a | LEASED | free | blk b | blk c | RES | free | blk d | free |
@@ -26,7 +27,7 @@ it frees nothing: its slot stays, on its tenant's account, until the last lease 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from kvcache_server.arena import align
@@ -84,7 +85,11 @@ def plan_room(tier: RamTier, part: _Partition, nbytes: int, cost: int, keep: Ent
             if entry is None:
                 return None  # its own pins fill its share
             over -= plan.take(part, entry)
-    # 2. The byte cap.
+    # 2. One contiguous extent (before the byte cap: the window's victims count towards it, where
+    # LRU victims chosen first would lie anywhere and free no run).
+    if not _contiguous(plan, part, nbytes):
+        return None
+    # 3. The byte cap.
     over = tier._used + tier._reserved + tier._orphaned + cost - tier._capacity - sum(plan.freed.values())
     if over > 0:
         parts = list(tier._partitions.values())
@@ -99,37 +104,55 @@ def plan_room(tier: RamTier, part: _Partition, nbytes: int, cost: int, keep: Ent
             assert entry is not None
             over -= plan.take(worst, entry)
             heads[id(worst)] = plan.next_victim(worst, orders[id(worst)])  # type: ignore[arg-type]
-    # 3. One contiguous extent: most often the victims so far, or a few more in LRU order, free
-    # one (same-size KV blocks); else the cheapest window, found by one scan of the arena.
+    return plan.victims
+
+
+def _contiguous(plan: _Plan, part: _Partition, nbytes: int) -> bool:
+    """Adds to the plan what frees one extent that fits `nbytes`: nothing when one is free; a few
+    more LRU victims (up to 4x the block) when they free one, as same-size KV blocks do; else the
+    cheapest window, found by one scan of the arena. False when no eviction can."""
+    tier = plan.tier
     need = align(max(nbytes, 1))
     if tier._extents.fits(nbytes):
-        return plan.victims
+        return True
     free = _Runs(tier._extents.extents())
     for entry in plan.victims:
         slot = tier._blocks[entry]
         free.add(slot.offset, align(slot.length))
     if free.longest >= need:
-        return plan.victims
+        return True
     checkpoint = len(plan.victims)
     allowed = [part] + [p for p in tier._partitions.values() if p is not part and plan.overage(p) > 0]
-    budget = 4 * need  # bytes this cheap search may evict beyond steps 1-2
+    budget = 4 * need  # bytes this cheap search may evict beyond the share's victims
     for p in allowed:
         order = p.policy.candidates()
         while budget > 0 and (entry := plan.next_victim(p, order)) is not None:  # type: ignore[arg-type]
             slot = tier._blocks[entry]
             budget -= plan.take(p, entry)
-            free.add(slot.offset, align(slot.length))
-            if free.longest >= need:
-                return plan.victims
-    for entry in plan.victims[checkpoint:]:  # not enough nearby: undo the cheap search
-        plan.chosen.discard(entry)
-    del plan.victims[checkpoint:]
+            start, end = free.add(slot.offset, align(slot.length))
+            if end - start >= need:
+                # Only the victims inside the run it freed stay (the byte cap, next, takes what it needs).
+                _undo(plan, checkpoint, keep=lambda e, lo=start, hi=end: lo <= tier._blocks[e].offset < hi)
+                return True
+    _undo(plan, checkpoint, keep=lambda e: False)  # not enough nearby
     window = _cheapest_window(plan, part, need)
     if window is None:
-        return None
+        return False
     for entry in window:
         plan.take(tier._partition(entry[0]), entry)
-    return plan.victims
+    return True
+
+
+def _undo(plan: _Plan, checkpoint: int, keep: Callable[[EntryKey], bool]) -> None:
+    """Takes the victims chosen after `checkpoint` out of the plan, but those `keep` names."""
+    later = plan.victims[checkpoint:]
+    del plan.victims[checkpoint:]
+    for entry in later:
+        if keep(entry):
+            plan.victims.append(entry)
+        else:
+            plan.chosen.discard(entry)
+            plan.freed[id(plan.tier._partition(entry[0]))] -= plan.cost(entry)
 
 
 class _Runs:
@@ -142,7 +165,8 @@ class _Runs:
         for offset, length in extents:
             self.add(offset, length)
 
-    def add(self, offset: int, length: int) -> None:
+    def add(self, offset: int, length: int) -> tuple[int, int]:
+        """Adds a piece; returns the run it is now part of, as (start, end)."""
         end = offset + length
         before = self._by_end.pop(offset, None)  # a run ending where this one starts
         if before is not None:
@@ -155,6 +179,7 @@ class _Runs:
         self._by_start[offset] = end
         self._by_end[end] = offset
         self.longest = max(self.longest, end - offset)
+        return offset, end
 
 
 def _cheapest_window(plan: _Plan, part: _Partition, need: int) -> list[EntryKey] | None:
