@@ -51,6 +51,7 @@ import contextlib
 import enum
 import logging
 import os
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -59,6 +60,7 @@ from typing import TypeVar
 
 from kvcache_core.breaker import BreakerState, CircuitBreaker
 from kvcache_core.format import BlockFormatError, Compression, parse_header
+from kvcache_core.threads import in_pool
 from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
@@ -255,6 +257,10 @@ class Found:
     lease: Lease | None = None
 
 
+RAM_OFF_LOOP_BYTES = 256 << 10
+"""RAM tier writes of at least this many bytes run in a worker thread (their copies, and the copies
+of what they evict for demotion), so that a large commit never holds the event loop."""
+
 SERVE_LEASE_S = 600.0
 """How long the leases of a Get's RAM hits live at most: a handler releases them as soon as the
 reply naming them is sent (or when it ends, whatever way), so this only bounds a bug."""
@@ -304,6 +310,8 @@ class TierStack:
         ]
         self._demote = demote_on_evict and bool(self._lower)
         self._closing = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # set by start()
+        self._loop_thread = 0
         self._late_deletes: set[asyncio.Task[None]] = set()  # deletes redone after a late write
         self._fence = DeleteFence()
 
@@ -322,6 +330,8 @@ class TierStack:
 
     async def start(self) -> None:
         """Starts one write-behind worker per lower tier. Call on the server's event loop."""
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
         for lower in self._lower:
             lower.worker = asyncio.create_task(self._drain_forever(lower), name=f"kvcache-writes-{lower.tier.name}")
 
@@ -713,16 +723,17 @@ class TierStack:
             ):
                 self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, corrupt)
             if hits and lower.policy.promote:
-                self._promote(depth, namespace, hits, epoch)
+                await self._promote(depth, namespace, hits, epoch)
             missing = still
 
-    def _promote(self, depth: int, namespace: str, hits: list[tuple[bytes, bytes]], epoch: int) -> None:
+    async def _promote(self, depth: int, namespace: str, hits: list[tuple[bytes, bytes]], epoch: int) -> None:
         """Copies blocks found at lower tier `depth` into RAM and into the lower tiers above it,
         except those a Delete fenced off since the read began (fence `epoch`)."""
         hits = [(k, b) for k, b in hits if not self._fence.blocked(epoch, namespace, k)]
         if not hits:
             return
-        kept = self._ram.put_many_sync(namespace, hits)
+        off_loop = sum(len(b) for _, b in hits) >= RAM_OFF_LOOP_BYTES
+        kept = await self._in_ram(off_loop, self._ram.put_many_sync, namespace, hits)
         self._ram_counters.promotions += sum(kept)
         self.events.publish(
             EventKind.STORED, TierKind.RAM, namespace, [k for (k, _), ok in zip(hits, kept, strict=True) if ok]
@@ -755,7 +766,14 @@ class TierStack:
         fenced off, or that RAM does not take, are freed."""
         epoch = self._fence.begin()
         try:
-            blocks = [(key, bytes(res.buffer) if self._lower else res.buffer) for key, res in items]
+            nbytes = sum(res.length for _, res in items)
+            if self._lower and nbytes >= RAM_OFF_LOOP_BYTES:  # the copies for lower tiers, off the loop
+                copies = await in_pool(None, lambda: [bytes(res.buffer) for _, res in items])
+                blocks: list[tuple[bytes, bytes | memoryview]] = [
+                    (k, c) for (k, _), c in zip(items, copies, strict=True)
+                ]
+            else:
+                blocks = [(key, bytes(res.buffer) if self._lower else res.buffer) for key, res in items]
             return await self._put(namespace, blocks, epoch, reserved=items)
         finally:
             self._fence.end(epoch)
@@ -770,10 +788,13 @@ class TierStack:
         start = time.perf_counter()
         kept = [False] * len(items)
         live = [i for i, (key, _) in enumerate(items) if not self._fence.blocked(epoch, namespace, key)]
+        # Copies into slots (and evictions' copies out of them, for demotion) run in a worker thread
+        # when they are large: nothing on the event loop copies block bytes by the megabyte.
+        off_loop = sum(len(items[i][1]) for i in live) >= RAM_OFF_LOOP_BYTES
         if reserved is None:
-            stored = self._ram.put_many_sync(namespace, [items[i] for i in live])
+            stored = await self._in_ram(off_loop, self._ram.put_many_sync, namespace, [items[i] for i in live])
         else:
-            stored = self._ram.adopt_many(namespace, [reserved[i] for i in live])
+            stored = await self._in_ram(off_loop, self._ram.adopt_many, namespace, [reserved[i] for i in live])
             fenced = set(range(len(reserved))) - set(live)
             self._ram.abandon([reserved[i][1].id for i in sorted(fenced)])
         for i, ok in zip(live, stored, strict=True):
@@ -812,7 +833,17 @@ class TierStack:
                 took.dropped += len(overflow)
         return PutOutcome(kept, tiers)
 
+    async def _in_ram(self, off_loop: bool, fn: Callable[..., list[bool]], *args: object) -> list[bool]:
+        """fn(*args) (a RAM tier write) here, or in a worker thread awaited to its end when `off_loop`."""
+        if not off_loop or self._loop is None:
+            return fn(*args)
+        return await in_pool(None, fn, *args)
+
     def _on_ram_evict(self, namespace: str, key: bytes, block: bytes) -> None:
+        if self._loop is not None and threading.get_ident() != self._loop_thread:
+            # An eviction in a worker thread (a large put): events and write queues live on the loop.
+            self._loop.call_soon_threadsafe(self._on_ram_evict, namespace, key, block)
+            return
         self.events.publish(EventKind.REMOVED, TierKind.RAM, namespace, [key])
         if not self._demote or self._closing or self._fence.running(namespace, key):
             return

@@ -432,3 +432,65 @@ def test_a_restarted_server_of_another_capacity_is_followed(make_server, tmp_pat
         assert (link.state, link.size) == ("on", 24 * MiB)
         mapping = link._readonly
         assert mapping is not None and len(mapping) == 24 * MiB
+
+
+# -- nothing on the event loop copies block bytes ------------------------------------------------
+
+
+def test_large_commits_and_promotions_copy_off_the_event_loop(make_server, redis_server, tmp_path: Path) -> None:
+    """Before: a commit of 32 x 2 MiB with a write-behind tier below held the loop 177 ms median
+    (copies into and out of slots on it). Now every RAM write of 256 KiB or more, the copies for the
+    tiers below, and promotions run in worker threads; the loop's own RAM calls are dictionary work.
+    Lookups meanwhile are timed and printed (figures, not thresholds)."""
+    server = make_server(
+        ram={"capacity_bytes": 48 * MiB},
+        redis={"enabled": True, "url": redis_server.url, "write_mode": "behind"},
+        shm={"dir": str(tmp_path / "shm")},
+    )
+    ram = server.stack.ram
+    loop_thread = server._thread.ident
+    calls: list[tuple[str, int, bool]] = []  # (method, bytes, on the loop)
+    for name in ("put_many_sync", "adopt_many"):
+        original = getattr(ram, name)
+
+        def traced(namespace: str, items: Any, _original: Any = original, _name: str = name) -> list[bool]:
+            size = sum(len(d) if isinstance(d, bytes | memoryview) else d.length for _, d in items)
+            calls.append((_name, size, threading.get_ident() == loop_thread))
+            return _original(namespace, items)
+
+        setattr(ram, name, traced)
+    stop = threading.Event()
+    latencies: list[float] = []
+
+    def lookups() -> None:
+        stub = _stub(server)
+        key = os.urandom(16)
+        while not stop.is_set():
+            t0 = time.perf_counter()
+            stub.Lookup(pb.LookupRequest(namespace="n", keys=[key]), timeout=30)
+            latencies.append(time.perf_counter() - t0)
+
+    watcher = threading.Thread(target=lookups)
+    watcher.start()
+    try:
+        with KVCacheClient(server.target, timeout_s=60) as same_host, KVCacheClient(server.target, shm=False) as remote:
+            for _ in range(3):
+                assert same_host.put_many("n", _blocks(8, 2 * MiB)).stored == 8  # segment -> slots (adopt)
+                assert remote.put_many("n", _blocks(8, 2 * MiB)).stored == 8  # inline gRPC (put_many_sync)
+            old = _blocks(4, MiB)
+            assert remote.put_many("n", old).stored == 4
+            server.call(server.stack.wait_idle())
+            ram.delete_many_sync("n", [k for k, _ in old])  # gone from RAM, still in Redis
+            assert [bytes(b) for b in remote.get_many("n", [k for k, _ in old])] == [b for _, b in old]  # promoted
+    finally:
+        stop.set()
+        watcher.join(30)
+    large = [c for c in calls if c[1] >= 256 << 10]
+    print("RAM writes >= 256 KiB:", len(large), "on the loop:", sum(c[2] for c in large))
+    latencies.sort()
+    if latencies:
+        p99 = latencies[int(len(latencies) * 0.99) - 1 if len(latencies) > 1 else 0]
+        p50 = latencies[len(latencies) // 2]
+        print(f"1-key Lookups meanwhile: {len(latencies)}, p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
+    assert {c[0] for c in large} == {"put_many_sync", "adopt_many"}
+    assert not [c for c in large if c[2]]  # none of them on the event loop

@@ -12,14 +12,16 @@ is free), and an entry that could never fit is refused.
 
 Reads: get_many_sync copies a block out of its slot once (the caller owns the bytes); lease_many
 hands out read-only views under a **lease**: a leased slot is never reused nor overwritten until
-the lease is released or expires (an entry evicted or deleted while leased leaves the index at
-once; its slot is freed when the last lease ends). Writes: put_many_sync copies a block into a
-slot; reserve() hands out a writable slot for a block written in place (same-host clients, the
-bulk path), which adopt_many() indexes under a key without a copy and abandon() frees; a
-reservation not committed within its time-out is reclaimed.
+the lease is released or expires (a leased entry is never evicted; one deleted while leased leaves
+the index at once, and its slot, still on its tenant's account, is freed when the last lease
+ends). Writes: put_many_sync copies a block into a slot (reserved under the lock, copied outside
+it); reserve() hands out a writable slot for a block a server thread writes in place (a segment
+put, the bulk path), which adopt_many() indexes under a key without a copy and abandon() frees;
+server reservations never expire (their owner abandons them once its writer has ended).
 
-All methods take one lock for a few dictionary operations and at most the copies of the blocks
-they move, so the tier is safe from the event loop and from threads alike.
+All methods take one lock for a few dictionary operations, so the tier is safe from the event loop
+and from threads alike. Under the lock a method copies only what get_many_sync returns and what an
+eviction hands to on_evict (for demotion); a put's copy into its slot is made outside it.
 
 Longer than the project's ~500-line module guideline: the index, the eviction order, the byte cap,
 leases and reservations share one lock and one set of invariants (every arena byte is free or in
@@ -36,6 +38,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Protocol
+
+import numpy as np
 
 from kvcache_server.arena import Extents, Lease, Region, Reservation, Slot, align, new_id
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
@@ -130,6 +134,9 @@ class _Partition:
 
 DEFAULT_LEASE_S = 30.0
 """How long a lease lives unless released first."""
+
+_GIL_FREE_COPY_BYTES = 64 << 10
+"""Copies into slots at least this large go through numpy, which releases the GIL while it copies."""
 
 DEFAULT_PIN_SHARE = 0.5
 """The share of the capacity a tenant without a quota may pin with leases and reservations."""
@@ -344,8 +351,28 @@ class RamTier(Tier):
     # -- writes --------------------------------------------------------------------------------
 
     def put_many_sync(self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        """Copies each block into a slot of its own and indexes it under its key."""
-        return self._store(namespace, items, None)
+        """Copies each block into a slot of its own and indexes it under its key.
+
+        The slot is reserved under the lock, the block copied into it outside the lock (readers and
+        writers of other keys never wait for a copy), then indexed under the lock. A block that
+        replaces one stored under its key never evicts that one, and a refused block keeps it."""
+        out: list[bool] = []
+        for key, block in items:
+            entry = (namespace, key)
+            res = self._reserve(namespace, len(block), math.inf, capped=False, keep=entry)
+            if res is None:
+                out.append(False)
+                continue
+            try:
+                if len(block) >= _GIL_FREE_COPY_BYTES:  # numpy drops the GIL for the copy
+                    np.copyto(np.frombuffer(res.buffer, np.uint8), np.frombuffer(block, np.uint8))
+                else:
+                    res.buffer[:] = block
+            except BaseException:
+                self.abandon([res.id])
+                raise
+            out.extend(self._store(namespace, [(key, res._slot)], [res.id]))
+        return out
 
     def adopt_many(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> list[bool]:
         """Indexes reserved slots under their keys, without a copy (the caller verified the blocks).
@@ -354,22 +381,14 @@ class RamTier(Tier):
         namespace is not stored (False)."""
         return self._store(namespace, [(key, res._slot) for key, res in items], [res.id for _, res in items])
 
-    def _store(
-        self,
-        namespace: str,
-        items: Sequence[tuple[bytes, bytes | memoryview | Slot]],
-        reservation_ids: list[int] | None,
-    ) -> list[bool]:
+    def _store(self, namespace: str, items: Sequence[tuple[bytes, Slot]], reservation_ids: list[int]) -> list[bool]:
         stored: list[bool] = []
         evicted: list[tuple[str, bytes, bytes]] = []
         with self._lock:
             self._reap_locked(self._clock())
             part = self._partition(namespace)
-            for i, (key, data) in enumerate(items):
+            for i, (key, _) in enumerate(items):
                 entry = (namespace, key)
-                if reservation_ids is None:
-                    stored.append(self._put_locked(part, entry, data, evicted))  # type: ignore[arg-type]
-                    continue
                 res = self._reservations.get(reservation_ids[i])
                 if res is None or res.namespace != namespace:
                     self._stats.rejected += 1
@@ -400,6 +419,12 @@ class RamTier(Tier):
         return align(length) + ENTRY_OVERHEAD_BYTES
 
     def reserve(self, namespace: str, nbytes: int, ttl_s: float = math.inf) -> Reservation | None:
+        """A writable slot for a block of `nbytes` (see _reserve), within the tenant's pin cap."""
+        return self._reserve(namespace, nbytes, ttl_s, capped=True, keep=None)
+
+    def _reserve(
+        self, namespace: str, nbytes: int, ttl_s: float, *, capped: bool, keep: EntryKey | None
+    ) -> Reservation | None:
         """A writable slot for a block of `nbytes`, evicting to make room; None if it cannot fit or
         the tenant pins its share already.
 
@@ -414,10 +439,12 @@ class RamTier(Tier):
             self._reap_locked(now)
             part = self._partition(namespace)
             cost = self.entry_cost_of(nbytes)
-            if part.pinned() + cost > part.pin_cap:
+            if capped and part.pinned() + cost > part.pin_cap:
                 self._stats.rejected += 1
             else:
-                slot = self._allocate_locked(part, nbytes, evicted, extra=cost)
+                slot = self._allocate_locked(
+                    part, nbytes, evicted, extra=cost, keep=keep if keep in self._blocks else None
+                )
                 if slot is not None:
                     self._pin(slot)
                     self._reserved += cost
@@ -580,24 +607,6 @@ class RamTier(Tier):
     def _room_for(self, part: _Partition, cost: int) -> bool:
         within_share = not part.quota or part.held() + cost <= part.quota
         return within_share and self._used + self._reserved + self._orphaned + cost <= self._capacity
-
-    def _put_locked(
-        self, part: _Partition, entry: EntryKey, block: bytes | memoryview, evicted: list[tuple[str, bytes, bytes]]
-    ) -> bool:
-        n = len(block)
-        old = self._blocks.get(entry)
-        # The entry it replaces leaves the index only once the new slot exists (a refused re-put
-        # keeps the old block); its cost is not counted twice meanwhile.
-        extra = self.entry_cost_of(n)
-        if old is not None and old.pins == 0:  # a leased old block stays charged (orphaned) after the swap
-            extra = max(0, extra - self.entry_cost_of(old.length))
-        slot = self._allocate_locked(part, n, evicted, extra=extra, keep=entry if old is not None else None)
-        if slot is None:
-            return False
-        self.region.view[slot.offset : slot.offset + n] = block
-        self._drop_entry(part, entry)
-        self._index(part, entry, slot)
-        return True
 
     def delete_many_sync(self, namespace: str, keys: Sequence[bytes]) -> int:
         deleted = 0
