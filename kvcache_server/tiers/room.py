@@ -36,6 +36,11 @@ if TYPE_CHECKING:
     from kvcache_server.tiers.ram import EntryKey, RamTier, _Partition
 
 
+WINDOW_SCAN_MAX_BLOCKS = 100_000
+"""Above this many blocks the cheapest-window scan (O(blocks log blocks) under the RAM tier's lock)
+gives way to LRU order without a budget: more evictions, bounded time per step."""
+
+
 class _Plan:
     """Victims chosen so far and what they free, per partition."""
 
@@ -134,6 +139,20 @@ def _contiguous(plan: _Plan, part: _Partition, nbytes: int) -> bool:
                 # Only the victims inside the run it freed stay (the byte cap, next, takes what it needs).
                 _undo(plan, checkpoint, keep=lambda e, lo=start, hi=end: lo <= tier._blocks[e].offset < hi)
                 return True
+    if len(tier._blocks) > WINDOW_SCAN_MAX_BLOCKS:
+        # Too many blocks to scan under the lock: go on in LRU order, as long as it takes (each
+        # step O(1)); the plan still evicts nothing unless it ends in a run that fits.
+        for p in allowed:
+            order = p.policy.candidates()
+            while (entry := plan.next_victim(p, order)) is not None:  # type: ignore[arg-type]
+                slot = tier._blocks[entry]
+                plan.take(p, entry)
+                start, end = free.add(slot.offset, align(slot.length))
+                if end - start >= need:
+                    _undo(plan, checkpoint, keep=lambda e, lo=start, hi=end: lo <= tier._blocks[e].offset < hi)
+                    return True
+        _undo(plan, checkpoint, keep=lambda e: False)
+        return False
     _undo(plan, checkpoint, keep=lambda e: False)  # not enough nearby
     window = _cheapest_window(plan, part, need)
     if window is None:
