@@ -223,7 +223,7 @@ def test_the_workers_share_the_servers_block_arena() -> None:
     assert mount in service("kvcache")["volumes"]
     for name in ("vllm-prefill", "vllm-decode"):
         worker = service(name)
-        assert worker["user"] == f"{uid}:{uid}"  # the arena is 0600 and its directory 0700
+        assert worker["user"] == f"{uid}:{uid}"  # the arena is 0400 and its directory 0700
         assert mount in worker["volumes"]
         assert worker["environment"]["HF_HOME"] == "/hf-cache" and "hf-cache:/hf-cache" in worker["volumes"]
         assert importlib.util.find_spec("kvcache_connectors.vllm") is not None
@@ -236,7 +236,8 @@ def test_the_workers_share_the_servers_block_arena() -> None:
     opts = dict(o.split("=") for o in volume["driver_opts"]["o"].split(","))
     assert (opts["uid"], opts["gid"], opts["mode"]) == (str(uid), str(uid), "0700")  # what ShmDirectory.open accepts
     size = int(opts["size"].rstrip("g")) << 30
-    assert size >= cfg.ram.capacity_bytes + (1 << 30)  # the arena and room for per-call segments
+    # Two arenas (a restarted server's new one while workers still map the old) and per-call segments.
+    assert size >= 2 * cfg.ram.capacity_bytes + (1 << 30)
     init = service("hf-cache-init")
     assert init["command"] == ["chown", f"{uid}:{uid}", "/hf-cache"] and init["restart"] == "no"
 
@@ -446,7 +447,28 @@ def test_fleet_services() -> None:
         "redis-cluster-init",
         "minio",
         "minio-init",
+        "hf-cache-init",
     }
+
+
+def test_fleet_workers_share_their_own_nodes_block_arena() -> None:
+    """Before, the fleet gave its workers no arena (no shared tmpfs, another uid): each vllm-N now
+    runs as the server's user with its node's kvcache-shm-N at the server's shm.dir."""
+    uid = server_uid()
+    shm_dir = f"/dev/shm/kvcache-{uid}"
+    services = fleet()
+    volumes = yaml.safe_load((DOCKER / "docker-compose.fleet.yml").read_text())["volumes"]
+    capacity = load_config(path=FLEET_CONFIG, env={}).ram.capacity_bytes
+    for i in (1, 2, 3):
+        mount = f"kvcache-shm-{i}:{shm_dir}"
+        assert mount in services[f"kvcache-{i}"]["volumes"]
+        worker = services[f"vllm-{i}"]
+        assert worker["user"] == f"{uid}:{uid}" and mount in worker["volumes"]
+        assert worker["environment"]["HF_HOME"] == "/hf-cache" and "hf-cache:/hf-cache" in worker["volumes"]
+        assert not any(f"kvcache-shm-{j}:" in v for v in worker["volumes"] for j in (1, 2, 3) if j != i)
+        opts = dict(o.split("=") for o in volumes[f"kvcache-shm-{i}"]["driver_opts"]["o"].split(","))
+        assert (opts["uid"], opts["gid"], opts["mode"]) == (str(uid), str(uid), "0700")
+        assert int(opts["size"].rstrip("g")) << 30 >= 2 * capacity + (1 << 30)
 
 
 def test_fleet_servers_share_the_redis_cluster_and_minio_and_name_themselves() -> None:
@@ -455,7 +477,7 @@ def test_fleet_servers_share_the_redis_cluster_and_minio_and_name_themselves() -
     ids, ports, bulk_ports = set(), set(), set()
     for name in fleet_nodes():
         svc = services[name]
-        assert svc["volumes"] == [f"./fleet.toml:{IMAGE_CONFIG_PATH}:ro"]
+        assert svc["volumes"][0] == f"./fleet.toml:{IMAGE_CONFIG_PATH}:ro"
         cfg = load_config(path=FLEET_CONFIG, env={k: interpolate(str(v)) for k, v in svc["environment"].items()})
         assert cfg.redis.enabled and cfg.redis.cluster and cfg.redis.write_mode == "through"
         assert cfg.redis.startup_nodes() == [(n, 6379) for n in redis_nodes]
@@ -508,6 +530,9 @@ def test_fleet_workers_try_their_own_server_first_then_the_others() -> None:
         targets = split_targets(transfer["kv_connector_extra_config"]["target"])
         assert targets[0] == f"{node}:51051"
         assert sorted(targets) == [f"{n}:51051" for n in nodes]
-        assert worker["depends_on"] == {node: {"condition": "service_healthy"}}
+        assert worker["depends_on"] == {
+            node: {"condition": "service_healthy"},
+            "hf-cache-init": {"condition": "service_completed_successfully"},
+        }
         assert transfer["kv_role"] == "kv_both"
         KVCacheConnectorConfig.from_extra_config(transfer["kv_connector_extra_config"], block_size=16)
