@@ -494,3 +494,102 @@ def test_large_commits_and_promotions_copy_off_the_event_loop(make_server, redis
         print(f"1-key Lookups meanwhile: {len(latencies)}, p50 {p50 * 1e3:.2f} ms, p99 {p99 * 1e3:.2f} ms")
     assert {c[0] for c in large} == {"put_many_sync", "adopt_many"}
     assert not [c for c in large if c[2]]  # none of them on the event loop
+
+
+# -- restarts in a tmpfs sized as the docs say ----------------------------------------------------
+
+_CLONE_NEWNS = 0x00020000
+_MS_REC, _MS_PRIVATE = 0x4000, 0x40000
+
+# As root in a child: a private mount namespace with a tmpfs of argv[2] at argv[1]; a server, a client
+# process that maps its arena and keeps reading; the server restarted (a new one, same directory)
+# while that client still maps the old arena.
+_RESTART_DRIVER = f"""
+import ctypes, json, os, subprocess, sys, time
+libc = ctypes.CDLL(None, use_errno=True)
+mnt = sys.argv[1].encode()
+if (libc.unshare({_CLONE_NEWNS}) != 0
+        or libc.mount(b"none", b"/", None, {_MS_REC | _MS_PRIVATE}, None) != 0
+        or libc.mount(b"tmpfs", mnt, b"tmpfs", 0, ("size=" + sys.argv[2]).encode()) != 0):
+    print("NO-NAMESPACE " + os.strerror(ctypes.get_errno()))
+    sys.exit(3)
+from tests.conftest import ServerThread
+settings = {{"shm": {{"dir": sys.argv[1] + "/shm"}}, "ram": {{"capacity_bytes": 16 << 20, "prefault": True}}}}
+first = ServerThread(settings)
+client = subprocess.Popen([sys.executable, "-c", sys.argv[3], first.target], stdin=subprocess.PIPE,
+                          stdout=subprocess.PIPE, text=True)
+assert client.stdout.readline().strip() == "mapped"
+port = first.target.rsplit(":", 1)[1]
+first.stop()
+settings["server"] = {{"port": int(port)}}
+second = ServerThread(settings)
+shared = bool(second.stack.ram.region.path)
+client.stdin.write("go\\n"); client.stdin.flush()
+out = client.stdout.readline().strip()
+client.wait(60)
+second.stop()
+print(json.dumps({{"shared": shared, "client": out, "rc": client.returncode}}))
+"""
+
+_RESTART_CLIENT = """
+import json, os, sys, time
+from kvcache_client import KVCacheClient
+from tests.conftest import raw_block
+target = sys.argv[1]
+items = []
+for _ in range(4):
+    k = os.urandom(16)
+    items.append((k, raw_block(k, os.urandom(1 << 20))))
+with KVCacheClient(target, timeout_s=10) as client:
+    assert client.put_many("r", items).stored == 4
+    with client.leased("r", [k for k, _ in items]) as views:
+        assert all(views)
+    old = client._transport.arena._readonly  # the old arena stays mapped while the server restarts
+    print("mapped", flush=True)
+    sys.stdin.readline()
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            stored = client.put_many("r", items).stored
+            break
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.2)
+    with client.leased("r", [k for k, _ in items]) as views:
+        same = [v is not None and bytes(v) == b for v, (_, b) in zip(views, items)]
+    link = client._transport.arena
+    print(json.dumps({"stored": stored, "same": same, "arena": link.state, "old_mapped": len(old)}), flush=True)
+"""
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(("size", "shares"), [("40m", True), ("24m", False)])
+def test_a_restart_while_clients_map_the_old_arena(tmp_path: Path, size: str, shares: bool) -> None:
+    """docs/deployment.md: size the tmpfs for two arenas plus segments. With 16 MiB arenas, 40 MiB
+    (2 x 16 + 8) lets the restarted server share its new arena while a client still maps the old one,
+    and the client follows it; 24 MiB (one arena + 8) does not (what the issue saw), and the client
+    keeps working over segments. Needs root (a private mount namespace)."""
+    if os.geteuid() != 0 and not os.environ.get("CI"):  # under CI it runs (and fails) rather than skip
+        pytest.skip("needs root to mount a tmpfs in a private mount namespace")
+    import json
+    import subprocess
+    import sys
+
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    repo = Path(__file__).resolve().parent.parent
+    run = subprocess.run(
+        [sys.executable, "-c", _RESTART_DRIVER, str(mnt), size, _RESTART_CLIENT],
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=repo,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    client = json.loads(result["client"])
+    print(result)
+    assert result["shared"] is shares and result["rc"] == 0
+    assert client["stored"] == 4 and client["same"] == [True] * 4  # served exactly, either way
+    assert client["arena"] == ("on" if shares else "off")
