@@ -593,3 +593,18 @@ def test_a_restart_while_clients_map_the_old_arena(tmp_path: Path, size: str, sh
     assert result["shared"] is shares and result["rc"] == 0
     assert client["stored"] == 4 and client["same"] == [True] * 4  # served exactly, either way
     assert client["arena"] == ("on" if shares else "off")
+
+
+def test_a_prefix_lease_get_naming_a_key_twice_keeps_the_lease_it_answers(make_server, tmp_path: Path) -> None:
+    """A key named twice shares one lease; prefix_only releases what lies past the first miss, but
+    never the lease an answered position still names (its slot would be reusable under the reader)."""
+    server = make_server(ram={"capacity_bytes": 16 * MiB}, shm={"dir": str(tmp_path / "shm")})
+    stub = _stub(server)
+    ((a, block),) = _blocks(1, 4096)
+    assert _put_inline(stub, "n", [(a, block)]).stored == 1
+    missing = os.urandom(16)
+    reply = stub.LeaseGet(pb.LeaseGetRequest(namespace="n", keys=[a, missing, a], prefix_only=True), timeout=10)
+    assert [bool(s.id) for s in reply.leases] == [True, False]
+    assert server.stack.ram.arena_stats()["leases"] == 1  # still pinned for the reader
+    assert stub.LeaseRelease(pb.LeaseReleaseRequest(leases=[reply.leases[0].id]), timeout=10).released == 1
+    assert server.stack.ram.arena_stats()["leases"] == 0

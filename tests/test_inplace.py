@@ -1,13 +1,20 @@
-"""Same-host in-place transfers through the shared block arena: reserve -> write -> verify -> commit,
-lease -> verify -> read in place or copy once -> release (docs/arena.md, docs/shm.md)."""
+"""Same-host in-place transfers through the server's block arena (docs/arena.md, docs/shm.md).
+
+put: the SDK writes its blocks into a segment of its own and Put names their ranges; the server
+preads each block straight into an arena slot it reserved itself, verifies the key-bound checksum
+in the slot and commits the slot without a copy. No client is ever handed a writable slot
+(ArenaReserve and ArenaCommit answer FAILED_PRECONDITION); the arena file is 0400 and the SDK maps
+it read-only.
+get: lease -> verify -> read in place or copy once -> release."""
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 import subprocess
 import sys
-import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -16,6 +23,8 @@ import pytest
 import torch
 
 from kvcache_client import DataCorrupted, KVCacheClient
+from kvcache_client.arena import ArenaLink
+from kvcache_client.shm import Segment
 from kvcache_core.format import encode_block
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
@@ -26,6 +35,7 @@ pytestmark = pytest.mark.timeout(120)
 NS = "ns"
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
+WITHDRAWN = "in-place writes into the block arena are withdrawn"
 
 
 @pytest.fixture
@@ -45,6 +55,32 @@ def stub(server: ServerThread) -> pb_grpc.KVCacheStub:
     return pb_grpc.KVCacheStub(grpc.insecure_channel(server.target))
 
 
+def slots(data: list[tuple[bytes, bytes]]) -> int:
+    """Arena bytes the blocks' slots take (64-byte aligned)."""
+    return sum((len(b) + 63) // 64 * 64 for _, b in data)
+
+
+def count_grpc_block_traffic(client: KVCacheClient) -> dict[str, int]:
+    """Counts what the client's gRPC transport sends as Put messages (their bytes) and how many Get
+    calls it makes: the calls that would carry block bytes over gRPC."""
+    inner = client._transport.inner
+    counts = {"put_message_bytes": 0, "get_calls": 0}
+    put, get = inner._put, inner._get
+
+    def counted(messages: Iterator[bytes]) -> Iterator[bytes]:
+        for message in messages:
+            counts["put_message_bytes"] += len(message)
+            yield message
+
+    def counted_get(request: pb.GetRequest, **kwargs: object) -> object:
+        counts["get_calls"] += 1
+        return get(request, **kwargs)
+
+    inner._put = lambda messages, **kwargs: put(counted(messages), **kwargs)
+    inner._get = counted_get
+    return counts
+
+
 def test_the_arena_is_advertised_as_an_owner_only_file_of_the_server(arena_server: ServerThread) -> None:
     info = stub(arena_server).Info(pb.InfoRequest(), timeout=5)
     st = os.stat(info.arena_path)
@@ -53,14 +89,18 @@ def test_the_arena_is_advertised_as_an_owner_only_file_of_the_server(arena_serve
     assert info.arena_bytes == 64 * MiB
 
 
-def test_puts_and_gets_move_no_byte_through_grpc_or_segments(arena_server: ServerThread) -> None:
+def test_puts_and_gets_move_no_byte_through_grpc(arena_server: ServerThread) -> None:
+    """Puts: the server reads the SDK's segment straight into arena slots (counted in both
+    shm_bytes_received and inplace_bytes_received); gets: leased views of those slots."""
     data = blocks(4, 2 * MiB)
     keys = [k for k, _ in data]
     total = sum(len(b) for _, b in data)
     with KVCacheClient(arena_server.target) as client:
+        wire = count_grpc_block_traffic(client)
         result = client.put_many(NS, data)
         assert (result.stored, result.bytes_sent) == (4, total)
         assert client._transport.arena.state == "on"
+        assert arena_server.stack.ram.arena_stats()["reservations"] == 0  # each slot committed
         assert [bytes(b) for b in client.get_many(NS, keys)] == [b for _, b in data]
         with client.leased(NS, keys) as views:
             assert [bytes(v) for v in views] == [b for _, b in data]
@@ -75,14 +115,21 @@ def test_puts_and_gets_move_no_byte_through_grpc_or_segments(arena_server: Serve
         assert [t.numpy().tobytes() for t in tensors] == [b[48:] for _, b in data]
         assert [bytes(b) for b in buffers] == [b[48:] for _, b in data]
         stats = client.stats()
-    assert (stats.shm_bytes_received, stats.shm_bytes_sent) == (0, 0)
-    assert stats.inplace_bytes_received == total
+        arena, shm = client._transport.arena, client._transport.shm
+        assert (arena.fallbacks, shm.fallbacks) == (0, 0)  # no call went another way
+        seen = dict(wire)
+        assert client.get_many(NS, [os.urandom(16)]) == [None]  # a key RAM lacks: a Get, counted
+        assert wire["get_calls"] == seen["get_calls"] + 1
+    # On the wire: Put named only the segment's ranges (a few dozen bytes a block), no Get call.
+    assert 0 < seen["put_message_bytes"] < 4 * 128 and seen["get_calls"] == 0
+    assert (stats.shm_bytes_received, stats.inplace_bytes_received) == (total, total)  # every put byte
+    assert (stats.shm_bytes_sent, stats.bulk_bytes_received, stats.bulk_bytes_sent) == (0, 0, 0)
     assert stats.inplace_bytes_leased == 4 * total  # get_many, leased, two get_into
     assert (stats.arena_leases, stats.arena_reservations) == (0, 0)  # every lease released
+    assert stats.arena_reservations_reclaimed == 0
     ram = arena_server.stack.ram
-    assert ram.arena_stats()["free_bytes"] == ram.region.size - sum(
-        (len(b) + 63) // 64 * 64 for _, b in data
-    )  # a put's reservations are its slots: nothing else was allocated
+    # The server's reservations became the blocks' slots: nothing else was allocated.
+    assert ram.arena_stats()["free_bytes"] == ram.region.size - slots(data)
 
 
 def test_keys_ram_lacks_come_the_ordinary_way_and_prefixes_stop_at_the_first_miss(
@@ -146,26 +193,33 @@ def test_a_reader_holding_leases_while_another_process_floods_the_arena_gets_exa
                 cwd=REPO,
             )
             assert flood.returncode == 0, flood.stderr
-            assert int(flood.stdout) > 100  # the flood evicted everything many times over
+            assert int(flood.stdout) > 100  # the flood evicted everything else many times over
             assert [bytes(v) for v in views] == [b for _, b in mine]  # its slots were never reused
-        assert client.lookup(NS, keys).prefix_length == 0  # evicted from the index meanwhile
+            # A pinned block is never an eviction victim: still indexed, still served.
+            assert client.lookup(NS, keys).prefix_length == 3
         assert client.stats().arena_leases == 0
+        stats = client.stats()
+        assert (stats.arena_reservations, stats.arena_reservations_reclaimed) == (0, 0)
+        # Every put, the flood's included, was read from its segment straight into a slot.
+        flooded = 40 * 4 * len(raw_block(os.urandom(16), bytes(MiB)))
+        assert stats.shm_bytes_received == stats.inplace_bytes_received == sum(len(b) for _, b in mine) + flooded
         ram = server.stack.ram
         held = sum((s.length + 63) // 64 * 64 for s in ram._blocks.values())
-        assert ram.arena_stats()["free_bytes"] == ram.region.size - held  # the leased slots came back
+        assert ram.arena_stats()["free_bytes"] == ram.region.size - held  # the leased slots are only the index's now
+        assert [bytes(b) for b in client.get_many(NS, keys)] == [b for _, b in mine]
 
 
 def test_bytes_changed_under_a_lease_become_a_miss_never_wrong_kv(arena_server: ServerThread) -> None:
-    """Even a lease bug (here: a process of the same user scribbling over the arena) is only a miss."""
+    """Even a bug that changes a block in its slot (here: the test, through the server's own writable
+    view; no client can write the arena) is only a miss."""
     (item,) = blocks(1, 256 << 10)
     with KVCacheClient(arena_server.target) as client:
         client.put_many(NS, [item])
-        (lease,) = arena_server.stack.ram.lease_many("ns", [item[0]])
+        ram = arena_server.stack.ram
+        (lease,) = ram.lease_many("ns", [item[0]])
         assert lease is not None
-        arena_server.stack.ram.release([lease.id])
-        with open(client._transport.arena.path, "r+b") as f:
-            f.seek(lease.offset + 1000)
-            f.write(b"\xff" * 8)
+        ram.release([lease.id])
+        ram.region.view[lease.offset + 1000 : lease.offset + 1008] = b"\xff" * 8
         with client.leased(NS, [item[0]]) as views:
             assert views == [None]
         assert client.get_into(NS, [item[0]], [bytearray(len(item[1]) - 48)]) == [False]
@@ -173,90 +227,184 @@ def test_bytes_changed_under_a_lease_become_a_miss_never_wrong_kv(arena_server: 
         assert client.stats().arena_leases == 0
 
 
-def test_a_block_that_fails_its_checksum_in_its_slot_is_refused_and_its_slot_freed(arena_server: ServerThread) -> None:
+def test_a_block_that_fails_its_checksum_in_its_slot_is_refused_and_its_slot_freed(
+    arena_server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server verifies each block in the arena slot it read it into: a block that fails there
+    is DATA_LOSS, its slot goes back to the arena and nothing is stored. Tried with a raw Put naming
+    a segment range that holds a block made for another key, and with an SDK put whose segment
+    bytes change after the SDK wrote them (DataCorrupted, as for an inline Put)."""
     s = stub(arena_server)
+    ram = arena_server.stack.ram
+    info = s.Info(pb.InfoRequest(), timeout=5)
     k, other = os.urandom(16), os.urandom(16)
     block = raw_block(other, os.urandom(100_000))  # made for another key
-    reply = s.ArenaReserve(pb.ArenaReserveRequest(namespace=NS, lengths=[len(block)]), timeout=5)
-    with open(reply.arena_path, "r+b") as f:
-        f.seek(reply.slots[0].offset)
-        f.write(block)
-    with pytest.raises(grpc.RpcError) as info:
-        s.ArenaCommit(
-            pb.ArenaCommitRequest(namespace=NS, items=[pb.ArenaCommitItem(key=k, reservation=reply.slots[0].id)]),
-            timeout=5,
+    segment = Segment(info.shm_dir)
+    try:
+        ((_, where),) = segment.write_blocks([(k, block)])
+        request = pb.PutRequest(
+            namespace=NS, blocks=[pb.Block(key=k, shm=pb.ShmRange(segment=where.segment, offset=0, length=len(block)))]
         )
-    assert info.value.code() is grpc.StatusCode.DATA_LOSS
+        with pytest.raises(grpc.RpcError) as refused:
+            s.Put(iter([request]), timeout=5)
+    finally:
+        segment.close()
+    assert refused.value.code() is grpc.StatusCode.DATA_LOSS and "checksum" in refused.value.details()
     stats = s.Stats(pb.StatsRequest(), timeout=5)
-    assert (stats.put_checksum_failures, stats.arena_reservations) == (1, 0)
-    assert arena_server.stack.ram.used_bytes == 0
-    # The SDK maps DATA_LOSS of its own block to DataCorrupted, as for Put.
-    with KVCacheClient(arena_server.target) as client, pytest.raises(DataCorrupted):
-        client.put_many(NS, [(k, block)])
+    assert (stats.put_checksum_failures, stats.arena_reservations, stats.shm_bytes_received) == (1, 0, len(block))
+    assert (ram.used_bytes, ram.arena_stats()["free_bytes"]) == (0, ram.region.size)  # the slot is free
+
+    # The SDK: its segment's bytes are changed between its write and the server's read.
+    good = raw_block(k, os.urandom(100_000))
+    write_blocks = Segment.write_blocks
+
+    def then_corrupted(self: Segment, items, stop=None):  # type: ignore[no-untyped-def]
+        refs = write_blocks(self, items, stop)
+        at = refs[0][1].offset + 1000
+        os.pwrite(self.fd, bytes(b ^ 0xFF for b in os.pread(self.fd, 8, at)), at)
+        return refs
+
+    with KVCacheClient(arena_server.target) as client:
+        monkeypatch.setattr(Segment, "write_blocks", then_corrupted)
+        with pytest.raises(DataCorrupted):
+            client.put_many(NS, [(k, good)])
+        monkeypatch.undo()
+        assert client.lookup(NS, [k]).prefix_length == 0
+        stats = client.stats()
+        assert (stats.put_checksum_failures, stats.arena_reservations) == (2, 0)
+        assert stats.shm_bytes_received == len(block) + len(good)  # both were read out of their segments
+        assert (ram.used_bytes, ram.arena_stats()["free_bytes"]) == (0, ram.region.size)
+        assert client.put_many(NS, [(k, good)]).stored == 1  # the same block, unchanged, is stored
+        assert [bytes(b) for b in client.get_many(NS, [k])] == [good]
+        stats = client.stats()
+    assert (stats.put_checksum_failures, stats.arena_reservations) == (2, 0)
+    assert stats.shm_bytes_received == len(block) + 2 * len(good)
+    # Received in place: the block committed from its slot, not the two refused ones (docs/metrics.md:
+    # "committed from reservations").
+    assert stats.inplace_bytes_received == len(good)
 
 
-def test_abandoned_and_forgotten_reservations_are_reclaimed(arena_server: ServerThread) -> None:
+def test_arena_reserve_and_arena_commit_are_withdrawn_and_change_nothing(arena_server: ServerThread) -> None:
+    """No client is handed a writable slot: ArenaReserve and ArenaCommit answer FAILED_PRECONDITION
+    whatever they ask (a reservation, a commit or an abandon of one of the server's own, even named
+    by its id), and change nothing. The arena file is 0400 (an open for writing fails for a non-root
+    owner; these tests run as root, so the mode is checked) and the SDK maps it read-only."""
+    s = stub(arena_server)
+    ram = arena_server.stack.ram
+    data = blocks(2, 256 << 10)
+    with KVCacheClient(arena_server.target) as client:
+        assert client.put_many(NS, data).stored == 2
+    k = os.urandom(16)
+    block = raw_block(k, os.urandom(1000))
+    own = ram.reserve("a", len(block))  # one of the server's own reservations (a segment put's)
+    assert own is not None
+    own.buffer[:] = block
+    before = s.Stats(pb.StatsRequest(), timeout=5)
+    arena_before = ram.arena_stats()
+    calls = [
+        (s.ArenaReserve, pb.ArenaReserveRequest(namespace=NS, lengths=[MiB])),
+        (s.ArenaReserve, pb.ArenaReserveRequest(namespace=NS, lengths=[])),
+        (s.ArenaReserve, pb.ArenaReserveRequest(namespace=NS, lengths=[0])),
+        (
+            s.ArenaReserve,
+            pb.ArenaReserveRequest(namespace=NS, lengths=[arena_server.config.limits.max_block_bytes + 1]),
+        ),
+        (s.ArenaReserve, pb.ArenaReserveRequest(namespace=NS, lengths=[32 * MiB] * 3)),  # more than the arena
+        (s.ArenaCommit, pb.ArenaCommitRequest(namespace="a", items=[pb.ArenaCommitItem(key=k, reservation=own.id)])),
+        (s.ArenaCommit, pb.ArenaCommitRequest(namespace="b", items=[pb.ArenaCommitItem(key=k, reservation=own.id)])),
+        (s.ArenaCommit, pb.ArenaCommitRequest(namespace="a", abandon=[own.id])),
+    ]
+    for call, request in calls:
+        with pytest.raises(grpc.RpcError) as info:
+            call(request, timeout=5)
+        assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION, request
+        assert WITHDRAWN in info.value.details() and "segment" in info.value.details()
+    after = s.Stats(pb.StatsRequest(), timeout=5)
+    assert after.failed_requests == before.failed_requests + len(calls)
+    for stats in (before, after):
+        stats.ClearField("uptime_s")
+        stats.ClearField("failed_requests")
+    assert after == before  # no reservation, no block, no byte counted
+    assert ram.arena_stats() == arena_before and arena_before["reservations"] == 1
+    assert ram.reservation(own.id) is own  # neither committed nor abandoned by a client
+    assert ram.contains_many_sync("a", [k]) == [False]
+    assert ram.abandon([own.id]) == 1  # only its owner ends it
+    assert ram.arena_stats()["free_bytes"] == ram.region.size - slots(data)
+    with pytest.raises(grpc.RpcError) as info:
+        s.LeaseGet(pb.LeaseGetRequest(namespace=NS, keys=[b"short"]), timeout=5)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    path = s.Info(pb.InfoRequest(), timeout=5).arena_path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o400
+    with KVCacheClient(arena_server.target) as client:
+        with client.leased(NS, [k for k, _ in data]) as views:
+            assert [bytes(v) for v in views] == [b for _, b in data]
+            for view in views:
+                with pytest.raises(TypeError):
+                    view[0:1] = b"x"  # type: ignore[index]
+        link = client._transport.arena
+        assert link.state == "on" and link._readonly is not None and link._readonly.readonly
+        for withdrawn in ("write", "write_slots", "takes", "put_group", "put_groups", "merge_put"):
+            assert not hasattr(ArenaLink, withdrawn), withdrawn
+        assert (link.fallbacks, client.stats().arena_reservations) == (0, 0)
+
+
+def test_the_servers_own_reservations_never_expire_and_only_their_owner_ends_them(
+    arena_server: ServerThread,
+) -> None:
+    """Reservations are the server's own (a segment put's, a bulk session's) and never expire by
+    default: one reclaimed while its writer still ran would let the writer's late bytes land in a
+    slot reused for another key. Far past ram.lease_timeout_s (2 s here) it is still open, puts go
+    on around it, no RPC ends it, and its owner's abandon frees it."""
     s = stub(arena_server)
     ram = arena_server.stack.ram
     free = ram.arena_stats()["free_bytes"]
-    a = s.ArenaReserve(pb.ArenaReserveRequest(namespace=NS, lengths=[MiB, MiB]), timeout=5)
-    assert ram.arena_stats()["free_bytes"] == free - 2 * MiB
-    s.ArenaCommit(pb.ArenaCommitRequest(namespace=NS, abandon=[a.slots[0].id]), timeout=5)
-    assert ram.arena_stats()["reservations"] == 1
-    # The other one is forgotten (a client that died): reclaimed after ram.lease_timeout_s (2 s).
-    deadline = time.monotonic() + 10
-    while ram.reap() == 0 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert ram.arena_stats()["free_bytes"] == free
+    res = ram.reserve(NS, MiB)
+    assert res is not None and res.expires == math.inf
+    assert ram.arena_stats()["free_bytes"] == free - MiB
+    data = blocks(2, 256 << 10)
+    clock = ram._clock
+    ram._clock = lambda: clock() + 3600.0  # an hour later
+    try:
+        assert ram.reap() == 0 and ram.reservation(res.id) is res
+        with KVCacheClient(arena_server.target) as client:
+            assert client.put_many(NS, data).stored == 2  # its own reservations committed, none left
+        assert ram.arena_stats()["reservations"] == 1 and ram.reservation(res.id) is res
+    finally:
+        ram._clock = clock
+    with pytest.raises(grpc.RpcError) as info:  # a client cannot end it either
+        s.ArenaCommit(pb.ArenaCommitRequest(namespace=NS, abandon=[res.id]), timeout=5)
+    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION and WITHDRAWN in info.value.details()
+    assert ram.reservation(res.id) is res
+    assert ram.abandon([res.id]) == 1 and ram.abandon([res.id]) == 0
+    assert ram.arena_stats()["free_bytes"] == free - slots(data)
     stats = s.Stats(pb.StatsRequest(), timeout=5)
-    assert (stats.arena_reservations, stats.arena_reservations_reclaimed) == (0, 1)
-    with pytest.raises(grpc.RpcError) as info:  # a late commit stores nothing
-        s.ArenaCommit(
-            pb.ArenaCommitRequest(
-                namespace=NS, items=[pb.ArenaCommitItem(key=os.urandom(16), reservation=a.slots[1].id)]
-            ),
-            timeout=5,
-        )
-    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION and "not open" in info.value.details()
-
-
-def test_a_reservation_commits_only_into_its_namespace_and_requests_are_checked(arena_server: ServerThread) -> None:
-    s = stub(arena_server)
-    k = os.urandom(16)
-    block = raw_block(k, os.urandom(1000))
-    res = s.ArenaReserve(pb.ArenaReserveRequest(namespace="a", lengths=[len(block)]), timeout=5)
-    with pytest.raises(grpc.RpcError) as info:
-        s.ArenaCommit(
-            pb.ArenaCommitRequest(namespace="b", items=[pb.ArenaCommitItem(key=k, reservation=res.slots[0].id)]),
-            timeout=5,
-        )
-    assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-    for lengths, code in [
-        ([], grpc.StatusCode.INVALID_ARGUMENT),
-        ([0], grpc.StatusCode.INVALID_ARGUMENT),
-        ([arena_server.config.limits.max_block_bytes + 1], grpc.StatusCode.RESOURCE_EXHAUSTED),
-        ([32 * MiB, 32 * MiB, 32 * MiB], grpc.StatusCode.RESOURCE_EXHAUSTED),  # more than the arena
-    ]:
-        with pytest.raises(grpc.RpcError) as info:
-            s.ArenaReserve(pb.ArenaReserveRequest(namespace="a", lengths=lengths), timeout=5)
-        assert info.value.code() is code, lengths
-    assert arena_server.stack.ram.arena_stats()["reservations"] == 1  # the refused ones left nothing
-    with pytest.raises(grpc.RpcError) as info:
-        s.LeaseGet(pb.LeaseGetRequest(namespace="a", keys=[b"short"]), timeout=5)
-    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (stats.arena_reservations, stats.arena_reservations_reclaimed) == (0, 0)
+    assert stats.inplace_bytes_received == sum(len(b) for _, b in data)
 
 
 def test_a_full_arena_sends_the_put_the_ordinary_way(make_server, tmp_path: Path) -> None:
+    """With no slot to reserve (a lease pins the arena), the server reads the put's blocks out of the
+    segment into its own memory and puts them the ordinary way; RAM refuses them while the pin
+    lasts. No call of the SDK goes another way: a put never uses the arena itself."""
     server: ServerThread = make_server(ram={"capacity_bytes": 8 * MiB}, shm={"dir": str(tmp_path / "shm")})
     (pinned,) = blocks(1, 7 * MiB)
+    (item,) = blocks(1, 2 * MiB)
     with KVCacheClient(server.target) as client:
         client.put_many(NS, [pinned])
         with client.leased(NS, [pinned[0]]):  # the arena is pinned: a 2 MiB put cannot be reserved
-            (item,) = blocks(1, 2 * MiB)
             result = client.put_many(NS, [item])
-            assert result.stored + result.rejected == 1
-            assert client._transport.arena.fallbacks == 1 and client._transport.arena.state == "on"
-            assert client.stats().shm_bytes_received == len(item[1])  # through a per-call segment
+            assert (result.stored, result.rejected) == (0, 1)
+            arena, shm = client._transport.arena, client._transport.shm
+            assert (arena.fallbacks, arena.state, shm.fallbacks, shm.state) == (0, "on", 0, "on")
+            stats = client.stats()
+            assert stats.shm_bytes_received == len(pinned[1]) + len(item[1])  # both out of the segment
+            assert stats.inplace_bytes_received == len(pinned[1])  # only the first into a slot
+            assert stats.arena_reservations == 0
+        assert client.put_many(NS, [item]).stored == 1  # unpinned: into a slot, the old block evicted
+        stats = client.stats()
+        assert stats.inplace_bytes_received == len(pinned[1]) + len(item[1])
+        assert (stats.arena_leases, stats.arena_reservations) == (0, 0)
 
 
 def test_without_a_shared_arena_the_sdk_uses_segments(make_server, tmp_path: Path) -> None:
@@ -279,7 +427,8 @@ def test_a_client_with_shm_off_uses_no_arena(arena_server: ServerThread) -> None
         client.put_many(NS, [item])
         assert [bytes(b) for b in client.get_many(NS, [item[0]])] == [item[1]]
         assert client._transport.arena.state == "off"
-        assert client.stats().inplace_bytes_received == 0
+        stats = client.stats()
+        assert (stats.inplace_bytes_received, stats.shm_bytes_received, stats.inplace_bytes_leased) == (0, 0, 0)
 
 
 def test_tensors_round_trip_in_place(arena_server: ServerThread) -> None:
@@ -290,7 +439,8 @@ def test_tensors_round_trip_in_place(arena_server: ServerThread) -> None:
         out = [torch.empty_like(t) for t in tensors]
         assert client.get_into(NS, keys, out) == [True, True]
         assert all(torch.equal(a, b) for a, b in zip(out, tensors, strict=True))
-        assert client.stats().inplace_bytes_received > 0
+        stats = client.stats()
+        assert stats.inplace_bytes_received == stats.shm_bytes_received > 2 * 2 * 2 * 4 * 256 * 64 * 2
 
 
 def test_uint8_blocks_encoded_by_hand_round_trip(arena_server: ServerThread) -> None:
@@ -302,19 +452,30 @@ def test_uint8_blocks_encoded_by_hand_round_trip(arena_server: ServerThread) -> 
 
 
 def test_a_restarted_server_has_a_new_arena_and_the_client_maps_it(make_server, tmp_path: Path) -> None:
-    cfg = {"ram": {"capacity_bytes": 16 * MiB}, "shm": {"dir": str(tmp_path / "shm")}}
-    first: ServerThread = make_server(**cfg)
+    """The restarted server (here of another capacity) has a new arena file: a put does not touch
+    the arena, and the first lease names the new one, which the client maps at its own size."""
+    shm = {"dir": str(tmp_path / "shm")}
+    first: ServerThread = make_server(ram={"capacity_bytes": 16 * MiB}, shm=shm)
     port = first.running.port
     data = blocks(2, 256 << 10)
     with KVCacheClient(first.target, timeout_s=30) as client:
         client.put_many(NS, data[:1])
-        old = client._transport.arena.path
+        with client.leased(NS, [data[0][0]]) as views:
+            assert [bytes(v) for v in views] == [data[0][1]]
+        link = client._transport.arena
+        old = link.path
+        assert (link.state, link.size) == ("on", 16 * MiB)
         first.stop()
         assert not os.path.exists(old)
-        second: ServerThread = make_server(server={"port": port}, **cfg)
-        assert client.put_many(NS, data[1:]).stored == 1  # reserved in the new arena, written there
-        assert client._transport.arena.path != old and client._transport.arena.state == "on"
+        second: ServerThread = make_server(server={"port": port}, ram={"capacity_bytes": 24 * MiB}, shm=shm)
+        assert client.put_many(NS, data[1:]).stored == 1  # read into a slot of the new arena
+        assert link.path == old  # the put named no arena: it went through the client's segment
         assert [bytes(b) for b in client.get_many(NS, [data[1][0]])] == [data[1][1]]
+        new = stub(second).Info(pb.InfoRequest(), timeout=5).arena_path
+        assert new != old and (link.path, link.state, link.size) == (new, "on", 24 * MiB)
         assert client.get_many(NS, [data[0][0]]) == [None]  # the old server's RAM is gone
-        assert second.stack.ram.arena_stats()["leases"] == 0
-
+        stats = client.stats()
+        size = len(data[1][1])
+        assert (stats.shm_bytes_received, stats.inplace_bytes_received, stats.inplace_bytes_leased) == (size,) * 3
+        assert (stats.arena_leases, stats.arena_reservations) == (0, 0)
+        assert link.fallbacks == 0

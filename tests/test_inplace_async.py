@@ -1,6 +1,8 @@
-"""The asyncio SDK's in-place transfers through the shared block arena (docs/arena.md), mirroring
-tests/test_inplace.py, and what asyncio adds: cancellations and deadlines of a few ms never leave a
-lease or a reservation open on the server, and never hand out wrong bytes."""
+"""The asyncio SDK's same-host transfers through the server's block arena (docs/arena.md), mirroring
+tests/test_inplace.py: puts go through the client's own segment, which the server reads straight
+into arena slots it reserves itself (no client is handed a writable slot); gets are leased read-only
+views. And what asyncio adds: cancellations and deadlines of a few ms never leave a lease open, nor
+one of the server's reservations for a put, and never hand out wrong bytes."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +20,7 @@ import torch
 
 from kvcache_client import AsyncKVCacheClient
 from kvcache_client.errors import DeadlineExceeded, KVCacheError
+from kvcache_proto import kvcache_pb2 as pb
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(120)
@@ -43,13 +47,37 @@ def open_pins(server: ServerThread) -> tuple[int, int]:
     return stats["leases"], stats["reservations"]
 
 
-def test_puts_and_gets_move_no_byte_through_grpc_or_segments(arena_server: ServerThread) -> None:
+def count_grpc_block_traffic(client: AsyncKVCacheClient) -> dict[str, int]:
+    """Counts what the client's gRPC transport sends as Put messages (their bytes) and how many Get
+    calls it makes: the calls that would carry block bytes over gRPC."""
+    inner = client._transport.inner
+    counts = {"put_message_bytes": 0, "get_calls": 0}
+    put, get = inner._put, inner._get
+
+    async def counted(messages: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for message in messages:
+            counts["put_message_bytes"] += len(message)
+            yield message
+
+    def counted_get(request: pb.GetRequest, **kwargs: object) -> object:
+        counts["get_calls"] += 1
+        return get(request, **kwargs)
+
+    inner._put = lambda messages, **kwargs: put(counted(messages), **kwargs)
+    inner._get = counted_get
+    return counts
+
+
+def test_puts_and_gets_move_no_byte_through_grpc(arena_server: ServerThread) -> None:
+    """Puts: the server reads the SDK's segment straight into arena slots (counted in both
+    shm_bytes_received and inplace_bytes_received); gets: leased views of those slots."""
     data = blocks(4, 2 * MiB)
     keys = [k for k, _ in data]
     total = sum(len(b) for _, b in data)
 
     async def run() -> None:
         async with AsyncKVCacheClient(arena_server.target) as client:
+            wire = count_grpc_block_traffic(client)
             result = await client.put_many(NS, data)
             assert (result.stored, result.bytes_sent) == (4, total)
             assert client._transport.arena.state == "on"
@@ -68,11 +96,16 @@ def test_puts_and_gets_move_no_byte_through_grpc_or_segments(arena_server: Serve
             assert [t.numpy().tobytes() for t in tensors] == [b[48:] for _, b in data]
             assert [bytes(b) for b in buffers] == [b[48:] for _, b in data]
             stats = await client.stats()
-            assert client._transport.arena.fallbacks == 0
-        assert (stats.shm_bytes_received, stats.shm_bytes_sent) == (0, 0)
-        assert stats.inplace_bytes_received == total
+            assert (client._transport.arena.fallbacks, client._transport.shm.fallbacks) == (0, 0)
+            seen = dict(wire)
+            assert await client.get_many(NS, [os.urandom(16)]) == [None]  # a key RAM lacks: a Get, counted
+            assert wire["get_calls"] == seen["get_calls"] + 1
+        # On the wire: Put named only the segment's ranges (a few dozen bytes a block), no Get call.
+        assert 0 < seen["put_message_bytes"] < 4 * 128 and seen["get_calls"] == 0
+        assert (stats.shm_bytes_received, stats.inplace_bytes_received) == (total, total)  # every put byte
+        assert (stats.shm_bytes_sent, stats.bulk_bytes_received, stats.bulk_bytes_sent) == (0, 0, 0)
         assert stats.inplace_bytes_leased == 4 * total + len(data[0][1])  # get_many, leased, three get_into
-        assert (stats.arena_leases, stats.arena_reservations) == (0, 0)
+        assert (stats.arena_leases, stats.arena_reservations, stats.arena_reservations_reclaimed) == (0, 0, 0)
 
     asyncio.run(run())
     assert open_pins(arena_server) == (0, 0)
@@ -123,6 +156,8 @@ def test_a_wrong_destination_or_an_exception_in_the_block_releases_the_leases(ar
 
 
 def test_without_a_shared_arena_the_async_sdk_uses_segments(make_server, tmp_path: Path) -> None:
+    """The arena is the server's private memory: gets come through per-call segments; puts still
+    go through the client's segment, which the server reads straight into slots of that arena."""
     server: ServerThread = make_server(shm={"dir": str(tmp_path / "shm"), "share_arena": False})
     data = blocks(2, 512 << 10)
     keys = [k for k, _ in data]
@@ -140,14 +175,19 @@ def test_without_a_shared_arena_the_async_sdk_uses_segments(make_server, tmp_pat
             assert await client.get_into(NS, keys, buffers) == [True, True]
             assert [bytes(b) for b in buffers] == [b[48:] for _, b in data]
             stats = await client.stats()
-        assert (stats.inplace_bytes_received, stats.inplace_bytes_leased) == (0, 0)
-        assert stats.shm_bytes_received == total  # the put, through a per-call segment
+            assert (client._transport.arena.fallbacks, client._transport.shm.fallbacks) == (0, 0)
+        assert (stats.shm_bytes_received, stats.inplace_bytes_received) == (total, total)  # the put, into slots
+        assert stats.inplace_bytes_leased == 0  # nothing leased: the arena is not shared
         assert stats.shm_bytes_sent == 3 * total  # get_many, leased, get_into
+        assert (stats.arena_leases, stats.arena_reservations) == (0, 0)
 
     asyncio.run(run())
 
 
 def test_a_full_arena_sends_the_put_the_ordinary_way(make_server, tmp_path: Path) -> None:
+    """With no slot to reserve (a lease pins the arena), the server reads the put's blocks out of the
+    segment into its own memory and puts them the ordinary way; RAM refuses them while the pin
+    lasts. No call of the SDK goes another way: a put never uses the arena itself."""
     server: ServerThread = make_server(ram={"capacity_bytes": 8 * MiB}, shm={"dir": str(tmp_path / "shm")})
     (pinned,) = blocks(1, 7 * MiB)
     (item,) = blocks(1, 2 * MiB)
@@ -157,10 +197,16 @@ def test_a_full_arena_sends_the_put_the_ordinary_way(make_server, tmp_path: Path
             await client.put_many(NS, [pinned])
             async with client.leased(NS, [pinned[0]]):  # the arena is pinned: a 2 MiB put cannot be reserved
                 result = await client.put_many(NS, [item])
-                assert result.stored + result.rejected == 1
-                arena = client._transport.arena
-                assert (arena.fallbacks, arena.state) == (1, "on")
-                assert (await client.stats()).shm_bytes_received == len(item[1])  # through a per-call segment
+                assert (result.stored, result.rejected) == (0, 1)
+                arena, shm = client._transport.arena, client._transport.shm
+                assert (arena.fallbacks, arena.state, shm.fallbacks, shm.state) == (0, "on", 0, "on")
+                stats = await client.stats()
+                assert stats.shm_bytes_received == len(pinned[1]) + len(item[1])  # both out of the segment
+                assert stats.inplace_bytes_received == len(pinned[1])  # only the first into a slot
+                assert stats.arena_reservations == 0
+            assert (await client.put_many(NS, [item])).stored == 1  # unpinned: into a slot, the old one evicted
+            stats = await client.stats()
+            assert stats.inplace_bytes_received == len(pinned[1]) + len(item[1])
 
     asyncio.run(run())
     assert open_pins(server) == (0, 0)
@@ -177,28 +223,43 @@ def test_a_client_with_shm_off_uses_no_arena(arena_server: ServerThread) -> None
                 assert [bytes(v) for v in views] == [item[1]]
             assert client._transport.arena.state == "off"
             stats = await client.stats()
-            assert (stats.inplace_bytes_received, stats.inplace_bytes_leased, stats.shm_bytes_sent) == (0, 0, 0)
+            assert (stats.inplace_bytes_received, stats.inplace_bytes_leased) == (0, 0)
+            assert (stats.shm_bytes_received, stats.shm_bytes_sent) == (0, 0)
 
     asyncio.run(run())
 
 
 def test_a_restarted_server_has_a_new_arena_and_the_async_client_maps_it(make_server, tmp_path: Path) -> None:
-    cfg = {"ram": {"capacity_bytes": 16 * MiB}, "shm": {"dir": str(tmp_path / "shm")}}
-    first: ServerThread = make_server(**cfg)
+    """The restarted server (here of another capacity) has a new arena file: a put does not touch
+    the arena, and the first lease names the new one, which the client maps at its own size."""
+    shm = {"dir": str(tmp_path / "shm")}
+    first: ServerThread = make_server(ram={"capacity_bytes": 16 * MiB}, shm=shm)
     port = first.running.port
     data = blocks(2, 256 << 10)
 
     async def run() -> None:
         async with AsyncKVCacheClient(first.target, timeout_s=30) as client:
             await client.put_many(NS, data[:1])
-            old = client._transport.arena.path
+            async with client.leased(NS, [data[0][0]]) as views:
+                assert [bytes(v) for v in views] == [data[0][1]]
+            link = client._transport.arena
+            old = link.path
+            assert (link.state, link.size) == ("on", 16 * MiB)
             await asyncio.to_thread(first.stop)
-            second: ServerThread = await asyncio.to_thread(make_server, server={"port": port}, **cfg)
-            assert (await client.put_many(NS, data[1:])).stored == 1  # reserved in the new arena
-            assert client._transport.arena.path != old and client._transport.arena.state == "on"
+            assert not os.path.exists(old)
+            second: ServerThread = await asyncio.to_thread(
+                make_server, server={"port": port}, ram={"capacity_bytes": 24 * MiB}, shm=shm
+            )
+            assert (await client.put_many(NS, data[1:])).stored == 1  # read into a slot of the new arena
+            assert link.path == old  # the put named no arena: it went through the client's segment
             assert [bytes(b) for b in await client.get_many(NS, [data[1][0]])] == [data[1][1]]
+            new = second.stack.ram.region.path
+            assert new != old and (link.path, link.state, link.size) == (new, "on", 24 * MiB)
             assert await client.get_many(NS, [data[0][0]]) == [None]  # the old server's RAM is gone
-            assert (await client.stats()).inplace_bytes_received == len(data[1][1])
+            stats = await client.stats()
+            size = len(data[1][1])
+            assert (stats.shm_bytes_received, stats.inplace_bytes_received, stats.inplace_bytes_leased) == (size,) * 3
+            assert link.fallbacks == 0
         assert open_pins(second) == (0, 0)
 
     asyncio.run(run())
@@ -206,8 +267,9 @@ def test_a_restarted_server_has_a_new_arena_and_the_async_client_maps_it(make_se
 
 def test_cancelled_and_timed_out_calls_leave_no_pin_and_every_read_is_exact(arena_server: ServerThread) -> None:
     """Deadlines of a few ms and task.cancel() at random points of puts, gets, leased blocks and
-    get_into, concurrently. Leases and reservations last 60 s on this server, so one left open would
-    still be counted at the end; then every block reads back exactly."""
+    get_into, concurrently. Leases last 60 s on this server and the server's reservations for puts
+    never expire (their owner abandons them), so one left open would still be counted at the end;
+    then every block reads back exactly."""
     logging.getLogger("kvcache_client").setLevel(logging.CRITICAL)
     rng = random.Random(14)
     stored = blocks(12, 256 << 10)
@@ -280,8 +342,10 @@ def test_cancelled_and_timed_out_calls_leave_no_pin_and_every_read_is_exact(aren
 def test_answers_that_come_after_the_caller_stopped_waiting_have_their_pins_handed_back(
     arena_server: ServerThread,
 ) -> None:
-    """The server answers ArenaReserve and LeaseGet (pinning slots) only after each caller's
-    deadline passed or its task was cancelled: every pin is handed back once the answer arrives."""
+    """The server answers LeaseGet (pinning slots) only after each caller's deadline passed or its
+    task was cancelled: every lease is handed back once the answer arrives. A put past its deadline
+    leaves nothing pinned either: the client holds no slot, and the server's own reservations for a
+    put are abandoned by the server however the call ends."""
     data = blocks(4, 256 << 10)
     keys = [k for k, _ in data]
     total = sum(len(b) for _, b in data)
@@ -305,16 +369,20 @@ def test_answers_that_come_after_the_caller_stopped_waiting_have_their_pins_hand
             await asyncio.sleep(0.05)
             with pytest.raises(DeadlineExceeded, match="LeaseGet"):
                 await client.get_many(NS, keys, timeout_s=0.02)
-            with pytest.raises(DeadlineExceeded, match="ArenaReserve"):
-                await client.put_many(NS, blocks(2, 256 << 10), timeout_s=0.02)
+            late = blocks(2, 256 << 10)
+            with pytest.raises(DeadlineExceeded):
+                await client.put_many(NS, late, timeout_s=0.02)
             await cancelled(client.get_into(NS, keys, [bytearray(len(b) - 48) for _, b in data]))
             await cancelled(leased_block(client))
             await inplace.drain()  # the answers came, and their cleanups ran
-            assert inplace.handed_back == 4
+            assert inplace.handed_back == 3  # the three LeaseGets; a put pins nothing for the client
             assert open_pins(arena_server) == (0, 0)
             stats = await client.stats()
             assert stats.inplace_bytes_leased == 3 * total  # the server did lease them, three times
-            assert stats.inplace_bytes_received == total  # the late reservation stored nothing
+            # The late put stored nothing: its segment was retired before the server could read it.
+            assert (stats.shm_bytes_received, stats.inplace_bytes_received) == (total, total)
+            assert (await client.lookup(NS, [k for k, _ in late])).prefix_length == 0
+            assert (stats.arena_reservations, stats.arena_reservations_reclaimed) == (0, 0)
             assert [bytes(b) for b in await client.get_many(NS, keys)] == [b for _, b in data]
         assert open_pins(arena_server) == (0, 0)
 

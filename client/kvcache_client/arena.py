@@ -16,8 +16,8 @@ process may map it (same host, same user), block bytes never travel at all:
 The arena is mapped read-only (the file is 0400: an open for writing fails), so nothing this client
 does can change a block in it. A restarted server has a new arena file, possibly of another size;
 every answer names its arena, and the SDK maps the new one, at its own size, when it changes. When the arena
-cannot be used (another host or user, an older server, no room now) the call goes the other way
-(per-call segments, then inline gRPC), counted in `ArenaLink.fallbacks`.
+cannot be used for a get (another host or user, an older server, a server that does not share it) the
+get goes the other way (per-call segments, then inline gRPC), counted in `ArenaLink.fallbacks`.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ class ArenaMoved(Exception):
 
 
 def arena_fallback(exc: grpc.RpcError | ArenaMoved, link: ArenaLink) -> bool:
-    """True when an in-place call failed in a way the ordinary path avoids (the caller redoes it
+    """True when a LeaseGet failed in a way the ordinary path avoids (the caller redoes the get
     that way; counted on `link`):
 
     - RESOURCE_EXHAUSTED: the server cannot lease now. This call only.

@@ -1,6 +1,6 @@
 """The asyncio client's in-place calls through the server's block arena (docs/arena.md): the
-counterpart of kvcache_client.arena.InPlaceCalls, whose pure logic (requests, slot writes, leased
-views, fallbacks) it shares.
+counterpart of kvcache_client.arena.InPlaceCalls, whose pure logic (requests, leased views,
+fallbacks) it shares.
 
 What asyncio adds is cancellation: a task may stop waiting at any await, and a deadline of a few
 milliseconds may pass while the server is still answering. Neither may leave arena space pinned:
@@ -69,8 +69,8 @@ class AsyncInPlaceCalls:
         self._offload_bytes = offload_bytes
         self._tasks: set[asyncio.Future[Any]] = set()  # pinning calls and cleanups still running
         self.handed_back = 0
-        """Answers of ArenaReserve or LeaseGet that came after their caller stopped waiting (cancelled,
-        or past its deadline): what they pinned was abandoned or released at once."""
+        """LeaseGet answers that came after their caller stopped waiting (cancelled, or past its
+        deadline): their leases were released at once."""
 
     def _track(self, task: asyncio.Future[R]) -> asyncio.Future[R]:
         self._tasks.add(task)
@@ -111,7 +111,7 @@ class AsyncInPlaceCalls:
 
     def _undo_when_done(self, task: asyncio.Future[R], undo: Callable[[R], Coroutine[Any, Any, None]]) -> None:
         if task.cancelled() or task.exception() is not None:
-            return  # nothing was pinned, or the server frees it (reservations and leases expire)
+            return  # nothing was pinned, or the server frees it (leases expire)
         self.handed_back += 1
         self._spawn(undo(task.result()))
 

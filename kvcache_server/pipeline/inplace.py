@@ -93,9 +93,11 @@ class InPlaceRPCs:
         leases = self._stack.lease(namespace, keys, self.lease_timeout_s)
         if request.prefix_only:
             end = next((i for i, lease in enumerate(leases) if lease is None), len(leases))
-            ram.release([lease.id for lease in leases[end:] if lease is not None])
+            # A key named twice shares one lease: release only those no answered position names.
+            answered = {lease.id for lease in leases[: end + 1] if lease is not None}
+            ram.release(list({lease.id for lease in leases[end:] if lease is not None} - answered))
             leases = leases[: end + 1]
-        self.inplace_bytes_leased += sum(lease.length for lease in leases if lease is not None)
+        self.inplace_bytes_leased += sum({lease.id: lease.length for lease in leases if lease is not None}.values())
         return pb.LeaseGetResponse(
             leases=[
                 pb.ArenaSlot(id=lease.id, offset=lease.offset, length=lease.length) if lease else pb.ArenaSlot()

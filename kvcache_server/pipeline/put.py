@@ -265,13 +265,17 @@ class PutStages:
             except ShmError as exc:
                 await self._abort(context, exc.code, exc.message)
             self._counters.shm_bytes_received += sum(r[3].length for r in reads)
-            self.inplace_bytes_received += sum(r[3].length for r in reads)  # type: ignore[attr-defined]
             for (key, _), (where, *_rest), res in zip(blocks, reads, made, strict=True):
                 await self._block(context, where, key, res.buffer)
             self._saw_block_size(namespace, max(r.length for r in made))
-            return await self._stack.put_reserved(
+            outcome = await self._stack.put_reserved(
                 namespace, [(key, res) for (key, _), res in zip(blocks, made, strict=True)]
             )
+            # Committed from the server's reservations: what RAM kept (refused blocks are not counted).
+            self.inplace_bytes_received += sum(  # type: ignore[attr-defined]
+                r.length for r, kept in zip(made, outcome.kept, strict=True) if kept
+            )
+            return outcome
         finally:
             ram.abandon([r.id for r in made])  # what was not committed: refused, cancelled, no room
 
