@@ -140,24 +140,30 @@ def test_sdk_takes_a_token_from_argument_or_environment(secured: ServerThread, m
         assert client.lookup(NS, keys).prefix_length == 1
 
 
-def test_in_place_calls_obey_tokens_and_tenants(secured: ServerThread) -> None:
-    key, block = keyed(os.urandom(1 << 20))  # large enough to put in place through the block arena
+def test_in_place_calls_obey_tokens_and_tenants(make_server, tmp_path: Path) -> None:
+    # Several tenants share one arena only when told (by default the server does not hand it out:
+    # tests/test_arena_trust.py); here they are, so that tokens and tenants can be tried on it.
+    secured = make_server(
+        auth={"enabled": True, "tokens_file": str(tokens_file(tmp_path))},
+        shm={"dir": str(tmp_path / "shm"), "share_arena_across_tenants": True},
+    )
+    key, block = keyed(os.urandom(1 << 20))  # large enough to go through a segment into an arena slot
     a = KVCacheClient(secured.target, token=TOKENS["a"])
     reader = KVCacheClient(secured.target, token=TOKENS["a-reader"])
     b = KVCacheClient(secured.target, token=TOKENS["b"])
     with a, reader, b:
         assert a.put_many("n", [(key, block)]).stored == 1
         with pytest.raises(PermissionDenied):
-            reader.put_many("n", [(os.urandom(16), block)])  # ArenaReserve needs the write right
+            reader.put_many("n", [(os.urandom(16), block)])  # Put needs the write right
         assert reader._transport.arena.state == "on"  # a refused right is not a reason to leave the path
         assert bytes(reader.get_many("n", [key])[0]) == block  # same tenant, read right
         assert b.get_many("n", [key]) == [None]  # another tenant: a miss, in place as inline
         assert (a._transport.arena.state, b._transport.arena.state) == ("on", "on")
     with KVCacheClient(secured.target, token=TOKENS["ops"]) as ops:
         stats = ops.stats()
-    assert stats.inplace_bytes_received == len(block)  # only tenant a's put came in
+    assert stats.inplace_bytes_received == stats.shm_bytes_received == len(block)  # only tenant a's put came in
     assert stats.inplace_bytes_leased == len(block)  # only the reader's hit went out
-    assert stats.shm_bytes_received == stats.shm_bytes_sent == 0
+    assert stats.shm_bytes_sent == 0
 
     def call(token: str) -> tuple[pb_grpc.KVCacheStub, tuple[tuple[str, str], ...]]:
         return pb_grpc.KVCacheStub(grpc.insecure_channel(secured.target)), (("authorization", f"Bearer {token}"),)
@@ -167,10 +173,8 @@ def test_in_place_calls_obey_tokens_and_tenants(secured: ServerThread) -> None:
     (lease,) = sa.LeaseGet(pb.LeaseGetRequest(namespace="n", keys=[key]), metadata=ma, timeout=5).leases
     assert lease.id and sb.LeaseRelease(pb.LeaseReleaseRequest(leases=[lease.id]), metadata=mb, timeout=5).released == 0
     assert sa.LeaseRelease(pb.LeaseReleaseRequest(leases=[lease.id]), metadata=ma, timeout=5).released == 1
-    res = sa.ArenaReserve(pb.ArenaReserveRequest(namespace="n", lengths=[len(block)]), metadata=ma, timeout=5)
-    with pytest.raises(grpc.RpcError) as info:  # tenant b cannot commit into tenant a's reservation
-        item = pb.ArenaCommitItem(key=key, reservation=res.slots[0].id)
-        sb.ArenaCommit(pb.ArenaCommitRequest(namespace="n", items=[item]), metadata=mb, timeout=5)
+    with pytest.raises(grpc.RpcError) as info:  # no tenant is handed a writable slot
+        sa.ArenaReserve(pb.ArenaReserveRequest(namespace="n", lengths=[len(block)]), metadata=ma, timeout=5)
     assert info.value.code() is grpc.StatusCode.FAILED_PRECONDITION
 
 
