@@ -234,13 +234,17 @@ def read_range_into(fd: int, size: int, name: str, offset: int, buffer: memoryvi
 
 
 def read_ranges_into(
-    reads: Sequence[tuple[int, int, int, ShmRange, memoryview]], stop: threading.Event | None = None
+    reads: Sequence[tuple[int, int, int, ShmRange, memoryview]],
+    check: Callable[[int, memoryview], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> None:
-    """Reads (block index, fd, segment size, range, destination) in order, each into its destination.
+    """Reads (block index, fd, segment size, range, destination) in order, each into its destination,
+    and has check(block index, destination) verify each one right after it landed (in cache).
 
     Raises:
         ShmError: as read_range_into, naming the block.
         CallEnded: `stop` was set (the call was cancelled) before all blocks were read.
+        Whatever `check` raises.
     """
     for where, fd, size, ref, buffer in reads:
         if stop is not None and stop.is_set():
@@ -251,9 +255,13 @@ def read_ranges_into(
             raise ShmError(exc.code, f"block {where}: {exc.message}") from None
         except OSError as exc:
             raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
+        if check is not None:
+            check(where, buffer)
 
 
-async def read_ranges_into_slots_in_thread(reads: Sequence[tuple[int, int, int, ShmRange, memoryview]]) -> None:
+async def read_ranges_into_slots_in_thread(
+    reads: Sequence[tuple[int, int, int, ShmRange, memoryview]], check: Callable[[int, memoryview], None] | None = None
+) -> None:
     """read_ranges_into in a worker thread that owns duplicates of the segments' descriptors and is
     waited for before a cancellation propagates (see _run_to_end): no write into a destination
     outlives the call.
@@ -271,7 +279,7 @@ async def read_ranges_into_slots_in_thread(reads: Sequence[tuple[int, int, int, 
             os.close(dup)
         raise
     mine = [(where, own[fd], size, ref, buffer) for where, fd, size, ref, buffer in reads]
-    await _run_to_end(read_ranges_into, (mine,), list(own.values()))
+    await _run_to_end(read_ranges_into, (mine, check), list(own.values()))
 
 
 def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:

@@ -794,7 +794,10 @@ class TierStack:
         if reserved is None:
             stored = await self._in_ram(off_loop, self._ram.put_many_sync, namespace, [items[i] for i in live])
         else:
-            stored = await self._in_ram(off_loop, self._ram.adopt_many, namespace, [reserved[i] for i in live])
+            # Adopting copies nothing but what it evicts for demotion (only with tiers below).
+            stored = await self._in_ram(
+                off_loop and self._demote, self._ram.adopt_many, namespace, [reserved[i] for i in live]
+            )
             fenced = set(range(len(reserved))) - set(live)
             self._ram.abandon([reserved[i][1].id for i in sorted(fenced)])
         for i, ok in zip(live, stored, strict=True):

@@ -38,7 +38,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TypeVar
 
 import numpy as np
@@ -133,6 +133,17 @@ class Segment:
                 caller retires the segment and sends the blocks inline.
             CallEnded: `stop` was set (the call was cancelled) before all blocks were copied.
         """
+        out: list[tuple[bytes, ShmRange]] = []
+        for group in self.writer(items, 0, stop):
+            out.extend(group)
+        return out
+
+    def writer(
+        self, items: Sequence[tuple[bytes, BlockData]], group_bytes: int, stop: threading.Event | None = None
+    ) -> Iterator[list[tuple[bytes, ShmRange]]]:
+        """Reserves and maps room for all the blocks now (OSError as write_blocks), then copies them
+        in group by group as the iterator is advanced, yielding where each group's blocks lie: a put
+        can send a group while the next is being copied (group_bytes 0: all in one group)."""
         layout: list[tuple[bytes, int, int]] = []
         end = 0
         for key, data in items:
@@ -146,17 +157,33 @@ class Segment:
             if self.size < end:
                 _reserve(self.fd, end)
             self._writable = mmap.mmap(self.fd, self.size)
-        out: list[tuple[bytes, ShmRange]] = []
+        return self._copy_in(layout, items, group_bytes, stop)
+
+    def _copy_in(
+        self,
+        layout: list[tuple[bytes, int, int]],
+        items: Sequence[tuple[bytes, BlockData]],
+        group_bytes: int,
+        stop: threading.Event | None,
+    ) -> Iterator[list[tuple[bytes, ShmRange]]]:
+        group: list[tuple[bytes, ShmRange]] = []
+        size = written = 0
         for (key, start, n), (_, data) in zip(layout, items, strict=True):
             if stop is not None and stop.is_set():
-                raise CallEnded(f"stopped before block {len(out)}")
+                raise CallEnded(f"stopped before block {written}")
             pos = start
             for part in data if isinstance(data, tuple) else (data,):
                 m = len(part)
-                self._writable[pos : pos + m] = part
+                self._writable[pos : pos + m] = part  # type: ignore[index]
                 pos += m
-            out.append((key, ShmRange(self.name, start, n)))
-        return out
+            group.append((key, ShmRange(self.name, start, n)))
+            written += 1
+            size += n
+            if group_bytes and size >= group_bytes:
+                yield group
+                group, size = [], 0
+        if group or not written:
+            yield group
 
     def map(self, length: int) -> memoryview:
         """A read-only view of the segment's first `length` bytes (fewer if the file is shorter), as

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import grpc
@@ -45,7 +45,7 @@ from kvcache_client.messages import (
 )
 from kvcache_client.results import Fetched, LookupResult, PutResult, ServerStats
 from kvcache_client.shm import Segment, ShmLink, env_allows_shm, run_to_end
-from kvcache_core.blockwire import BlockData, PutData, data_len, decode_get_response
+from kvcache_core.blockwire import BlockData, PutData, ShmRange, data_len, decode_get_response, encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 
@@ -168,8 +168,8 @@ class GrpcTransport:
         if segment is not None:
             completed = False
             try:
-                refs = segment.write_blocks(items)  # OSError: no room in the tmpfs
-                result = self._send_put(namespace, refs, timeout_s)
+                groups = segment.writer(items, PIPELINE_GROUP_BYTES)  # OSError: no room in the tmpfs
+                result = self._send_staged(namespace, groups, timeout_s)
                 completed = True
                 return result
             except (OSError, grpc.RpcError) as exc:
@@ -182,6 +182,32 @@ class GrpcTransport:
     def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
         messages = put_messages(namespace, items, self._message_bytes, self.part_bytes)
         return put_result(self._put(messages, timeout=timeout_s, metadata=self._md))
+
+    def _send_staged(
+        self, namespace: str, groups: Iterator[list[tuple[bytes, ShmRange]]], timeout_s: float
+    ) -> PutResult:
+        """One Put whose messages name the segment's blocks group by group, each copied in as gRPC
+        asks for its message (in gRPC's sending thread): the server reads one group into its slots
+        while the next is copied. A failure while copying is raised as itself, not as the CANCELLED
+        the call ends with."""
+        failed: list[BaseException] = []
+
+        def messages() -> Iterator[bytes]:
+            first = True
+            try:
+                for group in groups:
+                    yield encode_put_request(namespace if first else "", group)
+                    first = False
+            except BaseException as exc:
+                failed.append(exc)
+                raise
+
+        try:
+            return put_result(self._put(messages(), timeout=timeout_s, metadata=self._md))
+        except grpc.RpcError:
+            if failed:
+                raise failed[0] from None
+            raise
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
         """Blocks in this client's own memory: leased ones copied out of the arena once, then released."""
@@ -264,6 +290,10 @@ class GrpcTransport:
 
 OFFLOAD_BYTES = 1 << 20
 """Async puts at least this large copy into their segment in a worker thread."""
+
+PIPELINE_GROUP_BYTES = 8 << 20
+"""A blocking put through a segment sends a message per this many bytes of blocks copied in, so the
+server reads the first into arena slots while the SDK copies the next."""
 
 
 async def _aiter(requests: Iterable[bytes]) -> AsyncIterator[bytes]:

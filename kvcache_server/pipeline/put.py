@@ -22,7 +22,7 @@ from kvcache_core.blockwire import BlockPart, PutMessage, ShmRange, data_len, de
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.budget import Holding
 from kvcache_server.parts import BlockAssembler
-from kvcache_server.pipeline.verify import BlockRefused, verify_block_for_put
+from kvcache_server.pipeline.verify import BlockRefused, check_block_for_put, verify_block_for_put
 from kvcache_server.refusal import Refused
 from kvcache_server.shm import (
     OFFLOAD_BYTES,
@@ -257,16 +257,26 @@ class PutStages:
                     return None
                 made.append(res)
                 reads.append((where, *segments[ref.segment], ref, res.buffer))
+            keys = {first_index + i: key for i, (key, _) in enumerate(blocks)}
+            limit = self._limits.max_block_bytes
+
+            landed: list[int] = []  # bytes read out of the segment, block by block
+
+            def check(where: int, slot: memoryview) -> None:  # verified where it lies, right after the copy
+                landed.append(len(slot))
+                check_block_for_put(where, keys[where], slot, limit)
+
             try:
-                if sum(r[3].length for r in reads) >= OFFLOAD_BYTES:
-                    await read_ranges_into_slots_in_thread(reads)
+                if sum(r[3].length for r in reads) >= OFFLOAD_BYTES:  # one thread hop for reads and checks
+                    await read_ranges_into_slots_in_thread(reads, check)
                 else:
-                    read_ranges_into(reads)
+                    read_ranges_into(reads, check)
             except ShmError as exc:
                 await self._abort(context, exc.code, exc.message)
-            self._counters.shm_bytes_received += sum(r[3].length for r in reads)
-            for (key, _), (where, *_rest), res in zip(blocks, reads, made, strict=True):
-                await self._block(context, where, key, res.buffer)
+            except BlockRefused as exc:
+                self._counters.shm_bytes_received += sum(landed)
+                await self._refuse_block(context, exc)
+            self._counters.shm_bytes_received += sum(landed)
             self._saw_block_size(namespace, max(r.length for r in made))
             outcome = await self._stack.put_reserved(
                 namespace, [(key, res) for (key, _), res in zip(blocks, made, strict=True)]

@@ -36,6 +36,18 @@ async def verify_block_for_put(index: int, key: bytes, data: bytes | memoryview,
     keeps alive (and, for an arena slot, reserved) until this returns.
 
     Raises:
+        BlockRefused: as check_block_for_put.
+    """
+    if len(data) >= VERIFY_OFF_LOOP_BYTES and len(key) == KEY_BYTES and len(data) <= max_block_bytes:
+        await asyncio.to_thread(check_block_for_put, index, key, data, max_block_bytes)
+    else:
+        check_block_for_put(index, key, data, max_block_bytes)
+
+
+def check_block_for_put(index: int, key: bytes, data: bytes | memoryview, max_block_bytes: int) -> None:
+    """verify_block_for_put's checks, here and now (blocking: for a caller already in a worker thread).
+
+    Raises:
         BlockRefused: INVALID_ARGUMENT (bad key, malformed block, unknown version, compressed),
             RESOURCE_EXHAUSTED (over max_block_bytes), DATA_LOSS (checksum; `checksum` is True).
     """
@@ -47,10 +59,7 @@ async def verify_block_for_put(index: int, key: bytes, data: bytes | memoryview,
             grpc.StatusCode.RESOURCE_EXHAUSTED, f"{where}: {len(data)} bytes exceed max_block_bytes={max_block_bytes}"
         )
     try:
-        if len(data) >= VERIFY_OFF_LOOP_BYTES:
-            header = await asyncio.to_thread(verify_block, data, key)
-        else:
-            header = verify_block(data, key)
+        header = verify_block(data, key)
     except ChecksumMismatch as exc:
         raise BlockRefused(grpc.StatusCode.DATA_LOSS, f"{where}: {exc}", checksum=True) from None
     except UnknownFormatVersion as exc:
