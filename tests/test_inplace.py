@@ -256,16 +256,16 @@ def test_a_block_that_fails_its_checksum_in_its_slot_is_refused_and_its_slot_fre
 
     # The SDK: its segment's bytes are changed between its write and the server's read.
     good = raw_block(k, os.urandom(100_000))
-    write_blocks = Segment.write_blocks
+    copy_in = Segment._copy_in
 
-    def then_corrupted(self: Segment, items, stop=None):  # type: ignore[no-untyped-def]
-        refs = write_blocks(self, items, stop)
-        at = refs[0][1].offset + 1000
-        os.pwrite(self.fd, bytes(b ^ 0xFF for b in os.pread(self.fd, 8, at)), at)
-        return refs
+    def then_corrupted(self: Segment, layout, items, group_bytes, stop):  # type: ignore[no-untyped-def]
+        for group in copy_in(self, layout, items, group_bytes, stop):  # each group as it is sent
+            at = group[0][1].offset + 1000
+            os.pwrite(self.fd, bytes(b ^ 0xFF for b in os.pread(self.fd, 8, at)), at)
+            yield group
 
     with KVCacheClient(arena_server.target) as client:
-        monkeypatch.setattr(Segment, "write_blocks", then_corrupted)
+        monkeypatch.setattr(Segment, "_copy_in", then_corrupted)
         with pytest.raises(DataCorrupted):
             client.put_many(NS, [(k, good)])
         monkeypatch.undo()
