@@ -269,15 +269,7 @@ async def read_ranges_into_slots_in_thread(
     Raises:
         ShmError: as read_ranges_into.
     """
-    own: dict[int, int] = {}
-    try:
-        for _, fd, _, _, _ in reads:
-            if fd not in own:
-                own[fd] = os.dup(fd)
-    except BaseException:
-        for dup in own.values():
-            os.close(dup)
-        raise
+    own = _duplicates([fd for _, fd, _, _, _ in reads])
     mine = [(where, own[fd], size, ref, buffer) for where, fd, size, ref, buffer in reads]
     await _run_to_end(read_ranges_into, (mine, check), list(own.values()))
 
@@ -332,21 +324,27 @@ def write_ranges(
         write_range(fd, data, offset)
 
 
-async def read_ranges_in_thread(reads: Sequence[tuple[int, int, int, ShmRange]]) -> list[bytes]:
-    """read_ranges in a worker thread that owns duplicates of the segments' descriptors (see _run_to_end).
-
-    Raises:
-        ShmError: as read_ranges.
-    """
-    own: dict[int, int] = {}  # the caller's fd -> the thread's
+def _duplicates(fds: Sequence[int]) -> dict[int, int]:
+    """The caller's fd -> a duplicate of it, for a worker thread to own (and close); all or none."""
+    own: dict[int, int] = {}
     try:
-        for _, fd, _, _ in reads:
+        for fd in fds:
             if fd not in own:
                 own[fd] = os.dup(fd)
     except BaseException:
         for dup in own.values():
             os.close(dup)
         raise
+    return own
+
+
+async def read_ranges_in_thread(reads: Sequence[tuple[int, int, int, ShmRange]]) -> list[bytes]:
+    """read_ranges in a worker thread that owns duplicates of the segments' descriptors (see _run_to_end).
+
+    Raises:
+        ShmError: as read_ranges.
+    """
+    own = _duplicates([fd for _, fd, _, _ in reads])
     mine = [(where, own[fd], size, ref) for where, fd, size, ref in reads]
     return await _run_to_end(read_ranges, (mine,), list(own.values()))
 

@@ -241,17 +241,7 @@ class PutStages:
         try:
             for i, (_, ref) in enumerate(blocks):
                 where = first_index + i
-                if ref.length > self._limits.max_block_bytes:
-                    await self._abort(
-                        context,
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        f"block {where}: {ref.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
-                    )
-                try:
-                    if ref.segment not in segments:
-                        segments[ref.segment] = self._open_segment(ref.segment, writable=False)
-                except ShmError as exc:
-                    await self._abort(context, exc.code, f"block {where}: {exc.message}")
+                await self._segment_of(context, where, ref, segments)
                 res = ram.reserve(namespace, ref.length) if ref.length else None
                 if res is None:
                     return None
@@ -289,6 +279,22 @@ class PutStages:
         finally:
             ram.abandon([r.id for r in made])  # what was not committed: refused, cancelled, no room
 
+    async def _segment_of(
+        self, context: grpc.aio.ServicerContext, where: int, ref: ShmRange, segments: dict[str, tuple[int, int]]
+    ) -> None:
+        """Checks a range's size and opens its segment once per call (into `segments`); a bad one ends the call."""
+        if ref.length > self._limits.max_block_bytes:
+            await self._abort(
+                context,
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"block {where}: {ref.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
+            )
+        try:
+            if ref.segment not in segments:
+                segments[ref.segment] = self._open_segment(ref.segment, writable=False)
+        except ShmError as exc:
+            await self._abort(context, exc.code, f"block {where}: {exc.message}")
+
     async def _read_shm_blocks(
         self,
         context: grpc.aio.ServicerContext,
@@ -304,17 +310,7 @@ class PutStages:
             if not isinstance(data, ShmRange):
                 continue
             where = first_index + i
-            if data.length > self._limits.max_block_bytes:
-                await self._abort(
-                    context,
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"block {where}: {data.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
-                )
-            try:
-                if data.segment not in segments:
-                    segments[data.segment] = self._open_segment(data.segment, writable=False)
-            except ShmError as exc:
-                await self._abort(context, exc.code, f"block {where}: {exc.message}")
+            await self._segment_of(context, where, data, segments)
             reads.append((where, *segments[data.segment], data))
         try:
             if sum(r[3].length for r in reads) >= OFFLOAD_BYTES:
