@@ -169,14 +169,12 @@ class KVCacheServicer:
         only; docs/arena.md, docs/shm.md). InfoResponse.arena_path names the
         arena file, which the client maps.
 
-        Put in place: ArenaReserve hands out one slot (offset, length) per block;
-        the client writes each whole block into the arena there, then
-        ArenaCommit verifies every block in place (its key-bound checksum) and
-        stores it under its key, exactly as Put would (lower tiers, events), or
-        frees the slots it names in `abandon`. A reservation not committed within
-        `expires_in_s` is reclaimed. RESOURCE_EXHAUSTED from ArenaReserve: no room
-        in the arena now (leases pin it); send the blocks with Put.
-        FAILED_PRECONDITION: no shared arena, or a reservation that expired.
+        Withdrawn: both always answer FAILED_PRECONDITION. Clients were handed
+        writable arena slots, and one stalled past its reservation's time-out
+        wrote into a slot already reused for another key. A same-host put now
+        names ranges of the client's own segment in Put (Block.shm): the server
+        reads them straight into slots it reserves, verifies and commits them.
+        Kept in the contract so that older clients get a clear status.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
