@@ -258,8 +258,8 @@ class Found:
 
 
 RAM_OFF_LOOP_BYTES = 256 << 10
-"""RAM tier writes of at least this many bytes run in a worker thread (their copies, and the copies
-of what they evict for demotion), so that a large commit never holds the event loop."""
+"""RAM tier writes of at least this many bytes are copied into their slots in a worker thread (and
+what they evict for demotion copied out there), so that a large put never holds the event loop."""
 
 SERVE_LEASE_S = 600.0
 """How long the leases of a Get's RAM hits live at most: a handler releases them as soon as the
@@ -288,6 +288,7 @@ class TierStack:
         self._ram = RamTier(
             ram_capacity_bytes,
             on_evict=self._on_ram_evict,
+            copy_evicted=demote_on_evict and bool(lower),  # only demotions need an evicted block's bytes
             quota_of=ram_quota_of,
             arena_dir=arena_dir,
             prefault=prefault,
@@ -661,16 +662,12 @@ class TierStack:
     async def _get(self, namespace: str, keys: Sequence[bytes], epoch: int) -> list[Found | None]:
         out: list[Found | None] = [None] * len(keys)
         start = time.perf_counter()
-        refused: list[int] = []  # RAM holds them, but the tenant pins its share already: copied
-        for i, lease in enumerate(self._ram.lease_many(namespace, keys, SERVE_LEASE_S, refused=refused)):
+        # The server's own leases, one per position, released as each reply is sent: bounded by the
+        # Get's window, not by the tenant's caps on the leases handed to clients.
+        for i, lease in enumerate(self._ram.lease_many(namespace, keys, SERVE_LEASE_S, capped=False)):
             if lease is not None:
                 out[i] = Found(lease.view, TierKind.RAM, lease)
                 self._ram_counters.bytes_read += lease.length
-        if refused:
-            for i, block in zip(refused, self._ram.get_many_sync(namespace, [keys[i] for i in refused]), strict=True):
-                if block is not None:
-                    out[i] = Found(block, TierKind.RAM, None)
-                    self._ram_counters.bytes_read += len(block)
         missing = [i for i, f in enumerate(out) if f is None]
         self._ram_op("get", start)
         try:
@@ -732,12 +729,12 @@ class TierStack:
         hits = [(k, b) for k, b in hits if not self._fence.blocked(epoch, namespace, k)]
         if not hits:
             return
-        off_loop = sum(len(b) for _, b in hits) >= RAM_OFF_LOOP_BYTES
-        kept = await self._in_ram(off_loop, self._ram.put_many_sync, namespace, hits)
+        kept = await self._to_ram(namespace, hits, epoch)
         self._ram_counters.promotions += sum(kept)
         self.events.publish(
             EventKind.STORED, TierKind.RAM, namespace, [k for (k, _), ok in zip(hits, kept, strict=True) if ok]
         )
+        hits = [(k, b) for k, b in hits if not self._fence.blocked(epoch, namespace, k)]  # a Delete meanwhile
         for upper in self._lower[:depth]:
             for key, block in hits:
                 if upper.queue.offer(PendingWrite(namespace, key, block, WriteKind.PROMOTION)):
@@ -788,16 +785,10 @@ class TierStack:
         start = time.perf_counter()
         kept = [False] * len(items)
         live = [i for i, (key, _) in enumerate(items) if not self._fence.blocked(epoch, namespace, key)]
-        # Copies into slots (and evictions' copies out of them, for demotion) run in a worker thread
-        # when they are large: nothing on the event loop copies block bytes by the megabyte.
-        off_loop = sum(len(items[i][1]) for i in live) >= RAM_OFF_LOOP_BYTES
         if reserved is None:
-            stored = await self._in_ram(off_loop, self._ram.put_many_sync, namespace, [items[i] for i in live])
-        else:
-            # Adopting copies nothing but what it evicts for demotion (only with tiers below).
-            stored = await self._in_ram(
-                off_loop and self._demote, self._ram.adopt_many, namespace, [reserved[i] for i in live]
-            )
+            stored = await self._to_ram(namespace, [items[i] for i in live], epoch)
+        else:  # adopting copies nothing (what it replaces is not copied): on the loop, with the fence
+            stored = self._ram.adopt_many(namespace, [reserved[i] for i in live])
             fenced = set(range(len(reserved))) - set(live)
             self._ram.abandon([reserved[i][1].id for i in sorted(fenced)])
         for i, ok in zip(live, stored, strict=True):
@@ -836,11 +827,51 @@ class TierStack:
                 took.dropped += len(overflow)
         return PutOutcome(kept, tiers)
 
-    async def _in_ram(self, off_loop: bool, fn: Callable[..., list[bool]], *args: object) -> list[bool]:
-        """fn(*args) (a RAM tier write) here, or in a worker thread awaited to its end when `off_loop`."""
-        if not off_loop or self._loop is None:
-            return fn(*args)
-        return await in_pool(None, fn, *args)
+    async def _to_ram(
+        self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]], epoch: int
+    ) -> list[bool]:
+        """Stores blocks in RAM (put_many_sync's effect). Large ones are copied into their reserved
+        slots in a worker thread, so nothing on the event loop copies block bytes by the megabyte;
+        they are indexed back on the loop, after the fence is checked again: a Delete that ran while
+        they were being copied wins (their slots are freed), exactly as when all of it ran on the loop."""
+        if self._loop is None or sum(len(b) for _, b in items) < RAM_OFF_LOOP_BYTES:
+            return self._ram.put_many_sync(namespace, items)
+        # In batches of at most a quarter of the tier: staged slots are pinned until adopted, and a
+        # put larger than RAM must still keep its newest blocks (later batches evict earlier ones).
+        out: list[bool] = []
+        batch: list[tuple[bytes, bytes | memoryview]] = []
+        size = 0
+        for item in items:
+            if batch and size + len(item[1]) > self._ram.capacity_bytes // 4:
+                out += await self._stage_and_adopt(namespace, batch, epoch)
+                batch, size = [], 0
+            batch.append(item)
+            size += len(item[1])
+        return out + await self._stage_and_adopt(namespace, batch, epoch)
+
+    async def _stage_and_adopt(
+        self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]], epoch: int
+    ) -> list[bool]:
+        staged: list[Reservation | None] = []
+        try:
+            await in_pool(None, lambda: staged.extend(self._ram.stage_many(namespace, items)))
+        except BaseException:  # cancelled (the thread has ended) or failed: what it staged is freed
+            self._ram.abandon([r.id for r in staged if r is not None])
+            raise
+        out = [False] * len(items)
+        commit: list[tuple[int, Reservation]] = []
+        for i, ((key, _), res) in enumerate(zip(items, staged, strict=True)):
+            if res is None:
+                continue
+            if self._fence.blocked(epoch, namespace, key):
+                self._ram.abandon([res.id])
+            else:
+                commit.append((i, res))
+        for (i, _), ok in zip(
+            commit, self._ram.adopt_many(namespace, [(items[i][0], r) for i, r in commit]), strict=True
+        ):
+            out[i] = ok
+        return out
 
     def _on_ram_evict(self, namespace: str, key: bytes, block: bytes) -> None:
         if self._loop is not None and threading.get_ident() != self._loop_thread:

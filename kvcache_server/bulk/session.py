@@ -22,7 +22,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -128,12 +128,18 @@ class Session:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _on_loop(self, coro: Coroutine[Any, Any, T]) -> T:
+    def _on_loop(self, coro: Coroutine[Any, Any, T], undo: Callable[[T], object] | None = None) -> T:
+        """coro's result, run on the loop; given up after admission_wait_s (+ a margin). With `undo`, a
+        result that arrives after that is undone (a slot reserved just too late is abandoned)."""
         future = asyncio.run_coroutine_threadsafe(coro, self._s.loop)
         try:
             return future.result(self._s.limits.admission_wait_s + _LOOP_CALL_S)
         except TimeoutError:
             future.cancel()  # a budget reservation still waiting must not be taken after we gave up
+            if undo is not None:
+                future.add_done_callback(
+                    lambda f: undo(f.result()) if not f.cancelled() and f.exception() is None else None
+                )
             raise
 
     def _release(self, held: Holding) -> None:
@@ -319,7 +325,7 @@ class Session:
             )
         held = self._s.budget.holding()
         slots: list[Slot] = []
-        committed = False
+        committed: bool | None = False
         sink = self._s.sink
         try:
             self._on_loop(held.reserve(total, "bulk PUT"))  # before a byte of it is allocated
@@ -329,16 +335,18 @@ class Session:
                     raise bw.FrameError(f"block {i}: expected a DATA frame, got {kind.name}")
                 if got != n:
                     raise bw.FrameError(f"block {i}: DATA frame of {got} bytes for a block announced as {n} bytes")
-                slot = self._on_loop(sink.reserve(scoped, n))
+                slot = self._on_loop(sink.reserve(scoped, n), undo=sink.abandon)
                 slots.append(slot)
                 self._recv(slot.view, f"block {i}")
                 self._s.counters.add("bytes_received", n)
             for i, ((key, _), slot) in enumerate(zip(entries, slots, strict=True)):
                 self._verify(i, key, slot.view)
-            outcome = self._on_loop(sink.commit(scoped, list(zip((k for k, _ in entries), slots, strict=True))))
+            commit = sink.commit(scoped, list(zip((k for k, _ in entries), slots, strict=True)))
+            committed = None  # from here the commit owns the slots (it frees what it does not keep), ended or not
+            outcome = self._on_loop(commit)
             committed = True
         finally:
-            if not committed:
+            if committed is False:
                 for slot in slots:
                     sink.abandon(slot)
             self._release(held)

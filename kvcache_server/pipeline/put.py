@@ -141,7 +141,7 @@ class PutStages:
             elif message.namespace and message.namespace != first_namespace:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
             blocks = message.blocks
-            if blocks and all(isinstance(d, ShmRange) for _, d in blocks):
+            if blocks and not assembler.assembling and all(isinstance(d, ShmRange) for _, d in blocks):
                 # Same host: straight from the client's segment into arena slots the server reserves.
                 outcome = await self._shm_into_slots(context, index, namespace, blocks, segments)  # type: ignore[arg-type]
                 if outcome is not None:

@@ -50,7 +50,8 @@ ENTRY_OVERHEAD_BYTES = 384
 
 EntryKey = tuple[str, bytes]
 EvictCallback = Callable[[str, bytes, bytes], None]
-"""Called as on_evict(namespace, key, block) for each block evicted to make room (not for deletes)."""
+"""Called as on_evict(namespace, key, block) for each block evicted to make room (not for deletes);
+`block` is b"" unless the tier was made with copy_evicted (a copy costs the lock its duration)."""
 
 
 class EvictionPolicy(Protocol):
@@ -175,6 +176,7 @@ class RamTier(Tier):
         arena_dir: str | None = None,
         prefault: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        copy_evicted: bool = True,
         pin_share: float = DEFAULT_PIN_SHARE,
         max_leases_per_tenant: int = DEFAULT_MAX_LEASES,
         max_keys_per_lease: int = DEFAULT_MAX_LEASE_KEYS,
@@ -182,6 +184,7 @@ class RamTier(Tier):
         """Maps the arena (see kvcache_server.arena.Region; `arena_dir` shares it through a file there).
 
         Args:
+            copy_evicted: hand on_evict a copy of each evicted block (for demotion); False: b"".
             pin_share: the share of the capacity that one tenant's open leases and reservations may
                 pin at once when it has no quota (with a quota: its quota).
             max_leases_per_tenant: open leases one tenant may hold.
@@ -206,6 +209,7 @@ class RamTier(Tier):
         self._lock = threading.Lock()
         self._clock = clock
         self._pin_share = pin_share
+        self._copy_evicted = copy_evicted
         self._max_leases = max_leases_per_tenant
         self._max_lease_keys = max_keys_per_lease
         self._orphaned = 0  # entry costs of slots out of the index that leases still pin
@@ -276,11 +280,13 @@ class RamTier(Tier):
         ttl_s: float = DEFAULT_LEASE_S,
         *,
         count_misses: bool = True,
-        refused: list[int] | None = None,
+        capped: bool = True,
     ) -> list[Lease | None]:
-        """A read lease on each key's block, or None (a miss, or a key past the tenant's lease caps
-        or the per-call cap: counted in leases_refused, its position appended to `refused`, for the
-        caller to fetch another way). A key named twice shares one lease. Release each with release()."""
+        """A read lease on each key's block, or None (a miss, or with `capped` a key past the
+        tenant's lease caps or the per-call cap: counted in leases_refused, for the caller to fetch
+        another way). With `capped` (leases handed to clients) a key named twice shares one lease;
+        without (the server's own, for sending a Get's reply, bounded by the Get's window and
+        released as each reply is sent) every position gets its own. Release each with release()."""
         out: list[Lease | None] = []
         with self._lock:
             now = self._clock()
@@ -288,7 +294,7 @@ class RamTier(Tier):
             part = self._partition(namespace)
             given: dict[bytes, Lease] = {}
             for n, key in enumerate(keys):
-                again = given.get(key)
+                again = given.get(key) if capped else None
                 if again is not None:
                     out.append(again)
                     continue
@@ -299,10 +305,10 @@ class RamTier(Tier):
                     out.append(None)
                     continue
                 cost = self.entry_cost_of(slot.length)
-                if n >= self._max_lease_keys or part.leases >= self._max_leases or part.pinned() + cost > part.pin_cap:
+                if capped and (
+                    n >= self._max_lease_keys or part.leases >= self._max_leases or part.pinned() + cost > part.pin_cap
+                ):
                     self.leases_refused += 1
-                    if refused is not None:
-                        refused.append(n)
                     out.append(None)
                     continue
                 self._stats.hits += 1
@@ -351,27 +357,33 @@ class RamTier(Tier):
     # -- writes --------------------------------------------------------------------------------
 
     def put_many_sync(self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
-        """Copies each block into a slot of its own and indexes it under its key.
-
-        The slot is reserved under the lock, the block copied into it outside the lock (readers and
-        writers of other keys never wait for a copy), then indexed under the lock. A block that
-        replaces one stored under its key never evicts that one, and a refused block keeps it."""
+        """Copies each block into a slot of its own and indexes it under its key (stage_many, then
+        adopt_many): readers and writers of other keys never wait for a copy."""
         out: list[bool] = []
-        for key, block in items:
-            entry = (namespace, key)
-            res = self._reserve(namespace, len(block), math.inf, capped=False, keep=entry)
-            if res is None:
-                out.append(False)
-                continue
-            try:
+        for key, block in items:  # one by one: a later block may evict an earlier one of the same put
+            (res,) = self.stage_many(namespace, [(key, block)])
+            out.extend(self.adopt_many(namespace, [(key, res)]) if res is not None else [False])
+        return out
+
+    def stage_many(self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[Reservation | None]:
+        """Each block copied into a slot reserved for it (under the lock; the copy outside it), not yet
+        indexed, or None where there is no room: adopt_many indexes them, abandon frees them. A block
+        that replaces one stored under its key never evicts that one, and a refused block keeps it.
+        Thread-safe; on an exception nothing stays reserved."""
+        out: list[Reservation | None] = []
+        try:
+            for key, block in items:
+                res = self._reserve(namespace, len(block), math.inf, capped=False, keep=(namespace, key))
+                out.append(res)
+                if res is None:
+                    continue
                 if len(block) >= _GIL_FREE_COPY_BYTES:  # numpy drops the GIL for the copy
                     np.copyto(np.frombuffer(res.buffer, np.uint8), np.frombuffer(block, np.uint8))
                 else:
                     res.buffer[:] = block
-            except BaseException:
-                self.abandon([res.id])
-                raise
-            out.extend(self._store(namespace, [(key, res._slot)], [res.id]))
+        except BaseException:
+            self.abandon([r.id for r in out if r is not None])
+            raise
         return out
 
     def adopt_many(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> list[bool]:
@@ -461,7 +473,12 @@ class RamTier(Tier):
                     self._reservations[res.id] = res
                     if ttl_s != math.inf:
                         heapq.heappush(self._expiries, (res.expires, res.id))
-        self._evicted(evicted)
+        try:
+            self._evicted(evicted)
+        except BaseException:  # reservations do not expire: none may be lost to a failing callback
+            if res is not None:
+                self.abandon([res.id])
+            raise
         return res
 
     def reservation(self, reservation_id: int) -> Reservation | None:
@@ -565,8 +582,9 @@ class RamTier(Tier):
         return slot
 
     def _evict(self, entry: EntryKey, evicted: list[tuple[str, bytes, bytes]]) -> None:
-        if self._on_evict is not None:  # copied out before the slot can be reused
-            evicted.append((entry[0], entry[1], bytes(self._bytes(self._blocks[entry]))))
+        if self._on_evict is not None:  # copied out before the slot can be reused, if anyone wants it
+            block = bytes(self._bytes(self._blocks[entry])) if self._copy_evicted else b""
+            evicted.append((entry[0], entry[1], block))
         self._drop_entry(self._partition(entry[0]), entry)
         self._stats.evictions += 1
 
@@ -640,6 +658,7 @@ class RamTier(Tier):
                 "reservations": len(self._reservations),
                 "leases_expired": self.leases_expired,
                 "reservations_reclaimed": self.reservations_reclaimed,
+                "leases_refused": self.leases_refused,
             }
 
     async def close(self) -> None:
