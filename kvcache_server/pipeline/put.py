@@ -50,6 +50,42 @@ are decoded in a worker thread (many small blocks take milliseconds of Python); 
 where a thread hop would cost more than the parsing (a 1 MiB part parses in microseconds)."""
 
 
+class _Totals:
+    """A Put stream's outcome, summed message by message (each message's blocks commit on their own)."""
+
+    def __init__(self) -> None:
+        self.stored = self.rejected = 0
+        self.tiers: list[TierPut] = []
+
+    def add(self, outcome: PutOutcome) -> None:
+        self.stored += sum(outcome.kept)
+        self.rejected += len(outcome.kept) - sum(outcome.kept)
+        if not self.tiers:
+            self.tiers = outcome.tiers
+        else:
+            for total, took in zip(self.tiers, outcome.tiers, strict=True):
+                total.add(took)
+
+    def response(self, received: int) -> pb.PutResponse:
+        return pb.PutResponse(
+            stored=self.stored,
+            rejected=self.rejected,
+            bytes_received=received,
+            tiers=[
+                pb.TierPutResult(
+                    tier=int(t.kind),
+                    name=t.name,
+                    stored=t.stored,
+                    queued=t.queued,
+                    dropped=t.dropped,
+                    failed=t.failed,
+                    deleted=t.deleted,
+                )
+                for t in self.tiers
+            ],
+        )
+
+
 class PutStages:
     """receive -> assemble -> verify -> commit (module docstring)."""
 
@@ -100,8 +136,8 @@ class PutStages:
     ) -> pb.PutResponse:
         namespace: str | None = None  # scoped
         first_namespace = ""  # as the client sent it
-        index = stored = rejected = received = entries = 0
-        tiers: list[TierPut] = []  # what each tier took, summed over the stream's messages
+        index = received = entries = 0
+        totals = _Totals()  # what each message's commit kept, summed over the stream
         assembler = BlockAssembler(self._limits.max_block_bytes, held)  # blocks sent in parts
         limits = self._limits
         messages = aiter(request_iterator)
@@ -146,13 +182,7 @@ class PutStages:
                 outcome = await self._shm_into_slots(context, index, namespace, blocks, segments)  # type: ignore[arg-type]
                 if outcome is not None:
                     index += len(blocks)
-                    stored += sum(outcome.kept)
-                    rejected += len(outcome.kept) - sum(outcome.kept)
-                    if not tiers:
-                        tiers = outcome.tiers
-                    else:
-                        for total, took in zip(tiers, outcome.tiers, strict=True):
-                            total.add(took)
+                    totals.add(outcome)
                     del message, blocks
                     held.release(message_bytes)
                     continue
@@ -183,14 +213,7 @@ class PutStages:
             # Commit this message's complete blocks (all verified) before reading the next message.
             if complete:
                 self._saw_block_size(namespace, max(len(d) for _, d in complete))
-                outcome = await self._stack.put(namespace, complete)
-                stored += sum(outcome.kept)
-                rejected += len(outcome.kept) - sum(outcome.kept)
-                if not tiers:
-                    tiers = outcome.tiers
-                else:
-                    for total, took in zip(tiers, outcome.tiers, strict=True):
-                        total.add(took)
+                totals.add(await self._stack.put(namespace, complete))
             del message, blocks, complete
             # What the RAM tier kept is its capacity's business from now on.
             held.release(message_bytes + assembled)
@@ -200,23 +223,7 @@ class PutStages:
             await self._abort(context, exc.code, exc.message)
         if namespace is None or index == 0:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
-        return pb.PutResponse(
-            stored=stored,
-            rejected=rejected,
-            bytes_received=received,
-            tiers=[
-                pb.TierPutResult(
-                    tier=int(t.kind),
-                    name=t.name,
-                    stored=t.stored,
-                    queued=t.queued,
-                    dropped=t.dropped,
-                    failed=t.failed,
-                    deleted=t.deleted,
-                )
-                for t in tiers
-            ],
-        )
+        return totals.response(received)
 
     async def _shm_into_slots(
         self,

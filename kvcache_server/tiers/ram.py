@@ -204,8 +204,6 @@ class RamTier(Tier):
         self._blocks: dict[EntryKey, Slot] = {}
         self._used = 0  # entry costs of indexed blocks
         self._reserved = 0  # entry costs of open reservations
-        self._indexed_bytes = 0  # arena bytes of indexed slots
-        self._pinned_indexed = 0  # ... of those, leased ones (eviction cannot free them)
         self._lock = threading.Lock()
         self._clock = clock
         self._pin_share = pin_share
@@ -391,33 +389,27 @@ class RamTier(Tier):
 
         A reservation that expired, was abandoned, is already committed or was made for another
         namespace is not stored (False)."""
-        return self._store(namespace, [(key, res._slot) for key, res in items], [res.id for _, res in items])
-
-    def _store(self, namespace: str, items: Sequence[tuple[bytes, Slot]], reservation_ids: list[int]) -> list[bool]:
         stored: list[bool] = []
-        evicted: list[tuple[str, bytes, bytes]] = []
         with self._lock:
             self._reap_locked(self._clock())
             part = self._partition(namespace)
-            for i, (key, _) in enumerate(items):
+            for key, given in items:
                 entry = (namespace, key)
-                res = self._reservations.get(reservation_ids[i])
+                res = self._reservations.get(given.id)
                 if res is None or res.namespace != namespace:
                     self._stats.rejected += 1
                     stored.append(False)
                     continue
                 # The reservation already counts against the share and the cap: it becomes the
-                # entry, and the entry it replaces (if any) leaves the index.
+                # entry (nothing is evicted), and the entry it replaces (if any) leaves the index.
                 cost = self.entry_cost_of(res.length)
                 del self._reservations[res.id]
                 self._reserved -= cost
                 part.reserved -= cost
-                slot = res._slot
-                slot.pins -= 1
+                res._slot.pins -= 1
                 self._drop_entry(part, entry)
-                self._index(part, entry, slot)
+                self._index(part, entry, res._slot)
                 stored.append(True)
-        self._evicted(evicted)
         return stored
 
     def _evicted(self, evicted: list[tuple[str, bytes, bytes]]) -> None:
@@ -527,18 +519,14 @@ class RamTier(Tier):
                 reaped += 1
         return reaped
 
-    def _pin(self, slot: Slot) -> None:
-        if slot.pins == 0 and slot.indexed:
-            self._pinned_indexed += align(slot.length)
+    @staticmethod
+    def _pin(slot: Slot) -> None:
         slot.pins += 1
 
     def _unpin(self, slot: Slot) -> None:
         slot.pins -= 1
-        if slot.pins == 0:
-            if slot.indexed:
-                self._pinned_indexed -= align(slot.length)
-            else:
-                self._free_slot(slot)
+        if slot.pins == 0 and not slot.indexed:
+            self._free_slot(slot)
 
     def _free_slot(self, slot: Slot) -> None:
         """The slot's extent goes back to the allocator; an orphan's cost leaves its tenant's account."""
@@ -552,7 +540,6 @@ class RamTier(Tier):
 
     def _index(self, part: _Partition, entry: EntryKey, slot: Slot) -> None:
         slot.indexed = True
-        self._indexed_bytes += align(slot.length)
         self._blocks[entry] = slot
         part.policy.inserted(entry)
         cost = self.entry_cost_of(slot.length)
@@ -571,11 +558,9 @@ class RamTier(Tier):
         part.used -= cost
         self._used -= cost
         slot.indexed = False
-        self._indexed_bytes -= align(slot.length)
         if slot.pins == 0:
             self._extents.free(slot.offset, slot.length)
-        else:
-            self._pinned_indexed -= align(slot.length)  # the lease keeps the slot; the index lets go
+        else:  # the lease keeps the slot, on its tenant's account; the index lets go
             slot.orphan_of = part
             part.orphaned += cost
             self._orphaned += cost
