@@ -159,7 +159,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "tier", "used_bytes", "capacity_bytes", "blocks", "hits", "misses", "puts", "evictions", "rejected", "checksum_failures", "errors", "healthy", "promotions", "demotions", "write_errors", "queue_depth", "queue_bytes", "queue_dropped", "breaker", "skipped", "bytes_written", "bytes_read")
+    __slots__ = ("name", "tier", "used_bytes", "capacity_bytes", "blocks", "hits", "misses", "puts", "evictions", "rejected", "checksum_failures", "errors", "healthy", "promotions", "demotions", "write_errors", "queue_depth", "queue_bytes", "queue_dropped", "breaker", "skipped", "bytes_written", "bytes_read", "lookup_late_hits")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -183,6 +183,7 @@ class TierStats(_message.Message):
     SKIPPED_FIELD_NUMBER: _ClassVar[int]
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    LOOKUP_LATE_HITS_FIELD_NUMBER: _ClassVar[int]
     name: str
     tier: Tier
     used_bytes: int
@@ -206,7 +207,8 @@ class TierStats(_message.Message):
     skipped: int
     bytes_written: int
     bytes_read: int
-    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., write_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., breaker: _Optional[str] = ..., skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ...) -> None: ...
+    lookup_late_hits: int
+    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., write_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., breaker: _Optional[str] = ..., skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., lookup_late_hits: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent", "inflight_bytes", "inflight_peak_bytes", "inflight_refused", "cut_off_calls", "bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off", "inplace_bytes_received", "inplace_bytes_leased", "arena_leases", "arena_reservations", "arena_leases_expired", "arena_reservations_reclaimed")

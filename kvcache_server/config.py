@@ -123,8 +123,9 @@ class LowerTierSection:
     compression: str = "none"  # "none", "lz4", "shuffle-lz4" (byte-shuffle for 16-bit dtypes, then lz4)
     promote: bool = True  # copy hits found here into the tiers above
     timeout_s: float = 2.0  # per call; a call that takes longer is a miss
-    # A Lookup waits this long for the tier, then counts it a miss (the call goes on, up to timeout_s).
-    lookup_timeout_s: float = 0.15
+    # A Lookup waits for the tier what its caller's deadline leaves (limits.lookup_deadline_share of
+    # it), at most timeout_s; a positive lookup_timeout_s caps that wait too (0: no cap of its own).
+    lookup_timeout_s: float = 0.0
     codec_threads: int = 0  # threads compressing/verifying this tier's blocks; 0: half the CPUs, 1 to 4
     queue_max_bytes: int = 256 * _MiB  # write-behind queue bound
     queue_full: str = "drop"  # "drop" (counted) or "sync" (write synchronously instead)
@@ -140,8 +141,10 @@ class LowerTierSection:
             value = getattr(self, field_name)
             if value not in allowed:
                 raise ConfigError(f"{name}.{field_name} must be one of {allowed}, got {value!r}")
-        if self.timeout_s <= 0 or self.breaker_reset_s <= 0 or self.lookup_timeout_s <= 0:
-            raise ConfigError(f"{name}.timeout_s, {name}.lookup_timeout_s and {name}.breaker_reset_s must be positive")
+        if self.timeout_s <= 0 or self.breaker_reset_s <= 0:
+            raise ConfigError(f"{name}.timeout_s and {name}.breaker_reset_s must be positive")
+        if self.lookup_timeout_s < 0:
+            raise ConfigError(f"{name}.lookup_timeout_s must not be negative (0: no cap besides the caller's deadline)")
         if self.codec_threads < 0:
             raise ConfigError(f"{name}.codec_threads must be >= 0 (0: from the CPU count)")
         if self.queue_max_bytes <= 0 or self.breaker_failures < 1:
@@ -266,6 +269,9 @@ class LimitsSection:
     # long, is cut off (DEADLINE_EXCEEDED) and its memory released.
     put_idle_timeout_s: float = 10.0
     get_stall_timeout_s: float = 10.0
+    # A Lookup answers within this share of the time its caller's deadline leaves when it arrives
+    # (the rest is for the answer's way back): lower tiers are awaited that long, at most timeout_s.
+    lookup_deadline_share: float = 0.8
 
     def validate(self) -> None:
         for name in (
@@ -285,6 +291,8 @@ class LimitsSection:
                 raise ConfigError(f"limits.{name} must be positive")
         if self.admission_wait_s < 0:
             raise ConfigError("limits.admission_wait_s must not be negative")
+        if not 0 < self.lookup_deadline_share <= 1:
+            raise ConfigError("limits.lookup_deadline_share must be in (0, 1]")
         if self.inflight_bytes < self.max_block_bytes + self.stream_message_bytes:
             raise ConfigError(
                 "limits.inflight_bytes must hold at least one largest block and one message "
@@ -426,15 +434,47 @@ class BulkSection:
     # nothing for stall_timeout_s in the middle of a frame is cut off and what it held released.
     idle_timeout_s: float = 300.0
     stall_timeout_s: float = 10.0
-    # Connections served at once (one thread each); more are refused with RESOURCE_EXHAUSTED.
+    # A new connection must complete its HELLO (its TLS handshake included) within hello_timeout_s.
+    hello_timeout_s: float = 5.0
+    # Deadlines of a whole request (a PUT or a GET), not of one recv or send: it must move its bytes
+    # at min_rate_bytes_s on average once min_rate_grace_s has passed (0: no rate rule), and all of
+    # them within request_timeout_s. Only time spent waiting on the peer counts (not the server's
+    # own waits for the in-flight budget or the tiers). A request too slow is cut off and what it
+    # held released.
+    min_rate_bytes_s: int = _MiB
+    min_rate_grace_s: float = 5.0
+    request_timeout_s: float = 120.0
+    # Authenticated connections served at once (one thread each); more are refused with RESOURCE_EXHAUSTED.
     max_connections: int = 64
+    # Connections whose HELLO has not passed yet, capped apart (slow or unauthenticated peers
+    # cannot take max_connections).
+    max_unauthenticated_connections: int = 16
+    # With auth: one tenant's connections; 0 = a quarter of max_connections.
+    tenant_max_connections: int = 0
+
+    @property
+    def tenant_share(self) -> int:
+        """The connections one tenant may hold at once (with auth)."""
+        return self.tenant_max_connections or max(1, self.max_connections // 4)
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError("bulk.port must be 0..65535")
-        for name in ("idle_timeout_s", "stall_timeout_s", "max_connections"):
+        for name in (
+            "idle_timeout_s",
+            "stall_timeout_s",
+            "hello_timeout_s",
+            "min_rate_grace_s",
+            "request_timeout_s",
+            "max_connections",
+            "max_unauthenticated_connections",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"bulk.{name} must be positive")
+        if self.min_rate_bytes_s < 0:
+            raise ConfigError("bulk.min_rate_bytes_s must not be negative (0: no rate rule)")
+        if not 0 <= self.tenant_max_connections <= self.max_connections:
+            raise ConfigError("bulk.tenant_max_connections must be in [0, bulk.max_connections]")
         if self.max_frame_bytes < 0:
             raise ConfigError("bulk.max_frame_bytes must not be negative (0: limits.max_block_bytes + 1 MiB)")
 

@@ -78,6 +78,7 @@ _TIER_COUNTERS = {
     "demotions": "Blocks written to the tier after RAM evicted them",
     "write_errors": "Queued writes to the tier that failed",
     "queue_dropped": "Writes refused because the write-behind queue was full, or dropped at shutdown",
+    "lookup_late_hits": "Keys a Lookup's call to the tier found after that Lookup had answered without them",
 }
 # TierStats byte counters, exported as kvcache_tier_<name>_bytes_total{tier} (metric name, help text).
 _TIER_BYTES = {

@@ -20,6 +20,7 @@ copied into the RAM tier's arena on commit (docs/arena.md); Get replies view lea
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 import os
@@ -171,7 +172,13 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
     async def Lookup(self, request: pb.LookupRequest, context: grpc.aio.ServicerContext) -> pb.LookupResponse:
         namespace = await self._namespace(context, request.namespace)
         keys = await self._keys(context, request.keys)
-        tiers = await self._stack.lookup(namespace, keys)
+        # Lower tiers are awaited for a share of what the caller's deadline leaves (the rest is for
+        # the answer's way back), never for a fixed time that discards hits the caller could use.
+        remaining = context.time_remaining()
+        answer_by = None
+        if remaining is not None:
+            answer_by = asyncio.get_running_loop().time() + remaining * self._limits.lookup_deadline_share
+        tiers = await self._stack.lookup(namespace, keys, answer_by=answer_by)
         self._observer.lookup(namespace, len(keys), len(tiers))
         return pb.LookupResponse(prefix_length=len(tiers), tiers=[int(t) for t in tiers])
 

@@ -17,8 +17,8 @@ failures and probes it again after a back-off, so a dead backend does not add
 its timeout to every request. Every tier call runs as a task of its own and
 reports its outcome to the breaker when it ends (at the latest after the tier's
 timeout_s), even if its caller stopped waiting: an RPC cancelled at its
-deadline, or a Lookup that gave up after lookup_timeout_s (a miss for that
-Lookup). So a hung backend opens its breaker whatever the callers' deadlines.
+deadline, or a Lookup that stopped waiting when its caller's deadline came near
+(a miss for that Lookup). So a hung backend opens its breaker whatever the callers' deadlines.
 
 The event loop only schedules: compression, decompression and checksum
 verification of blocks run in each lower tier's small thread pool (codec
@@ -147,7 +147,7 @@ class LowerTierPolicy:
     compression: codec.CompressionMode = codec.CompressionMode.NONE
     promote: bool = True  # copy hits from this tier into the tiers above it
     timeout_s: float = 2.0  # per call, on top of the client's own socket timeouts
-    lookup_timeout_s: float = 0.15  # a Lookup waits this long for the tier, then counts it a miss
+    lookup_timeout_s: float = 0.0  # > 0: a Lookup waits at most this long for the tier (besides its deadline)
     codec_threads: int = 0  # compression and verification threads for this tier's blocks; 0: from the CPUs
     queue_max_bytes: int = 256 << 20
     queue_full: QueueFull = QueueFull.DROP
@@ -159,6 +159,7 @@ class LowerTierPolicy:
 class _Counters:
     errors: int = 0
     timeouts: int = 0  # calls past timeout_s, Lookups that stopped waiting, calls refused while stuck
+    lookup_late_hits: int = 0  # keys found here by a Lookup call that answered after its Lookup stopped waiting
     checksum_failures: int = 0
     promotions: int = 0  # blocks copied into this tier from a lower one
     demotions: int = 0  # blocks written here after RAM evicted them
@@ -587,19 +588,23 @@ class TierStack:
 
     # -- reads ---------------------------------------------------------------------------------
 
-    async def lookup(self, namespace: str, keys: Sequence[bytes]) -> list[TierKind]:
+    async def lookup(self, namespace: str, keys: Sequence[bytes], *, answer_by: float | None = None) -> list[TierKind]:
         """The tier of each key in the longest stored prefix.
 
-        At most one call per lower tier, for the keys the tiers above lack, each awaited at most
-        the tier's lookup_timeout_s: a tier that has not answered by then is a miss for this
-        Lookup (counted; the call goes on without it and reports to the breaker). While a tier's
-        breaker is closed, what it knows without a backend call (S3's presence index) is used
-        first. The last tier may stop asking after its first absent key: the prefix ends there.
+        At most one call per lower tier, for the keys the tiers above lack, in order. Each is
+        awaited until `answer_by` (the event loop's clock: when the caller's deadline leaves just
+        enough time for the answer to reach it), at most the tier's timeout_s and, when set, its
+        lookup_timeout_s. A tier that has not answered by then is a miss for this Lookup (counted
+        in timeouts); its call goes on, reports to the breaker, and counts the keys it found in
+        lookup_late_hits: the hits a deadline cost. While a tier's breaker is closed, what it knows
+        without a backend call (S3's presence index, which late answers fill too) is used first.
+        The last tier may stop asking after its first absent key: the prefix ends there.
         """
         start = time.perf_counter()
         present = self._ram.contains_many_sync(namespace, keys)
         self._ram_op("lookup", start)
         where: list[TierKind | None] = [TierKind.RAM if p else None for p in present]
+        loop = asyncio.get_running_loop()
         for depth, lower in enumerate(self._lower):
             gap = next((i for i, w in enumerate(where) if w is None), len(keys))
             # Keys before the first gap are answered; ask this tier about the unresolved rest.
@@ -616,10 +621,18 @@ class TierStack:
                     continue
             last = depth == len(self._lower) - 1
             contains = lower.tier.contains_prefix if last else lower.tier.contains_many
-            found = await self._call(
-                lower, "lookup", contains, namespace, [keys[i] for i in ask], wait_s=lower.policy.lookup_timeout_s
-            )
-            for i, hit in zip(ask, found or [False] * len(ask), strict=True):
+            wait_s = lower.policy.timeout_s
+            if lower.policy.lookup_timeout_s > 0:
+                wait_s = min(wait_s, lower.policy.lookup_timeout_s)
+            if answer_by is not None:
+                wait_s = max(0.0, min(wait_s, answer_by - loop.time()))
+            call = self._start(lower, "lookup", contains, namespace, [keys[i] for i in ask])
+            if call is None:
+                continue
+            found = await self._wait(lower, call, wait_s)
+            if found is None and call.task is not None and not call.task.done():
+                call.task.add_done_callback(lambda task, lower=lower: self._late_lookup(lower, task))
+            for i, hit in zip(ask, found or [False] * len(ask), strict=True):  # type: ignore[call-overload]
                 if hit:
                     where[i] = lower.tier.kind
         prefix: list[TierKind] = []
@@ -628,6 +641,12 @@ class TierStack:
                 break
             prefix.append(kind)
         return prefix
+
+    @staticmethod
+    def _late_lookup(lower: _Lower, task: asyncio.Task[object]) -> None:
+        """A Lookup's call to `lower` that answered after the Lookup stopped waiting: its hits were lost."""
+        if not task.cancelled() and task.exception() is None and isinstance(found := task.result(), list):
+            lower.counters.lookup_late_hits += sum(1 for hit in found if hit)
 
     def lease(self, namespace: str, keys: Sequence[bytes], ttl_s: float) -> list[Lease | None]:
         """Read leases on the blocks RAM holds, for in-place gets (kvcache_server.pipeline.inplace).
@@ -1014,6 +1033,7 @@ class TierStack:
             s.breaker = lower.breaker.state.name.lower()
             s.skipped = lower.breaker.skipped
             s.bytes_written, s.bytes_read = c.bytes_written, c.bytes_read
+            s.lookup_late_hits = c.lookup_late_hits
             s.healthy = lower.breaker.state is BreakerState.CLOSED
             out.append(s)
         return out

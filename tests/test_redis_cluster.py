@@ -493,8 +493,8 @@ def test_tls_and_password_as_for_a_single_redis(tmp_path: Path) -> None:
                     await bad.close()
 
         asyncio.run(run())
-        # The server's own config path; the first call reads the slot map over TLS: give the Lookup time.
-        server = ServerThread({"redis": c.overrides(promote=False, lookup_timeout_s=2.0)})
+        # The server's own config path; the first call reads the slot map over TLS, within the deadline.
+        server = ServerThread({"redis": c.overrides(promote=False)})
         try:
             with KVCacheClient(server.target, timeout_s=20, shm=False) as client:
                 assert client.lookup(NS, [k for k, _ in items]).tiers == ("redis",) * 60

@@ -102,6 +102,7 @@ class TierInfo:
     skipped: int = 0
     bytes_written: int = 0
     bytes_read: int = 0
+    lookup_late_hits: int = 0
 
 
 _TIER_INFO_FIELDS = [f.name for f in fields(TierInfo)]

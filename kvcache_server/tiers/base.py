@@ -75,6 +75,7 @@ class TierStats:
     skipped: int = 0  # calls not attempted because the breaker was open
     bytes_written: int = 0  # as stored, after compression
     bytes_read: int = 0
+    lookup_late_hits: int = 0  # keys found by Lookup calls that answered after their Lookup stopped waiting
 
 
 class Tier(ABC):
