@@ -1,12 +1,21 @@
 """The layered config loader the server and kvcache-router share: dataclass defaults, then a TOML
 file, the environment and command-line overrides, each value coerced to its field's type, and
 every unknown section, field or variable an error naming the closest known one.
+
+Kubernetes service links are not settings: for every Service in a pod's namespace the kubelet sets
+`<NAME>_SERVICE_HOST`, `<NAME>_SERVICE_PORT[_<PORT>]`, `<NAME>_PORT` and `<NAME>_PORT_<n>_<PROTO>[_PROTO|
+_PORT|_ADDR]` (NAME: the Service's name upper-cased, `-` as `_`), so a Service named `kvcache` puts
+KVCACHE_PORT=tcp://10.0.0.1:51051 beside the server. `service_links` picks out exactly those: a family
+counts only when its `<NAME>_SERVICE_HOST` is an IP address and its `<NAME>_SERVICE_PORT` a port, and
+each member only when its value is what the kubelet writes for that host (the same address, a port,
+tcp/udp/sctp). A typo of a setting (KVCACHE_SERVICE_HOST alone, KVCACHE_PORT=51051) is still an error.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import ipaddress
 import re
 import tomllib
 from collections.abc import Callable, Mapping
@@ -21,6 +30,7 @@ __all__ = [
     "load_layered",
     "parse_assignment",
     "parse_size",
+    "service_links",
 ]
 
 
@@ -110,18 +120,73 @@ def apply_updates(config: C, updates: Mapping[str, Mapping[str, Any]], source: s
     return dataclasses.replace(config, **changes)  # type: ignore[type-var]
 
 
+_SERVICE_HOST = re.compile(r"([A-Z][A-Z0-9_]*)_SERVICE_HOST")
+_LINK = re.compile(r"SERVICE_PORT(?:_[A-Z0-9_]+)?|PORT|PORT_(\d+)_(TCP|UDP|SCTP)(?:_(PROTO|PORT|ADDR))?")
+_PORT = re.compile(r"[1-9]\d{0,4}")
+
+
+def _is_port(value: str) -> bool:
+    return _PORT.fullmatch(value) is not None and int(value) <= 65535
+
+
+def _is_ip(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _link_value_fits(member: re.Match[str], value: str, host: str) -> bool:
+    """Whether `value` is what the kubelet writes for the service-link variable `member` (its name
+    after `<NAME>_`) of a Service at cluster IP `host` (pkg/kubelet/envvars: FromServices, makeLinkVariables)."""
+    address = f"[{host}]" if ":" in host else host  # net.JoinHostPort
+    port, proto, part = member.groups()
+    if member.group(0) == "PORT":  # the first port's URL
+        url = re.fullmatch(r"(?:tcp|udp|sctp)://" + re.escape(address) + r":(\d+)", value)
+        return url is not None and _is_port(url.group(1))
+    if port is None:  # SERVICE_PORT, SERVICE_PORT_<PORT NAME>
+        return _is_port(value)
+    wanted = {None: f"{proto.lower()}://{address}:{port}", "PROTO": proto.lower(), "PORT": port, "ADDR": host}
+    return _is_port(port) and wanted[part] == value
+
+
+def service_links(env: Mapping[str, str]) -> set[str]:
+    """The names in `env` that are Kubernetes service-link variables (see the module's docstring)."""
+    links: set[str] = set()
+    for var, host in env.items():
+        family = _SERVICE_HOST.fullmatch(var)
+        if family is None or not _is_ip(host) or not _is_port(env.get(f"{family.group(1)}_SERVICE_PORT", "")):
+            continue
+        stem = f"{family.group(1)}_"
+        links.add(var)
+        for other, value in env.items():
+            member = _LINK.fullmatch(other[len(stem) :]) if other.startswith(stem) else None
+            if member is not None and _link_value_fits(member, value, host):
+                links.add(other)
+    return links
+
+
 def env_updates(
     config: Any, env: Mapping[str, str], *, prefix: str, ignored: Callable[[str], bool], docs: str
 ) -> dict[str, dict[str, str]]:
     """{section: {field: value}} from the `prefix`<SECTION>_<FIELD> variables of `env`; any other
-    variable starting with `prefix` that `ignored` does not accept is an error, with the closest name."""
+    variable starting with `prefix` that `ignored` does not accept is an error, with the closest name.
+
+    Kubernetes service links (`service_links`) are skipped first, even where one's name is a field's:
+    a Service named `kvcache-server` sets KVCACHE_SERVER_PORT=tcp://<its IP>:<port>, which is no port
+    setting (a value set in the pod's own env replaces the kubelet's, and is then no link).
+    """
     known = {
         f"{prefix}{s.name}_{f.name}".upper(): (s.name, f.name)
         for s in dataclasses.fields(config)
         for f in dataclasses.fields(getattr(config, s.name))
     }
     updates: dict[str, dict[str, str]] = {}
+    links = service_links(env)
     for var in sorted(env):
+        if var in links:
+            continue
         if var in known:
             section, name = known[var]
             updates.setdefault(section, {})[name] = env[var]
