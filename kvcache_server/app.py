@@ -56,6 +56,7 @@ class RunningServer:
     shm_task: asyncio.Task[None] | None = None
     trim_task: asyncio.Task[None] | None = None
     bulk: BulkListener | None = None
+    service: KVCacheService | None = None
 
     @property
     def target(self) -> str:
@@ -328,6 +329,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
         metrics_port=metrics_port,
         shm=shm,
         bulk=bulk,
+        service=service,
     )
     if shm is not None:
         running.shm_task = asyncio.create_task(_sweep_shm(shm, config.shm.stale_after_s), name="kvcache-shm-sweep")

@@ -10,7 +10,8 @@ A call that needs more than is free waits up to limits.admission_wait_s for othe
 theirs, then is refused with RESOURCE_EXHAUSTED; bytes that already exist when they are counted
 (a message gRPC has received) are counted at once, so `used` may pass the capacity by at most one
 message per call, and new work then waits. Every call releases what it holds when it ends, however
-it ends (`Holding` is a context manager).
+it ends (`Holding` is a context manager). One call reserves at most limits.inflight_call_share of
+the budget, one tenant's calls (with auth) at most limits.inflight_tenant_share of it.
 
     peak RSS  <=  ram.capacity_bytes + limits.inflight_bytes + gRPC's own buffers + baseline
 """
@@ -26,90 +27,129 @@ from kvcache_server.refusal import Refused
 
 
 class MemoryBudget:
-    """Bytes held by calls in flight, against a capacity. Used only on the server's event loop."""
+    """Bytes held by calls in flight, against a capacity. Used only on the server's event loop.
 
-    def __init__(self, capacity: int, wait_s: float) -> None:
+    Shares: one call may reserve at most `call_cap` bytes (so a Get's window is sized to fit it),
+    and, with auth, one tenant's calls together at most `tenant_cap`: callers that stall (a client
+    that stops reading, a stream that stops sending) cannot take what the others need. A tenant
+    over its share waits like a call over the capacity, then is refused; bytes counted on arrival
+    (a received message, a block read for a Get) are counted whatever the shares say.
+    """
+
+    def __init__(self, capacity: int, wait_s: float, *, call_cap: int = 0, tenant_cap: int = 0) -> None:
         if capacity <= 0:
             raise ValueError("capacity must be positive")
         self.capacity = capacity
         self.wait_s = wait_s
+        self.call_cap = min(call_cap or capacity, capacity)
+        self.tenant_cap = min(tenant_cap or capacity, capacity)
         self.used = 0
         self.peak = 0
         self.refused = 0  # reservations refused after waiting
+        self.by_tenant: dict[str, int] = {}  # bytes held per tenant (with auth), only those holding some
         self._freed = asyncio.Event()
 
-    def _take(self, n: int) -> None:
+    def _take(self, n: int, tenant: str | None) -> None:
         self.used += n
         self.peak = max(self.peak, self.used)
+        if tenant is not None:
+            self.by_tenant[tenant] = self.by_tenant.get(tenant, 0) + n
 
-    def count(self, n: int) -> None:
+    def count(self, n: int, tenant: str | None = None) -> None:
         """Counts `n` bytes that exist already (a received message): never waits, never refuses."""
-        self._take(n)
+        self._take(n, tenant)
 
-    async def reserve(self, n: int, what: str) -> None:
+    def _fits(self, n: int, tenant: str | None) -> bool:
+        if n > self.capacity - self.used:
+            return False
+        return tenant is None or self.by_tenant.get(tenant, 0) + n <= self.tenant_cap
+
+    async def reserve(self, n: int, what: str, tenant: str | None = None) -> None:
         """Counts `n` bytes before they are allocated; waits for room up to wait_s.
 
         Raises:
-            Refused: RESOURCE_EXHAUSTED, when `n` is more than the whole budget or no room came.
+            Refused: RESOURCE_EXHAUSTED, when `n` is more than the whole budget (or the tenant's
+                share) or no room came.
         """
-        if n <= self.capacity - self.used:
-            self._take(n)
+        if self._fits(n, tenant):
+            self._take(n, tenant)
             return
-        if n > self.capacity:
+        limit = self.capacity if tenant is None else self.tenant_cap
+        if n > limit:
             self.refused += 1
             raise Refused(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{what}: {n} bytes exceed the server's whole in-flight budget (limits.inflight_bytes={self.capacity})",
+                f"{what}: {n} bytes exceed the server's in-flight budget for one tenant "
+                f"(limits.inflight_bytes={self.capacity}, limits.inflight_tenant_share: {limit} bytes)",
             )
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.wait_s
-        while n > self.capacity - self.used:
+        while not self._fits(n, tenant):
             remaining = deadline - loop.time()
             if remaining <= 0:
                 self.refused += 1
+                mine = "" if tenant is None else f"; this tenant holds {self.by_tenant.get(tenant, 0)} of its {limit}"
                 raise Refused(
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{what}: the server holds {self.used} of limits.inflight_bytes={self.capacity} bytes for calls "
-                    f"in flight and {n} more did not fit within {self.wait_s:g} s; retry later",
+                    f"in flight{mine}, and {n} more did not fit within {self.wait_s:g} s; retry later",
                 )
             self._freed.clear()
             try:
                 await asyncio.wait_for(self._freed.wait(), remaining)
             except TimeoutError:
                 continue
-        self._take(n)
+        self._take(n, tenant)
 
-    def release(self, n: int) -> None:
+    def release(self, n: int, tenant: str | None = None) -> None:
         if n <= 0:
             return
         self.used -= n
         assert self.used >= 0, "released more than was counted"
+        if tenant is not None:
+            left = self.by_tenant[tenant] - n
+            assert left >= 0, "a tenant released more than it counted"
+            if left:
+                self.by_tenant[tenant] = left
+            else:
+                del self.by_tenant[tenant]
         self._freed.set()
 
-    def holding(self) -> Holding:
-        """What one call holds; released when the `with` block ends."""
-        return Holding(self)
+    def holding(self, tenant: str | None = None, *, capped: bool = False) -> Holding:
+        """What one call holds (of `tenant`'s share, with auth; `capped`: at most call_cap of its own
+        reservations); released when the `with` block ends."""
+        return Holding(self, tenant, capped=capped)
 
 
 class Holding:
     """The bytes one call counts against the budget; `with` releases whatever is left at the end."""
 
-    def __init__(self, budget: MemoryBudget) -> None:
+    def __init__(self, budget: MemoryBudget, tenant: str | None = None, *, capped: bool = False) -> None:
         self._budget = budget
+        self.tenant = tenant
+        self.cap = budget.call_cap if capped else budget.capacity
+        """The most this call may hold when it reserves more (limits.inflight_call_share)."""
         self.bytes = 0
 
     def count(self, n: int) -> None:
-        self._budget.count(n)
+        self._budget.count(n, self.tenant)
         self.bytes += n
 
     async def reserve(self, n: int, what: str) -> None:
-        await self._budget.reserve(n, what)
+        if n > self.cap:
+            self._budget.refused += 1
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{what}: {n} bytes are more than one call's share of the in-flight budget "
+                f"({self.cap} bytes, limits.inflight_call_share)",
+            )
+        await self._budget.reserve(n, what, self.tenant)
         self.bytes += n
 
     def release(self, n: int) -> None:
         n = min(n, self.bytes)
         self.bytes -= n
-        self._budget.release(n)
+        self._budget.release(n, self.tenant)
 
     def release_all(self) -> None:
         self.release(self.bytes)

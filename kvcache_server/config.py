@@ -263,6 +263,10 @@ class LimitsSection:
     # that would pass it waits up to admission_wait_s, then gets RESOURCE_EXHAUSTED (docs/limits.md).
     inflight_bytes: int = 256 * _MiB
     admission_wait_s: float = 1.0
+    # Shares of it: one call reserves at most inflight_call_share (and never less than one largest
+    # block and message); with auth, one tenant's calls together at most inflight_tenant_share.
+    inflight_call_share: float = 0.25
+    inflight_tenant_share: float = 0.5
     # A Get fetches from Redis/S3 in windows of about this many bytes, sending each before the next.
     get_window_bytes: int = 64 * _MiB
     # A Put stream with no message for this long, or a Get whose client reads nothing for this
@@ -293,11 +297,25 @@ class LimitsSection:
             raise ConfigError("limits.admission_wait_s must not be negative")
         if not 0 < self.lookup_deadline_share <= 1:
             raise ConfigError("limits.lookup_deadline_share must be in (0, 1]")
+        for name in ("inflight_call_share", "inflight_tenant_share"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ConfigError(f"limits.{name} must be in (0, 1]")
         if self.inflight_bytes < self.max_block_bytes + self.stream_message_bytes:
             raise ConfigError(
                 "limits.inflight_bytes must hold at least one largest block and one message "
                 f"(max_block_bytes + stream_message_bytes = {self.max_block_bytes + self.stream_message_bytes})"
             )
+
+    @property
+    def inflight_call_bytes(self) -> int:
+        """The most one call may hold of inflight_bytes: its share, or one largest block and message."""
+        share = int(self.inflight_bytes * self.inflight_call_share)
+        return min(self.inflight_bytes, max(share, self.max_block_bytes + self.max_message_bytes))
+
+    @property
+    def inflight_tenant_bytes(self) -> int:
+        """The most one tenant's calls may hold together (with auth), never less than one call's."""
+        return max(int(self.inflight_bytes * self.inflight_tenant_share), self.inflight_call_bytes)
 
     @property
     def max_message_bytes(self) -> int:

@@ -36,7 +36,7 @@ from kvcache_core.keys import KEY_BYTES
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import current_principal
-from kvcache_server.budget import MemoryBudget
+from kvcache_server.budget import Holding, MemoryBudget
 from kvcache_server.bulk import BulkListener
 from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow, TooManySubscribers
@@ -59,6 +59,9 @@ SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVCache"].full_name
 # TierStats travels field by field under the same names; `kind` is `tier` on the wire.
 _TIER_STATS_FIELDS = [f for f in dataclasses.fields(TierStats) if f.name != "kind"]
 
+
+_CUT_OFF_GRACE_S = 1.0
+"""How long a cut-off call waits for its status to be sent before it ends without waiting."""
 
 _BULK_STATS = ("bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off")
 
@@ -87,7 +90,12 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         self._version = version
         self._started = time.monotonic()
         self._counters = Counters()
-        self.budget = MemoryBudget(limits.inflight_bytes, limits.admission_wait_s)
+        self.budget = MemoryBudget(
+            limits.inflight_bytes,
+            limits.admission_wait_s,
+            call_cap=limits.inflight_call_bytes,
+            tenant_cap=limits.inflight_tenant_bytes,
+        )
         self._block_sizes: OrderedDict[str, int] = OrderedDict()  # namespace -> largest block seen
         self.cut_off = 0  # Put streams gone quiet and Gets not read, ended by the server
         self.bulk: BulkListener | None = None  # the bulk path, advertised in Info (set by the app)
@@ -117,10 +125,29 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         await context.abort(code, message)
         raise AssertionError("unreachable: context.abort raises")
 
-    async def _cut_off(self, context: grpc.aio.ServicerContext, why: str) -> NoReturn:
-        """Ends a call whose peer went quiet (DEADLINE_EXCEEDED); what it held is released as it unwinds."""
+    @staticmethod
+    def _tenant() -> str | None:
+        """The caller's tenant (its share of the in-flight budget), None without auth."""
+        principal = current_principal.get()
+        return principal.tenant if principal is not None else None
+
+    async def _cut_off(self, context: grpc.aio.ServicerContext, why: str, held: Holding | None = None) -> NoReturn:
+        """Ends a call whose peer went quiet (DEADLINE_EXCEEDED), releasing what it held first.
+
+        The status travels behind the replies the client has not read, so sending it can wait
+        for as long as the client does: after _CUT_OFF_GRACE_S the handler stops waiting for it
+        and ends (gRPC then cancels the stream), so a client that reads nothing holds no task.
+        """
         self.cut_off += 1
-        await self._abort(context, grpc.StatusCode.DEADLINE_EXCEEDED, f"{why}: the call is cut off")
+        if held is not None:
+            held.release_all()
+        self._counters.failed_requests += 1
+        try:
+            async with asyncio.timeout(_CUT_OFF_GRACE_S):
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"{why}: the call is cut off")
+        except TimeoutError:
+            raise asyncio.CancelledError(f"cut off: {why}") from None
+        raise AssertionError("unreachable: context.abort raises")
 
     async def _namespace(self, context: grpc.aio.ServicerContext, namespace: str) -> str:
         """The validated namespace, scoped by the caller's tenant: "<tenant>:<namespace>" with auth on.
@@ -185,7 +212,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
     async def Put(self, request_iterator: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> pb.PutResponse:
         segments: dict[str, tuple[int, int]] = {}  # open shm segments: name -> (fd, size)
         try:
-            with self.budget.holding() as held:
+            with self.budget.holding(self._tenant(), capped=True) as held:
                 return await self._put(request_iterator, context, segments, held)
         finally:
             # No worker thread still reads through these: _read_shm_blocks waits for its thread even

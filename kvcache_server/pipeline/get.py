@@ -63,6 +63,83 @@ _BLOCK_SIZE_NAMESPACES = 4096
 """Namespaces whose largest block the server remembers (for Get windows), least recently used out."""
 
 
+_SHED_AFTER_S = 0.5
+"""A Get reply its client has not taken for this long sheds the window's blocks not yet in a reply."""
+
+
+class _Window:
+    """The lower-tier blocks of a Get's current window, and the budget they hold until written."""
+
+    def __init__(self, held: Holding) -> None:
+        self.held = held
+        self.pending: dict[int, Found] = {}  # fetched, not yet in a reply
+        self._unsent: dict[int, int] = {}  # in a reply not yet written: index -> bytes counted
+        self.sheds = 0
+
+    def take(self, index: int) -> Found | None:
+        """The block at `index` for a reply; None when it was shed."""
+        hit = self.pending.pop(index, None)
+        if hit is not None:
+            self._unsent[index] = len(hit.data)
+        return hit
+
+    def sent_through(self, index: int) -> None:
+        """The replies through `index` are written: their blocks are no longer held here."""
+        done = [i for i in self._unsent if i <= index]
+        self.held.release(sum(self._unsent.pop(i) for i in done))
+
+    def shed(self) -> None:
+        """Drops the blocks not yet in a reply and what they held (the client is not reading)."""
+        if not self.pending:
+            return
+        self.sheds += 1
+        self.held.release(sum(len(f.data) for f in self.pending.values()))
+        self.pending.clear()
+
+
+async def locate_window(
+    stack: TierStack,
+    held: Holding,
+    namespace: str,
+    keys: list[bytes],
+    start: int,
+    per_block: int | None,
+    window_bytes: int,
+    what: str,
+) -> tuple[int, list[Found | None]]:
+    """One Get window from `start`: every key RAM holds (leased views, no copy) and lower-tier keys up
+    to what `window_bytes` (and the call's share, held.cap) allows at `per_block` bytes each, or one
+    when the block size is not known. Reserves that much before reading, then holds in `held`
+    exactly what the lower tiers returned. Returns the window's end and its blocks (None: a miss).
+
+    Raises:
+        Refused: RESOURCE_EXHAUSTED, when the reservation found no room in time.
+    """
+    ram = stack.ram
+    ahead = keys[start : start + _MAX_WINDOW_KEYS]
+    # Blocks of earlier windows not yet written (the reply being filled) count against the share.
+    allowed = max(1, min(window_bytes, held.cap - held.bytes) // per_block) if per_block else 1
+    lower_keys = sum(1 for in_ram in ram.contains_many_sync(namespace, ahead) if not in_ram)
+    reserved = min(lower_keys, allowed) * per_block if per_block else 0
+    if reserved:
+        await held.reserve(reserved, what)
+    # Which keys RAM holds, asked again right before the stack reads RAM (no await in between):
+    # promotions and evictions may have changed it while the reservation waited.
+    end, lower_keys = start, 0
+    for in_ram in ram.contains_many_sync(namespace, ahead):
+        if not in_ram:
+            if lower_keys == allowed:
+                break
+            lower_keys += 1
+        end += 1
+    try:
+        found = await stack.get(namespace, keys[start:end])
+    finally:
+        held.release(reserved)
+    held.count(sum(len(f.data) for f in found if f is not None and f.tier is not TierKind.RAM))
+    return end, found
+
+
 def _sent_through(reply: GetReply) -> int:
     """The highest key index whose block a written reply completed (a part with more to come does not)."""
     index, _, data, _ = reply[-1]
@@ -84,7 +161,11 @@ class GetStages:
 
         async def _namespace(self, context: grpc.aio.ServicerContext, namespace: str) -> str: ...
 
-        async def _cut_off(self, context: grpc.aio.ServicerContext, why: str) -> NoReturn: ...
+        async def _cut_off(
+            self, context: grpc.aio.ServicerContext, why: str, held: Holding | None = None
+        ) -> NoReturn: ...
+
+        def _tenant(self) -> str | None: ...
 
     _block_sizes: OrderedDict[str, int]
 
@@ -99,21 +180,32 @@ class GetStages:
         """The Get pipeline: locate (window by window) -> lease (RAM hits' slots, until sent) -> send
         (each reply written with context.write, so that a client that stops reading is noticed: a reply
         not taken within get_stall_timeout_s cuts the call off). Closes `segment` when it ends.
+
+        A reply not taken within _SHED_AFTER_S sheds the window's blocks not yet handed to a reply
+        (they are read again if the client reads on): a Get whose client stalls holds at most the
+        reply it is writing and the one being filled, not a whole window of the budget.
         """
         stall = self._limits.get_stall_timeout_s
+        loop = asyncio.get_running_loop()
         leased: list[tuple[int, Found]] = []  # RAM hits whose arena slots are leased until they are sent
         try:
-            with self.budget.holding() as held:
-                found = self._windows(context, namespace, keys, request.prefix_only, held, leased)
+            with self.budget.holding(self._tenant(), capped=True) as held:
+                window = _Window(held)
+                found = self._windows(context, namespace, keys, request.prefix_only, window, leased)
                 async for reply in self._get_replies(context, found, request, segment):
+                    shed = loop.call_later(_SHED_AFTER_S, window.shed) if window.pending else None
                     try:
                         async with asyncio.timeout(stall):  # a timer on this task, no task per message
                             await context.write(reply)  # serialised (copied) before it returns
                     except TimeoutError:
                         await self._cut_off(
-                            context, f"the client read nothing for {stall:g} s (limits.get_stall_timeout_s)"
+                            context, f"the client read nothing for {stall:g} s (limits.get_stall_timeout_s)", held
                         )
+                    finally:
+                        if shed is not None:
+                            shed.cancel()
                     sent = _sent_through(reply)
+                    window.sent_through(sent)
                     done = [f for i, f in leased if i <= sent]
                     if done:
                         self._stack.release(done)
@@ -131,59 +223,51 @@ class GetStages:
         namespace: str,
         keys: list[bytes],
         prefix_only: bool,
-        held: Holding,
+        window: _Window,
         leased: list[tuple[int, Found]],
     ) -> AsyncIterator[tuple[int, Found | None]]:
         """(index, block or None) for every key, fetched window by window; RAM hits (views of leased
         arena slots) are noted in `leased` for the caller to release once sent.
 
         Keys the RAM tier holds cost nothing (the reply views their leased arena slots); the others
-        are fetched from lower tiers at most about get_window_bytes at a time, sized by the largest
-        block this server has seen in the namespace (max_block_bytes when it has seen none). What a
-        window fetched stays counted in `held` until the next window is asked for, by which time
-        the replies holding it have been sent (all but the one being filled): a Get of any size
-        holds about one window at a time.
+        are fetched from lower tiers at most about get_window_bytes (and one call's share of the
+        budget) at a time. A window reserves what it will carry: its lower-tier keys times the
+        largest block this server has seen in the namespace; in a namespace it has not seen, a
+        window carries one lower-tier block, counted when it arrives (as a received Put message
+        is). Each block stays counted in `window` until the reply holding it is written, or the
+        window sheds it (the caller's client stopped reading): it is read again from here.
         """
-        limits = self._limits
-        ram = self._stack.ram
+        held = window.held
         start = 0
         while start < len(keys):
-            per_block = self._block_size(namespace)
-            allowed = max(1, limits.get_window_bytes // per_block)  # lower-tier blocks in this window
-            held.release_all()  # the previous window has been sent
+            per_block = self._known_block_size(namespace)
             try:
-                await held.reserve(min(allowed * per_block, limits.get_window_bytes), "Get")
+                end, found = await locate_window(
+                    self._stack, held, namespace, keys, start, per_block, self._limits.get_window_bytes, "Get"
+                )
             except Refused as exc:
                 await self._abort(context, exc.code, exc.message)
-            # Which keys RAM holds, asked right before the stack reads RAM (no await in between):
-            # promotions of earlier windows may have evicted some since the Get began.
-            ahead = keys[start : start + _MAX_WINDOW_KEYS]
-            end, lower_keys = start, 0
-            for held_in_ram in ram.contains_many_sync(namespace, ahead):
-                if not held_in_ram:
-                    if lower_keys == allowed:
-                        break
-                    lower_keys += 1
-                end += 1
-            found = await self._stack.get(namespace, keys[start:end])
-            lower = [len(f.data) for f in found if f is not None and f.tier is not TierKind.RAM]
-            held.release_all()
-            held.count(sum(lower))  # what this window really holds beyond RAM's references
+            lower = {i: f for i, f in enumerate(found, start) if f is not None and f.tier is not TierKind.RAM}
             if lower:
-                self._saw_block_size(namespace, max(lower))
+                self._saw_block_size(namespace, max(len(f.data) for f in lower.values()))
+            window.pending.update(lower)
             leased.extend((i, hit) for i, hit in enumerate(found, start) if hit is not None and hit.lease is not None)
-            for i, hit in enumerate(found, start):
+            order = [(i, i in lower, None if i in lower else hit) for i, hit in enumerate(found, start)]
+            del found, lower  # the window's lower-tier blocks are referenced from window.pending only
+            for i, from_lower, hit in order:
+                if from_lower and (hit := window.take(i)) is None:  # shed while the client did not read
+                    end = i  # read again from here
+                    break
                 yield i, hit
                 if hit is None and prefix_only:
                     return
             start = end
 
-    def _block_size(self, namespace: str) -> int:
-        """The largest block seen in `namespace` (the size a Get window assumes per lower-tier block)."""
+    def _known_block_size(self, namespace: str) -> int | None:
+        """The largest block seen in `namespace` (the size a Get window reserves per lower-tier block)."""
         size = self._block_sizes.get(namespace)
-        if size is None:
-            return self._limits.max_block_bytes
-        self._block_sizes.move_to_end(namespace)
+        if size is not None:
+            self._block_sizes.move_to_end(namespace)
         return size
 
     def _saw_block_size(self, namespace: str, size: int) -> None:
