@@ -191,3 +191,71 @@ def test_one_call_holds_at_most_its_share(make_server, redis_server: RedisProces
     # One share and the message being sent past it at most (a block read counts when it arrives).
     assert stats.inflight_peak_bytes <= (16 << 20) + (4 << 20)
     assert stats.inflight_bytes == 0
+
+
+def test_a_get_that_pauses_sheds_its_window_and_then_serves_every_block_exactly(
+    make_server, redis_server: RedisProcess
+) -> None:
+    """A client that reads one reply of a Get of 24 x 4 MiB from Redis, pauses 2 s, then reads the
+    rest: while it pauses the Get holds two replies at most, not its 64 MiB window; afterwards
+    every block arrives byte-identical, in order (the shed ones read from Redis again)."""
+    server: ServerThread = make_server(**redis_below(redis_server, get_stall_timeout_s=30))
+    big = [(k := os.urandom(16), raw_block(k, os.urandom((4 << 20) - 64))) for _ in range(24)]
+    in_redis_only(server, "big", big)
+    channel, call = unread_get(server.target, "big", [k for k, _ in big])
+    try:
+        replies = iter(call)  # type: ignore[call-overload]
+        first = next(replies)
+        time.sleep(2.0)
+        with KVCacheClient(server.target, timeout_s=10, shm=False, bulk=False) as admin:
+            paused = admin.stats().inflight_bytes
+            rest = list(replies)
+            after = admin.stats()
+    finally:
+        channel.close()
+    got: dict[int, bytes] = {}
+    for raw in [first, *rest]:
+        for item in pb.GetResponse.FromString(raw).items:
+            got[item.index] = got.get(item.index, b"") + item.data
+    assert [got.get(i) for i in range(24)] == [b for _, b in big]
+    assert paused <= 2 * (4 << 20), f"{paused} bytes held while the client paused"
+    assert (after.inflight_bytes, after.cut_off_calls) == (0, 0)
+
+
+def test_one_tenant_s_stalled_gets_leave_the_other_tenant_its_share(
+    make_server, redis_server: RedisProcess, tmp_path
+) -> None:
+    """With auth, tenant a opens 6 unread Gets of 24 x 4 MiB; tenant b's Get of the same shape, right
+    after, is served in full: a's calls hold at most inflight_tenant_share (before: b waited
+    admission_wait_s and was refused: the budget was a's)."""
+    from tests.test_security import TOKENS, tokens_file
+
+    cfg = redis_below(redis_server, get_stall_timeout_s=30, admission_wait_s=1.0)
+    server: ServerThread = make_server(**cfg, auth={"enabled": True, "tokens_file": str(tokens_file(tmp_path))})
+    big = [(k := os.urandom(16), raw_block(k, os.urandom((4 << 20) - 64))) for _ in range(24)]
+    for tenant in ("a", "b"):
+        with KVCacheClient(server.target, timeout_s=60, shm=False, bulk=False, token=TOKENS[tenant]) as c:
+            for i in range(0, 24, 8):
+                assert c.put_many("big", big[i : i + 8]).tier("redis").stored == 8
+        server.stack.ram.delete_many_sync(f"{tenant}:big", [k for k, _ in big])
+    options = [("grpc.http2.bdp_probe", 0), ("grpc.max_receive_message_length", 64 << 20)]
+    channels, calls = [], []
+    try:
+        for _ in range(6):
+            channel = grpc.insecure_channel(server.target, options=options)
+            channels.append(channel)
+            calls.append(
+                channel.unary_stream(GET, pb.GetRequest.SerializeToString, lambda b: b)(
+                    pb.GetRequest(namespace="big", keys=[k for k, _ in big]),
+                    timeout=60,
+                    metadata=(("authorization", f"Bearer {TOKENS['a']}"),),
+                )
+            )
+        time.sleep(0.3)  # a's Gets have taken what its share allows
+        with KVCacheClient(server.target, timeout_s=30, retry=ONCE, shm=False, bulk=False, token=TOKENS["b"]) as b:
+            assert b.get_many("big", [k for k, _ in big]) == [blk for _, blk in big]
+        budget = server.running.service.budget
+        assert budget.by_tenant.get("a", 0) <= budget.tenant_cap + 6 * (4 << 20)  # plus one block each on arrival
+    finally:
+        for channel in channels:
+            channel.close()
