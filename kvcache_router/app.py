@@ -2,20 +2,24 @@
 
 Per /v1/completions or /v1/chat/completions request (docs/router.md):
 
-    read the body (at most http.max_body_bytes)        -> 413 / 400 on a bad body, 404 for an unknown model
+    its id, body, JSON and request slot (intake.py)     -> 413 / 408 / 400 / 503 before any worker is asked
+    check the model, drop a client's kv_transfer_params -> 404 for an unknown model
     tokenize it on a decode worker (POST /tokenize)     -> 400 when the prompt leaves no room in the context
     Lookup its chunk keys in kvcache (prefix.py)        -> skip prefill when all but the last chunk are stored
-    else: a prefill worker, max_tokens 1                -> retried on another one; none left: decode only
+    else: a prefill worker, max_tokens 1 (prefill.py)   -> retried on another one; none left: decode only
     the original request (+ the prefill's kv_transfer_params) to a decode worker, its answer streamed
     back byte for byte, with X-KVCache-* headers saying what was done
 
+vLLM's small endpoints (/tokenize, /detokenize, /version, /ping) go through the same intake to a
+decode worker, their answers relayed the same way.
+
 Every upstream call has a deadline ([workers] *_timeout_s); a worker that cannot be reached is
 ejected (workers.py). Errors are OpenAI-style bodies, {"error": {"message", "type", "param", "code"}};
-a worker's own 4xx answer reaches the client unchanged.
+a worker's error answer keeps its status, its body rebuilt without the worker's internals (errors.py).
 
 At the project's ~500-line module guideline: this is the one request path above, kept in one reading
-order; the pieces with a job of their own live beside it (prefix.py, workers.py, tokens.py,
-errors.py, metrics.py).
+order; the pieces with a job of their own live beside it (intake.py, prefix.py, prefill.py,
+workers.py, tokens.py, errors.py, logs.py, metrics.py).
 """
 
 from __future__ import annotations
@@ -24,7 +28,6 @@ import asyncio
 import json
 import logging
 import time
-import uuid
 from typing import Any
 
 import aiohttp
@@ -32,18 +35,22 @@ from aiohttp import web
 
 from kvcache_core.keys import Namespace
 from kvcache_router.config import RouterConfig
-from kvcache_router.errors import RouterError, UpstreamAnswer, openai_errors
+from kvcache_router.errors import RouterError, openai_errors, worker_error
+from kvcache_router.intake import ClientGone, Intake, IntakeLimits, request_id
+from kvcache_router.logs import request_extra
 from kvcache_router.metrics import RequestReport, RouterMetrics
+from kvcache_router.prefill import LOGGED_ERROR_CHARS, PrefillStage, read_capped
 from kvcache_router.prefix import PrefixOracle
 from kvcache_router.tokens import given_tokens, needs_tokenizer, tokenize
-from kvcache_router.workers import Worker, WorkerPool
+from kvcache_router.workers import Worker, WorkerPool, failure_reason, note_stale, second_chance
 
 log = logging.getLogger(__name__)
 
-_PREFILL_MAX_ANSWER_BYTES = 4 << 20  # a one-token answer; anything larger is not one
-_RETRYABLE_STATUS = frozenset({408, 429})  # and every 5xx: the worker's trouble, not the request's
+_ERROR_MAX_ANSWER_BYTES = 64 << 10  # a worker's error answer, read to be rebuilt; a larger one is not an error body
 _HOP_HEADERS = frozenset({"content-length", "transfer-encoding", "connection", "keep-alive"})
 _FORWARDED_HEADERS = ("Authorization",)  # a worker's API key (vLLM --api-key) is the client's to give
+# vLLM's small endpoints that clients call, proxied to a decode worker: whether each takes a JSON body.
+_PROXIED = {"tokenize": True, "detokenize": True, "version": False, "ping": False}
 
 
 class Router:
@@ -57,7 +64,7 @@ class Router:
 
     def __init__(self, config: RouterConfig, oracle: PrefixOracle | None, namespace: Namespace | None) -> None:
         self.config = config
-        w = config.workers
+        w, h = config.workers, config.http
         self.metrics = RouterMetrics()
         self.prefill = WorkerPool("prefill", w.prefill, self.metrics, health_failures=w.health_failures)
         self.decode = WorkerPool("decode", w.decode, self.metrics, health_failures=w.health_failures)
@@ -65,7 +72,19 @@ class Router:
         if oracle is not None:
             oracle.namespace = namespace
         self.models: set[str] = set()
-        self._slots = asyncio.Semaphore(config.http.max_concurrent_requests)
+        limits = IntakeLimits(
+            max_body_bytes=h.max_body_bytes,
+            body_timeout_s=h.body_timeout_s,
+            max_json_depth=h.max_json_depth,
+            max_concurrent_bodies=h.max_concurrent_bodies,
+            max_concurrent_requests=h.max_concurrent_requests,
+            queue_timeout_s=h.queue_timeout_s,
+        )
+        self.intake = Intake(limits, self.metrics)
+        prefill_timeout = aiohttp.ClientTimeout(total=w.prefill_timeout_s, sock_connect=w.connect_timeout_s)
+        self.prefill_stage = PrefillStage(
+            self.prefill, self.metrics, attempts=w.prefill_attempts, timeout=prefill_timeout
+        )
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._namespace_missing_logged = False
@@ -77,6 +96,11 @@ class Router:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.list_models)
+        app.router.add_post("/tokenize", self.proxied)
+        app.router.add_post("/detokenize", self.proxied)
+        app.router.add_get("/version", self.proxied)
+        app.router.add_route("GET", "/ping", self.proxied)
+        app.router.add_route("POST", "/ping", self.proxied)  # vLLM answers both (SageMaker's health check)
         app.router.add_get("/health", self.health)
         app.router.add_get("/metrics", self.prometheus)
         app.on_startup.append(self._start)
@@ -177,7 +201,12 @@ class Router:
         try:
             return web.json_response(await self._get_json(worker, "/v1/models"))
         except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-            return RouterError(502, f"the model list failed: {exc}", code="upstream_error").response()
+            log.warning("the model list from %s failed: %s", worker.url, exc)
+            return RouterError(502, "the decode worker's model list failed", code="upstream_error").response()
+
+    async def proxied(self, request: web.Request) -> web.StreamResponse:
+        """/tokenize, /detokenize, /version, /ping: on a decode worker (docs/router.md says why that role)."""
+        return await self._admit(request, request.path.lstrip("/"))
 
     # -- completions --------------------------------------------------------------------------------
 
@@ -188,35 +217,46 @@ class Router:
         return await self._admit(request, "chat")
 
     async def _admit(self, request: web.Request, endpoint: str) -> web.StreamResponse:
-        report = RequestReport(request.headers.get("X-Request-Id") or uuid.uuid4().hex, endpoint)
+        proxied = endpoint in _PROXIED
+        rid = request_id(request.headers.get("X-Request-Id"))
+        report = RequestReport(rid, endpoint, route="proxy" if proxied else "none")
         start = time.monotonic()
+        json_body = _PROXIED.get(endpoint, True)
         try:
-            async with asyncio.timeout(self.config.http.queue_timeout_s):
-                await self._slots.acquire()
-        except TimeoutError:
-            return self._done(report, start, RouterError(503, "the router is at capacity", code="overloaded"))
-        try:
-            return await self._route(request, report, start)
-        finally:
-            self._slots.release()
+            async with self.intake.admit(request, json_body=json_body) as body:
+                if proxied:
+                    return await self._proxy(request, body if json_body else None, report, start)
+                return await self._route(request, self._checked(body), report, start)
+        except RouterError as exc:
+            return self._done(report, start, exc)
+        except ClientGone:
+            report.status, report.error = 499, "client_disconnected"  # nginx's code for it; nobody gets it
+            self.metrics.client_disconnects.labels(endpoint, "body").inc()
+            self._log(report, start, None)
+            return web.Response(status=499)
 
-    def _done(self, report: RequestReport, start: float, outcome: RouterError | UpstreamAnswer) -> web.Response:
-        report.status = outcome.status
-        if isinstance(outcome, RouterError):
-            report.error = outcome.code
-            response = outcome.response(report)
-        else:
-            report.error = "upstream_rejected"
-            response = web.Response(
-                body=outcome.body,
-                status=outcome.status,
-                headers={"Content-Type": outcome.content_type, **report.headers()},
-            )
+    def _checked(self, body: dict[str, Any]) -> dict[str, Any]:
+        """A completion's body, its model checked, a client's kv_transfer_params dropped (unless allowed)."""
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RouterError(400, "model must be a string", code="invalid_model", param="model")
+        if model is not None and self.models and model not in self.models:
+            raise RouterError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
+        if "kv_transfer_params" in body and not self.config.http.allow_client_kv_transfer_params:
+            # The P/D hand-off is the router's to compute: a client's could point a decode worker at any
+            # engine's blocks. Dropped, not refused: clients written for a plain vLLM still work.
+            self.metrics.client_kv_params_dropped.inc()
+            body = {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        return body
+
+    def _done(self, report: RequestReport, start: float, error: RouterError) -> web.Response:
+        report.status, report.error = error.status, error.reason
         self._log(report, start, None)
-        return response
+        return error.response(report)
 
     def _log(self, report: RequestReport, start: float, ttft_s: float | None) -> None:
         self.metrics.finished(report)
+        total_s = time.monotonic() - start
         log.info(
             "%s %s %d route=%s prompt_tokens=%s cached_tokens=%s lookup=%s prefill=%s attempts=%d decode=%s "
             "ttft_s=%s total_s=%.3f%s",
@@ -231,54 +271,52 @@ class Router:
             report.prefill_attempts,
             report.decode_worker or "-",
             f"{ttft_s:.3f}" if ttft_s is not None else "-",
-            time.monotonic() - start,
+            total_s,
             f" error={report.error}" if report.error else "",
+            extra=request_extra(report.request_id, report.fields(ttft_s=ttft_s, total_s=total_s)),
         )
 
-    async def _route(self, request: web.Request, report: RequestReport, start: float) -> web.StreamResponse:
-        chat = report.endpoint == "chat"
+    def _upstream_headers(self, request: web.Request, report: RequestReport) -> dict[str, str]:
         upstream = {"X-Request-Id": report.request_id}
         upstream.update({h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers})
+        return upstream
+
+    async def _route(
+        self, request: web.Request, body: dict[str, Any], report: RequestReport, start: float
+    ) -> web.StreamResponse:
+        chat = report.endpoint == "chat"
+        upstream = self._upstream_headers(request, report)
         try:
-            body = await self._read_body(request)
             kv_params = await self._prepare(body, report, upstream, chat=chat)
-        except (RouterError, UpstreamAnswer) as exc:
+        except RouterError as exc:
             return self._done(report, start, exc)
         if kv_params is not None:
             body = {**body, "kv_transfer_params": kv_params}
-        return await self._decode(request, body, report, upstream, start)
+        w = self.config.workers
+        timeout = aiohttp.ClientTimeout(
+            total=w.decode_timeout_s, sock_connect=w.connect_timeout_s, sock_read=w.decode_read_timeout_s
+        )
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        return await self._on_decode_worker(request, "POST", path, body, report, upstream, start, timeout)
 
-    async def _read_body(self, request: web.Request) -> dict[str, Any]:
-        cap = self.config.http.max_body_bytes
-        too_large = RouterError(413, f"the request body exceeds {cap} bytes", code="request_too_large")
-        if request.content_length is not None and request.content_length > cap:
-            raise too_large
-        data = bytearray()
-        async for piece in request.content.iter_chunked(1 << 16):
-            data += piece
-            if len(data) > cap:
-                raise too_large
-        try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RouterError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise RouterError(400, "the body must be a JSON object", code="invalid_json")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise RouterError(400, "model must be a string", code="invalid_model", param="model")
-        if model is not None and self.models and model not in self.models:
-            raise RouterError(404, f"The model `{model}` does not exist.", code="model_not_found", param="model")
-        return body
+    async def _proxy(
+        self, request: web.Request, body: dict[str, Any] | None, report: RequestReport, start: float
+    ) -> web.StreamResponse:
+        w = self.config.workers
+        total_s = w.tokenize_timeout_s if body is not None else w.health_timeout_s
+        timeout = aiohttp.ClientTimeout(total=total_s, sock_connect=w.connect_timeout_s)
+        method, path = ("POST" if body is not None else "GET"), f"/{report.endpoint}"
+        upstream = self._upstream_headers(request, report)
+        return await self._on_decode_worker(request, method, path, body, report, upstream, start, timeout)
 
     async def _prepare(
         self, body: dict[str, Any], report: RequestReport, upstream: dict[str, str], *, chat: bool
     ) -> dict[str, Any] | None:
         """Everything before decode: tokenize, look up, prefill. Returns the kv_transfer_params to pass on."""
         await self._tokens_and_coverage(body, report, upstream, chat=chat)
-        if report.route == "skip":
+        if report.route in ("skip", "short"):
             return None
-        return await self._prefill(body, report, upstream)
+        return await self.prefill_stage.run(self.session, body, report, upstream)
 
     async def _tokens_and_coverage(
         self, body: dict[str, Any], report: RequestReport, upstream: dict[str, str], *, chat: bool
@@ -316,7 +354,7 @@ class Router:
         report.lookup = "ok"
         report.cached_tokens = coverage.cached_tokens
         if coverage.skip_prefill:
-            report.route = "skip"
+            report.route = "short" if coverage.too_short else "skip"
 
     async def _tokenize(
         self, body: dict[str, Any], upstream: dict[str, str], *, chat: bool
@@ -333,83 +371,27 @@ class Router:
         try:
             return await tokenize(self.session, worker.url, body, chat=chat, headers=upstream, timeout=timeout)
         except aiohttp.ClientConnectionError as exc:
-            log.warning("tokenize on %s failed: %s", worker.url, exc)
+            log.warning("tokenize on %s failed: %s", worker.url, exc, extra=request_extra(upstream["X-Request-Id"]))
             (self.decode if worker.role == "decode" else self.prefill).failed(worker, "connect", eject=True)
             return None
 
-    async def _prefill(
-        self, body: dict[str, Any], report: RequestReport, upstream: dict[str, str]
-    ) -> dict[str, Any] | None:
-        """The prompt on a prefill worker, max_tokens 1; another worker on failure; decode-only when none is left."""
-        w = self.config.workers
-        query = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
-        query.update(max_tokens=1, stream=False, n=1)
-        if "max_completion_tokens" in query:
-            query["max_completion_tokens"] = 1
-        path = "/v1/chat/completions" if report.endpoint == "chat" else "/v1/completions"
-        timeout = aiohttp.ClientTimeout(total=w.prefill_timeout_s, sock_connect=w.connect_timeout_s)
-        tried: list[Worker] = []
-        stale: list[Worker] = []
-        while len(tried) < w.prefill_attempts:
-            worker = self.prefill.pick(exclude=tried) or _second_chance(stale)
-            if worker is None:
-                break
-            if tried:
-                self.metrics.prefill_retries.inc()
-            tried.append(worker)
-            report.prefill_attempts = len(tried)
-            started = time.monotonic()
-            try:
-                with self.prefill.serving(worker):
-                    url = f"{worker.url}{path}"
-                    async with self.session.post(url, json=query, headers=upstream, timeout=timeout) as resp:
-                        data = await _read_capped(resp, _PREFILL_MAX_ANSWER_BYTES)
-                        status, content_type = resp.status, resp.content_type
-            except aiohttp.ClientConnectionError as exc:
-                log.warning("%s: prefill on %s failed: %s", report.request_id, worker.url, exc)
-                _note_stale(exc, worker, tried, stale)
-                self.prefill.failed(worker, _reason(exc), eject=isinstance(exc, aiohttp.ClientConnectorError))
-                continue
-            except ValueError as exc:
-                log.warning("%s: prefill on %s: %s", report.request_id, worker.url, exc)
-                self.prefill.failed(worker, "oversized", eject=False)
-                continue
-            except TimeoutError:
-                log.warning(
-                    "%s: prefill on %s timed out after %.1fs", report.request_id, worker.url, w.prefill_timeout_s
-                )
-                self.prefill.failed(worker, "timeout", eject=False)
-                continue
-            if status == 200:
-                self.metrics.prefill_seconds.observe(time.monotonic() - started)
-                report.prefill_worker = worker.url
-                try:
-                    params = json.loads(data).get("kv_transfer_params")
-                except (ValueError, AttributeError):
-                    params = None
-                return params if isinstance(params, dict) else None
-            if 400 <= status < 500 and status not in _RETRYABLE_STATUS:
-                raise UpstreamAnswer(status, data, content_type)
-            log.warning("%s: prefill on %s answered %d", report.request_id, worker.url, status)
-            self.prefill.failed(worker, f"status_{status}", eject=False)
-        report.route = "decode-only"
-        report.error = "no prefill worker answered" if tried else "no prefill worker available"
-        log.warning("%s: %s; the decode worker computes the prompt", report.request_id, report.error)
-        return None
-
-    async def _decode(
-        self, request: web.Request, body: dict[str, Any], report: RequestReport, upstream: dict[str, str], start: float
+    async def _on_decode_worker(
+        self,
+        request: web.Request,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None,
+        report: RequestReport,
+        upstream: dict[str, str],
+        start: float,
+        timeout: aiohttp.ClientTimeout,
     ) -> web.StreamResponse:
-        """The request on a decode worker; its answer streamed back unchanged, the report in the headers."""
-        w = self.config.workers
-        timeout = aiohttp.ClientTimeout(
-            total=w.decode_timeout_s, sock_connect=w.connect_timeout_s, sock_read=w.decode_read_timeout_s
-        )
-        path = "/v1/chat/completions" if report.endpoint == "chat" else "/v1/completions"
+        """The call on a decode worker; its answer streamed back (an error rebuilt), the report in the headers."""
+        rid, extra = report.request_id, request_extra(report.request_id)
         tried: list[Worker] = []
         stale: list[Worker] = []
         while True:
-            worker = self.decode.pick(exclude=tried) or _second_chance(stale)
+            worker = self.decode.pick(exclude=tried) or second_chance(stale)
             if worker is None:
                 message = "no decode worker answered" if tried else "no decode worker is available"
                 return self._done(report, start, RouterError(503, message, code="no_worker"))
@@ -417,90 +399,88 @@ class Router:
             try:
                 with self.decode.serving(worker):
                     url = f"{worker.url}{path}"
-                    async with self.session.post(url, json=body, headers=upstream, timeout=timeout) as resp:
+                    async with self.session.request(method, url, json=body, headers=upstream, timeout=timeout) as resp:
                         report.decode_worker = worker.url
+                        if resp.status >= 400:
+                            return await self._decode_refused(resp, worker, report, start)
                         return await self._relay(request, resp, worker, report, start)
             except aiohttp.ClientConnectionError as exc:
                 # Nothing reached the client: the same worker (a stale connection) or another may take it.
-                log.warning("%s: decode on %s failed: %s", report.request_id, worker.url, exc)
-                _note_stale(exc, worker, tried, stale)
-                self.decode.failed(worker, _reason(exc), eject=isinstance(exc, aiohttp.ClientConnectorError))
+                log.warning("%s: decode on %s failed: %s", rid, worker.url, exc, extra=extra)
+                note_stale(exc, worker, tried, stale)
+                self.decode.failed(worker, failure_reason(exc), eject=isinstance(exc, aiohttp.ClientConnectorError))
             except TimeoutError:
                 self.decode.failed(worker, "timeout", eject=False)
-                error = RouterError(
-                    504, f"the decode worker sent nothing for {w.decode_read_timeout_s}s", code="timeout"
-                )
+                error = RouterError(504, "the decode worker did not answer within its deadline", code="timeout")
                 return self._done(report, start, error)
             except aiohttp.ClientError as exc:
+                log.warning("%s: decode on %s failed: %s", rid, worker.url, exc, extra=extra)
                 self.decode.failed(worker, "error", eject=False)
-                return self._done(
-                    report, start, RouterError(502, f"the decode worker failed: {exc}", code="upstream_error")
-                )
+                error = RouterError(502, "the decode worker failed", code="upstream_error")
+                return self._done(report, start, error)
+
+    async def _decode_refused(
+        self, resp: aiohttp.ClientResponse, worker: Worker, report: RequestReport, start: float
+    ) -> web.Response:
+        """A decode worker's error answer, rebuilt (errors.worker_error); a 5xx counts as its failure."""
+        try:
+            data = await read_capped(resp, _ERROR_MAX_ANSWER_BYTES)
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            data = b""  # too large or broken: not a well-formed error either
+        if resp.status >= 500:
+            log.warning(
+                "%s: decode on %s answered %d: %r",
+                report.request_id,
+                worker.url,
+                resp.status,
+                data[:LOGGED_ERROR_CHARS],
+                extra=request_extra(report.request_id),
+            )
+            self.decode.failed(worker, f"status_{resp.status}", eject=False)
+        return self._done(report, start, worker_error("decode", resp.status, data))
 
     async def _relay(
         self, request: web.Request, resp: aiohttp.ClientResponse, worker: Worker, report: RequestReport, start: float
     ) -> web.StreamResponse:
+        """The worker's answer as it comes. A worker that breaks it off is the worker's failure ("cut"); a
+        client that goes away is the client's (client_disconnects), and leaving the upstream call closes it."""
         ttft_s = time.monotonic() - start
         report.status = resp.status
         headers = {k: v for k, v in resp.headers.items() if k.lower() not in _HOP_HEADERS}
         headers.update(report.headers())
         out = web.StreamResponse(status=resp.status, headers=headers)
-        await out.prepare(request)
-        self.metrics.ttft.labels(report.route).observe(ttft_s)
         try:
-            try:
-                async for piece in resp.content.iter_any():
-                    await out.write(piece)
-            except (aiohttp.ClientError, TimeoutError) as exc:
+            await out.prepare(request)
+            if report.route != "proxy":
+                self.metrics.ttft.labels(report.route).observe(ttft_s)
+            broke = await _pipe(resp, out)
+            if broke is not None:
                 # Cut mid-answer: the status is sent; end an event stream with an error event, as vLLM does.
-                report.error = f"decode answer cut: {type(exc).__name__}"
+                report.error = f"decode answer cut: {type(broke).__name__}"
                 self.decode.failed(worker, "cut", eject=False)
                 if resp.content_type == "text/event-stream":
-                    event = {
-                        "error": {
-                            "message": report.error,
-                            "type": "server_error",
-                            "param": None,
-                            "code": "upstream_error",
-                        }
-                    }
+                    error = RouterError(500, report.error, code="upstream_error")
+                    event = {"error": {"message": report.error, "type": error.kind, "param": None, "code": error.code}}
                     await out.write(f"data: {json.dumps(event)}\n\n".encode())
             await out.write_eof()
-        except ConnectionError:  # the client went away: leaving the upstream call closes it too
-            report.error = "the client disconnected"
+        except ConnectionError:  # a write to the client failed: it went away
+            report.error = "client_disconnected"
+            self.metrics.client_disconnects.labels(report.endpoint, "answer").inc()
         self._log(report, start, ttft_s)
         return out
 
 
-def _note_stale(exc: aiohttp.ClientConnectionError, worker: Worker, tried: list[Worker], stale: list[Worker]) -> None:
-    """Keeps `worker` for one more try when no other is left, if it closed the connection before answering
-    for the first time in this request. That is how a kept-alive connection looks when the worker closed
-    it just as the request went out (uvicorn, vLLM's server, closes idle ones after 5 s); a second time,
-    or a refused or reset connection, is the worker's trouble.
+async def _pipe(resp: aiohttp.ClientResponse, out: web.StreamResponse) -> Exception | None:
+    """Copies the worker's answer to the client. Returns why the worker's side broke off, None when it ended.
+
+    Raises:
+        ConnectionError: a write to the client failed (aiohttp's ClientConnectionResetError is one).
     """
-    if isinstance(exc, aiohttp.ServerDisconnectedError) and tried.count(worker) == 1:
-        stale.append(worker)
-
-
-def _second_chance(stale: list[Worker]) -> Worker | None:
-    """A worker kept by _note_stale that is still in rotation, taken once."""
-    while stale:
-        worker = stale.pop(0)
-        if worker.healthy:
-            return worker
-    return None
-
-
-def _reason(exc: aiohttp.ClientConnectionError) -> str:
-    """The metrics' name for a connection failure: refused (down), or closed or reset mid-call (dying)."""
-    return "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "disconnect"
-
-
-async def _read_capped(resp: aiohttp.ClientResponse, cap: int) -> bytes:
-    """The whole body, or ValueError past `cap` bytes."""
-    data = bytearray()
-    async for piece in resp.content.iter_any():
-        data += piece
-        if len(data) > cap:
-            raise ValueError(f"the answer exceeds {cap} bytes")
-    return bytes(data)
+    while True:
+        try:
+            piece = await resp.content.readany()
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:  # only the read: the worker's side
+            return exc
+        if not piece:
+            return None
+        await out.write(piece)

@@ -21,8 +21,8 @@ from kvcache_client.retry import NO_RETRY
 from kvcache_router import __version__
 from kvcache_router.app import Router
 from kvcache_router.config import ConfigError, RouterConfig, assignments, load_config
+from kvcache_router.logs import MalformedHttpFilter, RouterJsonFormatter
 from kvcache_router.prefix import PrefixOracle
-from kvcache_server.cli import JsonFormatter
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -78,12 +78,13 @@ def build_router(config: RouterConfig, env: dict[str, str]) -> Router:
 def setup_logging(config: RouterConfig) -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(
-        JsonFormatter()
+        RouterJsonFormatter()
         if config.http.log_json
         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
     )
     logging.basicConfig(level=config.http.log_level.upper(), handlers=[handler], force=True)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    logging.getLogger("aiohttp.server").addFilter(MalformedHttpFilter())
 
 
 async def serve(config: RouterConfig, router: Router) -> None:

@@ -29,6 +29,8 @@ ENV_CONFIG = "KVCACHE_ROUTER_CONFIG"
 
 __all__ = ["ENV_PREFIX", "ConfigError", "RouterConfig", "load_config"]
 
+_MAX_JSON_DEPTH = 512
+
 
 @dataclass(frozen=True, slots=True)
 class HttpSection:
@@ -37,9 +39,22 @@ class HttpSection:
     host: str = "127.0.0.1"
     port: int = 8000  # 0 picks a free port (printed at start-up)
     max_body_bytes: int = 8 << 20  # a larger request body gets 413
+    # A request body must arrive whole within this once the router reads it, else 408 (a total
+    # deadline, not one per read: a body trickled a byte at a time is cut all the same).
+    body_timeout_s: float = 10.0
+    # Requests holding a body before their request slot: being read, or read and waiting for a slot.
+    # Bodies are read outside the request slots (a slow client holds no slot); this bounds the
+    # memory they hold, max_concurrent_bodies x max_body_bytes (docs/router.md).
+    max_concurrent_bodies: int = 64
+    # Nesting of a body's JSON (the object itself is 1); deeper gets 400 json_too_deep.
+    max_json_depth: int = 64
+    # A client's own kv_transfer_params (the P/D hand-off the router computes) reach the workers
+    # only when true; by default they are dropped, and counted.
+    allow_client_kv_transfer_params: bool = False
     log_level: str = "info"
-    log_json: bool = False  # one JSON object per log line (kvcache-server's format)
-    # Requests handled at once; more wait for a slot up to queue_timeout_s, then get 503.
+    log_json: bool = False  # one JSON object per log line (kvcache-server's format, plus the request's facts)
+    # Requests handled at once; more wait for a slot up to queue_timeout_s, then get 503. The wait
+    # for room to read the body (max_concurrent_bodies) counts in the same queue_timeout_s.
     max_concurrent_requests: int = 256
     queue_timeout_s: float = 30.0
     # After SIGTERM: no new connections; requests in flight may finish within this, then are cut.
@@ -48,10 +63,19 @@ class HttpSection:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"http.port must be in [0, 65535], got {self.port}")
-        if self.max_body_bytes <= 0 or self.max_concurrent_requests <= 0 or self.queue_timeout_s <= 0:
-            raise ConfigError(
-                "http.max_body_bytes, http.max_concurrent_requests and http.queue_timeout_s must be positive"
-            )
+        for name in (
+            "max_body_bytes",
+            "body_timeout_s",
+            "max_concurrent_bodies",
+            "max_concurrent_requests",
+            "queue_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"http.{name} must be positive")
+        # Parsed JSON is walked, and re-encoded for the workers, by recursive code: keep far below
+        # Python's recursion limit.
+        if not 1 <= self.max_json_depth <= _MAX_JSON_DEPTH:
+            raise ConfigError(f"http.max_json_depth must be in [1, {_MAX_JSON_DEPTH}], got {self.max_json_depth}")
         if self.shutdown_grace_s < 0:
             raise ConfigError("http.shutdown_grace_s must not be negative")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:

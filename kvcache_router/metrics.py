@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+ROUTES = ("prefill", "skip", "short", "decode-only")  # the routes of a completion that reached a worker
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -19,10 +20,11 @@ class RequestReport:
 
     Attributes:
         request_id: The X-Request-Id (the client's, or one made here).
-        endpoint: "completions" or "chat".
+        endpoint: "completions" or "chat"; "tokenize", "detokenize", "version" or "ping" (proxied).
         route: "none" (refused before routing), "prefill" (prefill worker, then decode), "skip" (the
-            stored prefix leaves at most the last chunk to compute: straight to decode), "decode-only"
-            (no prefill worker could take it).
+            stored prefix leaves at most the last chunk to compute: straight to decode), "short" (a
+            prompt of at most one chunk, none of it stored: straight to decode), "decode-only" (no
+            prefill worker could take it), "proxy" (one of vLLM's small endpoints, to a decode worker).
         prompt_tokens: Tokens of the prompt, when the tokenizer answered.
         cached_tokens: Prompt tokens kvcache held before the request, when the lookup answered.
         lookup: "ok", "failed" (tokenize or lookup failed: counted as nothing stored) or "off".
@@ -53,7 +55,7 @@ class RequestReport:
             "X-KVCache-Lookup": self.lookup,
             "X-KVCache-Prefill-Attempts": str(self.prefill_attempts),
         }
-        if self.route != "none":
+        if self.route in ROUTES:
             out["X-KVCache-Prefill-Skipped"] = "false" if self.route == "prefill" else "true"
         if self.prompt_tokens is not None:
             out["X-KVCache-Prompt-Tokens"] = str(self.prompt_tokens)
@@ -64,6 +66,23 @@ class RequestReport:
         if self.decode_worker:
             out["X-KVCache-Decode-Worker"] = self.decode_worker
         return out
+
+    def fields(self, *, ttft_s: float | None, total_s: float) -> dict[str, str | int | float | None]:
+        """The request's facts as a structured log record's fields (request_id is the record's own)."""
+        return {
+            "endpoint": self.endpoint,
+            "status": self.status,
+            "route": self.route,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "lookup": self.lookup,
+            "prefill_worker": self.prefill_worker or None,
+            "prefill_attempts": self.prefill_attempts,
+            "decode_worker": self.decode_worker or None,
+            "ttft_s": round(ttft_s, 6) if ttft_s is not None else None,
+            "total_s": round(total_s, 6),
+            "error": self.error or None,
+        }
 
 
 class RouterMetrics:
@@ -83,9 +102,30 @@ class RouterMetrics:
             "Requests sent straight to decode because kvcache held the prompt but its last chunk",
             registry=r,
         )
+        self.short_prompts = Counter(
+            "kvcache_router_short_prompts",
+            "Requests sent straight to decode because the prompt is at most one chunk (too short to prefill)",
+            registry=r,
+        )
         self.decode_only = Counter(
             "kvcache_router_decode_only",
             "Requests the decode worker computed whole because no prefill worker could take them",
+            registry=r,
+        )
+        self.bodies_in_flight = Gauge(
+            "kvcache_router_bodies_in_flight",
+            "Request bodies held before a request slot: being read, or read and waiting for a slot",
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "kvcache_router_client_disconnects",
+            "Clients that went away before their answer was whole, by endpoint and stage (body, answer)",
+            ["endpoint", "stage"],
+            registry=r,
+        )
+        self.client_kv_params_dropped = Counter(
+            "kvcache_router_client_kv_transfer_params_dropped",
+            "Requests whose own kv_transfer_params were dropped (http.allow_client_kv_transfer_params)",
             registry=r,
         )
         self.prompt_tokens = Counter("kvcache_router_prompt_tokens", "Prompt tokens of routed requests", registry=r)
@@ -149,6 +189,8 @@ class RouterMetrics:
             return
         if report.route == "skip":
             self.prefill_skipped.inc()
+        elif report.route == "short":
+            self.short_prompts.inc()
         elif report.route == "decode-only":
             self.decode_only.inc()
         if report.prompt_tokens is not None:

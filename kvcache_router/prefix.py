@@ -4,7 +4,8 @@ The keys are exactly those the workers store under (kvcache_core.keys: chained o
 before them, in the workers' namespace), so a Lookup answers "the first N chunks of this prompt are
 stored". The router skips the prefill worker when N covers every chunk but the last: the decode
 worker then computes at most one chunk (at most chunk_tokens tokens) itself. A prompt of one
-chunk or less is therefore never prefilled elsewhere.
+chunk or less is therefore never prefilled elsewhere: when none of it is stored, that is for its
+length (`too_short`, route "short"), not for the cache (route "skip").
 
 A failed or late Lookup counts as nothing stored: the request is prefilled as if the cache were cold,
 never answered from KV that may not be there.
@@ -41,6 +42,11 @@ class Coverage:
     def skip_prefill(self) -> bool:
         """Whether the stored prefix leaves at most the last chunk to compute."""
         return self.stored_chunks >= self.chunks - 1
+
+    @property
+    def too_short(self) -> bool:
+        """Whether the prompt goes straight to decode for its length alone: one chunk or less, none stored."""
+        return self.chunks <= 1 and self.stored_chunks == 0
 
 
 class PrefixOracle:

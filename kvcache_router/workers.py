@@ -121,3 +121,27 @@ class WorkerPool:
     def _publish(self, worker: Worker) -> None:
         self._metrics.healthy.labels(self.role, worker.url).set(1 if worker.healthy else 0)
         self._metrics.outstanding.labels(self.role, worker.url).set(worker.outstanding)
+
+
+def note_stale(exc: aiohttp.ClientConnectionError, worker: Worker, tried: list[Worker], stale: list[Worker]) -> None:
+    """Keeps `worker` for one more try when no other is left, if it closed the connection before answering
+    for the first time in this request. That is how a kept-alive connection looks when the worker closed
+    it just as the request went out (uvicorn, vLLM's server, closes idle ones after 5 s); a second time,
+    or a refused or reset connection, is the worker's trouble.
+    """
+    if isinstance(exc, aiohttp.ServerDisconnectedError) and tried.count(worker) == 1:
+        stale.append(worker)
+
+
+def second_chance(stale: list[Worker]) -> Worker | None:
+    """A worker kept by note_stale that is still in rotation, taken once."""
+    while stale:
+        worker = stale.pop(0)
+        if worker.healthy:
+            return worker
+    return None
+
+
+def failure_reason(exc: aiohttp.ClientConnectionError) -> str:
+    """The metrics' name for a connection failure: refused (down), or closed or reset mid-call (dying)."""
+    return "connect" if isinstance(exc, aiohttp.ClientConnectorError) else "disconnect"

@@ -25,6 +25,21 @@ def test_defaults_need_a_decode_worker() -> None:
     assert cfg.workers.decode == ("http://127.0.0.1:8200",) and cfg.workers.prefill == ()
     assert (cfg.http.host, cfg.http.port, cfg.http.max_body_bytes) == ("127.0.0.1", 8000, 8 << 20)
     assert cfg.kvcache.target == ""
+    h = cfg.http
+    assert (h.body_timeout_s, h.max_concurrent_bodies, h.max_json_depth) == (10.0, 64, 64)
+    assert h.allow_client_kv_transfer_params is False
+
+
+def test_the_intake_settings_from_the_environment() -> None:
+    env = {
+        "KVCACHE_ROUTER_HTTP_BODY_TIMEOUT_S": "2.5",
+        "KVCACHE_ROUTER_HTTP_MAX_CONCURRENT_BODIES": "16",
+        "KVCACHE_ROUTER_HTTP_MAX_JSON_DEPTH": "32",
+        "KVCACHE_ROUTER_HTTP_ALLOW_CLIENT_KV_TRANSFER_PARAMS": "true",
+    }
+    h = load_config(env=env, overrides=DECODE).http
+    assert (h.body_timeout_s, h.max_concurrent_bodies, h.max_json_depth) == (2.5, 16, 32)
+    assert h.allow_client_kv_transfer_params is True
 
 
 def test_toml_then_environment_then_flags(tmp_path: Path) -> None:
@@ -53,6 +68,11 @@ def test_toml_then_environment_then_flags(tmp_path: Path) -> None:
         ({"workers": {"decode": "d:8000"}}, "is not a base URL"),
         ({"workers": {"decode": "http://d:8000/v1"}}, "is not a base URL"),
         ({"workers": {"prefill_timeout_s": 0}}, "workers.prefill_timeout_s must be positive"),
+        ({"http": {"body_timeout_s": 0}}, "http.body_timeout_s must be positive"),
+        ({"http": {"max_concurrent_bodies": 0}}, "http.max_concurrent_bodies must be positive"),
+        ({"http": {"max_json_depth": 0}}, r"http.max_json_depth must be in \[1, 512\], got 0"),
+        ({"http": {"max_json_depth": 513}}, r"http.max_json_depth must be in \[1, 512\], got 513"),
+        ({"http": {"allow_client_kv_transfer_params": "maybe"}}, "is not a boolean"),
         ({"kvcache": {"namespace_source": "guess"}}, "kvcache.namespace_source must be one of"),
         ({"kvcache": {"target": "k:1", "namespace_source": "config"}}, r"\[namespace\]: Namespace.model_id"),
     ],

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import re
 
 import pytest
 
@@ -126,25 +128,113 @@ def test_report_headers() -> None:
         "X-KVCache-Decode-Worker": "http://d",
     }
     assert "X-KVCache-Prefill-Skipped" not in RequestReport("r2", "completions").headers()
+    assert RequestReport("r3", "completions", route="short").headers()["X-KVCache-Prefill-Skipped"] == "true"
+    assert "X-KVCache-Prefill-Skipped" not in RequestReport("r4", "tokenize", route="proxy").headers()
 
 
-def test_a_worker_that_closed_a_kept_alive_connection_gets_one_second_chance() -> None:
+@pytest.mark.parametrize(
+    ("chunks", "stored", "short"),
+    [(0, 0, True), (1, 0, True), (1, 1, False), (2, 1, False), (2, 0, False)],
+)
+def test_a_prompt_is_too_short_only_when_nothing_of_it_is_stored(chunks: int, stored: int, short: bool) -> None:
+    assert Coverage(chunks, stored, 0).too_short is short
+
+
+@pytest.mark.parametrize(
+    ("given", "kept"),
+    [
+        ("req-1.a:b_C-9", True),
+        ("a" * 128, True),
+        ("a" * 129, False),
+        ("", False),
+        ("x y", False),
+        ("x=1", False),
+        ('x"', False),
+        ("caf\u00e9", False),  # letters beyond ASCII
+    ],
+)
+def test_request_ids_are_kept_only_when_short_and_plain(given: str, kept: bool) -> None:
+    from kvcache_router.intake import request_id
+
+    got = request_id(given)
+    assert (got == given) is kept
+    if not kept:
+        assert re.fullmatch(r"[0-9a-f]{32}", got)
+    assert re.fullmatch(r"[0-9a-f]{32}", request_id(None))
+
+
+def test_json_bodies_are_objects_of_bounded_depth() -> None:
+    from kvcache_router.errors import RouterError
+    from kvcache_router.intake import parse_json_object
+
+    def code(data: bytes, depth: int = 4) -> str | int | None:
+        with pytest.raises(RouterError) as caught:
+            parse_json_object(data, depth)
+        assert caught.value.status == 400
+        return caught.value.code
+
+    assert parse_json_object(b'{"a": [[{"b": 1}]]}', 4) == {"a": [[{"b": 1}]]}  # depth 4: the limit
+    assert code(b'{"a": [[{"b": []}]]}') == "json_too_deep"
+    assert code(b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}") == "json_too_deep"  # past the decoder's own
+    assert parse_json_object(b'{"a": "[[[[[[[[[["}', 2) == {"a": "[[[[[[[[[["}  # brackets in a string
+    assert code(b"[1]") == "invalid_json" and code(b'{"a": ') == "invalid_json" and code(b"\xff") == "invalid_json"
+    assert code(b'{"n": ' + b"1" * 5000 + b"}") == "invalid_json"  # past Python's integer digit limit
+
+
+def test_worker_errors_keep_only_a_well_formed_openai_error() -> None:
+    from kvcache_router.errors import worker_error
+
+    def body(status: int, data: bytes) -> dict:
+        return json.loads(worker_error("decode", status, data).response().body)["error"]  # type: ignore[arg-type]
+
+    openai = {"message": "bad", "type": "BadRequestError", "param": "prompt", "code": "invalid_prompt"}
+    assert body(400, json.dumps({"error": {**openai, "trace": "/opt/x.py"}}).encode()) == openai
+    flat = {"object": "error", "message": "m", "type": "BadRequestError", "param": None, "code": 400}
+    assert body(400, json.dumps(flat).encode()) == {
+        "message": "m",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+    own = {"message": "the decode worker refused the request (HTTP 404)", "type": "invalid_request_error"}
+    assert body(404, b"<html>/srv/app</html>") == {**own, "param": None, "code": "upstream_error"}
+    assert body(400, b'{"error": "a string"}')["code"] == "upstream_error"
+    assert body(400, b'{"error": {"message": 3}}')["code"] == "upstream_error"
+    odd = {"error": {"message": "m", "type": 1, "param": ["p"], "code": True}}
+    assert body(400, json.dumps(odd).encode()) == {
+        "message": "m",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": None,
+    }
+    # A 5xx never keeps the worker's words, well-formed or not.
+    assert body(500, json.dumps({"error": openai}).encode()) == {
+        "message": "the decode worker failed (HTTP 500)",
+        "type": "server_error",
+        "param": None,
+        "code": "upstream_error",
+    }
+    assert worker_error("decode", 400, b"").reason == "upstream_rejected"
+    assert worker_error("decode", 503, b"").reason == "upstream_error"
+
+
+def test_a_worker_that_closed_a_kept_alive_connection_gets_onesecond_chance() -> None:
     from aiohttp import ClientConnectorError, ServerDisconnectedError
 
-    from kvcache_router.app import _note_stale, _second_chance
+    from kvcache_router.workers import note_stale, second_chance
 
     pool = WorkerPool("decode", ["http://a"], RouterMetrics(), health_failures=2)
     (a,) = pool.workers
     a.healthy = True
     tried, stale = [a], []
-    _note_stale(ServerDisconnectedError(), a, tried, stale)
-    assert _second_chance(stale) is a and _second_chance(stale) is None  # once
+    note_stale(ServerDisconnectedError(), a, tried, stale)
+    assert second_chance(stale) is a and second_chance(stale) is None  # once
     tried.append(a)
-    _note_stale(ServerDisconnectedError(), a, tried, stale)  # the second time in one request: the worker's fault
+    note_stale(ServerDisconnectedError(), a, tried, stale)  # the second time in one request: the worker's fault
     assert stale == []
     refused = ClientConnectorError.__new__(ClientConnectorError)
-    _note_stale(refused, a, [a], stale)
+    note_stale(refused, a, [a], stale)
     assert stale == []
-    _note_stale(ServerDisconnectedError(), a, [a], stale)
+    note_stale(ServerDisconnectedError(), a, [a], stale)
     a.healthy = False  # ejected meanwhile (its health checks): no second chance
-    assert _second_chance(stale) is None
+    assert second_chance(stale) is None
