@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvcache_client import KVCacheClient
 from kvcache_client.errors import InvalidRequest, Unavailable
+from kvcache_client.results import TierInfo
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.targets import async_fleet_client, fleet_client, split_targets
-from tests.backends import RedisProcess, free_port
+from tests.backends import KVServerProcess, RedisProcess, free_port
 from tests.conftest import ServerThread, keyed
 
 pytestmark = pytest.mark.timeout(60)
@@ -141,3 +145,110 @@ def test_the_vllm_connector_takes_several_targets(
         assert client.lookup(NS, [bytes(16)]).prefix_length == 0
         assert client._transport.rotation.names == [dead, other.target]
         assert client._transport.rotation.last_target == other.target
+
+
+# -- a server that is up but silent (SIGSTOP): real server processes -----------------------------
+
+DEADLINE_S = 10.0
+COOLDOWN_S = 1.0
+
+
+@pytest.fixture
+def own_and_other() -> Iterator[tuple[KVServerProcess, KVServerProcess]]:
+    """Two RAM-only kvcache-server processes; the first is the fleet client's own."""
+    settings = ("ram.capacity_bytes=64MiB", "ram.prefault=false")
+    own = KVServerProcess(*settings)
+    try:
+        other = KVServerProcess(*settings)
+    except BaseException:
+        own.stop()
+        raise
+    yield own, other
+    for proc in (own, other):
+        proc.proc.send_signal(signal.SIGCONT)
+        proc.stop()
+
+
+def ram_of(target: str) -> TierInfo:
+    with KVCacheClient(target, timeout_s=10, retry=ONCE) as direct:
+        return direct.stats().tier("ram")
+
+
+def test_a_silent_own_server_costs_a_share_of_the_deadline_and_is_used_again_once_it_answers(
+    own_and_other: tuple[KVServerProcess, KVServerProcess],
+) -> None:
+    """Found in issue 23: with the preferred server stopped (up, accepting, not answering), each Get used
+    its whole deadline and failed. Now an attempt gets at most attempt_timeout_s (5 s) and half the
+    deadline, the other server answers, and the client is back on its own server once it answers.
+    Which server served is read from each server's own RAM counters."""
+    own, other = own_and_other
+    items = [keyed(os.urandom(8192)) for _ in range(4)]
+    keys = [k for k, _ in items]
+    absent = os.urandom(16)  # never stored: a Get of it is one RAM miss on whichever server serves it
+    for target in (own.target, other.target):  # both hold the blocks (as servers sharing tiers would)
+        with KVCacheClient(target, timeout_s=10, retry=ONCE) as direct:
+            assert direct.put_many(NS, items).stored == 4
+    with fleet_client([own.target, other.target], timeout_s=DEADLINE_S, retry=ONCE, cooldown_s=COOLDOWN_S) as fleet:
+        rotation = fleet._transport.rotation
+        assert [bytes(b) for b in fleet.get_many(NS, keys)] == [b for _, b in items]
+        assert rotation.last_target == own.target and rotation.failovers == 0
+        before = ram_of(other.target)
+
+        own.proc.send_signal(signal.SIGSTOP)
+        took = []
+        for n in range(4):
+            if n == 3:
+                time.sleep(COOLDOWN_S + 0.1)  # own's cooldown over: it is tried first again, still silent
+            start = time.monotonic()
+            assert [bytes(b) for b in fleet.get_many(NS, keys)] == [b for _, b in items]
+            took.append(time.monotonic() - start)
+            assert rotation.last_target == other.target
+        # Calls 1 and 4 waited out one attempt on own (min(5 s, 10 s / 2)); 2 and 3 went straight to other.
+        assert rotation.failovers == 2
+        assert max(took) < 0.8 * DEADLINE_S, took  # not the whole deadline: 3 s of slack over the 5 s attempt
+        during = ram_of(other.target)
+        assert during.hits == before.hits + 4 * 4  # every call of the stop was served by the other
+
+        own.proc.send_signal(signal.SIGCONT)
+        time.sleep(COOLDOWN_S + 0.1)  # the last failover's cooldown
+        own_before = ram_of(own.target)  # misses: the Gets own answered late (hits) do not move them
+        for _ in range(3):
+            got = fleet.get_many(NS, [*keys, absent])
+            assert [bytes(b) for b in got[:4]] == [b for _, b in items] and got[4] is None
+            assert rotation.last_target == own.target
+        assert rotation.failovers == 2
+        assert ram_of(own.target).misses == own_before.misses + 3  # own served all three
+        after = ram_of(other.target)
+        assert (after.hits, after.misses) == (during.hits, during.misses)  # and the other none
+
+
+def test_the_async_fleet_client_leaves_a_silent_own_server_the_same_way(
+    own_and_other: tuple[KVServerProcess, KVServerProcess],
+) -> None:
+    own, other = own_and_other
+    key, block = keyed(os.urandom(8192))
+    for target in (own.target, other.target):
+        with KVCacheClient(target, timeout_s=10, retry=ONCE) as direct:
+            assert direct.put_many(NS, [(key, block)]).stored == 1
+    client = async_fleet_client([own.target, other.target], timeout_s=DEADLINE_S, retry=ONCE, cooldown_s=COOLDOWN_S)
+    before = ram_of(other.target)
+
+    async def run() -> float:
+        async with client:
+            assert [bytes(b) for b in await client.get_many(NS, [key])] == [block]
+            assert client._transport.rotation.last_target == own.target
+            own.proc.send_signal(signal.SIGSTOP)
+            start = time.monotonic()
+            assert [bytes(b) for b in await client.get_many(NS, [key])] == [block]
+            took = time.monotonic() - start
+            assert client._transport.rotation.last_target == other.target
+            own.proc.send_signal(signal.SIGCONT)
+            await asyncio.sleep(COOLDOWN_S + 0.1)
+            assert [bytes(b) for b in await client.get_many(NS, [key])] == [block]
+            assert client._transport.rotation.last_target == own.target
+            assert client._transport.rotation.failovers == 1
+            return took
+
+    took = asyncio.run(run())
+    assert took < 0.8 * DEADLINE_S
+    assert ram_of(other.target).hits == before.hits + 1  # the one Get of the stop, and only it

@@ -12,11 +12,23 @@ sidecar and nothing shared there is nothing to fail over to: use one target.
 
 How it fails over: each call goes to the first target in the given order that is not cooling down.
 A call that fails with UNAVAILABLE (refused, reset, the server stopping), or with DEADLINE_EXCEEDED while
-the call's own deadline has time left (an attempt cut at `attempt_timeout_s`), marks that target down
-for `cooldown_s` and is sent to the next one within the same deadline. Any other status is the
-server's answer and is raised as it is. When every target is cooling down they are all tried again in
-order, so a fleet that comes back is found at once. Every kvcache call is idempotent (blocks are content
-addressed), so sending a Put again to another server is safe. `Stats` describes whichever server answered.
+the call's own deadline has time left (an attempt cut short, below), marks that target down for
+`cooldown_s` and is sent to the next one within the same deadline. Any other status is the server's
+answer and is raised as it is. When every target is cooling down they are all tried again in order, so a
+fleet that comes back is found at once, and a call goes back to the own server as soon as its cooldown
+has passed and it answers. Every kvcache call is idempotent (blocks are content addressed), so sending a
+Put again to another server is safe. `Stats` describes whichever server answered.
+
+Per-attempt deadlines: a server that is up but does not answer (stopped, swapping, wedged) refuses
+nothing; only a deadline finds it. So every attempt but the last gets at most `attempt_timeout_s`
+(DEFAULT_ATTEMPT_TIMEOUT_S, 5 s) and at most an equal share of what is left of the call's deadline
+among the targets still to try (this one included); the last gets all that is left. With two targets,
+a silent own server costs a 30 s transfer 5 s, a 5 s call 2.5 s and a 0.5 s Lookup 0.25 s, then the
+other answers; it is tried first again once its cooldown is over (one such attempt per `cooldown_s`
+while it stays silent). The price: a call that a healthy own server takes longer than its share for
+(a large write-through Put to a slow tier) is sent again to the next server, and the own one cools
+down. `attempt_timeout_s=None` gives every attempt all that is left of the deadline (a silent server
+then fails the call; only a refusing one is failed over).
 """
 
 from __future__ import annotations
@@ -42,7 +54,20 @@ from kvcache_core.blockwire import BlockData
 
 T = TypeVar("T")
 
-__all__ = ["AsyncFailoverTransport", "FailoverTransport", "async_fleet_client", "fleet_client", "split_targets"]
+__all__ = [
+    "DEFAULT_ATTEMPT_TIMEOUT_S",
+    "AsyncFailoverTransport",
+    "FailoverTransport",
+    "async_fleet_client",
+    "fleet_client",
+    "split_targets",
+]
+
+DEFAULT_ATTEMPT_TIMEOUT_S = 5.0
+"""The most of a call's deadline one target gets while others remain: a sixth of a transfer's deadline
+(the vLLM connector's 30 s), and well above what a healthy server takes for a call (its own admission
+wait, limits.admission_wait_s, is 1 s); a busy 2-core test machine took 2 to 4 s for a first 6 MiB
+write-through Put, which a 2 s bound sent to the other server."""
 
 
 def split_targets(targets: str | Sequence[str]) -> list[str]:
@@ -90,8 +115,11 @@ class _Rotation:
             down = sorted((i for i, t in enumerate(self._down_until) if t > now), key=lambda i: self._down_until[i])
         return up + down
 
-    def attempt_s(self, remaining_s: float, last: bool) -> float:
-        return remaining_s if last or self._attempt_s is None else min(remaining_s, self._attempt_s)
+    def attempt_s(self, remaining_s: float, left: int) -> float:
+        """The deadline of an attempt with `left` targets still to try, itself included (module docstring)."""
+        if left <= 1 or self._attempt_s is None:
+            return remaining_s
+        return min(remaining_s / left, self._attempt_s)
 
     def failed_over(self, index: int, exc: BaseException, deadline: float) -> bool:
         """Whether `exc` from target `index` sends the call on to the next target (and marks it down)."""
@@ -120,16 +148,17 @@ class FailoverTransport:
         names: Sequence[str],
         *,
         cooldown_s: float = 2.0,
-        attempt_timeout_s: float | None = None,
+        attempt_timeout_s: float | None = DEFAULT_ATTEMPT_TIMEOUT_S,
     ) -> None:
         """
         Args:
             transports: One per server, in the order of preference (the node's own server first).
             names: The servers' targets, for logs and `last_target`.
             cooldown_s: How long a server that failed is tried only after the others.
-            attempt_timeout_s: At most this much of a call's deadline goes to one server before the next
-                is tried (the last one gets what is left); None: the whole deadline (a hung server is
-                then not failed over within the call, only a refusing one).
+            attempt_timeout_s: At most this much of a call's deadline, and at most an equal share of what
+                is left among the targets still to try, goes to one server before the next is tried (the
+                last one gets what is left); None: the whole deadline (a hung server is then not failed
+                over within the call, only a refusing one).
 
         Raises:
             ValueError: no transport, names that do not match, or a bad cooldown or attempt timeout.
@@ -146,11 +175,11 @@ class FailoverTransport:
         order = self.rotation.order()
         for n, i in enumerate(order):
             remaining = deadline - time.monotonic()
-            last = n == len(order) - 1 or remaining <= 0
+            left = 1 if remaining <= 0 else len(order) - n
             try:
-                result = fn(self._transports[i], self.rotation.attempt_s(max(remaining, 0.001), last))
+                result = fn(self._transports[i], self.rotation.attempt_s(max(remaining, 0.001), left))
             except (grpc.RpcError, RPCError) as exc:
-                if last or not self.rotation.failed_over(i, exc, deadline):
+                if left == 1 or not self.rotation.failed_over(i, exc, deadline):
                     raise
                 continue
             self.rotation.answered(i)
@@ -213,7 +242,7 @@ class AsyncFailoverTransport:
         names: Sequence[str],
         *,
         cooldown_s: float = 2.0,
-        attempt_timeout_s: float | None = None,
+        attempt_timeout_s: float | None = DEFAULT_ATTEMPT_TIMEOUT_S,
     ) -> None:
         """See FailoverTransport; `factories` make the servers' transports (grpc.aio channels bind to the
         loop running when they are made)."""
@@ -234,11 +263,11 @@ class AsyncFailoverTransport:
         order = self.rotation.order()
         for n, i in enumerate(order):
             remaining = deadline - time.monotonic()
-            last = n == len(order) - 1 or remaining <= 0
+            left = 1 if remaining <= 0 else len(order) - n
             try:
-                result = await fn(self._transport(i), self.rotation.attempt_s(max(remaining, 0.001), last))
+                result = await fn(self._transport(i), self.rotation.attempt_s(max(remaining, 0.001), left))
             except (grpc.RpcError, RPCError) as exc:
-                if last or not self.rotation.failed_over(i, exc, deadline):
+                if left == 1 or not self.rotation.failed_over(i, exc, deadline):
                     raise
                 continue
             self.rotation.answered(i)
@@ -302,7 +331,7 @@ def fleet_client(
     tls: TLSConfig | bool = False,
     shm: bool = True,
     cooldown_s: float = 2.0,
-    attempt_timeout_s: float | None = None,
+    attempt_timeout_s: float | None = DEFAULT_ATTEMPT_TIMEOUT_S,
 ) -> KVCacheClient:
     """A KVCacheClient that fails over between `targets`, the first (the node's own server) first.
 
@@ -329,7 +358,7 @@ def async_fleet_client(
     tls: TLSConfig | bool = False,
     shm: bool = True,
     cooldown_s: float = 2.0,
-    attempt_timeout_s: float | None = None,
+    attempt_timeout_s: float | None = DEFAULT_ATTEMPT_TIMEOUT_S,
 ) -> AsyncKVCacheClient:
     """fleet_client's AsyncKVCacheClient; like it, it needs no running event loop to be made.
 
