@@ -177,7 +177,8 @@ class _StatsCollector(Collector):
         )
         yield CounterMetricFamily(
             "kvcache_bulk_cut_off",
-            "Bulk connections cut off by bulk.stall_timeout_s",
+            "Bulk connections cut off by a deadline: bulk.hello_timeout_s, stall_timeout_s, min_rate_bytes_s "
+            "or request_timeout_s",
             value=service["bulk_cut_off"],
         )
         family = CounterMetricFamily(

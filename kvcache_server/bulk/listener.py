@@ -1,7 +1,10 @@
-"""The bulk listener: binds the port, wraps TLS, caps connections, runs one Session thread each.
+"""The bulk listener: binds the port, wraps TLS, admits connections, runs one Session thread each.
 
 Started by the app next to the gRPC server (kvcache_server.app) with the same TLS certificate and
-key and the same tokens; its address is advertised in Info (bulk_port, bulk_host, bulk_tls).
+key and the same tokens; its address is advertised in Info (bulk_port, bulk_host, bulk_tls). A
+connection takes an unauthenticated place at accept (kvcache_server.bulk.admission; the oldest
+unauthenticated connection is evicted when they are all taken) and gives its place back when its
+thread ends; its TLS handshake counts against bulk.hello_timeout_s.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import logging
 import socket
 import ssl
 import threading
+import time
 
 import grpc
 
@@ -21,6 +25,7 @@ from kvcache_server.budget import MemoryBudget
 from kvcache_server.config import ServerConfig, TlsSection
 from kvcache_server.stack import TierStack
 
+from .admission import ConnectionAdmission
 from .session import BulkCounters, Session, Shared
 from .sink import ArenaSink, BlockSink
 
@@ -59,6 +64,13 @@ class BulkListener:
         self._budget = budget
         self._authenticator = authenticator
         self._tls = server_tls_context(config.tls) if config.tls.enabled else None
+        bulk = config.bulk
+        self.admission: ConnectionAdmission[threading.Thread] = ConnectionAdmission(
+            bulk.max_connections,
+            bulk.max_unauthenticated_connections,
+            bulk.tenant_share if authenticator is not None else None,
+            evict=self._evict,
+        )
         self._sock: socket.socket | None = None
         self._accept_thread: threading.Thread | None = None
         self._sessions: dict[threading.Thread, socket.socket] = {}
@@ -94,7 +106,7 @@ class BulkListener:
         except OSError as exc:
             sock.close()
             raise OSError(f"cannot bind bulk on {self.host}:{bulk.port}: {exc.strerror}") from None
-        sock.listen(min(socket.SOMAXCONN, 2 * bulk.max_connections))
+        sock.listen(min(socket.SOMAXCONN, 2 * (bulk.max_connections + bulk.max_unauthenticated_connections)))
         sock.settimeout(_ACCEPT_POLL_S)
         self._sock = sock
         self.port = sock.getsockname()[1]
@@ -107,6 +119,7 @@ class BulkListener:
             bulk=bulk,
             authenticator=self._authenticator,
             counters=self.counters,
+            admission=self.admission,
         )
         self._accept_thread = threading.Thread(
             target=self._accept_forever, args=(shared,), name="kvcache-bulk-accept", daemon=True
@@ -129,47 +142,81 @@ class BulkListener:
             self._admit(conn, f"{addr[0]}:{addr[1]}", shared)
 
     def _admit(self, conn: socket.socket, peer: str, shared: Shared) -> None:
+        accepted_at = time.monotonic()
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        with self._lock:
-            full = len(self._sessions) >= self._config.bulk.max_connections
-        if full:
+        thread = threading.Thread(
+            target=self._serve, args=(conn, peer, shared, accepted_at), name=f"kvcache-bulk {peer}", daemon=True
+        )
+        refusal = self.admission.open(thread)
+        if refusal is not None:
             self.counters.add("refused_connections")
+            log.info("bulk %s: refused: %s", peer, refusal)
             if self._tls is None:  # a TLS peer would need a handshake first: it just sees the close
-                payload = bw.error(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
-                    f"the server serves bulk.max_connections={self._config.bulk.max_connections} connections",
-                )
+                payload = bw.error(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], refusal)
                 with contextlib.suppress(OSError):
                     conn.settimeout(1.0)
                     conn.sendall(bw.header(bw.FrameType.ERROR, len(payload)) + payload)
             conn.close()
             return
-        thread = threading.Thread(
-            target=self._serve, args=(conn, peer, shared), name=f"kvcache-bulk {peer}", daemon=True
-        )
         with self._lock:
             self._sessions[thread] = conn
         self.counters.add("accepted")
         self.counters.add("connections")
         thread.start()
 
-    def _serve(self, conn: socket.socket, peer: str, shared: Shared) -> None:
+    def _evict(self, thread: threading.Thread) -> None:
+        """Ends an unauthenticated connection evicted for a newer one (ConnectionAdmission.open): an
+        ERROR frame (plaintext: a TLS peer mid-handshake has nothing to read it on), then its socket
+        is shut down, which ends its session's wait for the rest of its HELLO."""
+        with self._lock:
+            conn = self._sessions.get(thread)
+        if conn is None:
+            return
+        self.counters.add("evicted")
+        log.info("bulk %s: evicted before its HELLO was done", thread.name)
+        if self._tls is None:  # its session thread only receives until its HELLO is done
+            limit = self._config.bulk.max_unauthenticated_connections
+            payload = bw.error(
+                grpc.StatusCode.RESOURCE_EXHAUSTED.value[0],
+                f"evicted before its HELLO was done: bulk.max_unauthenticated_connections={limit} newer "
+                "connections arrived",
+            )
+            with contextlib.suppress(OSError):
+                conn.send(bw.header(bw.FrameType.ERROR, len(payload)) + payload, socket.MSG_DONTWAIT)
+        with contextlib.suppress(OSError):
+            conn.shutdown(socket.SHUT_RDWR)
+
+    def _serve(self, conn: socket.socket, peer: str, shared: Shared, accepted_at: float) -> None:
+        session: Session | None = None
+        me = threading.current_thread()
         try:
             if self._tls is not None:
-                conn.settimeout(self._config.bulk.stall_timeout_s)
+                # CPython bounds a whole handshake by the socket's timeout (not each read of it).
+                conn.settimeout(self._config.bulk.hello_timeout_s)
                 try:
                     conn = self._tls.wrap_socket(conn, server_side=True)
+                except TimeoutError:
+                    shared.counters.add("cut_off")
+                    shared.counters.add("cut_off_hello")
+                    log.warning("bulk %s: no TLS handshake within bulk.hello_timeout_s; cut off", peer)
+                    conn.close()
+                    return
                 except (OSError, ssl.SSLError) as exc:
                     shared.counters.add("aborted")
                     log.info("bulk %s: TLS handshake failed: %s", peer, exc)
                     conn.close()
                     return
                 with self._lock:
-                    self._sessions[threading.current_thread()] = conn
-            Session(conn, peer, shared).run()
+                    self._sessions[me] = conn
+            session = Session(conn, peer, shared, accepted_at, me)
+            session.run()
         finally:
             with self._lock:
-                self._sessions.pop(threading.current_thread(), None)
+                self._sessions.pop(me, None)
+            if session is not None and session.authenticated:
+                self.admission.close(me, session.tenant, authenticated=True)
+            else:
+                self.admission.close(me, None, authenticated=False)
             self.counters.add("connections", -1)
 
     async def stop(self) -> None:

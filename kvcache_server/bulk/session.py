@@ -8,9 +8,15 @@ Rules (docs/bulk.md): every error is answered with one ERROR frame (a gRPC statu
 message), after which the server stops sending, reads and discards what the client still sends
 for a moment (so the client reads the ERROR instead of a reset), and closes. A put commits only
 after every block it announced has arrived and passed its key-bound checksum; any failure before
-that abandons its slots and releases its budget: nothing of it is visible. A peer that sends or
-reads nothing for bulk.stall_timeout_s in the middle of a request is cut off; one that sends no
-request for bulk.idle_timeout_s is closed.
+that abandons its slots and releases its budget: nothing of it is visible.
+
+Deadlines (kvcache_server.bulk.deadline): a connection's HELLO must be complete within
+bulk.hello_timeout_s of its accept; each request, from the first byte of its header to its last
+frame, must move its bytes at bulk.min_rate_bytes_s and within bulk.request_timeout_s, and no
+socket operation waits longer than bulk.stall_timeout_s; a peer too slow is cut off and what its
+request held released. A connection that sends no request for bulk.idle_timeout_s is closed.
+Its place among the connections (kvcache_server.bulk.admission) is taken at accept, moved to its
+tenant's at HELLO, and given back by the listener when it ends.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from kvcache_server.refusal import Refused
 from kvcache_server.stack import Found, TierStack
 from kvcache_server.tiers.base import TierKind
 
+from .admission import ConnectionAdmission
+from .deadline import HELLO, RATE, REQUEST, STALL, Cut, Deadline
 from .sink import BlockSink, Slot
 
 log = logging.getLogger(__name__)
@@ -50,7 +58,11 @@ _LOOP_CALL_S = 120.0
 """Longest wait, beyond limits.admission_wait_s, for the event loop's part of a request (budget, stack
 put or get): a backstop only; the budget waits at most admission_wait_s, the tiers have their own timeouts."""
 _DRAIN_S = 2.0
+_CUT_DRAIN_S = 0.5
+"""A peer cut off for being slow is drained briefly: long enough that it reads the ERROR rather than a
+reset, not long enough to hold its connection's place much longer."""
 _DRAIN_BYTES = 1 << 16
+_CUT_COUNTERS = {STALL: "cut_off_stall", RATE: "cut_off_rate", REQUEST: "cut_off_request", HELLO: "cut_off_hello"}
 
 
 class BulkCounters:
@@ -65,8 +77,13 @@ class BulkCounters:
         "bytes_sent",
         "errors",
         "aborted",
-        "cut_off",
-        "refused_connections",
+        "cut_off",  # connections cut off by a deadline, of any of these kinds:
+        "cut_off_hello",
+        "cut_off_stall",
+        "cut_off_rate",
+        "cut_off_request",
+        "refused_connections",  # at accept or at HELLO (kvcache_server.bulk.admission says by which limit)
+        "evicted",  # unauthenticated connections evicted for newer ones (their sessions count as aborted)
         "checksum_failures",
     )
 
@@ -99,27 +116,27 @@ class Shared:
     bulk: BulkSection
     authenticator: Authenticator | None
     counters: BulkCounters
-
-
-class _Stalled(Exception):
-    """The peer sent or read nothing for the stall deadline in the middle of a request.
-
-    `mid_send`: our own frame was cut in the middle, so no ERROR frame can follow it (the peer would
-    read its bytes as the rest of a block): the connection is just closed.
-    """
-
-    def __init__(self, message: str, mid_send: bool = False) -> None:
-        super().__init__(message)
-        self.mid_send = mid_send
+    admission: ConnectionAdmission[threading.Thread]
 
 
 class Session:
-    """Serves one accepted connection until it ends; `run` never raises."""
+    """Serves one accepted connection until it ends; `run` never raises.
 
-    def __init__(self, sock: socket.socket, peer: str, shared: Shared) -> None:
+    Attributes:
+        authenticated: its HELLO passed and it holds an authenticated place (of `tenant`'s, with
+            auth) in `Shared.admission`; until then, its unauthenticated one (under `place`).
+    """
+
+    def __init__(
+        self, sock: socket.socket, peer: str, shared: Shared, accepted_at: float, place: threading.Thread
+    ) -> None:
         self.sock = sock
         self.peer = peer
         self._s = shared
+        self._accepted_at = accepted_at
+        self._place = place
+        self.authenticated = False
+        self.tenant: str | None = None
         self._principal: Principal | None = None
         self._metadata: dict[str, str] = {}
         self._header = bytearray(bw.HEADER_BYTES)
@@ -145,45 +162,49 @@ class Session:
     def _release(self, held: Holding) -> None:
         self._s.loop.call_soon_threadsafe(held.release_all)
 
-    def _next_frame(self, *, between: bool = False) -> tuple[bw.FrameType, int]:
-        """The next frame's header; `between` requests, where the idle deadline applies instead of the stall one."""
+    def _next_request(self) -> tuple[bw.FrameType, int, Deadline] | None:
+        """The next request's first frame header, and the request's deadline; None when the peer
+        closed between requests or sent nothing for idle_timeout_s. The idle wait ends with the
+        header's first byte: from there on the request's deadline runs."""
         bulk = self._s.bulk
-        self.sock.settimeout(bulk.idle_timeout_s if between else bulk.stall_timeout_s)
+        head = memoryview(self._header)
+        self.sock.settimeout(bulk.idle_timeout_s)
         try:
-            bw.recv_exact(self.sock, memoryview(self._header), "a frame header")
+            if self.sock.recv_into(head[:1], 1) == 0:
+                return None
         except TimeoutError:
-            if between:
-                raise
-            raise _Stalled(f"no bytes for {bulk.stall_timeout_s:g} s (bulk.stall_timeout_s)") from None
-        finally:
-            self.sock.settimeout(bulk.stall_timeout_s)
+            log.debug("bulk %s: idle for %g s, closed", self.peer, bulk.idle_timeout_s)
+            return None
+        deadline = Deadline(
+            "the request",
+            limit_s=bulk.request_timeout_s,
+            limit_name=REQUEST,
+            stall_s=bulk.stall_timeout_s,
+            min_rate_bytes_s=bulk.min_rate_bytes_s,
+            grace_s=bulk.min_rate_grace_s,
+        )
+        deadline.moved = 1
+        try:
+            deadline.recv_into(self.sock, head[1:], "a frame header")
+        except bw.PeerClosed as exc:  # gone mid-header: never a clean close
+            raise bw.PeerClosed(str(exc)) from None
+        kind, length = bw.parse_header(self._header, self._max_frame)
+        deadline.what = f"the {kind.name}"
+        return kind, length, deadline
+
+    def _frame(self, deadline: Deadline) -> tuple[bw.FrameType, int]:
+        """The header of the next frame within a request."""
+        deadline.recv_into(self.sock, memoryview(self._header), "a frame header")
         return bw.parse_header(self._header, self._max_frame)
 
-    def _recv(self, view: memoryview, what: str) -> None:
-        try:
-            bw.recv_exact(self.sock, view, what)
-        except TimeoutError:
-            raise _Stalled(
-                f"no bytes of {what} for {self._s.bulk.stall_timeout_s:g} s (bulk.stall_timeout_s)"
-            ) from None
-
-    def _control(self, kind: bw.FrameType, length: int) -> bytes:
+    def _control(self, kind: bw.FrameType, length: int, deadline: Deadline) -> bytes:
         if length > self._control_limit:
             raise bw.FrameError(
                 f"{kind.name} frame of {length} bytes exceeds {self._control_limit}", "RESOURCE_EXHAUSTED"
             )
         buf = bytearray(length)
-        self._recv(memoryview(buf), f"the {kind.name} frame")
+        deadline.recv_into(self.sock, memoryview(buf), f"the {kind.name} frame")
         return bytes(buf)
-
-    def _send(self, buffers: list[bytes | memoryview]) -> None:
-        try:
-            bw.send_buffers(self.sock, buffers)
-        except TimeoutError:
-            raise _Stalled(
-                f"the client read nothing for {self._s.bulk.stall_timeout_s:g} s (bulk.stall_timeout_s)",
-                mid_send=True,
-            ) from None
 
     def _authorize(self, method: str) -> None:
         auth = self._s.authenticator
@@ -216,56 +237,49 @@ class Session:
         counters = self._s.counters
         try:
             self._hello()
-            while True:
-                try:
-                    kind, length = self._next_frame(between=True)
-                except bw.PeerClosed as exc:
-                    if exc.clean:
-                        return
-                    raise
-                except TimeoutError:
-                    log.debug("bulk %s: idle for %g s, closed", self.peer, self._s.bulk.idle_timeout_s)
-                    return
+            while (request := self._next_request()) is not None:
+                kind, length, deadline = request
                 if kind is bw.FrameType.PUT:
-                    self._put(length)
+                    self._put(length, deadline)
                 elif kind is bw.FrameType.GET:
-                    self._get(length)
+                    self._get(length, deadline)
                 else:
                     raise bw.FrameError(f"unexpected {kind.name} frame where a request must start")
         except Refused as exc:
             self._fail(exc.code, exc.message)
         except bw.FrameError as exc:
             self._fail(grpc.StatusCode[exc.code_name], str(exc))
-        except _Stalled as exc:
+        except Cut as exc:
             counters.add("cut_off")
+            counters.add(_CUT_COUNTERS[exc.limit])
             log.warning("bulk %s: %s; cut off", self.peer, exc)
             if not exc.mid_send:
-                self._fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"{exc}: the connection is cut off", drain=False)
+                self._fail(grpc.StatusCode.DEADLINE_EXCEEDED, f"{exc}: the connection is cut off", drain_s=_CUT_DRAIN_S)
         except (bw.PeerClosed, OSError) as exc:  # gone mid-frame, reset, TLS failure
             counters.add("aborted")
             log.info("bulk %s: connection lost: %s", self.peer, exc)
         except Exception:
             counters.add("aborted")
             log.exception("bulk %s: unexpected failure", self.peer)
-            self._fail(grpc.StatusCode.INTERNAL, "internal error on the bulk path", drain=False)
+            self._fail(grpc.StatusCode.INTERNAL, "internal error on the bulk path", drain_s=0)
         finally:
             with contextlib.suppress(OSError):
                 self.sock.close()
 
-    def _fail(self, code: grpc.StatusCode, message: str, *, drain: bool = True) -> None:
-        """Answers one ERROR frame, then lets the client finish sending (bounded) before closing."""
+    def _fail(self, code: grpc.StatusCode, message: str, *, drain_s: float = _DRAIN_S) -> None:
+        """Answers one ERROR frame, then lets the client finish sending (for up to `drain_s`) before closing."""
         self._s.counters.add("errors")
         log.info("bulk %s: %s: %s", self.peer, code.name, message)
         payload = bw.error(code.value[0], message)
         try:
             self.sock.settimeout(1.0)
             bw.send_buffers(self.sock, [bw.header(bw.FrameType.ERROR, len(payload)), payload])
-            if not drain:
+            if drain_s <= 0:
                 return
             with contextlib.suppress(OSError, ValueError):  # ValueError: TLS sockets have no half-close
                 self.sock.shutdown(socket.SHUT_WR)
             scratch = memoryview(bytearray(_DRAIN_BYTES))
-            end = time.monotonic() + _DRAIN_S
+            end = time.monotonic() + drain_s
             while (left := end - time.monotonic()) > 0:
                 self.sock.settimeout(left)
                 if self.sock.recv_into(scratch) == 0:
@@ -274,12 +288,22 @@ class Session:
             pass
 
     def _hello(self) -> None:
-        kind, length = self._next_frame()
+        """HELLO, complete within hello_timeout_s of the accept (a TLS handshake included), then READY;
+        the connection then holds an authenticated place, or is refused."""
+        bulk = self._s.bulk
+        deadline = Deadline(
+            "HELLO",
+            limit_s=bulk.hello_timeout_s,
+            limit_name=HELLO,
+            stall_s=bulk.stall_timeout_s,
+            waited_s=time.monotonic() - self._accepted_at,
+        )
+        kind, length = self._frame(deadline)
         if kind is not bw.FrameType.HELLO:
             raise bw.FrameError(f"the first frame must be HELLO, not {kind.name}")
         if length > 4 + 0xFFFF:
             raise bw.FrameError("HELLO frame too long", "RESOURCE_EXHAUSTED")
-        version, token = bw.parse_hello(self._control(kind, length))
+        version, token = bw.parse_hello(self._control(kind, length, deadline))
         if version != bw.VERSION:
             raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"bulk protocol version {version}; this server speaks 1")
         auth = self._s.authenticator
@@ -293,14 +317,20 @@ class Session:
                 self._principal = auth.check("Info", self._metadata)
             except AuthError as exc:
                 raise Refused(grpc.StatusCode[exc.code_name], str(exc)) from None
+        tenant = self._principal.tenant if self._principal is not None else None
+        refusal = self._s.admission.authenticate(self._place, tenant)
+        if refusal is not None:
+            self._s.counters.add("refused_connections")
+            raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal)
+        self.authenticated, self.tenant = True, tenant
         limits = self._s.limits
         payload = bw.ready(bw.Ready(self._max_frame, limits.max_block_bytes, limits.max_keys_per_request))
-        self._send([bw.header(bw.FrameType.READY, len(payload)), payload])
+        deadline.send(self.sock, [bw.header(bw.FrameType.READY, len(payload)), payload])
 
     # -- PUT -----------------------------------------------------------------------------------
 
-    def _put(self, length: int) -> None:
-        namespace, entries = bw.parse_put(self._control(bw.FrameType.PUT, length))
+    def _put(self, length: int, deadline: Deadline) -> None:
+        namespace, entries = bw.parse_put(self._control(bw.FrameType.PUT, length, deadline))
         self._authorize("Put")
         scoped = self._namespace(namespace)
         limits = self._s.limits
@@ -330,14 +360,14 @@ class Session:
         try:
             self._on_loop(held.reserve(total, "bulk PUT"))  # before a byte of it is allocated
             for i, (_, n) in enumerate(entries):
-                kind, got = self._next_frame()
+                kind, got = self._frame(deadline)
                 if kind is not bw.FrameType.DATA:
                     raise bw.FrameError(f"block {i}: expected a DATA frame, got {kind.name}")
                 if got != n:
                     raise bw.FrameError(f"block {i}: DATA frame of {got} bytes for a block announced as {n} bytes")
                 slot = self._on_loop(sink.reserve(scoped, n), undo=sink.abandon)
                 slots.append(slot)
-                self._recv(slot.view, f"block {i}")
+                deadline.recv_into(self.sock, slot.view, f"block {i}")
                 self._s.counters.add("bytes_received", n)
             for i, ((key, _), slot) in enumerate(zip(entries, slots, strict=True)):
                 self._verify(i, key, slot.view)
@@ -354,7 +384,7 @@ class Session:
         stored = sum(outcome.kept)
         tiers = tuple((int(t.kind), t.stored, t.queued, t.dropped, t.failed, t.deleted) for t in outcome.tiers)
         payload = bw.put_done(bw.PutDone(stored, len(entries) - stored, total, tiers))
-        self._send([bw.header(bw.FrameType.PUT_DONE, len(payload)), payload])
+        deadline.send(self.sock, [bw.header(bw.FrameType.PUT_DONE, len(payload)), payload])
 
     def _verify(self, index: int, key: bytes, view: memoryview) -> None:
         where = f"block {index}"
@@ -370,8 +400,8 @@ class Session:
 
     # -- GET -----------------------------------------------------------------------------------
 
-    def _get(self, length: int) -> None:
-        namespace, prefix_only, keys = bw.parse_get(self._control(bw.FrameType.GET, length))
+    def _get(self, length: int, deadline: Deadline) -> None:
+        namespace, prefix_only, keys = bw.parse_get(self._control(bw.FrameType.GET, length, deadline))
         self._authorize("Get")
         scoped = self._namespace(namespace)
         limits = self._s.limits
@@ -395,7 +425,7 @@ class Session:
                                 end = len(keys)
                                 break
                             continue
-                        self._send_block(i, hit)
+                        self._send_block(i, hit, deadline)
                         sent += 1
                 finally:
                     # RAM hits are views of arena slots under read leases: sent (or failed), they
@@ -406,12 +436,12 @@ class Session:
             self._release(held)
         self._s.counters.add("gets")
         payload = bw.get_done(sent)
-        self._send([bw.header(bw.FrameType.GET_DONE, len(payload)), payload])
+        deadline.send(self.sock, [bw.header(bw.FrameType.GET_DONE, len(payload)), payload])
 
-    def _send_block(self, index: int, hit: Found) -> None:
+    def _send_block(self, index: int, hit: Found, deadline: Deadline) -> None:
         n = len(hit.data)
         head = bw.header(bw.FrameType.GET_ITEM, bw.GET_ITEM.size + n) + bw.GET_ITEM.pack(index, int(hit.tier))
-        self._send([head, hit.data])
+        deadline.send(self.sock, [head, hit.data])
         self._s.counters.add("bytes_sent", n)
 
     async def _window(
