@@ -633,8 +633,12 @@ class RamTier(Tier):
         return self.delete_many_sync(namespace, keys)
 
     def arena_stats(self) -> dict[str, int]:
-        """Slot bookkeeping: free bytes and extents of the arena, leases and reservations open."""
+        """Slot bookkeeping: free bytes and extents of the arena, leases and reservations open.
+
+        Leases and reservations whose time is up are ended first: nothing else reaps them until the
+        next lease, reservation or put, so an idle server's Stats and scrapes would count them open."""
         with self._lock:
+            self._reap_locked(self._clock())
             return {
                 "arena_bytes": self.region.size,
                 "free_bytes": self._extents.free_bytes,
@@ -656,6 +660,7 @@ class RamTier(Tier):
 
     def stats(self) -> TierStats:
         with self._lock:
+            self._reap_locked(self._clock())  # as arena_stats: used_bytes counts what expired leases pinned
             s = self._stats
             return TierStats(
                 name=s.name,
