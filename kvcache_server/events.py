@@ -10,8 +10,8 @@ depends on how fast anyone reads events.
 What is and is not reported:
     STORED   RAM: puts and promotions; Redis/S3: successful writes (put, write-behind,
              demotion, promotion).
-    REMOVED  RAM: evictions and deletes; Redis/S3: deletes (all keys named by the
-             Delete call) and corrupt copies removed on read.
+    REMOVED  RAM: evictions and deletes; Redis/S3: deletes (the keys the tier held,
+             Tier.delete_present) and corrupt copies removed on read.
     Not seen: Redis expiring or evicting values itself (TTL, maxmemory) and S3
     lifecycle rules; routers should treat events as hints, never as truth.
 

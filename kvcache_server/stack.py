@@ -954,10 +954,11 @@ class TierStack:
             fenced = frozenset(keys)
             for lower in self._lower:
                 await self._settle(lower, namespace, fenced)
-                n = await self._call(lower, "delete", lower.tier.delete_many, namespace, keys)
-                if n is not None:
-                    deleted = max(deleted, n)
-                    self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, keys)
+                removed = await self._call(lower, "delete", lower.tier.delete_present, namespace, keys)
+                if removed is not None:  # REMOVED names only the keys this tier held
+                    deleted = max(deleted, sum(removed))
+                    gone = [k for k, was in zip(keys, removed, strict=True) if was]
+                    self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, gone)
             return deleted
         finally:
             self._fence.deleted(namespace, keys)

@@ -100,6 +100,17 @@ class Tier(ABC):
     async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
         """Removes the keys; returns how many were stored."""
 
+    async def delete_present(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        """Removes the keys; returns, per key, whether it was stored (the keys a Delete's REMOVED event names).
+
+        Tiers whose backend answers a delete per key override this (one round trip). The default asks
+        contains_many, then delete_many: a key another server writes between the two is removed but
+        not reported (this server's own writes of the keys are held off by the stack's DeleteFence).
+        """
+        present = await self.contains_many(namespace, keys)
+        await self.delete_many(namespace, keys)
+        return present
+
     @abstractmethod
     def stats(self) -> TierStats:
         """A snapshot of this tier's counters."""

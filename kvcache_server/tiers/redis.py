@@ -169,10 +169,17 @@ class RedisTier(Tier):
             pipe.execute()
 
     async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
-        try:
-            return int(await self._client.delete(*[self._key(namespace, k) for k in keys]))
+        return sum(await self.delete_present(namespace, keys))
+
+    async def delete_present(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        try:  # one DEL per key, pipelined: each reply says whether that key was there
+            async with self._client.pipeline(transaction=False) as pipe:
+                for k in keys:
+                    pipe.delete(self._key(namespace, k))
+                counts = await pipe.execute()
         except RedisError as exc:
-            raise TierError(f"redis DEL on {self._url_for_logs}: {exc}") from exc
+            raise TierError(f"redis DEL pipeline on {self._url_for_logs}: {exc}") from exc
+        return [bool(c) for c in counts]
 
     def stats(self) -> TierStats:
         s = self._stats

@@ -411,10 +411,13 @@ class RedisClusterTier(Tier):
         return [r is True or r == b"OK" for r in replies]  # raw replies, or RedisCluster's parsed ones
 
     async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return sum(await self.delete_present(namespace, keys))
+
+    async def delete_present(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         names = [self._key(namespace, k) for k in keys]
         return await in_pool(self._pool, self._delete_blocking, names)
 
-    def _delete_blocking(self, names: list[str]) -> int:
+    def _delete_blocking(self, names: list[str]) -> list[bool]:
         replies, unanswered, failed = self._fan_out(names, lambda i: ("DEL", names[i]), replica_reads=False)
         unanswered += self._redirected(replies, lambda c, i: c.delete(names[i]))
         if unanswered:  # a Delete that did not reach every key's master has failed, whatever it removed
@@ -422,7 +425,7 @@ class RedisClusterTier(Tier):
                 f"redis cluster DEL on {self._nodes_for_logs}: {len(unanswered)} of {len(names)} key(s) not "
                 f"deleted (failed: {', '.join(sorted(set(failed))) or 'slots not covered'})"
             )
-        return sum(int(r) for r in replies)
+        return [int(r) > 0 for r in replies]
 
     def stats(self) -> TierStats:
         s = self._stats

@@ -284,6 +284,9 @@ class S3Tier(Tier):
         return [True] * len(items)
 
     async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:
+        return sum(await self.delete_present(namespace, keys))
+
+    async def delete_present(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         self.index.discard(namespace, keys, deleting=True)  # first: from now on, Lookups HEAD these keys
         names = [self._object(namespace, k) for k in keys]
         here = await self._gather("HEAD", self._head, names)
@@ -293,7 +296,7 @@ class S3Tier(Tier):
                 await self._run(self._delete, present)
             except (BotoCoreError, ClientError) as exc:
                 raise TierError(f"s3 DELETE in bucket {self._bucket}: {exc}") from exc
-        return len(present)
+        return [bool(h) for h in here]
 
     def stats(self) -> TierStats:
         s = self._stats
