@@ -76,6 +76,7 @@ class Router:
             max_body_bytes=h.max_body_bytes,
             body_timeout_s=h.body_timeout_s,
             max_json_depth=h.max_json_depth,
+            max_json_containers=h.max_json_containers,
             max_concurrent_bodies=h.max_concurrent_bodies,
             max_concurrent_requests=h.max_concurrent_requests,
             queue_timeout_s=h.queue_timeout_s,

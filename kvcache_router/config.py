@@ -48,6 +48,9 @@ class HttpSection:
     max_concurrent_bodies: int = 64
     # Nesting of a body's JSON (the object itself is 1); deeper gets 400 json_too_deep.
     max_json_depth: int = 64
+    # Objects and arrays in a body's JSON; more gets 400 json_too_large. Parsed, each costs ~70 bytes
+    # whatever its size in the body (8 MiB of "{}," is 194 MiB of dicts): this bounds that.
+    max_json_containers: int = 100_000
     # A client's own kv_transfer_params (the P/D hand-off the router computes) reach the workers
     # only when true; by default they are dropped, and counted.
     allow_client_kv_transfer_params: bool = False
@@ -67,6 +70,7 @@ class HttpSection:
             "max_body_bytes",
             "body_timeout_s",
             "max_concurrent_bodies",
+            "max_json_containers",
             "max_concurrent_requests",
             "queue_timeout_s",
         ):

@@ -7,14 +7,20 @@
                                      at most http.max_body_bytes          -> 413 request_too_large
     its JSON                         an object                            -> 400 invalid_json
                                      nested at most http.max_json_depth   -> 400 json_too_deep
+                                     at most http.max_json_containers     -> 400 json_too_large
+                                     objects and arrays
     a request slot                   http.max_concurrent_requests         -> 503 overloaded (queue_timeout_s)
 
 The body is read BEFORE a request slot is taken: a client that sends its body slowly, or never,
 holds room for one body (for body_timeout_s at most), not one of the slots that bound the calls
 to the workers. The room is given back once the request has its slot, so requests without a slot
 hold at most max_concurrent_bodies bodies of max_body_bytes each (plus what their JSON parses
-into); requests in a slot at most max_concurrent_requests more. The two waits, for room and for a
-slot, share one queue_timeout_s; reading the body is not waiting and has its own deadline.
+into); requests in a slot at most max_concurrent_requests more. Parsed JSON is bigger than its
+bytes: 8 MiB of empty objects is 194 MiB of Python dicts (measured), and the container cap keeps
+the worst case near 12x (8 MiB of two-letter strings: 95 MiB); text prompts are about 1x. One body
+is parsed at a time (on the event loop), so a refused one costs its transient peak once. The two
+waits, for room and for a slot, share one queue_timeout_s; reading the body is not waiting and has
+its own deadline.
 
 The request id goes into log lines and upstream headers, so it is checked here: a client cannot
 write spaces, quotes or `key=value` text into the router's log, or into the workers' request ids.
@@ -60,6 +66,7 @@ class IntakeLimits:
     max_body_bytes: int
     body_timeout_s: float
     max_json_depth: int
+    max_json_containers: int
     max_concurrent_bodies: int
     max_concurrent_requests: int
     queue_timeout_s: float
@@ -96,7 +103,10 @@ class Intake:
             budget_s -= await _acquire(self._bodies, budget_s)
             self._metrics.bodies_in_flight.inc()
             try:
-                body = parse_json_object(await self._read(request), self._limits.max_json_depth)
+                data = await self._read(request)
+                body = parse_json_object(
+                    data, max_depth=self._limits.max_json_depth, max_containers=self._limits.max_json_containers
+                )
                 await _acquire(self._slots, budget_s)
             finally:
                 self._bodies.release()
@@ -144,11 +154,12 @@ def _too_large(cap: int) -> RouterError:
     return RouterError(413, f"the request body exceeds {cap} bytes", code="request_too_large", close=True)
 
 
-def parse_json_object(data: bytes, max_depth: int) -> dict[str, Any]:
-    """`data` as a JSON object nested at most `max_depth` deep (the object itself is 1).
+def parse_json_object(data: bytes, *, max_depth: int, max_containers: int) -> dict[str, Any]:
+    """`data` as a JSON object nested at most `max_depth` deep (the object itself is 1), of at most
+    `max_containers` objects and arrays (itself included).
 
     Raises:
-        RouterError: 400 invalid_json (not JSON, not an object), 400 json_too_deep.
+        RouterError: 400 invalid_json (not JSON, not an object), 400 json_too_deep, 400 json_too_large.
     """
     too_deep = RouterError(400, f"the body's JSON nests deeper than {max_depth}", code="json_too_deep")
     try:
@@ -159,20 +170,32 @@ def parse_json_object(data: bytes, max_depth: int) -> dict[str, Any]:
         raise RouterError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
     if not isinstance(body, dict):
         raise RouterError(400, "the body must be a JSON object", code="invalid_json")
-    # Fewer brackets than the limit cannot nest deeper (brackets inside strings only over-count):
-    # the walk below is skipped for nearly every request.
-    if data.count(b"[") + data.count(b"{") > max_depth and _nests_deeper(body, max_depth):
+    # Fewer brackets than both limits can neither nest deeper nor count more (brackets inside
+    # strings only over-count): the walk below is skipped for nearly every request.
+    if data.count(b"[") + data.count(b"{") <= min(max_depth, max_containers):
+        return body
+    exceeded = _exceeded(body, max_depth, max_containers)
+    if exceeded == "depth":
         raise too_deep
+    if exceeded == "containers":
+        raise RouterError(
+            400, f"the body's JSON has more than {max_containers} objects and arrays", code="json_too_large"
+        )
     return body
 
 
-def _nests_deeper(value: dict[str, Any] | list[Any], limit: int) -> bool:
-    """Whether `value` nests deeper than `limit`; iterative, so any depth is safe to walk."""
+def _exceeded(value: dict[str, Any] | list[Any], max_depth: int, max_containers: int) -> str | None:
+    """Which bound `value` exceeds, "depth" or "containers", or None; iterative, so any depth is safe
+    to walk, and it stops at the first container past a bound."""
     stack: list[tuple[dict[str, Any] | list[Any], int]] = [(value, 1)]
+    seen = 0
     while stack:
         item, depth = stack.pop()
-        if depth > limit:
-            return True
+        seen += 1
+        if depth > max_depth:
+            return "depth"
+        if seen > max_containers:
+            return "containers"
         children = item.values() if isinstance(item, dict) else item
         stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
-    return False
+    return None

@@ -27,7 +27,7 @@ def test_defaults_need_a_decode_worker() -> None:
     assert cfg.kvcache.target == ""
     h = cfg.http
     assert (h.body_timeout_s, h.max_concurrent_bodies, h.max_json_depth) == (10.0, 64, 64)
-    assert h.allow_client_kv_transfer_params is False
+    assert h.max_json_containers == 100_000 and h.allow_client_kv_transfer_params is False
 
 
 def test_the_intake_settings_from_the_environment() -> None:
@@ -70,6 +70,7 @@ def test_toml_then_environment_then_flags(tmp_path: Path) -> None:
         ({"workers": {"prefill_timeout_s": 0}}, "workers.prefill_timeout_s must be positive"),
         ({"http": {"body_timeout_s": 0}}, "http.body_timeout_s must be positive"),
         ({"http": {"max_concurrent_bodies": 0}}, "http.max_concurrent_bodies must be positive"),
+        ({"http": {"max_json_containers": 0}}, "http.max_json_containers must be positive"),
         ({"http": {"max_json_depth": 0}}, r"http.max_json_depth must be in \[1, 512\], got 0"),
         ({"http": {"max_json_depth": 513}}, r"http.max_json_depth must be in \[1, 512\], got 513"),
         ({"http": {"allow_client_kv_transfer_params": "maybe"}}, "is not a boolean"),

@@ -128,7 +128,7 @@ def _fake_worker_app(role: str) -> Any:
     async def seen_requests(_: web.Request) -> web.Response:
         return web.json_response(seen)
 
-    app = web.Application()
+    app = web.Application(client_max_size=64 << 20)  # vLLM takes large bodies; aiohttp stops at 1 MiB
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", completions)
     app.router.add_post("/tokenize", tokenize)
@@ -340,7 +340,7 @@ def test_bodies_read_at_once_are_bounded(prefill: FakeWorker, decode: FakeWorker
 # -- 2. JSON depth -----------------------------------------------------------------------------------------
 
 
-def test_deeply_nested_json_is_a_400_not_a_500(prefill: FakeWorker, decode: FakeWorker) -> None:
+def test_deep_or_huge_json_is_a_400_not_a_500(prefill: FakeWorker, decode: FakeWorker) -> None:
     with RouterProcess([prefill.url], [decode.url], "") as router:
         url = f"{router.url}/v1/completions"
         very_deep = b'{"prompt": "a", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
@@ -355,6 +355,13 @@ def test_deeply_nested_json_is_a_400_not_a_500(prefill: FakeWorker, decode: Fake
         )
         assert status == 200, raw
         assert len(decode.seen(rid)) == 1
+        # More than http.max_json_containers (100,000) objects and arrays: 3 MiB that parse into ~70 MiB.
+        status, _, raw = request(url, b'{"prompt": "a", "x": [' + b",".join([b"{}"] * 1_000_000) + b"]}")
+        assert status == 400 and openai_error(raw)["code"] == "json_too_large", raw[:300]
+        rid = new_id()
+        many = b'{"prompt": "a", "x": [' + b",".join([b"[]"] * 99_000) + b"]}"  # within it
+        status, _, raw = request(url, many, headers={"X-Request-Id": rid})
+        assert status == 200 and len(decode.seen(rid)[0]["body"]["x"]) == 99_000, raw[:300]
         status, _, raw = request(url, b'{"prompt": "a", "n": ' + b"9" * 5000 + b"}")  # past int's digit limit
         assert status == 400 and openai_error(raw)["code"] == "invalid_json"
         assert metric(router, "kvcache_router_requests_total", endpoint="completions", route="none", code="500") == 0

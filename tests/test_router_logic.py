@@ -163,22 +163,29 @@ def test_request_ids_are_kept_only_when_short_and_plain(given: str, kept: bool) 
     assert re.fullmatch(r"[0-9a-f]{32}", request_id(None))
 
 
-def test_json_bodies_are_objects_of_bounded_depth() -> None:
+def test_json_bodies_are_objects_of_bounded_depth_and_size() -> None:
     from kvcache_router.errors import RouterError
     from kvcache_router.intake import parse_json_object
 
-    def code(data: bytes, depth: int = 4) -> str | int | None:
+    def parse(data: bytes, depth: int = 4, containers: int = 100) -> dict:
+        return parse_json_object(data, max_depth=depth, max_containers=containers)
+
+    def code(data: bytes, depth: int = 4, containers: int = 100) -> str | int | None:
         with pytest.raises(RouterError) as caught:
-            parse_json_object(data, depth)
+            parse(data, depth, containers)
         assert caught.value.status == 400
         return caught.value.code
 
-    assert parse_json_object(b'{"a": [[{"b": 1}]]}', 4) == {"a": [[{"b": 1}]]}  # depth 4: the limit
+    assert parse(b'{"a": [[{"b": 1}]]}') == {"a": [[{"b": 1}]]}  # depth 4: the limit
     assert code(b'{"a": [[{"b": []}]]}') == "json_too_deep"
     assert code(b'{"a": ' + b"[" * 50_000 + b"]" * 50_000 + b"}") == "json_too_deep"  # past the decoder's own
-    assert parse_json_object(b'{"a": "[[[[[[[[[["}', 2) == {"a": "[[[[[[[[[["}  # brackets in a string
+    assert parse(b'{"a": "[[[[[[[[[["}', depth=2, containers=2) == {"a": "[[[[[[[[[["}  # brackets in a string
     assert code(b"[1]") == "invalid_json" and code(b'{"a": ') == "invalid_json" and code(b"\xff") == "invalid_json"
     assert code(b'{"n": ' + b"1" * 5000 + b"}") == "invalid_json"  # past Python's integer digit limit
+    wide = b'{"a": [' + b",".join([b"{}"] * 99) + b"]}"  # 101 containers: the body, the list, 99 objects
+    assert code(wide) == "json_too_large"
+    assert len(parse(wide, containers=101)["a"]) == 99
+    assert len(parse(b'{"a": [' + b",".join([b"1"] * 10_000) + b"]}")["a"]) == 10_000  # scalars: not containers
 
 
 def test_worker_errors_keep_only_a_well_formed_openai_error() -> None:
