@@ -65,6 +65,7 @@ NEIGHBOURS = (
 )
 
 
+@pytest.mark.timeout(10)
 def test_the_kubelet_sets_exactly_the_variables_of_the_issue() -> None:
     assert KVCACHE["KVCACHE_PORT"] == "tcp://10.96.12.34:51051"
     assert KVCACHE["KVCACHE_PORT_51051_TCP_ADDR"] == "10.96.12.34"
