@@ -314,7 +314,9 @@ async def create_server(config: ServerConfig) -> RunningServer:
             raise OSError(f"cannot bind metrics on {config.metrics.host}:{config.metrics.port}: {exc}") from None
     bulk = None
     if config.bulk.enabled:
-        bulk = BulkListener(config, stack, service.budget, Authenticator(tokens) if tokens else None)
+        bulk = BulkListener(
+            config, stack, service.budget, Authenticator(tokens) if tokens else None, block_sizes=service.block_sizes
+        )
         await bulk.start()
         service.bulk = bulk
     await server.start()

@@ -29,19 +29,23 @@ from kvcache_server.refusal import Refused
 class MemoryBudget:
     """Bytes held by calls in flight, against a capacity. Used only on the server's event loop.
 
-    Shares: one call may reserve at most `call_cap` bytes (so a Get's window is sized to fit it),
+    Shares: a call sizes what it reads ahead to `call_share` (a Get's window) and may reserve at most
+    `call_cap` at once (its share, or one largest block and message if that is more),
     and, with auth, one tenant's calls together at most `tenant_cap`: callers that stall (a client
     that stops reading, a stream that stops sending) cannot take what the others need. A tenant
     over its share waits like a call over the capacity, then is refused; bytes counted on arrival
     (a received message, a block read for a Get) are counted whatever the shares say.
     """
 
-    def __init__(self, capacity: int, wait_s: float, *, call_cap: int = 0, tenant_cap: int = 0) -> None:
+    def __init__(
+        self, capacity: int, wait_s: float, *, call_share: int = 0, call_cap: int = 0, tenant_cap: int = 0
+    ) -> None:
         if capacity <= 0:
             raise ValueError("capacity must be positive")
         self.capacity = capacity
         self.wait_s = wait_s
         self.call_cap = min(call_cap or capacity, capacity)
+        self.call_share = min(call_share or self.call_cap, self.call_cap)
         self.tenant_cap = min(tenant_cap or capacity, capacity)
         self.used = 0
         self.peak = 0
@@ -128,7 +132,9 @@ class Holding:
         self._budget = budget
         self.tenant = tenant
         self.cap = budget.call_cap if capped else budget.capacity
-        """The most this call may hold when it reserves more (limits.inflight_call_share)."""
+        """The most one reservation of this call may be: its share, or one largest block and message."""
+        self.share = budget.call_share if capped else budget.capacity
+        """What this call sizes its windows to (limits.inflight_call_share of the budget)."""
         self.bytes = 0
 
     def count(self, n: int) -> None:

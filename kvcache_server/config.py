@@ -307,6 +307,11 @@ class LimitsSection:
             )
 
     @property
+    def inflight_call_share_bytes(self) -> int:
+        """What one call reads ahead (a Get's window) within inflight_bytes: inflight_call_share of it."""
+        return int(self.inflight_bytes * self.inflight_call_share)
+
+    @property
     def inflight_call_bytes(self) -> int:
         """The most one call may hold of inflight_bytes: its share, or one largest block and message."""
         share = int(self.inflight_bytes * self.inflight_call_share)

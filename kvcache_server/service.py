@@ -26,7 +26,6 @@ import logging
 import os
 import sys
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import NoReturn
 
@@ -42,7 +41,7 @@ from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow, TooManySubscribers
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.pipeline import Counters
-from kvcache_server.pipeline.get import GetStages
+from kvcache_server.pipeline.get import BlockSizes, GetStages
 from kvcache_server.pipeline.inplace import InPlaceRPCs
 from kvcache_server.pipeline.put import PutStages
 from kvcache_server.shm import (
@@ -93,10 +92,11 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         self.budget = MemoryBudget(
             limits.inflight_bytes,
             limits.admission_wait_s,
+            call_share=limits.inflight_call_share_bytes,
             call_cap=limits.inflight_call_bytes,
             tenant_cap=limits.inflight_tenant_bytes,
         )
-        self._block_sizes: OrderedDict[str, int] = OrderedDict()  # namespace -> largest block seen
+        self.block_sizes = BlockSizes()  # namespace -> largest block seen (Get windows, here and bulk)
         self.cut_off = 0  # Put streams gone quiet and Gets not read, ended by the server
         self.bulk: BulkListener | None = None  # the bulk path, advertised in Info (set by the app)
 

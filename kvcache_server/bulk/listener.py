@@ -23,6 +23,7 @@ from kvcache_core import bulkwire as bw
 from kvcache_server.auth import Authenticator
 from kvcache_server.budget import MemoryBudget
 from kvcache_server.config import ServerConfig, TlsSection
+from kvcache_server.pipeline.get import BlockSizes
 from kvcache_server.stack import TierStack
 
 from .admission import ConnectionAdmission
@@ -56,12 +57,14 @@ class BulkListener:
         budget: MemoryBudget,
         authenticator: Authenticator | None,
         sink: BlockSink | None = None,
+        block_sizes: BlockSizes | None = None,
     ) -> None:
         self._config = config
         self.counters = BulkCounters()
         self.sink = sink or ArenaSink(stack)
         self._stack = stack
         self._budget = budget
+        self._block_sizes = block_sizes or BlockSizes()
         self._authenticator = authenticator
         self._tls = server_tls_context(config.tls) if config.tls.enabled else None
         bulk = config.bulk
@@ -120,6 +123,7 @@ class BulkListener:
             authenticator=self._authenticator,
             counters=self.counters,
             admission=self.admission,
+            block_sizes=self._block_sizes,
         )
         self._accept_thread = threading.Thread(
             target=self._accept_forever, args=(shared,), name="kvcache-bulk-accept", daemon=True

@@ -40,6 +40,7 @@ from kvcache_core.format import BlockFormatError, verify_block
 from kvcache_server.auth import Authenticator, AuthError, Principal
 from kvcache_server.budget import Holding, MemoryBudget
 from kvcache_server.config import BulkSection, LimitsSection
+from kvcache_server.pipeline.get import BlockSizes, locate_window
 from kvcache_server.refusal import Refused
 from kvcache_server.stack import Found, TierStack
 from kvcache_server.tiers.base import TierKind
@@ -117,6 +118,7 @@ class Shared:
     authenticator: Authenticator | None
     counters: BulkCounters
     admission: ConnectionAdmission[threading.Thread]
+    block_sizes: BlockSizes
 
 
 class Session:
@@ -353,7 +355,7 @@ class Session:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"PUT of {total} bytes exceeds max_put_stream_bytes={limits.max_put_stream_bytes}; split it",
             )
-        held = self._s.budget.holding()
+        held = self._s.budget.holding(self.tenant)
         slots: list[Slot] = []
         committed: bool | None = False
         sink = self._s.sink
@@ -375,6 +377,7 @@ class Session:
             committed = None  # from here the commit owns the slots (it frees what it does not keep), ended or not
             outcome = self._on_loop(commit)
             committed = True
+            self._s.block_sizes.saw(scoped, max(n for _, n in entries))
         finally:
             if committed is False:
                 for slot in slots:
@@ -412,7 +415,7 @@ class Session:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{len(keys)} keys exceed max_keys_per_request={limits.max_keys_per_request}",
             )
-        held = self._s.budget.holding()
+        held = self._s.budget.holding(self.tenant, capped=True)
         sent = 0
         try:
             start = 0
@@ -447,21 +450,14 @@ class Session:
     async def _window(
         self, held: Holding, namespace: str, keys: list[bytes], start: int
     ) -> tuple[int, list[Found | None]]:
-        """One window of a GET, on the event loop: every key RAM holds (no copy), and lower-tier keys
-        up to about limits.get_window_bytes (counted as max_block_bytes each until they arrive)."""
-        limits = self._s.limits
-        per_block = limits.max_block_bytes
-        allowed = max(1, limits.get_window_bytes // per_block)
+        """One window of a GET, on the event loop: every key RAM holds (no copy), and lower-tier keys up
+        to about limits.get_window_bytes, reserved at the namespace's known block size (as gRPC's)."""
         held.release_all()  # the previous window has been sent
-        await held.reserve(min(allowed * per_block, limits.get_window_bytes), "bulk GET")
-        end, lower = start, 0
-        for in_ram in self._s.stack.ram.contains_many_sync(namespace, keys[start : start + _MAX_WINDOW_KEYS]):
-            if not in_ram:
-                if lower == allowed:
-                    break
-                lower += 1
-            end += 1
-        found = await self._s.stack.get(namespace, keys[start:end])
-        held.release_all()
-        held.count(sum(len(f.data) for f in found if f is not None and f.tier is not TierKind.RAM))
+        sizes, window_bytes = self._s.block_sizes, self._s.limits.get_window_bytes
+        end, found = await locate_window(
+            self._s.stack, held, namespace, keys, start, sizes.get(namespace), window_bytes, "bulk GET"
+        )
+        lower = [len(f.data) for f in found if f is not None and f.tier is not TierKind.RAM]
+        if lower:
+            sizes.saw(namespace, max(lower))
         return end, found

@@ -67,6 +67,27 @@ _SHED_AFTER_S = 0.5
 """A Get reply its client has not taken for this long sheds the window's blocks not yet in a reply."""
 
 
+class BlockSizes:
+    """The largest block seen per namespace (what a Get window reserves per lower-tier block), for
+    the most recently used _BLOCK_SIZE_NAMESPACES namespaces. Shared by gRPC and the bulk path."""
+
+    def __init__(self) -> None:
+        self._sizes: OrderedDict[str, int] = OrderedDict()
+
+    def get(self, namespace: str) -> int | None:
+        size = self._sizes.get(namespace)
+        if size is not None:
+            self._sizes.move_to_end(namespace)
+        return size
+
+    def saw(self, namespace: str, size: int) -> None:
+        sizes = self._sizes
+        sizes[namespace] = max(size, sizes.get(namespace, 0))
+        sizes.move_to_end(namespace)
+        if len(sizes) > _BLOCK_SIZE_NAMESPACES:
+            sizes.popitem(last=False)
+
+
 class _Window:
     """The lower-tier blocks of a Get's current window, and the budget they hold until written."""
 
@@ -108,7 +129,7 @@ async def locate_window(
     what: str,
 ) -> tuple[int, list[Found | None]]:
     """One Get window from `start`: every key RAM holds (leased views, no copy) and lower-tier keys up
-    to what `window_bytes` (and the call's share, held.cap) allows at `per_block` bytes each, or one
+    to what `window_bytes` (and the call's share, held.share) allows at `per_block` bytes each, or one
     when the block size is not known. Reserves that much before reading, then holds in `held`
     exactly what the lower tiers returned. Returns the window's end and its blocks (None: a miss).
 
@@ -118,7 +139,7 @@ async def locate_window(
     ram = stack.ram
     ahead = keys[start : start + _MAX_WINDOW_KEYS]
     # Blocks of earlier windows not yet written (the reply being filled) count against the share.
-    allowed = max(1, min(window_bytes, held.cap - held.bytes) // per_block) if per_block else 1
+    allowed = max(1, min(window_bytes, held.share - held.bytes) // per_block) if per_block else 1
     lower_keys = sum(1 for in_ram in ram.contains_many_sync(namespace, ahead) if not in_ram)
     reserved = min(lower_keys, allowed) * per_block if per_block else 0
     if reserved:
@@ -138,6 +159,17 @@ async def locate_window(
         held.release(reserved)
     held.count(sum(len(f.data) for f in found if f is not None and f.tier is not TierKind.RAM))
     return end, found
+
+
+def _reply_bytes(reply: GetReply) -> int:
+    """The block bytes a reply carries inline (what gRPC copies when it serialises the message)."""
+    total = 0
+    for _, _, data, _ in reply:
+        if isinstance(data, GetPart):
+            total += len(data.data)
+        elif not isinstance(data, ShmRange):
+            total += len(data)
+    return total
 
 
 def _sent_through(reply: GetReply) -> int:
@@ -167,7 +199,7 @@ class GetStages:
 
         def _tenant(self) -> str | None: ...
 
-    _block_sizes: OrderedDict[str, int]
+    block_sizes: BlockSizes
 
     async def _serve_get(
         self,
@@ -194,6 +226,9 @@ class GetStages:
                 found = self._windows(context, namespace, keys, request.prefix_only, window, leased)
                 async for reply in self._get_replies(context, found, request, segment):
                     shed = loop.call_later(_SHED_AFTER_S, window.shed) if window.pending else None
+                    # gRPC's serialised copy of the reply, held until its client takes it (RAM hits too).
+                    copy = _reply_bytes(reply)
+                    held.count(copy)
                     try:
                         async with asyncio.timeout(stall):  # a timer on this task, no task per message
                             await context.write(reply)  # serialised (copied) before it returns
@@ -202,6 +237,7 @@ class GetStages:
                             context, f"the client read nothing for {stall:g} s (limits.get_stall_timeout_s)", held
                         )
                     finally:
+                        held.release(copy)
                         if shed is not None:
                             shed.cancel()
                     sent = _sent_through(reply)
@@ -240,7 +276,7 @@ class GetStages:
         held = window.held
         start = 0
         while start < len(keys):
-            per_block = self._known_block_size(namespace)
+            per_block = self.block_sizes.get(namespace)
             try:
                 end, found = await locate_window(
                     self._stack, held, namespace, keys, start, per_block, self._limits.get_window_bytes, "Get"
@@ -249,7 +285,7 @@ class GetStages:
                 await self._abort(context, exc.code, exc.message)
             lower = {i: f for i, f in enumerate(found, start) if f is not None and f.tier is not TierKind.RAM}
             if lower:
-                self._saw_block_size(namespace, max(len(f.data) for f in lower.values()))
+                self.block_sizes.saw(namespace, max(len(f.data) for f in lower.values()))
             window.pending.update(lower)
             leased.extend((i, hit) for i, hit in enumerate(found, start) if hit is not None and hit.lease is not None)
             order = [(i, i in lower, None if i in lower else hit) for i, hit in enumerate(found, start)]
@@ -262,20 +298,6 @@ class GetStages:
                 if hit is None and prefix_only:
                     return
             start = end
-
-    def _known_block_size(self, namespace: str) -> int | None:
-        """The largest block seen in `namespace` (the size a Get window reserves per lower-tier block)."""
-        size = self._block_sizes.get(namespace)
-        if size is not None:
-            self._block_sizes.move_to_end(namespace)
-        return size
-
-    def _saw_block_size(self, namespace: str, size: int) -> None:
-        sizes = self._block_sizes
-        sizes[namespace] = max(size, sizes.get(namespace, 0))
-        sizes.move_to_end(namespace)
-        if len(sizes) > _BLOCK_SIZE_NAMESPACES:
-            sizes.popitem(last=False)
 
     async def _get_replies(
         self,

@@ -54,8 +54,6 @@ class InPlaceRPCs:
 
         async def _refuse_block(self, context: grpc.aio.ServicerContext, exc: BlockRefused) -> NoReturn: ...
 
-        def _saw_block_size(self, namespace: str, size: int) -> None: ...
-
     async def _shared_arena(self, context: grpc.aio.ServicerContext) -> None:
         if not self._stack.ram.region.path:
             await self._abort(

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from kvcache_server.budget import MemoryBudget
     from kvcache_server.config import LimitsSection
     from kvcache_server.pipeline import Counters
+    from kvcache_server.pipeline.get import BlockSizes
     from kvcache_server.stack import TierStack
 
 
@@ -94,6 +95,7 @@ class PutStages:
     _shm: ShmDirectory | None
     _counters: Counters
     budget: MemoryBudget
+    block_sizes: BlockSizes
 
     if TYPE_CHECKING:  # provided by KVCacheService (declared only: a stub here would shadow it)
 
@@ -102,8 +104,6 @@ class PutStages:
         async def _namespace(self, context: grpc.aio.ServicerContext, namespace: str) -> str: ...
 
         def _open_segment(self, name: str, *, writable: bool) -> tuple[int, int]: ...
-
-        def _saw_block_size(self, namespace: str, size: int) -> None: ...
 
     async def _next_message(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes | None:
         """The stream's next raw message, None at its end; a stream quiet for put_idle_timeout_s is cut off."""
@@ -212,9 +212,12 @@ class PutStages:
             index += len(complete)
             # Commit this message's complete blocks (all verified) before reading the next message.
             if complete:
-                self._saw_block_size(namespace, max(len(d) for _, d in complete))
+                self.block_sizes.saw(namespace, max(len(d) for _, d in complete))
                 totals.add(await self._stack.put(namespace, complete))
+            # Nothing may keep the message alive past its release (a part is a view into it): the
+            # loop's last `data` did, so a stream stopped after one part held it uncounted.
             del message, blocks, complete
+            data = whole = None  # type: ignore[assignment]
             # What the RAM tier kept is its capacity's business from now on.
             held.release(message_bytes + assembled)
         try:
@@ -274,7 +277,7 @@ class PutStages:
                 self._counters.shm_bytes_received += sum(landed)
                 await self._refuse_block(context, exc)
             self._counters.shm_bytes_received += sum(landed)
-            self._saw_block_size(namespace, max(r.length for r in made))
+            self.block_sizes.saw(namespace, max(r.length for r in made))
             outcome = await self._stack.put_reserved(
                 namespace, [(key, res) for (key, _), res in zip(blocks, made, strict=True)]
             )
