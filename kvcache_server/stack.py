@@ -559,8 +559,11 @@ class TierStack:
         )
         try:
             async with asyncio.timeout(lower.policy.timeout_s):
-                await lower.tier.delete_many(namespace, keys)
+                removed = await lower.tier.delete_present(namespace, keys)
             lower.counters.late_deletes += len(keys)
+            # The late write published STORED when it landed; subscribers learn it is gone again.
+            gone = [k for k, was in zip(keys, removed, strict=True) if was]
+            self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, gone)
         except (TimeoutError, TierError) as exc:
             log.warning(
                 "tier %s: deleting %d key(s) again failed (%s); they may be served again",

@@ -414,12 +414,15 @@ class _SlowWriteTier(Tier):
 def test_a_write_that_outlives_its_timeout_and_lands_after_a_delete_is_deleted_again() -> None:
     """Found in review: a write-through put whose tier write ran past timeout_s kept going in its thread; the
     Delete waited timeout_s for it and went on; the write landed after the Delete returned and a later Get
-    served and promoted the deleted block. Now the stack deletes such keys again when the write ends."""
+    served and promoted the deleted block. Now the stack deletes such keys again when the write ends, and
+    publishes REMOVED for them (before, nothing: a late write that ended within its own timeout published
+    STORED, and that was the last word an event subscriber, a router, heard)."""
 
     async def main() -> tuple[bool, bool, object, int, int]:
         tier = _SlowWriteTier(write_s=0.5)
         stack = TierStack(1 << 20, [(tier, LowerTierPolicy(write_mode=WriteMode.THROUGH, timeout_s=0.1))])
         await stack.start()
+        events = stack.events.subscribe(NS)
         key = os.urandom(16)
         outcome = await stack.put(NS, [(key, raw_block(key, b"deleted" * 10))])
         assert [(t.name, t.stored, t.failed) for t in outcome.tiers] == [("ram", 1, 0), ("redis", 0, 1)]
@@ -433,6 +436,8 @@ def test_a_write_that_outlives_its_timeout_and_lands_after_a_delete_is_deleted_a
         assert (NS, key) not in tier.data, "the write landed after the Delete and stayed"
         got = await stack.get(NS, [key])
         redone = stack._lower[0].counters.late_deletes
+        seen = [(e.kind.name, e.tier.name) for _, e in await events.next_batch() if e.tier is tier.kind]
+        assert seen == [("REMOVED", tier.kind.name)], seen  # the redone delete, and it only
         await stack.close()
         return held_right_after, (NS, key) in tier.data, got[0], redone, stack.fence.tombstones
 
