@@ -293,12 +293,16 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
         return
     pending = [as_bytes_view(b) for b in buffers if len(b)]
     while pending:
-        sent = sock.sendmsg(pending[:_IOV_MAX])
-        while sent and pending:
-            first = pending[0]
-            if sent >= len(first):
-                sent -= len(first)
-                pending.pop(0)
-            else:
-                pending[0] = first[sent:]
-                sent = 0
+        drop_sent(pending, sock.sendmsg(pending[:_IOV_MAX]))
+
+
+def drop_sent(pending: list[memoryview], sent: int) -> None:
+    """Removes the first `sent` bytes from the buffers still to send (after a partial send)."""
+    while sent and pending:
+        first = pending[0]
+        if sent >= len(first):
+            sent -= len(first)
+            pending.pop(0)
+        else:
+            pending[0] = first[sent:]
+            sent = 0

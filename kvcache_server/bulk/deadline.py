@@ -154,11 +154,4 @@ class Deadline:
             if sent is None:
                 raise self._cut(limit, doing, True)
             self.moved += sent
-            while sent and pending:
-                first = pending[0]
-                if sent >= len(first):
-                    sent -= len(first)
-                    pending.pop(0)
-                else:
-                    pending[0] = first[sent:]
-                    sent = 0
+            bw.drop_sent(pending, sent)
