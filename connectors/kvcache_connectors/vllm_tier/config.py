@@ -1,0 +1,74 @@
+"""The tier's options: the keys of its entry in `secondary_tiers`, parsed once into a frozen dataclass.
+
+    {"type": "KVCacheTier", "module_path": "kvcache_connectors.vllm_tier", "target": "HOST:51051", ...}
+
+vLLM's SecondaryTierFactory pops `type`, `module_path` and `backpressure` and passes every other
+key of the entry to the tier's constructor; `from_options` refuses a key it does not know, so a
+typo fails at start-up instead of silently meaning the default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+@dataclass(frozen=True, slots=True)
+class KVCacheTierConfig:
+    """Options of one kvcache secondary tier.
+
+    Attributes:
+        target: The kvcache server ("host:port").
+        timeout_s: Deadline of one load or store job's call, retries included.
+        lookup_timeout_s: Deadline of one request's batched lookup (a failure is a miss).
+        max_queued_jobs: Jobs queued per direction (loads, stores) before a new one fails at once.
+        shm: Same-host transfers through the server's block arena and shared memory (docs/arena.md).
+        bulk: Remote transfers over the server's bulk port (docs/bulk.md).
+        token: API token; None reads KVCACHE_TOKEN.
+        model_revision: The checkpoint revision, part of the namespace ("" when unknown).
+        namespace_extra: More facts that make KV incompatible (a fine-tune, a quantization recipe),
+            part of the namespace.
+        enable_kv_events: Report the chunks this tier stored through take_events (needs vLLM's
+            KV cache events on, --kv-events-config).
+        locality: "LOCAL" or "REMOTE" (vLLM's Locality), for tier filters and events; None for unknown.
+    """
+
+    target: str
+    timeout_s: float = 5.0
+    lookup_timeout_s: float = 1.0
+    max_queued_jobs: int = 64
+    shm: bool = True
+    bulk: bool = True
+    token: str | None = None
+    model_revision: str = ""
+    namespace_extra: Mapping[str, str] = field(default_factory=dict)
+    enable_kv_events: bool = False
+    locality: str | None = "REMOTE"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.target, str) or not self.target:
+            raise ValueError("the kvcache tier needs 'target' (host:port of a kvcache server)")
+        for name in ("timeout_s", "lookup_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not value > 0:
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+        if not isinstance(self.max_queued_jobs, int) or self.max_queued_jobs < 1:
+            raise ValueError(f"max_queued_jobs must be a positive integer, got {self.max_queued_jobs!r}")
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(self.namespace_extra).items()):
+            raise ValueError("namespace_extra must map strings to strings")
+        if self.locality not in (None, "LOCAL", "REMOTE"):
+            raise ValueError(f"locality must be 'LOCAL', 'REMOTE' or null, got {self.locality!r}")
+
+    @classmethod
+    def from_options(cls, options: Mapping[str, Any]) -> KVCacheTierConfig:
+        """Parses the tier entry's keys (those vLLM's factory hands the constructor).
+
+        Raises:
+            ValueError: an unknown key, a missing target, or a value out of range.
+        """
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown kvcache tier option(s) {unknown}; known: {sorted(known)}")
+        return cls(**dict(options))

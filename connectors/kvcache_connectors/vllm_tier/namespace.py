@@ -1,0 +1,81 @@
+"""Which kvcache namespace vLLM's offload chunks go under (docs/keys.md, "Engine-keyed namespaces").
+
+A chunk of vLLM's CPU tier is one row of the primary buffer: every KV-cache group's pages of
+`blocks_per_chunk` blocks, for every worker, in vLLM's own byte layout. Its OffloadKey
+(`block_hash || u32be(group_idx)`, vllm.v1.kv_offload.base.make_offload_key) says which
+tokens, never which model or layout, so the namespace carries those facts, the same ones
+vLLM's own `fs` tier hashes into its folder name (vllm.v1.kv_offload.file_mapper), plus the
+bytes per chunk, the page layout and this tier's own options:
+
+    model_name, model_revision, dtype           the model and its KV-cache element type
+    tokens_per_hash, blocks_per_chunk,          chunking (tokens per key, blocks per chunk,
+    chunk_bytes                                 bytes per chunk across all workers)
+    kv_cache_groups                             JSON: per group id, tokens per block, layers, window
+    tp_size, pp_size, pcp_size, dcp_size        the parallel layout (all 1 when vLLM certifies the
+                                                bytes as parallelism-agnostic)
+    replicated_layout, canonical_format,        vLLM's host layout choices (canonical_layout's
+    kv_cache_layout                             format id, e.g. for topology-free pages)
+    extra.*                                     the tier's namespace_extra
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
+from vllm.v1.kv_offload.base import OffloadingSpec
+
+from kvcache_connectors.engine_keys import EngineNamespace
+
+ENGINE = "vllm"
+KEY_FORMAT = "vllm.offload_key.v1"  # block_hash || u32 big-endian group_idx, vLLM's make_offload_key
+
+
+def vllm_facts(
+    spec: OffloadingSpec, *, chunk_bytes: int, model_revision: str = "", extra: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The facts of one vLLM instance's offload chunks, as strings (what the namespace hashes)."""
+    config = spec.config
+    parallel = config.parallel
+    agnostic = parallel.is_parallelism_agnostic or config.replicated_layout
+    groups = [
+        {
+            "group_id": g.group_id,
+            "tokens_per_block": g.tokens_per_block,
+            "layer_names": list(g.layer_names),
+            "sliding_window_size_in_chunks": g.sliding_window_size_in_chunks,
+        }
+        for g in config.groups
+    ]
+    facts = {
+        "model_name": config.model.name,
+        "model_revision": model_revision,
+        "dtype": config.model.dtype,
+        "tokens_per_hash": str(config.cache.tokens_per_hash),
+        "blocks_per_chunk": str(config.cache.blocks_per_chunk),
+        "chunk_bytes": str(chunk_bytes),
+        "kv_cache_groups": json.dumps(groups, sort_keys=True, separators=(",", ":")),
+        "tp_size": str(1 if agnostic else parallel.tp_size),
+        "pp_size": str(1 if agnostic else parallel.pp_size),
+        "pcp_size": str(1 if agnostic else parallel.pcp_size),
+        "dcp_size": str(1 if agnostic else parallel.dcp_size),
+        "replicated_layout": str(config.replicated_layout).lower(),
+        "canonical_format": (
+            canonical_format_id(config.kv_cache_layout)
+            if config.canonical_layout and config.kv_cache_layout is not None
+            else ""
+        ),
+        "kv_cache_layout": config.kv_cache_layout or "",
+    }
+    for k, v in (extra or {}).items():
+        facts[f"extra.{k}"] = v
+    return facts
+
+
+def vllm_namespace(
+    spec: OffloadingSpec, *, chunk_bytes: int, model_revision: str = "", extra: Mapping[str, str] | None = None
+) -> EngineNamespace:
+    """The namespace of one vLLM instance's offload chunks."""
+    facts = vllm_facts(spec, chunk_bytes=chunk_bytes, model_revision=model_revision, extra=extra)
+    return EngineNamespace.of(ENGINE, KEY_FORMAT, facts)
