@@ -236,3 +236,68 @@ def test_one_instance_stores_another_loads_from_kvcache_alone(model_dir, server)
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(60)
+def test_checkpoints_that_differ_outside_the_offloading_config_never_share_bytes(
+    model_dir, server, tiers, monkeypatch
+) -> None:
+    """The revision, the quantization and hf_overrides are not in vLLM's OffloadingConfig, yet change
+    the K/V of the same tokens (and the key-bound checksum would pass): the tier reads them from the
+    engine's current vLLM config, so each gives another namespace; a tier built without an engine's
+    config never shares one with a tier built under it. (Found in review: they shared namespace and keys.)"""
+    import types
+
+    import vllm.config.vllm as vllm_config_module
+
+    def built_under(**model: object) -> str:
+        fake = types.SimpleNamespace(model_config=types.SimpleNamespace(**model))  # what the tier reads
+        monkeypatch.setattr(vllm_config_module, "_current_vllm_config", fake)
+        t = Tier(model_dir, tier_entry(server.target))
+        tiers.append(t)
+        return t.tier.namespace.name
+
+    base = {"revision": "main", "quantization": None, "hf_overrides": {}}
+    names = [
+        built_under(**base),
+        built_under(**{**base, "revision": "v2"}),
+        built_under(**{**base, "quantization": "fp8"}),
+        built_under(**{**base, "hf_overrides": {"rope_theta": 1e6}}),
+    ]
+    monkeypatch.setattr(vllm_config_module, "_current_vllm_config", None)
+    no_engine = Tier(model_dir, tier_entry(server.target))
+    tiers.append(no_engine)
+    names.append(no_engine.tier.namespace.name)
+    assert len(set(names)) == 5, names
+    assert built_under(**base) == names[0]  # the same facts, the same namespace
+
+
+@pytest.mark.timeout(60)
+def test_a_hung_server_costs_one_timeout_per_cooldown_not_one_per_job(model_dir, tiers) -> None:
+    """A real server process SIGSTOPped (it accepts connections, answers nothing): of 5 loads queued
+    at once, the first waits out its 1 s deadline and opens the breaker, the other 4 fail without a
+    call, and the lookups that follow are misses without one (found in review: each load retried up
+    to its deadline, so 64 queued jobs kept drain_jobs and shutdown for 64 x 5 s)."""
+    import os
+    import signal
+
+    from kvcache_server.launcher import LocalKVCacheServer
+
+    with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
+        t = Tier(model_dir, tier_entry(server.target, timeout_s=1.0, lookup_timeout_s=0.5, breaker_cooldown_s=60))
+        tiers.append(t)
+        assert t.lookup(offload_keys(1, prompt=7)[0], "warm") is LookupResult.MISS  # connected, answering
+        pid = server.proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            for i in range(5):
+                t.tier.submit_load(t.job(offload_keys(1, prompt=10 + i), [i], load=True, req=f"l{i}"))
+            results = finished(t.tier, 5, timeout_s=30)
+            assert [r.success for r in results] == [False] * 5
+            assert t.tier._breaker.skipped == 4
+            assert t.lookup(offload_keys(1, prompt=20)[0], "after") is LookupResult.MISS
+            assert t.tier._breaker.skipped == 5
+            t.tier.drain_jobs()
+            assert t.counters()[TierMetrics.LOAD_FAILED_JOBS] == 5
+        finally:
+            os.kill(pid, signal.SIGCONT)

@@ -20,8 +20,11 @@ class KVCacheTierConfig:
 
     Attributes:
         target: The kvcache server ("host:port").
-        timeout_s: Deadline of one load or store job's call, retries included.
-        lookup_timeout_s: Deadline of one request's batched lookup (a failure is a miss).
+        timeout_s: Deadline of one load or store job's call (one attempt, never retried).
+        lookup_timeout_s: Deadline of each Lookup call of a request's batch (a failure is a miss).
+        breaker_cooldown_s: After a failed call, the tier stops calling the server for this long
+            (lookups are misses, jobs fail at once), then probes it with one call: a dead server
+            costs one timeout per cooldown, not one per job.
         max_queued_jobs: Jobs queued per direction (loads, stores) before a new one fails at once.
         shm: Same-host transfers through the server's block arena and shared memory (docs/arena.md).
         bulk: Remote transfers over the server's bulk port (docs/bulk.md).
@@ -37,10 +40,11 @@ class KVCacheTierConfig:
     target: str
     timeout_s: float = 5.0
     lookup_timeout_s: float = 1.0
+    breaker_cooldown_s: float = 5.0
     max_queued_jobs: int = 64
     shm: bool = True
     bulk: bool = True
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
     model_revision: str = ""
     namespace_extra: Mapping[str, str] = field(default_factory=dict)
     enable_kv_events: bool = False
@@ -49,14 +53,17 @@ class KVCacheTierConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
             raise ValueError("the kvcache tier needs 'target' (host:port of a kvcache server)")
-        for name in ("timeout_s", "lookup_timeout_s"):
+        for name in ("timeout_s", "lookup_timeout_s", "breaker_cooldown_s"):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or not value > 0:
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
         if not isinstance(self.max_queued_jobs, int) or self.max_queued_jobs < 1:
             raise ValueError(f"max_queued_jobs must be a positive integer, got {self.max_queued_jobs!r}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(self.namespace_extra).items()):
             raise ValueError("namespace_extra must map strings to strings")
+        for name in ("shm", "bulk", "enable_kv_events"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.locality not in (None, "LOCAL", "REMOTE"):
             raise ValueError(f"locality must be 'LOCAL', 'REMOTE' or null, got {self.locality!r}")
 

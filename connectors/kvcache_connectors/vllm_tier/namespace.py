@@ -15,14 +15,27 @@ bytes per chunk, the page layout and this tier's own options:
                                                 bytes as parallelism-agnostic)
     replicated_layout, canonical_format,        vLLM's host layout choices (canonical_layout's
     kv_cache_layout                             format id, e.g. for topology-free pages)
+    quantization, hf_overrides                  from vLLM's model config: other weights, other KV
+    vllm_version                                the row layout is vLLM's own (not a wire format)
+    model_facts                                 "engine" when the three above came from the running
+                                                engine's config, "none" when the tier was built
+                                                without one (such instances never share bytes with
+                                                an engine's)
     extra.*                                     the tier's namespace_extra
+
+OffloadingConfig does not carry the revision, the quantization or hf_overrides; a checkpoint
+that differs there gives other K/V for the same tokens, and the key-bound checksum would pass:
+they are read from vLLM's current config (set while the engine builds its connector).
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from typing import Any
 
+import vllm
+from vllm.config import get_current_vllm_config_or_none
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
 from vllm.v1.kv_offload.base import OffloadingSpec
 
@@ -68,6 +81,17 @@ def vllm_facts(
         ),
         "kv_cache_layout": config.kv_cache_layout or "",
     }
+    model: Any = getattr(get_current_vllm_config_or_none(), "model_config", None)
+    if model is not None:
+        model_revision = model_revision or (model.revision or "")
+        facts["model_revision"] = model_revision
+        facts["quantization"] = str(model.quantization or "")
+        overrides = model.hf_overrides
+        facts["hf_overrides"] = (
+            json.dumps(overrides, sort_keys=True, default=str) if isinstance(overrides, dict) else str(overrides or "")
+        )
+    facts["model_facts"] = "engine" if model is not None else "none"
+    facts["vllm_version"] = vllm.__version__
     for k, v in (extra or {}).items():
         facts[f"extra.{k}"] = v
     return facts

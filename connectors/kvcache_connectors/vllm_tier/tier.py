@@ -52,10 +52,12 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcache_client import KVCacheClient, KVCacheError
+from kvcache_client.retry import NO_RETRY
 from kvcache_connectors.engine_keys import EngineNamespace
 from kvcache_connectors.vllm.transfers import Job, JobThread
 from kvcache_connectors.vllm_tier.config import KVCacheTierConfig
 from kvcache_connectors.vllm_tier.namespace import vllm_namespace
+from kvcache_core.breaker import CircuitBreaker
 from kvcache_core.format import DType, encode_block_parts
 
 log = logging.getLogger(__name__)
@@ -63,6 +65,10 @@ log = logging.getLogger(__name__)
 # Errors of a call to the server that make a job fail (or a lookup miss): the server's statuses,
 # an unreachable server past the deadline, a broken socket of the bulk path.
 CALL_ERRORS = (KVCacheError, OSError)
+
+
+class ServerSkipped(Exception):
+    """A job not attempted: the server failed recently and the breaker is open."""
 
 
 class TierMetrics:
@@ -146,9 +152,15 @@ class KVCacheTier(SecondaryTierManager):
             else:
                 log.warning("enable_kv_events is set on the kvcache tier but vLLM's KV cache events are off")
 
+        # One attempt per call and a breaker, as the connector's: a dead server costs one timeout per
+        # cooldown, not one per job (with retries, 64 queued jobs waited out 5 s each at shutdown).
+        cooldown = self.config.breaker_cooldown_s
+        self._breaker = CircuitBreaker(failure_threshold=1, reset_s=cooldown, max_reset_s=cooldown)
+        self._breaker_lock = threading.Lock()
         self._client = KVCacheClient(
             self.config.target,
             timeout_s=self.config.timeout_s,
+            retry=NO_RETRY,
             shm=self.config.shm,
             bulk=self.config.bulk,
             token=self.config.token,
@@ -189,6 +201,9 @@ class KVCacheTier(SecondaryTierManager):
         for i, key in enumerate(keys):
             by_group.setdefault(get_offload_group_idx(key), []).append(i)
         hits = [False] * len(keys)
+        if not self._allow():
+            self._count(TierMetrics.LOOKUP_FAILURES)
+            return hits
         try:
             for group, indices in by_group.items():
                 order = sorted(indices, key=lambda i: _position(req_context, keys[i], i))
@@ -202,10 +217,29 @@ class KVCacheTier(SecondaryTierManager):
                         found = self._client.lookup(self._ns, [kv_keys[i]], timeout_s=self.config.lookup_timeout_s)
                         hits[i] = found.prefix_length == 1
         except CALL_ERRORS as exc:
+            self._failed()
             log.warning("kvcache lookup of %d chunks failed (misses): %s", len(keys), exc)
             self._count(TierMetrics.LOOKUP_FAILURES)
             return [False] * len(keys)
+        self._succeeded()
         return hits
+
+    # -- the breaker (lookup and job threads) ------------------------------------------------------
+
+    def _allow(self) -> bool:
+        with self._breaker_lock:
+            return self._breaker.allow()
+
+    def _succeeded(self) -> None:
+        with self._breaker_lock:
+            self._breaker.success()
+
+    def _failed(self) -> None:
+        with self._breaker_lock:
+            opened = self._breaker.failure()
+        if opened:
+            cooldown = self._breaker.cooldown_s
+            log.warning("kvcache tier: server %s failed; not calling it for %.1f s", self.config.target, cooldown)
 
     @override
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
@@ -228,15 +262,22 @@ class KVCacheTier(SecondaryTierManager):
             started = time.monotonic()
             ok = False
             try:
+                if not self._allow():
+                    raise ServerSkipped(f"server {self.config.target} failed recently (breaker open)")
                 items = [
                     (k, encode_block_parts(self._row(r), key=k, dtype=DType.UINT8, shape=(self.block_size_bytes,)))
                     for k, r in zip(self.namespace.keys(keys), rows, strict=True)
                 ]
-                result = self._client.put_many(self._ns, items)
+                try:
+                    result = self._client.put_many(self._ns, items)
+                except CALL_ERRORS:
+                    self._failed()
+                    raise
+                self._succeeded()
                 ok = result.stored == len(items)
                 if not ok:
                     log.warning("kvcache stored %d of %d chunks (job %d)", result.stored, len(items), job_id)
-            except CALL_ERRORS as exc:
+            except (*CALL_ERRORS, ServerSkipped) as exc:
                 log.warning("kvcache store of %d chunks failed (job %d): %s", len(keys), job_id, exc)
             finally:  # always a result, even on a bug (re-raised after, JobThread logs it)
                 self._count(TierMetrics.STORED_CHUNKS if ok else TierMetrics.STORE_FAILED_JOBS, len(keys) if ok else 1)
@@ -255,8 +296,15 @@ class KVCacheTier(SecondaryTierManager):
             started = time.monotonic()
             found = [False] * len(keys)
             try:
-                found = self._client.get_into(self._ns, self.namespace.keys(keys), [self._row(r) for r in rows])
-            except CALL_ERRORS as exc:
+                if not self._allow():
+                    raise ServerSkipped(f"server {self.config.target} failed recently (breaker open)")
+                try:
+                    found = self._client.get_into(self._ns, self.namespace.keys(keys), [self._row(r) for r in rows])
+                except CALL_ERRORS:
+                    self._failed()
+                    raise
+                self._succeeded()
+            except (*CALL_ERRORS, ServerSkipped) as exc:
                 log.warning("kvcache load of %d chunks failed (job %d): %s", len(keys), job_id, exc)
             finally:
                 loaded = [k for k, hit in zip(keys, found, strict=True) if hit]
@@ -318,6 +366,8 @@ class KVCacheTier(SecondaryTierManager):
         self.drain_jobs()
         self._lookups.shutdown()
         self._client.close()
+        # No job uses the rows any more: let vLLM unmap its CPU region (an exported view kept it mapped).
+        self._rows.release()
 
     # -- metrics ---------------------------------------------------------------------------------
 
