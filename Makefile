@@ -22,10 +22,10 @@ serve: install-server
 	$(BIN)/kvcache-server $(ARGS)
 
 system-deps:
-	@{ command -v redis-server && command -v redis-cli; } >/dev/null 2>&1 || { \
-	  echo "installing redis-server and redis-cli (Debian packages; the Redis Cluster tests use both)"; \
+	@{ command -v redis-server && command -v redis-cli && command -v promtool; } >/dev/null 2>&1 || { \
+	  echo "installing redis-server, redis-cli and promtool (Debian packages; the Redis Cluster tests use the first two, tests/test_monitoring.py promtool)"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server redis-tools >/dev/null; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server redis-tools prometheus >/dev/null; }
 
 install-test: $(BIN)/python system-deps
 	$(PIP) install --quiet "$(TORCH_CPU)"
