@@ -21,7 +21,7 @@ COPY kvcache_router /src/kvcache_router
 RUN pip install "/src[router]" && rm -rf /src
 
 RUN useradd --system --uid 10002 --user-group --no-create-home --shell /usr/sbin/nologin kvcache-router
-USER kvcache-router
+USER 10002:10002
 
 EXPOSE 8000
 

@@ -273,7 +273,12 @@ def test_server_image_definition() -> None:
     user = one(dockerfile, "USER")
     assert user not in {"root", "0"} and not user.startswith(("root:", "0:"))
     (useradd,) = [args for word, args in instructions(dockerfile) if word == "RUN" and args.startswith("useradd ")]
-    assert "--system" in useradd.split() and useradd.endswith(f" {user}")
+    # Numeric, so that a pod's runAsNonRoot can verify it (deploy/kubernetes/): the uid useradd gives, and
+    # the same number as gid (useradd --user-group takes the uid as gid when it is free, as it is here).
+    assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", user), user
+    uid, gid = user.split(":")
+    assert uid == gid
+    assert "--system" in useradd.split() and f"--uid {uid}" in useradd and "--user-group" in useradd.split()
     word_order = [word for word, _ in instructions(dockerfile)]
     assert word_order.index("USER") < word_order.index("ENTRYPOINT")
 
@@ -420,7 +425,7 @@ def test_router_image_definition() -> None:
     assert 'pip install "/src[router]"' in " ".join(args for word, args in instructions(dockerfile) if word == "RUN")
     assert json.loads(one(dockerfile, "ENTRYPOINT")) == ["kvcache-router"]
     assert json.loads(one(dockerfile, "CMD")) == ["--config", ROUTER_CONFIG_PATH]
-    assert one(dockerfile, "USER") not in {"root", "0"}
+    assert re.fullmatch(r"[1-9]\d*:[1-9]\d*", one(dockerfile, "USER"))  # numeric, not root
     healthcheck = json.loads(one(dockerfile, "HEALTHCHECK").partition(" CMD ")[2])
     port = router_config().http.port
     assert f"127.0.0.1:{port}/health" in healthcheck[-1] and one(dockerfile, "EXPOSE") == str(port)
