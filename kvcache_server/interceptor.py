@@ -9,7 +9,9 @@ block bytes or token ids: handlers log keys' hex at most.
 
 Every KVCache call but Info is admitted against the global and its tenant's
 caps (kvcache_server.admission) once authenticated; health, reflection and Info
-never are. A call that ends early (client cancel, deadline) logs one line.
+never are. A call that ends early (client cancel, deadline) logs one line; so does every other failed
+call, with its request id and status: WARNING for a failure on the server's side (SERVER_SIDE_CODES),
+INFO for the caller's (INVALID_ARGUMENT, NOT_FOUND, a refusal, ...). At DEBUG every call logs one line.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ log = logging.getLogger(__name__)
 KVCACHE_SERVICE = "kvcache.v1.KVCache"
 UNCOUNTED_METHODS = frozenset({"Info"})
 """KVCache methods never refused for capacity (health and reflection are other services, never counted)."""
+
+SERVER_SIDE_CODES = frozenset({"INTERNAL", "UNKNOWN", "DATA_LOSS", "UNAVAILABLE", "UNIMPLEMENTED"})
+"""Status codes that mean the server (or a tier behind it) failed, logged at WARNING; others at INFO."""
 
 REQUEST_ID_HEADER = "x-request-id"
 request_id: contextvars.ContextVar[str] = contextvars.ContextVar("kvcache_request_id", default="-")
@@ -99,11 +104,12 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
 
         class Call:
             """One call from admission to its end: reports its status code and duration, releases its
-            slot, and logs one line when it ended early."""
+            slot, and logs one line when it failed or ended early (at DEBUG, one line in any case)."""
 
             def __init__(self, context: grpc.aio.ServicerContext) -> None:
                 self.context = context
                 self.admitted = False
+                self.logged = False  # a refusal logged its own line
                 self.tenant: str | None = None
 
             async def __aenter__(self) -> Call:
@@ -119,14 +125,16 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
                     try:
                         principal = auth.check(method, metadata)
                     except AuthError as exc:
-                        log.info("refused %s: %s", method, exc)
+                        self.logged = True
+                        log.info("refused %s (request %s): %s", method, rid, exc)
                         await context.abort(grpc.StatusCode[exc.code_name], str(exc), ((REQUEST_ID_HEADER, rid),))
                     current_principal.set(principal)
                     self.tenant = principal.tenant
                 if admission is not None:
                     refusal = admission.acquire(self.tenant)
                     if refusal is not None:
-                        log.info("refused %s: %s", method, refusal)
+                        self.logged = True
+                        log.info("refused %s (request %s): %s", method, rid, refusal)
                         await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, ((REQUEST_ID_HEADER, rid),))
                     self.admitted = True
                 await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
@@ -149,9 +157,18 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
                         rid,
                         time.perf_counter() - self.start,
                     )
+                    self.logged = True
                 else:
                     code = "UNKNOWN"
-                observer.rpc(method, code, time.perf_counter() - self.start)
+                elapsed_s = time.perf_counter() - self.start
+                observer.rpc(method, code, elapsed_s)
+                if code != "OK":
+                    if not self.logged:  # log.log formats nothing unless its level is enabled
+                        level = logging.WARNING if code in SERVER_SIDE_CODES else logging.INFO
+                        log.log(level if ours else logging.DEBUG, "%s (request %s) failed: %s after %.3fs",
+                                method, rid, code, elapsed_s)
+                elif log.isEnabledFor(logging.DEBUG):
+                    log.debug("%s (request %s) OK in %.3fs", method, rid, elapsed_s)
                 return False
 
         def unary(behavior: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:

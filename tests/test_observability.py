@@ -320,3 +320,26 @@ def test_a_get_past_its_deadline_logs_one_line(make_server, caplog: pytest.LogCa
         assert [(r.levelname, r.name) for r in lines(f"short-{i}")] in ([], [("INFO", "kvcache_server.interceptor")])
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
     assert "Traceback" not in caplog.text
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_call_logs_one_line_with_its_request_id(make_server, caplog: pytest.LogCaptureFixture) -> None:
+    server: ServerThread = make_server(ram={"capacity_bytes": 16 << 20}, shm={"enabled": False})
+    caplog.set_level(logging.DEBUG, logger="kvcache_server.interceptor")
+    caplog.handler.addFilter(RequestIdFilter())
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.KVCacheStub(channel)
+        with pytest.raises(grpc.RpcError) as failed:  # a key of the wrong length: the caller's error
+            stub.Lookup(pb.LookupRequest(namespace=NS, keys=[b"short"]), metadata=(("x-request-id", "bad-1"),))
+        assert failed.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        stub.Lookup(pb.LookupRequest(namespace=NS, keys=[os.urandom(16)]), metadata=(("x-request-id", "good-1"),))
+    server.stop()
+
+    def lines(request: str) -> list[logging.LogRecord]:
+        return [r for r in caplog.records if request in r.getMessage()]
+
+    [bad] = lines("bad-1")
+    assert (bad.levelname, bad.name, bad.request_id) == ("INFO", "kvcache_server.interceptor", "bad-1")
+    assert "INVALID_ARGUMENT" in bad.getMessage()
+    [good] = lines("good-1")  # at DEBUG, one line per call
+    assert good.levelname == "DEBUG" and "Lookup (request good-1) OK" in good.getMessage()
