@@ -27,6 +27,7 @@ import logging
 import mmap
 import os
 import secrets
+import time
 from dataclasses import dataclass, field
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,11 @@ _MADV_POPULATE_WRITE = 23
 """Linux >= 5.14: fault every page in, writable, in one call (Python 3.11's mmap lacks the name)."""
 
 PAGE = mmap.PAGESIZE
+PREFAULT_STEPS = 10
+PREFAULT_PROGRESS_INTERVAL_S = 2.0
+"""Faulting in logs a progress line at each tenth done once this long has passed since the last line
+(an 8 GiB arena under load took 90 s: an operator sees why the server is not ready yet), then one line
+with the time taken."""
 
 
 def align(n: int) -> int:
@@ -99,15 +105,28 @@ class Region:
     def _prefault(self) -> str:
         with contextlib.suppress(OSError, AttributeError, ValueError):
             self._map.madvise(mmap.MADV_HUGEPAGE)  # shmem honours it only where shmem_enabled allows
-        try:
-            self._map.madvise(_MADV_POPULATE_WRITE)
-            return "populate"
-        except (OSError, ValueError):
-            pass
-        import numpy as np  # a strided write touches one byte per page at C speed
+        start = last = time.monotonic()
+        # In tenths (each a whole number of 2 MiB huge pages, so madvise's start stays aligned).
+        step = -(-self.size // PREFAULT_STEPS // (2 << 20)) * (2 << 20) or self.size
+        how = "populate"
+        for offset in range(0, self.size, step):
+            length = min(step, self.size - offset)
+            if how == "populate":
+                try:
+                    self._map.madvise(_MADV_POPULATE_WRITE, offset, length)
+                except (OSError, ValueError):
+                    how = "touch"
+            if how == "touch":
+                import numpy as np  # a strided write touches one byte per page at C speed
 
-        np.frombuffer(self._map, dtype=np.uint8)[::PAGE] = 0
-        return "touch"
+                np.frombuffer(self._map, dtype=np.uint8, count=length, offset=offset)[::PAGE] = 0
+            now = time.monotonic()
+            if offset + length < self.size and now - last >= PREFAULT_PROGRESS_INTERVAL_S:
+                last = now
+                log.info("arena: faulting in %d MiB: %d%% after %.1fs", self.size >> 20,
+                         100 * (offset + length) // self.size, now - start)
+        log.info("arena: faulted in %d MiB in %.2fs (%s)", self.size >> 20, time.monotonic() - start, how)
+        return how
 
     def close(self) -> None:
         """Removes the file (clients' mappings stay valid until they unmap) and unmaps the region.

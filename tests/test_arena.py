@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import random
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 from kvcache_core.errors import ChecksumMismatch
 from kvcache_core.format import verify_block
+from kvcache_server import arena as arena_module
 from kvcache_server.arena import ARENA_PREFIX, SLOT_ALIGN, Extents, Region, align, remove_dead_arenas
 from kvcache_server.tiers.ram import ENTRY_OVERHEAD_BYTES, RamTier
 from tests.conftest import raw_block
@@ -339,3 +341,24 @@ def test_rss_stays_within_the_arena_plus_its_stated_overhead_under_a_flood(tmp_p
     assert evictions > 1000
     # The arena, the index's stated overhead, and the flood's own transient 1 MiB buffers.
     assert peak <= arena + blocks * ENTRY_OVERHEAD_BYTES + (8 << 20), (arena, peak, blocks)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("madvise_works", [True, False])
+def test_prefault_logs_progress_and_the_time_taken(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch, madvise_works: bool
+) -> None:
+    monkeypatch.setattr(arena_module, "PREFAULT_PROGRESS_INTERVAL_S", 0.0)  # a line at every tenth
+    if not madvise_works:  # an unknown advice fails as MADV_POPULATE_WRITE does on kernels before 5.14
+        monkeypatch.setattr(arena_module, "_MADV_POPULATE_WRITE", 999)
+    caplog.set_level(logging.INFO, logger="kvcache_server.arena")
+    region = Region(40 << 20, str(tmp_path))  # 40 MiB: tenths of 4 MiB
+    try:
+        lines = [r.getMessage() for r in caplog.records if r.name == "kvcache_server.arena"]
+        progress = [m for m in lines if m.startswith("arena: faulting in 40 MiB: ")]
+        assert [m.split(": ")[2].split("%")[0] for m in progress] == [str(10 * i) for i in range(1, 10)]
+        assert lines[-1].startswith("arena: faulted in 40 MiB in ") and lines[-1].endswith(f"({region.prefault})")
+        assert region.prefault == ("populate" if madvise_works else "touch")
+        assert os.stat(region.path).st_blocks * 512 >= 40 << 20  # every page is there
+    finally:
+        region.close()
