@@ -275,3 +275,12 @@ def test_every_example_option_has_a_help_text_and_its_default(script: str, optio
     assert [flags for flags, text in entries.items() if not text] == []
     # Every option but --help and the required --out shows its default.
     assert [f for f, text in entries.items() if "default" not in text and f not in {"-h, --help", "--out OUT"}] == []
+
+
+@pytest.mark.timeout(10)
+def test_client_reprs_name_target_and_transport_choices_never_the_token() -> None:
+    with KVCacheClient("host-a:51051", token="sekret-token", shm=False, timeout_s=5.0) as client:
+        assert repr(client) == "KVCacheClient(target='host-a:51051', tls=False, shm=False, bulk=True, timeout_s=5.0)"
+    aclient = AsyncKVCacheClient("host-b:1", token="sekret-token", tls=True, bulk=False)
+    assert repr(aclient) == "AsyncKVCacheClient(target='host-b:1', tls=True, shm=True, bulk=False, timeout_s=30.0)"
+    assert "sekret" not in repr(client) + repr(aclient)

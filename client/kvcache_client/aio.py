@@ -29,7 +29,7 @@ from kvcache_client.client import (
     namespace_name,
     verified,
 )
-from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata
+from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, describe
 from kvcache_client.errors import DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.shm import CallEnded, run_to_end
@@ -85,6 +85,9 @@ class AsyncKVCacheClient:
             raise ValueError("timeout_s must be positive")
         self.target = target
         self._timeout_s = timeout_s
+        self._described = describe(
+            target, tls=tls, shm=shm, bulk=bulk, custom=transport is not None, timeout_s=timeout_s
+        )
         self._retry = retry or RetryPolicy()
         self._transport: AsyncTransport | None = transport
         self._loop: asyncio.AbstractEventLoop | None = None  # set on first use
@@ -100,6 +103,9 @@ class AsyncKVCacheClient:
                 AsyncGrpcTransport(channel(), metadata=metadata, shm=shm), link
             )
         self.corrupt_blocks = 0
+
+    def __repr__(self) -> str:
+        return f"AsyncKVCacheClient({self._described})"
 
     @classmethod
     def connect(cls, target: str = DEFAULT_TARGET, **kwargs: object) -> AsyncKVCacheClient:

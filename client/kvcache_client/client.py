@@ -36,7 +36,7 @@ import numpy as np
 from kvcache_client import keys as _keys
 from kvcache_client.arena import LeasedBlocks, copy_payload_into
 from kvcache_client.bulk import DEFAULT_CONNECTIONS, BulkLink, BulkTransport, bearer_token
-from kvcache_client.connection import TLSConfig, auth_metadata, make_channel
+from kvcache_client.connection import TLSConfig, auth_metadata, describe, make_channel
 from kvcache_client.errors import BlockFormatError, DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.transport import (
@@ -152,6 +152,9 @@ class KVCacheClient:
             raise ValueError("timeout_s must be positive")
         self.target = target
         self._timeout_s = timeout_s
+        self._described = describe(
+            target, tls=tls, shm=shm, bulk=bulk, custom=transport is not None, timeout_s=timeout_s
+        )
         self._retry = retry or RetryPolicy()
         self.bulk: BulkLink | None = None  # the bulk path's state and counters (None with a custom transport)
         if transport is None:
@@ -164,6 +167,9 @@ class KVCacheClient:
             transport = BulkTransport(grpc_transport, self.bulk)
         self._transport: Transport = transport
         self.corrupt_blocks = 0
+
+    def __repr__(self) -> str:
+        return f"KVCacheClient({self._described})"
 
     @classmethod
     def connect(cls, target: str = DEFAULT_TARGET, **kwargs: object) -> KVCacheClient:

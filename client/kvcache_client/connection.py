@@ -58,6 +58,13 @@ RECONNECT_BACKOFF_MS = (100, 1000)
 """How soon a channel tries again to reach a server it lost: first after 100 ms, at most every second."""
 
 
+def describe(target: str, *, tls: TLSConfig | bool, shm: bool, bulk: bool, custom: bool, timeout_s: float) -> str:
+    """The fields of a client's repr: where it connects and how, never its token."""
+    if custom:
+        return f"target={target!r}, transport=custom, timeout_s={timeout_s}"
+    return f"target={target!r}, tls={bool(tls)}, shm={shm}, bulk={bulk}, timeout_s={timeout_s}"
+
+
 def auth_metadata(token: str | None) -> Metadata:
     """The metadata carrying `token`, or the KVCACHE_TOKEN environment variable's, or none."""
     token = token if token is not None else os.environ.get(TOKEN_ENV)
