@@ -7,6 +7,7 @@ main(argv) in this process, which is the same code without the interpreter start
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
 import socket
@@ -18,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from kvcache_client import KVCacheClient, Namespace, chunk_keys, encode_block
-from kvcache_client._cli.bench import percentile
+from kvcache_client._cli.bench import Progress, percentile
 from kvcache_client._cli.render import hit_ratio, human_bytes, human_duration
 from kvcache_client.cli import EXIT_CODES, main
 from kvcache_core.keys import HEADS_LAYOUT_VERSION
@@ -416,10 +417,24 @@ def test_bench_keep_and_forced_progress(capsys: pytest.CaptureFixture[str], serv
     assert title.endswith(" kept")
     assert header.split() == ["calls", "blocks", "MB/s", "p50", "ms", "p99", "ms"]
     assert put.split()[:3] == ["put", "3", "3"] and get.split()[:3] == ["get", "3", "3"]
-    assert "put  [##########--------------------] 1/3 blocks" in err
-    assert err.endswith("\r\x1b[2K")
+    # stderr is not a terminal here: plain lines, no carriage returns or escape codes
+    assert "put   33% 1/3 blocks" in err and err.endswith("\n")
+    assert "\r" not in err and "\x1b" not in err
     with KVCacheClient(server.target) as client:
         assert client.stats().tier("ram").blocks == 3
+
+
+@pytest.mark.timeout(10)
+def test_bench_progress_on_a_terminal_is_one_bar_rewritten_in_place() -> None:
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    stream = Terminal()
+    progress = Progress(stream, True)
+    progress.update("put", 1 / 3, "1/3 blocks", force=True)
+    progress.close()
+    assert stream.getvalue() == "\r\x1b[2Kput  [##########--------------------] 1/3 blocks\r\x1b[2K"
 
 
 def test_bench_blocks_over_the_servers_limit_exit_4(server: ServerThread) -> None:

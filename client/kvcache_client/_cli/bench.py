@@ -29,14 +29,17 @@ NAMESPACE_PREFIX = "kvcache-bench-"
 
 
 class Progress:
-    """A one-line progress bar rewritten in place on a terminal; silent when disabled."""
+    """A one-line progress bar rewritten in place on a terminal; into a file or pipe, one plain line per
+    update (no carriage returns or escape codes), at most every LINE_INTERVAL_S; silent when disabled."""
 
     WIDTH = 30
     INTERVAL_S = 0.1
+    LINE_INTERVAL_S = 1.0
 
     def __init__(self, stream: TextIO, enabled: bool) -> None:
         self._stream = stream
         self._enabled = enabled
+        self._terminal = enabled and stream.isatty()
         self._last = 0.0
         self._shown = False
 
@@ -44,14 +47,18 @@ class Progress:
         if not self._enabled:
             return
         now = time.monotonic()
-        if not force and now - self._last < self.INTERVAL_S:
+        if not force and now - self._last < (self.INTERVAL_S if self._terminal else self.LINE_INTERVAL_S):
             return
         self._last = now
-        filled = round(self.WIDTH * min(1.0, max(0.0, fraction)))
-        bar = "#" * filled + "-" * (self.WIDTH - filled)
-        self._stream.write(f"\r\x1b[2K{label:<4} [{bar}] {detail}")
+        fraction = min(1.0, max(0.0, fraction))
+        if self._terminal:
+            filled = round(self.WIDTH * fraction)
+            bar = "#" * filled + "-" * (self.WIDTH - filled)
+            self._stream.write(f"\r\x1b[2K{label:<4} [{bar}] {detail}")
+            self._shown = True
+        else:
+            self._stream.write(f"{label:<4} {100 * fraction:3.0f}% {detail}\n")
         self._stream.flush()
-        self._shown = True
 
     def close(self) -> None:
         """Clears the bar's line, so what is printed next starts on a clean line."""
