@@ -120,6 +120,18 @@ def test_kvcache_service_config_ports_and_mount() -> None:
     }
 
 
+def test_the_docs_services_table_lists_every_port() -> None:
+    """docs/deployment.md's services table names each service's published ports and the server's metrics port."""
+    doc = (REPO / "docs" / "deployment.md").read_text()
+    table = doc[doc.index("## The services") :].split("\n\n")[1]
+    rows = {line.split("|")[1].strip().strip("`"): line.split("|")[4] for line in table.splitlines()[2:]}
+    cfg = config()
+    for name, svc in compose()["services"].items():
+        for _, host_port in published(svc).values() if "ports" in svc else ():
+            assert str(host_port) in rows[name], (name, host_port)
+    assert all(str(p) in rows["kvcache"] for p in (cfg.server.port, cfg.bulk.port, cfg.metrics.port))
+
+
 def test_memory_limit_covers_the_configured_budgets() -> None:
     """mem_limit >= RAM + in-flight budget + the lower tiers' queues + ~80 MiB baseline (docs/limits.md)."""
     cfg = config()
