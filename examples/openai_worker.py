@@ -355,6 +355,12 @@ class Worker:
         await response.prepare(request)
         envelope = self._envelope(body, chat=chat, chunk=True)
         with_ids = bool(body.get("return_token_ids"))
+        # OpenAI's stream_options.include_usage: every chunk carries "usage": null, and one last chunk
+        # (no choices) the usage; without it no chunk has usage.
+        options = body.get("stream_options")
+        include_usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        if include_usage:
+            envelope["usage"] = None
 
         async def send(choice: dict[str, Any], **extra: Any) -> None:
             await response.write(f"data: {json.dumps({**envelope, 'choices': [choice], **extra})}\n\n".encode())
@@ -382,10 +388,11 @@ class Worker:
             out = await job
             last: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
             last.update({"delta": {}} if chat else {"text": ""})
-            extra: dict[str, Any] = {"usage": self._usage(prompt, out)}
-            if with_ids:
-                extra["prompt_token_ids"] = prompt
+            extra: dict[str, Any] = {"prompt_token_ids": prompt} if with_ids else {}
             await send(last, **extra)
+            if include_usage:
+                usage = {**envelope, "choices": [], "usage": self._usage(prompt, out)}
+                await response.write(f"data: {json.dumps(usage)}\n\n".encode())
             await response.write(b"data: [DONE]\n\n")
         finally:
             cancelled.set()  # a client that went away stops the generation at the next token

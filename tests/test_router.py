@@ -226,6 +226,28 @@ def test_streamed_completion_gives_the_same_tokens(router: RouterProcess, ref: R
     assert headers["X-KVCache-Route"] == "skip"
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_streamed_usage_only_with_stream_options_include_usage(
+    router: RouterProcess, ref: Reference, include_usage: bool
+) -> None:
+    prompt = words(CHUNK + 3, seed=30 + include_usage)
+    body = {"prompt": prompt, "max_tokens": NEW_TOKENS, "stream": True,
+            "stream_options": {"include_usage": include_usage}}  # fmt: skip
+    status, _, raw = post(f"{router.url}/v1/completions", body)
+    assert status == 200, raw
+    chunks = events(raw)
+    assert chunks[-1] == "[DONE]"
+    if not include_usage:
+        assert not [c for c in chunks[:-1] if "usage" in c]
+        return
+    *tokens, usage = chunks[:-1]
+    assert all(c["usage"] is None and len(c["choices"]) == 1 for c in tokens)
+    assert usage["choices"] == [] and usage["usage"]["prompt_tokens"] == len(ref.encode(prompt))
+    assert usage["usage"]["completion_tokens"] == NEW_TOKENS
+    assert usage["usage"]["total_tokens"] == len(ref.encode(prompt)) + NEW_TOKENS
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_chat_completion_gives_the_tokens_of_the_chat_template(
     router: RouterProcess, ref: Reference, stream: bool
