@@ -1,5 +1,8 @@
 """Replays a multi-turn trace through Lookup, Get and Put, Redis below a small RAM tier: hit ratio and lost hits.
 
+(One file over 500 lines on purpose: a benchmark run as a script, whose trace, ideal and replay are read
+together; nothing in it is imported elsewhere.)
+
 Run from the repository root with the project's virtualenv:
 
     python bench/bench_trace_replay.py                            # full run (~25 s)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,28 +35,10 @@ from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
 
-from kvcache_client import KVCacheClient
 from kvcache_connectors.vllm_tier import KVCacheTier
+from kvcache_server.launcher import LocalKVCacheServer
 from tests.vllm.harness import write_model_dir
 from tests.vllm.tier_harness import finished, offload_keys, offloading_config, tier_entry
-
-
-def start_server(ram: str) -> tuple[subprocess.Popen[bytes], str]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "kvcache_server", "--port", str(port), "--ram-capacity", ram])
-    target = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    with KVCacheClient(target, timeout_s=1) as client:
-        while True:
-            try:
-                client.stats()
-                return proc, target
-            except Exception:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
 
 
 def run(tier: SecondaryTierManager, buffer: torch.Tensor, n: int, repeat: int, prompt: int) -> dict[str, float]:
@@ -106,7 +86,8 @@ def main() -> None:
     view = memoryview(buffer.numpy())
     tmp = Path(tempfile.mkdtemp())
     model_dir = write_model_dir(tmp / "model")
-    proc, target = start_server(f"{max(1, 4 * n * chunk >> 30) + 1}GiB")
+    server = LocalKVCacheServer("--ram-capacity", f"{max(1, 4 * n * chunk >> 30) + 1}GiB")
+    target = server.start()
     results: dict[str, dict[str, float]] = {}
     try:
         entries: dict[str, dict[str, Any]] = {
@@ -127,8 +108,7 @@ def main() -> None:
         results["memcpy"] = {"store_GBps": args.repeat * n * chunk / (time.perf_counter() - t0) / 1e9}
         results["memcpy"]["load_GBps"] = results["memcpy"]["store_GBps"]
     finally:
-        proc.terminate()
-        proc.wait(10)
+        server.stop()
     print(f"{n} chunks of {chunk / (1 << 20):.1f} MiB ({n * chunk / (1 << 20):.0f} MiB), best of {args.repeat}")
     print(f"{'tier':22} {'store GB/s':>11} {'load GB/s':>10} {'lookup ms':>10}")
     for name, r in results.items():
