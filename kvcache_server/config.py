@@ -1,5 +1,8 @@
 """The server's configuration: one typed, frozen config, read once at start-up.
 
+(Over 500 lines on purpose: one dataclass per TOML section, each a flat list of fields with its
+comment and validation; the sections are read together and kept in one place as docs/ cite them.)
+
 Sources, later ones winning: built-in defaults, a TOML file (`--config` or
 KVCACHE_CONFIG), environment variables, command-line flags. Every field has
 one name in each source:
