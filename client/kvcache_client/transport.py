@@ -140,6 +140,7 @@ class GrpcTransport:
         if info is None:
             self.arena.off("the server has no Info call")
         else:
+            self.shm.handoff_from(info.shm_socket, info.server_uid, self._md)  # another Unix user's path
             self.arena.configure(info.arena_path, info.arena_bytes, info.max_keys_per_request, info.max_block_bytes)
         self._info_done = True
 
@@ -340,6 +341,8 @@ class AsyncGrpcTransport:
         if info is None:
             self.arena.off("the server has no Info call")
         else:
+            # Another Unix user's path: a connect to the server's segment socket, off the event loop.
+            await asyncio.to_thread(self.shm.handoff_from, info.shm_socket, info.server_uid, self._md)
             # Mapping a large arena populates it: off the event loop.
             await asyncio.to_thread(
                 self.arena.configure,
