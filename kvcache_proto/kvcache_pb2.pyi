@@ -267,7 +267,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls", "arena_path", "arena_bytes")
+    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls", "arena_path", "arena_bytes", "shm_socket", "server_uid")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -278,6 +278,8 @@ class InfoResponse(_message.Message):
     BULK_TLS_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SERVER_UID_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_block_bytes: int
     max_keys_per_request: int
@@ -288,7 +290,9 @@ class InfoResponse(_message.Message):
     bulk_tls: bool
     arena_path: str
     arena_bytes: int
-    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ...) -> None: ...
+    shm_socket: str
+    server_uid: int
+    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., shm_socket: _Optional[str] = ..., server_uid: _Optional[int] = ...) -> None: ...
 
 class ArenaReserveRequest(_message.Message):
     __slots__ = ("namespace", "lengths")

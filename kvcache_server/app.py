@@ -23,6 +23,7 @@ from kvcache_server.auth import Authenticator, TokenStore
 from kvcache_server.bulk import BulkListener
 from kvcache_server.config import LowerTierSection, RedisSection, ServerConfig, ShmSection, TlsSection, is_loopback
 from kvcache_server.events import EventHub
+from kvcache_server.handoff import HandoffListener, HandoffRegistry
 from kvcache_server.interceptor import RequestContextInterceptor
 from kvcache_server.metrics import Metrics
 from kvcache_server.observe import NullObserver, Observer
@@ -57,6 +58,7 @@ class RunningServer:
     trim_task: asyncio.Task[None] | None = None
     bulk: BulkListener | None = None
     service: KVCacheService | None = None
+    handoff: HandoffListener | None = None
 
     @property
     def target(self) -> str:
@@ -81,6 +83,8 @@ class RunningServer:
         dropped = await self.stack.close(c.drain_deadline_s if drain_deadline_s is None else drain_deadline_s)
         if self.metrics is not None:
             self.metrics.close()
+        if self.handoff is not None:
+            await asyncio.to_thread(self.handoff.stop)
         if self.shm is not None:
             self.shm.close()
         return dropped
@@ -319,6 +323,8 @@ async def create_server(config: ServerConfig) -> RunningServer:
         )
         await bulk.start()
         service.bulk = bulk
+    handoff = _open_handoff(config.shm, shm, tokens)
+    service.handoff = handoff
     await server.start()
     running = RunningServer(
         server=server,
@@ -332,6 +338,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
         shm=shm,
         bulk=bulk,
         service=service,
+        handoff=handoff,
     )
     if shm is not None:
         running.shm_task = asyncio.create_task(_sweep_shm(shm, config.shm.stale_after_s), name="kvcache-shm-sweep")
@@ -410,6 +417,32 @@ def _open_shm(section: ShmSection) -> ShmDirectory | None:
     except OSError as exc:
         log.warning("shared-memory path off: %s", exc)
         return None
+
+
+def _open_handoff(section: ShmSection, shm: ShmDirectory | None, tokens: TokenStore | None) -> HandoffListener | None:
+    """The segment socket for same-host clients of other users, or None (off, no shm path, or the
+    path cannot be bound: logged, those clients use gRPC and the bulk port)."""
+    if shm is None or not section.socket:
+        return None
+
+    def tenant_of(token: str) -> str | None:
+        principal = tokens.authenticate(token) if tokens is not None else None
+        return principal.tenant if principal is not None else None
+
+    listener = HandoffListener(
+        section.socket_path or f"{shm.path}.sock",
+        HandoffRegistry(),
+        tenant_of if tokens is not None else None,
+        mode=section.socket_mode,
+        max_connections=section.max_socket_connections,
+        max_segments_per_connection=section.max_segments_per_connection,
+    )
+    try:
+        listener.start()
+    except OSError as exc:
+        log.warning("segment socket off (clients of other Unix users use gRPC): %s", exc)
+        return None
+    return listener
 
 
 async def _sweep_shm(shm: ShmDirectory, stale_after_s: float) -> None:

@@ -439,10 +439,24 @@ class ShmSection:
     # With auth and several tenants the arena is not shared (any process of the server's user could
     # map every tenant's blocks) unless this says their same-host clients may trust each other.
     share_arena_across_tenants: bool = False
+    # A Unix socket on which same-host clients of another Unix user hand the server their segments
+    # (memfd descriptors; docs/shm.md "Clients of another user"). "" means `dir` + ".sock".
+    socket: bool = True
+    socket_path: str = ""
+    # Who may connect (octal in TOML: 0o666 anyone on the host, 0o660 the socket's group); tokens
+    # and tenants apply to what is done with the segments, as on gRPC.
+    socket_mode: int = 0o666
+    # Connections in all (a Unix user may hold half of them) and segments one connection may hand over.
+    max_socket_connections: int = 1024
+    max_segments_per_connection: int = 64
 
     def validate(self) -> None:
         if self.stale_after_s <= 0:
             raise ConfigError("shm.stale_after_s must be positive")
+        if not 0 <= self.socket_mode <= 0o777:
+            raise ConfigError("shm.socket_mode must be a permission mode (0o000 to 0o777)")
+        if self.max_socket_connections < 1 or self.max_segments_per_connection < 1:
+            raise ConfigError("shm.max_socket_connections and shm.max_segments_per_connection must be >= 1")
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,6 +39,8 @@ from kvcache_server.budget import Holding, MemoryBudget
 from kvcache_server.bulk import BulkListener
 from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow, TooManySubscribers
+from kvcache_server.handoff import PREFIX as HANDED_PREFIX
+from kvcache_server.handoff import HandoffListener
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.pipeline import Counters
 from kvcache_server.pipeline.get import BlockSizes, GetStages
@@ -99,6 +101,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         self.block_sizes = BlockSizes()  # namespace -> largest block seen (Get windows, here and bulk)
         self.cut_off = 0  # Put streams gone quiet and Gets not read, ended by the server
         self.bulk: BulkListener | None = None  # the bulk path, advertised in Info (set by the app)
+        self.handoff: HandoffListener | None = None  # the segment socket, advertised in Info (set by the app)
 
     def counters(self) -> dict[str, int]:
         """Service-level counters, for metrics."""
@@ -221,6 +224,12 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
                 os.close(fd)
 
     def _open_segment(self, name: str, *, writable: bool) -> tuple[int, int]:
+        if name.startswith(HANDED_PREFIX):  # a memfd a client of another user handed over (handoff.py)
+            if self.handoff is None:
+                raise ShmError(
+                    grpc.StatusCode.FAILED_PRECONDITION, "this server has no segment socket (Info.shm_socket is empty)"
+                )
+            return self.handoff.registry.open(name, self._tenant(), writable=writable)
         if self._shm is None:
             raise ShmError(
                 grpc.StatusCode.FAILED_PRECONDITION, "this server has no shared-memory path (Info.shm_dir is empty)"
@@ -330,4 +339,6 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             bulk_tls=self.bulk is not None and self.bulk.tls,
             arena_path=self._stack.ram.region.path,
             arena_bytes=self._stack.ram.region.size if self._stack.ram.region.path else 0,
+            shm_socket=self.handoff.path if self.handoff is not None else "",
+            server_uid=os.geteuid(),
         )
