@@ -435,15 +435,30 @@ TRANSFORMERS_CASES = [
 ]
 
 
-def transformers_expected(inputs: Mapping[str, Any]) -> dict[str, Any]:
+TEXT_CONFIG_ATTRIBUTES = ("num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size")
+
+
+def make_model(inputs: Mapping[str, Any]) -> SimpleNamespace:
+    """A stand-in for a PreTrainedModel: a real transformers config and a dtype (all namespace_for_model reads)."""
     config_dict = dict(inputs["config"])
     name_or_path = config_dict.pop("_name_or_path")
     commit_hash = config_dict.pop("_commit_hash", None)
     config = CONFIG_CLASSES[inputs["config_class"]](**config_dict)
     config._name_or_path = name_or_path
     config._commit_hash = commit_hash
-    model = SimpleNamespace(config=config, dtype=getattr(torch, inputs["dtype"].removeprefix("torch.")))
-    ns = namespace_for_model(model, **inputs["namespace_for_model"])  # type: ignore[arg-type]
+    return SimpleNamespace(config=config, dtype=getattr(torch, inputs["dtype"].removeprefix("torch.")))
+
+
+def config_attributes(model: SimpleNamespace) -> dict[str, Any]:
+    """What the config holds once its class filled in its defaults: the values docs/transformers.md names."""
+    config = model.config
+    text = config.get_text_config(decoder=True)
+    attributes = {name: getattr(text, name, None) for name in TEXT_CONFIG_ATTRIBUTES}
+    return {"_name_or_path": config._name_or_path, "_commit_hash": config._commit_hash, **attributes}
+
+
+def transformers_expected(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    ns = namespace_for_model(make_model(inputs), **inputs["namespace_for_model"])  # type: ignore[arg-type]
     return {**namespace_entry(ns), "chunk_keys": [k.hex() for k in chunk_keys(inputs["prompt_token_ids"], ns)]}
 
 
@@ -628,7 +643,8 @@ def build() -> dict[str, Any]:
     for case in VLLM_CASES:
         vectors.append({**case, "expected": vllm_expected(case["inputs"])})
     for case in TRANSFORMERS_CASES:
-        vectors.append({**case, "expected": transformers_expected(case["inputs"])})
+        inputs = {**case["inputs"], "config_attributes": config_attributes(make_model(case["inputs"]))}
+        vectors.append({**case, "inputs": inputs, "expected": transformers_expected(inputs)})
     for case in TIER_CASES:
         vectors.append({**case, "expected": tier_expected(case["inputs"])})
     return {"version": 1, "vectors": vectors}
