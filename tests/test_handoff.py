@@ -33,6 +33,7 @@ import pytest
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import token_digest
+from kvcache_server.handoff import HandoffListener, HandoffRegistry
 from tests.conftest import ServerThread
 
 pytestmark = pytest.mark.timeout(240)
@@ -96,26 +97,28 @@ def _server(make_server, place: Path, **shm: object) -> ServerThread:  # type: i
 
 
 CLIENT = r"""
-import json, os, sys, time
-from kvcache_client import KVCacheClient
+import asyncio, json, os, sys
+from kvcache_client import AsyncKVCacheClient, KVCacheClient
 from kvcache_client.format import encode_block
 args = json.loads(sys.argv[1])
-out = {"uid": os.geteuid()}
-with KVCacheClient(args["target"], token=args["token"], timeout_s=20) as c:
+
+
+def blocks(tag):
     items = []
     for i in range(args["n"]):
-        key = (args["tag"] + str(i)).encode().ljust(16, b"\0")
+        key = (tag + str(i)).encode().ljust(16, b"\0")
         payload = bytes([i % 251]) * args["size"]
         items.append((key, encode_block(payload, key=key, dtype="uint8", shape=(len(payload),))))
-    c.put_many(args["ns"], items)
-    got = c.get_many(args["ns"], [k for k, _ in items])
+    return items
+
+
+def report(c, items, got):
+    out = {"uid": os.geteuid(), "pid": os.getpid()}
     out["identical"] = sum(1 for (k, v), g in zip(items, got) if g is not None and bytes(g) == v)
     link = c._transport.shm
     out["state"], out["reason"], out["fallbacks"] = link.state, link.reason, link.fallbacks
-    names = [s.name for s in (link.pool._idle if link.pool is not None else [])]
-    out["segments"] = names
-    out["fds"] = [s.fd for s in (link.pool._idle if link.pool is not None else [])]
-    out["pid"] = os.getpid()
+    idle = link.pool._idle if link.pool is not None else []
+    out["segments"], out["fds"] = [s.name for s in idle], [s.fd for s in idle]
     for probe in args.get("probe", []):
         try:
             os.open(probe, os.O_RDONLY)
@@ -123,16 +126,34 @@ with KVCacheClient(args["target"], token=args["token"], timeout_s=20) as c:
         except OSError as exc:
             out.setdefault("refused", []).append([probe, exc.errno])
     print(json.dumps(out), flush=True)
-    if args.get("hold_s"):
-        sys.stdin.readline()
+
+
+async def run_async():
+    async with AsyncKVCacheClient(args["target"], token=args["token"], timeout_s=20) as c:
+        for round in range(args.get("rounds", 1)):
+            items = blocks(f"{args['tag']}{round}-")
+            await c.put_many(args["ns"], items)
+            report(c, items, await c.get_many(args["ns"], [k for k, _ in items]))
+            sys.stdin.readline()
+
+
+if args.get("asyncio"):
+    asyncio.run(run_async())
+else:
+    with KVCacheClient(args["target"], token=args["token"], timeout_s=20) as c:
+        for round in range(args.get("rounds", 1)):
+            items = blocks(f"{args['tag']}{round}-")
+            c.put_many(args["ns"], items)
+            report(c, items, c.get_many(args["ns"], [k for k, _ in items]))
+            sys.stdin.readline()
 """
 
 
-def _as(uid: int, args: dict, *, hold: bool = False) -> subprocess.Popen[str]:  # type: ignore[type-arg]
+def _as(uid: int, args: dict) -> subprocess.Popen[str]:  # type: ignore[type-arg]
     env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONPATH": f"{REPO}/client:{REPO}:{REPO}/connectors"}
     cmd = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", sys.executable, "-c", CLIENT]
     return subprocess.Popen(
-        [*cmd, json.dumps(args | ({"hold_s": 1} if hold else {}))],
+        [*cmd, json.dumps(args)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -150,6 +171,12 @@ def _result(proc: subprocess.Popen[str], timeout_s: float = 90.0) -> dict:  # ty
     return json.loads(line)
 
 
+def _finish(proc: subprocess.Popen[str]) -> None:  # type: ignore[type-arg]
+    if proc.stdin is not None:
+        proc.stdin.close()
+    assert proc.wait(30) == 0, proc.stderr.read() if proc.stderr else ""
+
+
 def _stats(server: ServerThread) -> pb.StatsResponse:
     with grpc.insecure_channel(server.target) as ch:
         return pb_grpc.KVCacheStub(ch).Stats(pb.StatsRequest(), timeout=10, metadata=_md("ops"))
@@ -163,24 +190,24 @@ def test_two_users_keep_the_shared_memory_path_and_cannot_reach_each_other(users
     arena = info.arena_path
     size, n = 256 << 10, 8  # above the 64 KiB under which puts stay inline
     base = {"target": server.target, "n": n, "size": size}
-    a = _as(users["a"], base | {"token": TOKENS["a"], "ns": "m", "tag": "a"}, hold=True)
+    a = _as(users["a"], base | {"token": TOKENS["a"], "ns": "m", "tag": "a"})
     try:
         ra = _result(a)
         probes = [f"/proc/{ra['pid']}/fd/{fd}" for fd in ra["fds"]] + [str(place / "shm")]
         probes += [arena] if arena else []
-        rb = _result(_as(users["b"], base | {"token": TOKENS["b"], "ns": "m", "tag": "b", "probe": probes}))
+        b = _as(users["b"], base | {"token": TOKENS["b"], "ns": "m", "tag": "b", "probe": probes, "asyncio": True})
+        rb = _result(b)
+        _finish(b)
         # Tenant b names tenant a's handed segment in a Get of its own: refused as unknown.
         with grpc.insecure_channel(server.target) as ch:
             stub = pb_grpc.KVCacheStub(ch)
-            request = pb.GetRequest(namespace="m", keys=[b"b0".ljust(16, b"\0")])
+            request = pb.GetRequest(namespace="m", keys=[b"b0-0".ljust(16, b"\0")])
             request.shm.segment, request.shm.capacity = ra["segments"][0], 1 << 20
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Get(request, timeout=10, metadata=_md("b")))
             assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
     finally:
-        if a.stdin is not None:
-            a.stdin.close()
-        a.wait(30)
+        _finish(a)
     for r, who in ((ra, "a"), (rb, "b")):
         assert r["uid"] == users[who]
         assert r["state"] == "on", r["reason"]  # before: "off" (the directory is not this user's)
@@ -250,3 +277,42 @@ def test_the_socket_refuses_bad_tokens_silence_and_foreign_descriptors(users, pl
     silent.close()
     assert listener.connections == 0
     assert listener.refused == 6
+
+
+def test_a_restarted_socket_is_followed(users, place, make_server) -> None:
+    """The server's segment socket went away and came back (a restart): the client sees its pooled
+    segments' connection closed, drops them and hands new ones over a new connection; no call goes
+    inline, none fails."""
+    server = _server(make_server, place)
+    size, n = 256 << 10, 4
+    proc = _as(
+        users["a"],
+        {"target": server.target, "n": n, "size": size, "token": TOKENS["a"], "ns": "m", "tag": "r", "rounds": 3},
+    )
+    try:
+        first = _result(proc)
+        assert first["state"] == "on" and first["fallbacks"] == 0
+        old = server.running.handoff
+        assert old is not None
+        old.stop()
+        new = HandoffListener(old.path, HandoffRegistry(), old._authenticate)
+        new.start()
+        server.running.handoff = server.running.service.handoff = new
+        received = _stats(server).shm_bytes_received
+        assert proc.stdin is not None
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        second = _result(proc)
+        assert second["state"] == "on" and second["identical"] == n
+        assert second["fallbacks"] == 0
+        assert _stats(server).shm_bytes_received >= received + n * size  # its put came in place
+        assert new.registry.count() >= 1 and set(second["segments"]).isdisjoint(first["segments"])
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        third = _result(proc)
+        assert third["state"] == "on" and third["identical"] == n and third["fallbacks"] == 0
+    finally:
+        _finish(proc)
+        if server.running.handoff is not None:
+            server.running.handoff.stop()
+            server.running.handoff = None
