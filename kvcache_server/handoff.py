@@ -22,8 +22,10 @@ A handed segment's name is bound to the tenant whose token said HELLO: a call of
 naming it is answered as for a segment that does not exist. The client checks that the socket's
 peer is the server's uid (Info.server_uid), so a process that took the socket's path first cannot
 be handed a client's memory. What one connection may hand over is capped (segments per
-connection), and so are connections (in all, and per uid: half of them), so no user can take every
-slot; a connection that has not said HELLO within `hello_timeout_s` is closed.
+connection), and so are connections (in all, and per uid: half of them), and so is what all of them
+hold in descriptors (a quarter of the process's RLIMIT_NOFILE, half of that per uid): no user can
+take every slot, nor leave the server without descriptors for gRPC. A connection that has not said
+HELLO within `hello_timeout_s` is closed.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import secrets
 import selectors
 import socket
@@ -169,8 +172,10 @@ class HandoffListener:
         max_connections: int = 1024,
         max_segments_per_connection: int = 64,
         hello_timeout_s: float = 5.0,
+        max_descriptors: int = 0,
     ) -> None:
-        """`authenticate(token)` is the token's tenant or None (refused); None: auth is off."""
+        """`authenticate(token)` is the token's tenant or None (refused); None: auth is off.
+        `max_descriptors`: connections plus segments held at once (0: a quarter of RLIMIT_NOFILE)."""
         self.path = path
         self.registry = registry
         self._authenticate = authenticate
@@ -179,6 +184,8 @@ class HandoffListener:
         self._max_per_uid = max(1, max_connections // 2)
         self._max_segments = max_segments_per_connection
         self._hello_timeout_s = hello_timeout_s
+        soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+        self._max_fds = max_descriptors or max(16, (soft if soft != resource.RLIM_INFINITY else 1 << 20) // 4)
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}  # by socket fd
         self._listener: socket.socket | None = None
@@ -275,7 +282,7 @@ class HandoffListener:
         sock.setblocking(False)
         pid, uid, _ = _PEERCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
         same_uid = sum(1 for c in self._conns.values() if c.uid == uid)
-        if len(self._conns) >= self._max_connections or same_uid >= self._max_per_uid:
+        if len(self._conns) >= self._max_connections or same_uid >= self._max_per_uid or not self._descriptor_room(uid):
             self.refused += 1
             _send(sock, b"Etoo many connections to the segment socket; this client uses gRPC")
             sock.close()
@@ -323,8 +330,14 @@ class HandoffListener:
         conn.tenant, conn.hello = tenant, True
         _send(conn.sock, b"K")
 
+    def _descriptor_room(self, uid: int) -> bool:
+        """Whether one more descriptor may be held: in all, and for this uid (half)."""
+        held = len(self._conns) + sum(len(c.names) for c in self._conns.values())
+        mine = sum(1 + len(c.names) for c in self._conns.values() if c.uid == uid)
+        return held < self._max_fds and mine < max(1, self._max_fds // 2)
+
     def _add(self, conn: _Conn, fd: int) -> None:
-        if len(conn.names) >= self._max_segments:
+        if len(conn.names) >= self._max_segments or not self._descriptor_room(conn.uid):
             self.refused += 1
             os.close(fd)
             _send(conn.sock, b"Ethis connection holds as many segments as it may")

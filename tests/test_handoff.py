@@ -316,3 +316,51 @@ def test_a_restarted_socket_is_followed(users, place, make_server) -> None:
         if server.running.handoff is not None:
             server.running.handoff.stop()
             server.running.handoff = None
+
+
+def test_descriptors_held_are_capped_per_user(users, place, make_server) -> None:
+    """What the socket holds in descriptors is capped (half of it per Unix user), so that one user
+    cannot leave the server without descriptors for gRPC: with room for 8, one user's two
+    connections take 4 descriptors in all, then every further segment is refused, and a connection of
+    another user is still served."""
+    server = _server(make_server, place, socket=False)  # its own listener, with a small budget
+    path = place / "small.sock"
+    listener = HandoffListener(str(path), HandoffRegistry(), None, max_descriptors=8)
+    listener.start()
+    try:
+        socks, fd, served, refused = [], os.memfd_create("x"), 0, 0
+        for _ in range(2):
+            s = _connect(path)
+            s.send(b"H")
+            assert s.recv(4096) == b"K"
+            socks.append(s)
+        for _ in range(6):
+            socket.send_fds(socks[0], [b"A"], [fd])
+            if socks[0].recv(4096).startswith(b"K"):
+                served += 1
+            else:
+                refused += 1
+        assert (served, refused) == (2, 4)  # 2 connections + 2 segments = this uid's half of 8
+        other = subprocess.run(
+            [
+                "setpriv",
+                f"--reuid={users['a']}",
+                f"--regid={users['a']}",
+                "--clear-groups",
+                sys.executable,
+                "-c",
+                "import os, socket, sys; s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET); s.settimeout(10); "
+                f"s.connect({str(path)!r}); s.send(b'H'); assert s.recv(9) == b'K'; "
+                "socket.send_fds(s, [b'A'], [os.memfd_create('y')]); print(s.recv(99)[:12].decode())",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert other.stdout.strip() == "Kkvcache-fd-", other.stderr
+        os.close(fd)
+        for s in socks:
+            s.close()
+    finally:
+        listener.stop()
+    del server
