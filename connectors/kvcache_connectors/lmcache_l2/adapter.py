@@ -1,0 +1,566 @@
+"""KVCacheL2Adapter: kvcache below LMCache's L1, as an L2 adapter of LMCache's MP server (0.5.x).
+
+LMCache's store controller and prefetch controller call the adapter from their own threads and
+poll its three eventfds; every method here returns at once. The calls to the server run on four
+lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
+
+    store     submit_store_task: one put_many per namespace of LMCache's buffers
+    lookup    submit_lookup_and_lock_task: one leased() per namespace; the hits stay held (locked)
+    load      submit_load_task: copies from the held blocks into LMCache's buffers; keys not held
+              (or whose leases ran out) are read again with leased() and copied
+    control   submit_unlock's releases and delete
+
+A lock is a read lease: on the server's host (its block arena shared, docs/arena.md) the blocks of
+a lookup stay views of the server's RAM slots, which the server does not reuse until the lease is
+released or expires (ram.lease_timeout_s); elsewhere they are copies in this process. Either way
+what a load copies is what the lookup found, verified against its key-bound checksum. Unlock drops
+one lock per key; the last lock on a lookup's blocks releases its leases on the control lane. A
+release that fails only logs: the server ends the lease at its time-out anyway, so unlock always
+succeeds eventually, as LMCache requires.
+
+Failures degrade: a failed or timed-out call makes a lookup's or load's keys misses and a store
+fail, counted in `counters`; after one, a breaker stops calling the server for breaker_cooldown_s
+(tasks then complete at once), so a hung server costs one deadline per cooldown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from lmcache.lmcache_native import Bitmap
+from lmcache.v1.distributed.internal_api import L2StoreResult
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
+
+from kvcache_client import DType, KVCacheClient, KVCacheError, encode_block_parts
+from kvcache_client.retry import NO_RETRY
+from kvcache_connectors.lmcache_l2.config import KVCacheL2Config
+from kvcache_connectors.lmcache_l2.keys import KeyMapper
+from kvcache_connectors.lmcache_l2.lanes import Lane, Task
+from kvcache_core.breaker import CircuitBreaker
+from kvcache_core.format import payload_view
+
+if TYPE_CHECKING:
+    from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+    from lmcache.v1.memory_management import MemoryObj
+
+log = logging.getLogger(__name__)
+
+# Errors of a call to the server that make a task fail or miss: the server's statuses, an
+# unreachable server past the deadline, a broken socket of the bulk or shared-memory path.
+CALL_ERRORS = (KVCacheError, OSError)
+
+
+class ServerSkipped(Exception):
+    """A call not attempted: the server failed recently and the breaker is open."""
+
+
+class Counters:
+    """What the adapter did, cumulative (report_status carries a snapshot). Thread-safe."""
+
+    NAMES = (
+        "stored_chunks",  # chunks stored in kvcache
+        "store_failed_tasks",  # store tasks that did not store every chunk
+        "lookup_hits",  # keys a lookup found (and locked)
+        "lookup_misses",  # keys a lookup did not find, failures included
+        "lookup_failures",  # lookup calls that failed or were skipped (their keys missed)
+        "locks_not_held",  # hits answered without holding their blocks (max_locked_bytes reached)
+        "loaded_chunks",  # chunks copied into LMCache's buffers
+        "load_missing_chunks",  # chunks a load did not copy (gone, failed, wrong size)
+        "load_failed_tasks",  # load tasks that did not load every chunk
+        "unlocks",  # locks dropped by submit_unlock
+        "releases_failed",  # lease releases that failed (the server expires them)
+        "deleted_chunks",  # chunks a delete removed from this adapter's accounting
+        "delete_failures",  # delete calls that failed or were refused (queue full)
+        "refused_tasks",  # tasks completed at once: lane queue full, or the adapter closed
+        "breaker_skips",  # calls not attempted while the breaker was open
+    )
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self.NAMES, 0)
+
+    def add(self, name: str, value: int = 1) -> None:
+        if value:
+            with self._lock:
+                self._values[name] += value
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._values)
+
+
+@dataclass(eq=False, slots=True)
+class _Hold:
+    """The leased blocks of one lookup call in one namespace, held until its last lock is dropped."""
+
+    stack: contextlib.ExitStack
+    blocks: Sequence[memoryview | None]
+    nbytes: int
+    refs: int = 0
+
+    def expired(self) -> bool:
+        expired: Callable[[], bool] | None = getattr(self.blocks, "expired", None)
+        return expired() if expired is not None else False
+
+
+@dataclass(slots=True)
+class _Lock:
+    """One lock on one key: its block in a hold, or none (answered as a hit without holding it)."""
+
+    hold: _Hold | None
+    index: int = -1
+
+
+@dataclass(slots=True)
+class _State:
+    """Results waiting for LMCache's controllers, and the locks; guarded by KVCacheL2Adapter._lock."""
+
+    stores: dict[L2TaskId, L2StoreResult] = field(default_factory=dict)
+    lookups: dict[L2TaskId, Bitmap] = field(default_factory=dict)
+    loads: dict[L2TaskId, Bitmap] = field(default_factory=dict)
+    locks: dict[Any, list[_Lock]] = field(default_factory=dict)  # ObjectKey -> its locks, last taken last
+    locked_bytes: int = 0
+    sizes: dict[Any, int] = field(default_factory=dict)  # ObjectKey -> bytes this adapter stored (usage)
+
+
+class KVCacheL2Adapter(L2AdapterInterface):
+    """LMCache L2 adapter storing chunks in kvcache. Options: KVCacheL2Config (`adapter_params`)."""
+
+    def __init__(self, params: Mapping[str, Any] | KVCacheL2Config, l1_memory_desc: L1MemoryDesc | None = None) -> None:
+        """Built by LMCache's plugin factory as cls(adapter_params, l1_memory_desc=...).
+
+        Args:
+            params: LMCache's `adapter_params` (or a KVCacheL2Config).
+            l1_memory_desc: LMCache's L1 arena; unused (buffers are copied, never registered).
+
+        Raises:
+            ValueError: an unknown or invalid option (KVCacheL2Config.from_params).
+        """
+        config = params if isinstance(params, KVCacheL2Config) else KVCacheL2Config.from_params(params)
+        super().__init__(max_capacity_bytes=config.max_capacity_bytes)
+        self.config = config
+        self.counters = Counters()
+        self._keys = KeyMapper(config.namespace_extra)
+        self._client = KVCacheClient(
+            config.target,
+            timeout_s=config.timeout_s,
+            retry=NO_RETRY,
+            shm=config.shm,
+            bulk=config.bulk,
+            token=config.token,
+        )
+        cooldown = config.breaker_cooldown_s
+        self._breaker = CircuitBreaker(failure_threshold=1, reset_s=cooldown, max_reset_s=cooldown)
+        self._breaker_lock = threading.Lock()
+        # Three distinct eventfds (the interface's requirement: LMCache maps fds to adapters).
+        self._store_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._lookup_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._load_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._lock = threading.Lock()
+        self._state = _State()
+        self._task_ids = itertools.count()
+        self._closed = False
+        tasks, nbytes = config.max_queued_tasks, config.max_queued_bytes
+        self._stores = Lane("kvcache-l2-store", max_tasks=tasks, max_bytes=nbytes)
+        self._lookups = Lane("kvcache-l2-lookup", max_tasks=tasks, max_bytes=nbytes)
+        self._loads = Lane("kvcache-l2-load", max_tasks=tasks, max_bytes=nbytes)
+        self._control = Lane("kvcache-l2-control", max_tasks=tasks, max_bytes=nbytes)
+        log.info("kvcache L2 adapter: server %s (%s)", config.target, self._client)
+
+    # -- event fds ------------------------------------------------------------------------------
+
+    def get_store_event_fd(self) -> int:
+        return self._store_fd
+
+    def get_lookup_and_lock_event_fd(self) -> int:
+        return self._lookup_fd
+
+    def get_load_event_fd(self) -> int:
+        return self._load_fd
+
+    # -- store ----------------------------------------------------------------------------------
+
+    def submit_store_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        """Queues a put of `objects` under `keys` (LMCache keeps the buffers valid until it completes).
+
+        Raises:
+            ValueError: not one object per key.
+        """
+        if len(keys) != len(objects):
+            raise ValueError(f"submit_store_task: {len(keys)} keys for {len(objects)} objects")
+        task_id = next(self._task_ids)
+        keys, objects = list(keys), list(objects)
+        sizes = [obj.get_size() for obj in objects]
+
+        def publish(ok: bool, stored: list[int]) -> None:
+            new_keys, new_sizes, transferred = [], [], 0
+            with self._lock:
+                for i in stored:
+                    first = keys[i] not in self._state.sizes
+                    if first:
+                        self._state.sizes[keys[i]] = sizes[i]
+                        transferred += sizes[i]
+                    new_keys.append(keys[i])
+                    new_sizes.append(sizes[i] if first else 0)
+                self._state.stores[task_id] = L2StoreResult(ok, transferred)
+            self.counters.add("stored_chunks", len(stored))
+            if not ok:
+                self.counters.add("store_failed_tasks")
+            if new_keys:
+                self._notify_keys_stored(new_keys, new_sizes)
+            self._signal(self._store_fd)
+
+        def run() -> None:
+            stored: list[int] = []
+            ok = False
+            try:
+                for ns, positions, kv_keys in self._keys.group(keys):
+                    items = [
+                        (k, encode_block_parts(objects[i].byte_array, key=k, dtype=DType.UINT8, shape=(sizes[i],)))
+                        for k, i in zip(kv_keys, positions, strict=True)
+                    ]
+                    result = self._guarded(lambda ns=ns, items=items: self._client.put_many(ns, items))
+                    if result.stored == len(items):
+                        stored.extend(positions)
+                    else:
+                        log.warning("kvcache stored %d of %d chunks (task %d)", result.stored, len(items), task_id)
+                ok = len(stored) == len(keys)
+            except (*CALL_ERRORS, ServerSkipped) as exc:
+                log.warning("kvcache store of %d chunks failed (task %d): %s", len(keys), task_id, exc)
+            finally:  # always a result, even on a bug (the lane logs it)
+                publish(ok, stored)
+
+        self._submit(self._stores, Task(run=run, drop=lambda: publish(False, []), nbytes=sum(sizes)))
+        return task_id
+
+    def pop_completed_store_tasks(self) -> dict[L2TaskId, L2StoreResult]:
+        with self._lock:
+            done, self._state.stores = self._state.stores, {}
+        return done
+
+    # -- lookup and lock ------------------------------------------------------------------------
+
+    def submit_lookup_and_lock_task(
+        self, keys: list[ObjectKey], group_layout_descs: dict[int, MemoryLayoutDesc]
+    ) -> L2TaskId:
+        """Queues a lookup of `keys`; each hit stays locked until submit_unlock drops it.
+
+        `group_layout_descs` is LMCache's advisory hint; unused (sizes are checked at load).
+        """
+        task_id = next(self._task_ids)
+        keys = list(keys)
+
+        def publish(bitmap: Bitmap) -> None:
+            with self._lock:
+                self._state.lookups[task_id] = bitmap
+            self._signal(self._lookup_fd)
+
+        def run() -> None:
+            bitmap = Bitmap(len(keys))
+            try:
+                for ns, positions, kv_keys in self._keys.group(keys):
+                    try:
+                        self._lock_group(ns, [keys[i] for i in positions], positions, kv_keys, bitmap)
+                    except (*CALL_ERRORS, ServerSkipped) as exc:  # this namespace's keys miss, locks kept
+                        self.counters.add("lookup_failures")
+                        log.warning("kvcache lookup of %d chunks failed (misses): %s", len(positions), exc)
+            finally:
+                hits = bitmap.popcount()
+                self.counters.add("lookup_hits", hits)
+                self.counters.add("lookup_misses", len(keys) - hits)
+                publish(bitmap)
+
+        self._submit(self._lookups, Task(run=run, drop=lambda: publish(Bitmap(len(keys)))))
+        return task_id
+
+    def _lock_group(
+        self, ns: str, keys: list[ObjectKey], positions: list[int], kv_keys: list[bytes], bitmap: Bitmap
+    ) -> None:
+        """Leases one namespace's keys and takes a lock on each hit (lookup lane)."""
+        stack = contextlib.ExitStack()
+        timeout_s = self.config.lookup_timeout_s
+        try:
+            blocks = self._guarded(lambda: stack.enter_context(self._client.leased(ns, kv_keys, timeout_s=timeout_s)))
+        except BaseException:
+            stack.close()
+            raise
+        hits = [j for j, block in enumerate(blocks) if block is not None]
+        nbytes = sum(len(blocks[j]) for j in hits)
+        with self._lock:
+            held = bool(hits) and self._state.locked_bytes + nbytes <= self.config.max_locked_bytes
+            hold = _Hold(stack, blocks, nbytes, refs=len(hits)) if held else None
+            if hold is not None:
+                self._state.locked_bytes += nbytes
+            for j in hits:
+                self._state.locks.setdefault(keys[j], []).append(_Lock(hold, j))
+                bitmap.set(positions[j])
+        if hold is None:  # nothing found, or past max_locked_bytes: hits stay hits, loads read them again
+            stack.close()
+            if hits:
+                self.counters.add("locks_not_held", len(hits))
+
+    def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._state.lookups.pop(task_id, None)
+
+    def submit_unlock(self, keys: list[ObjectKey]) -> None:
+        """Drops one lock per key (a key without one is ignored); the last lock on a lookup's blocks
+        releases their leases on the control lane. Never fails: a release the server does not get
+        ends at the lease's time-out."""
+        done: list[_Hold] = []
+        dropped = 0
+        with self._lock:
+            for key in keys:
+                locks = self._state.locks.get(key)
+                if not locks:
+                    continue
+                lock = locks.pop()
+                dropped += 1
+                if not locks:
+                    del self._state.locks[key]
+                if lock.hold is not None:
+                    lock.hold.refs -= 1
+                    if lock.hold.refs == 0:
+                        self._state.locked_bytes -= lock.hold.nbytes
+                        done.append(lock.hold)
+        self.counters.add("unlocks", dropped)
+        for hold in done:
+            # Releases bypass the queue's caps: each one frees what a lookup pinned, and refusing it
+            # would keep the server's slots until their time-out.
+            self._control.submit(Task(run=lambda hold=hold: self._release(hold), drop=hold.stack.close), force=True)
+
+    def _release(self, hold: _Hold) -> None:
+        try:
+            hold.stack.close()
+        except CALL_ERRORS as exc:  # the server expires the leases on its own
+            self.counters.add("releases_failed")
+            log.debug("kvcache lease release failed (the server expires them): %s", exc)
+
+    # -- load -----------------------------------------------------------------------------------
+
+    def submit_load_task(self, keys: list[ObjectKey], objects: list[MemoryObj]) -> L2TaskId:
+        """Queues copies of `keys`' blocks into `objects` (LMCache's buffers, valid until it completes).
+
+        Raises:
+            ValueError: not one object per key.
+        """
+        if len(keys) != len(objects):
+            raise ValueError(f"submit_load_task: {len(keys)} keys for {len(objects)} objects")
+        task_id = next(self._task_ids)
+        keys, objects = list(keys), list(objects)
+
+        def publish(bitmap: Bitmap) -> None:
+            loaded = bitmap.popcount()
+            self.counters.add("loaded_chunks", loaded)
+            if loaded < len(keys):
+                self.counters.add("load_missing_chunks", len(keys) - loaded)
+                self.counters.add("load_failed_tasks")
+            accessed = [k for i, k in enumerate(keys) if bitmap.test(i)]
+            with self._lock:
+                self._state.loads[task_id] = bitmap
+            if accessed:
+                self._notify_keys_accessed(accessed)
+            self._signal(self._load_fd)
+
+        def run() -> None:
+            bitmap = Bitmap(len(keys))
+            try:
+                again = [i for i in range(len(keys)) if not self._load_held(keys[i], objects[i], bitmap, i)]
+                if not again:
+                    return
+                for ns, positions, kv_keys in self._keys.group([keys[i] for i in again]):
+                    wanted = [again[p] for p in positions]
+                    try:
+                        self._load_fetched(ns, kv_keys, [objects[i] for i in wanted], wanted, bitmap)
+                    except (*CALL_ERRORS, ServerSkipped) as exc:
+                        log.warning("kvcache load of %d chunks failed (misses): %s", len(wanted), exc)
+            finally:
+                publish(bitmap)
+
+        nbytes = sum(obj.get_size() for obj in objects)
+        self._submit(self._loads, Task(run=run, drop=lambda: publish(Bitmap(len(keys))), nbytes=nbytes))
+        return task_id
+
+    def _load_held(self, key: ObjectKey, obj: MemoryObj, bitmap: Bitmap, i: int) -> bool:
+        """Copies `key`'s held block into `obj`; False when it has none to copy (read it again)."""
+        with self._lock:
+            hold = next((lk for lk in reversed(self._state.locks.get(key, ())) if lk.hold is not None), None)
+            if hold is None or hold.hold is None:
+                return False
+            held, index = hold.hold, hold.index
+            held.refs += 1  # kept while copying: a concurrent unlock of another lock must not release it
+        try:
+            block = held.blocks[index]
+            if block is None or held.expired():
+                return False
+            if not _copy_into(block, obj):
+                return True  # a wrong size is a miss: reading it again gives the same bytes
+            if held.expired():  # the copy outlived the leases: the slot may hold another block
+                return False
+            bitmap.set(i)
+            return True
+        finally:
+            with self._lock:
+                held.refs -= 1
+                last = held.refs == 0
+                if last:
+                    self._state.locked_bytes -= held.nbytes
+            if last:
+                self._control.submit(Task(run=lambda: self._release(held), drop=held.stack.close), force=True)
+
+    def _load_fetched(
+        self, ns: str, kv_keys: list[bytes], objects: list[MemoryObj], positions: list[int], bitmap: Bitmap
+    ) -> None:
+        """Reads one namespace's keys and copies each found block into its buffer (load lane)."""
+        with contextlib.ExitStack() as stack:
+            blocks = self._guarded(lambda: stack.enter_context(self._client.leased(ns, kv_keys)))
+            copied = [
+                i
+                for block, obj, i in zip(blocks, objects, positions, strict=True)
+                if block is not None and _copy_into(block, obj)
+            ]
+            if getattr(blocks, "expired", lambda: False)():
+                log.warning("kvcache load outlived its leases; %d chunks treated as misses", len(copied))
+                return
+            for i in copied:
+                bitmap.set(i)
+
+    def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
+        with self._lock:
+            return self._state.loads.pop(task_id, None)
+
+    # -- delete, usage, status, close ------------------------------------------------------------
+
+    def delete(self, keys: list[ObjectKey]) -> None:
+        """Queues a delete of the keys not locked now; the usage drops once the server answers."""
+        with self._lock:
+            deletable = [k for k in keys if k not in self._state.locks]
+        if not deletable:
+            return
+
+        def run() -> None:
+            removed = []
+            for ns, positions, kv_keys in self._keys.group(deletable):
+                try:
+                    self._guarded(lambda ns=ns, kv_keys=kv_keys: self._client.delete(ns, kv_keys))
+                except (*CALL_ERRORS, ServerSkipped) as exc:
+                    self.counters.add("delete_failures")
+                    log.warning("kvcache delete of %d chunks failed: %s", len(positions), exc)
+                    continue
+                removed.extend(deletable[i] for i in positions)
+            with self._lock:
+                sizes = {k: self._state.sizes.pop(k) for k in removed if k in self._state.sizes}
+            self.counters.add("deleted_chunks", len(sizes))
+            if sizes:
+                self._notify_keys_deleted(list(sizes), list(sizes.values()))
+
+        if not self._submit(self._control, Task(run=run, drop=lambda: None)):
+            self.counters.add("delete_failures")
+
+    def report_status(self) -> dict[str, Any]:
+        usage = self.get_usage()
+        with self._breaker_lock:
+            breaker = self._breaker.state.name.lower()
+        with self._lock:
+            locked_keys, locked_bytes = len(self._state.locks), self._state.locked_bytes
+        return {
+            "is_healthy": not self._closed and breaker == "closed",
+            "type": "kvcache",
+            "target": self.config.target,
+            "breaker": breaker,
+            "locked_keys": locked_keys,
+            "locked_bytes": locked_bytes,
+            "queued": {lane.name: lane.queued() for lane in self._lanes()},
+            "current_size_bytes": usage.total_bytes_used,
+            "max_capacity_bytes": usage.total_capacity_bytes,
+            **self.counters.snapshot(),
+        }
+
+    def close(self) -> None:
+        """Fails the queued tasks, waits for the running ones (each bounded by its deadline), releases
+        every lease still held, closes the client and the eventfds. Closing twice is harmless."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        wait_s = max(self.config.timeout_s, self.config.lookup_timeout_s) + 1.0
+        for lane in (self._stores, self._lookups, self._loads):
+            if not lane.close(wait_s):
+                log.warning("kvcache L2 adapter: a %s task still runs at close", lane.name)
+        with self._lock:
+            holds = {id(lk.hold): lk.hold for locks in self._state.locks.values() for lk in locks if lk.hold}
+            self._state.locks.clear()
+            self._state.locked_bytes = 0
+        for hold in holds.values():
+            self._control.submit(Task(run=lambda hold=hold: self._release(hold), drop=hold.stack.close), force=True)
+        self._control.idle(wait_s + 5.0)
+        self._control.close(wait_s)
+        self._client.close()
+        with self._lock:
+            for fd in (self._store_fd, self._lookup_fd, self._load_fd):
+                os.close(fd)
+
+    # -- helpers --------------------------------------------------------------------------------
+
+    def _lanes(self) -> tuple[Lane, ...]:
+        return (self._stores, self._lookups, self._loads, self._control)
+
+    def _submit(self, lane: Lane, task: Task) -> bool:
+        if not self._closed and lane.submit(task):
+            return True
+        self.counters.add("refused_tasks")
+        log.warning("kvcache L2 adapter: %s queue full or closed; the task completes at once", lane.name)
+        task.drop()
+        return False
+
+    def _guarded(self, call: Callable[[], Any]) -> Any:
+        """Runs one call to the server through the breaker (one attempt; its deadline is the client's).
+
+        Raises:
+            ServerSkipped: the breaker is open.
+            KVCacheError, OSError: the call failed (the breaker opens).
+        """
+        with self._breaker_lock:
+            allowed = self._breaker.allow()
+        if not allowed:
+            self.counters.add("breaker_skips")
+            raise ServerSkipped(f"server {self.config.target} failed recently (breaker open)")
+        try:
+            result = call()
+        except CALL_ERRORS:
+            with self._breaker_lock:
+                opened = self._breaker.failure()
+            if opened:
+                log.warning(
+                    "kvcache L2 adapter: server %s failed; not calling it for %.1f s",
+                    self.config.target,
+                    self.config.breaker_cooldown_s,
+                )
+            raise
+        with self._breaker_lock:
+            self._breaker.success()
+        return result
+
+    def _signal(self, fd: int) -> None:
+        with self._lock:  # close() closes the fds under it: never a write to a reused fd number
+            if not self._closed:
+                os.eventfd_write(fd, 1)
+
+
+def _copy_into(block: memoryview, obj: MemoryObj) -> bool:
+    """Copies a verified block's payload into LMCache's buffer; False when the sizes differ."""
+    payload = payload_view(block)
+    target = memoryview(obj.byte_array).cast("B")
+    if len(target) != len(payload):
+        log.warning("kvcache block of %d bytes for a %d-byte LMCache buffer: a miss", len(payload), len(target))
+        return False
+    target[:] = payload
+    return True
