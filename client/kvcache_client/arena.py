@@ -18,6 +18,11 @@ does can change a block in it. A restarted server has a new arena file, possibly
 every answer names its arena, and the SDK maps the new one, at its own size, when it changes. When the arena
 cannot be used for a get (another host or user, an older server, a server that does not share it) the
 get goes the other way (per-call segments, then inline gRPC), counted in `ArenaLink.fallbacks`.
+
+This module holds the mapping (ArenaLink), what a caller is handed (LeasedBlocks, copy_payload_into)
+and the blocking face of the in-place reads (InPlaceCalls); their steps (requests, answers,
+fallbacks, lease hand-back) are kvcache_client.inplace_core's, shared with the asyncio face
+(kvcache_client.arena_aio).
 """
 
 from __future__ import annotations
@@ -29,16 +34,21 @@ import os
 import stat
 import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
 
 import grpc
-import numpy as np
 
+from kvcache_client import inplace_core as core
+from kvcache_client.inplace_core import ArenaMoved, DeadlineBeforeAnswer, LeaseBook, Leased
 from kvcache_client.results import Fetched
+from kvcache_client.steps import run
 from kvcache_core.format import payload_view
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+
+__all__ = [
+    "MIN_PUT_BYTES", "ArenaLink", "ArenaMoved", "InPlaceCalls", "Leased", "LeasedBlocks", "copy_payload_into",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -162,29 +172,6 @@ class ArenaLink:
         return mapping[offset : offset + length]
 
 
-@dataclass(slots=True)
-class Leased:
-    """A get whose RAM hits may be views of the server's arena under leases.
-
-    Attributes:
-        blocks: per key, (block, tier) or None: unverified, as received.
-        ids: the leases to release once the views are no longer used.
-        in_place: per key, whether its block is a leased view of the arena (else this client's own memory).
-        expires_at: time.monotonic() by which the leases end on the server at the latest (counted
-            from before the request was sent, so never later than the server's own expiry); the
-            views are this call's blocks only before then. inf without leases.
-    """
-
-    blocks: list[Fetched | None]
-    ids: list[int] = field(default_factory=list)
-    in_place: list[bool] = field(default_factory=list)
-    expires_at: float = math.inf
-
-    def __post_init__(self) -> None:
-        if not self.in_place:
-            self.in_place = [False] * len(self.blocks)
-
-
 class LeasedBlocks(list):  # type: ignore[type-arg]  # list[memoryview | None]
     """What KVCacheClient.leased() hands out: each key's verified block or None, and `expires_at`.
 
@@ -202,192 +189,81 @@ class LeasedBlocks(list):  # type: ignore[type-arg]  # list[memoryview | None]
         return time.monotonic() >= self.expires_at
 
 
-class DeadlineBeforeAnswer(grpc.RpcError, grpc.Call):  # type: ignore[misc]
-    """DEADLINE_EXCEEDED raised by the SDK itself: the caller's deadline passed while a call that
-    pins server memory was still answering (what the answer pins is handed back when it comes)."""
-
-    def __init__(self, what: str) -> None:
-        super().__init__(f"deadline passed before {what} answered")
-        self._what = what
-
-    def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
-
-    def details(self) -> str:
-        return f"deadline passed before {self._what} answered (what it pins is handed back when it does)"
-
-    def initial_metadata(self) -> tuple:
-        return ()
-
-    def trailing_metadata(self) -> tuple:
-        return ()
-
-    def is_active(self) -> bool:
-        return False
-
-    def time_remaining(self) -> float | None:
-        return None
-
-    def cancel(self) -> bool:
-        return False
-
-    def add_callback(self, callback: object) -> bool:
-        return False
-
-
-class ArenaMoved(Exception):
-    """The arena an answer named cannot be used here; the call goes another way."""
-
-
-def arena_fallback(exc: grpc.RpcError | ArenaMoved, link: ArenaLink) -> bool:
-    """True when a LeaseGet failed in a way the ordinary path avoids (the caller redoes the get
-    that way; counted on `link`):
-
-    - RESOURCE_EXHAUSTED: the server cannot lease now. This call only.
-    - FAILED_PRECONDITION: the arena is not shared; off.
-    - UNIMPLEMENTED: a server that predates the arena; off.
-    - ArenaMoved: a restarted server's arena cannot be mapped; off.
-    """
-    if isinstance(exc, ArenaMoved):
-        link.fallback(str(exc))
-        link.off(str(exc))
-        return True
-    code = exc.code()
-    if code not in {
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
-        grpc.StatusCode.FAILED_PRECONDITION,
-        grpc.StatusCode.UNIMPLEMENTED,
-    }:
-        return False
-    reason = exc.details() or str(code)
-    link.fallback(reason)
-    if code is grpc.StatusCode.UNIMPLEMENTED or "not shared" in reason:
-        link.off(reason)
-    return True
-
-
-def lease_ids(reply: pb.LeaseGetResponse) -> list[int]:
-    return [s.id for s in reply.leases if s.id]
-
-
-def not_leased(out: Sequence[Fetched | None], prefix_only: bool) -> list[int]:
-    """The positions a get fetches the ordinary way after its LeaseGet: the keys RAM lacks (with
-    prefix_only, everything from the first of them on, since the server cut its answer there)."""
-    missing = [i for i, f in enumerate(out) if f is None]
-    if prefix_only and missing:
-        return list(range(missing[0], len(out)))
-    return missing
-
-
-def copied_out(leased: Leased) -> list[Fetched | None]:
-    """A lease's blocks in this process's own memory (leased views copied once), to release after."""
-    return [
-        (copy_out(f[0]), f[1]) if f is not None and in_place else f
-        for f, in_place in zip(leased.blocks, leased.in_place, strict=True)
-    ]
-
-
 class InPlaceCalls:
-    """The in-place RPC sequences of the blocking transport (kvcache_client.transport.GrpcTransport)."""
+    """The blocking face of the in-place reads (kvcache_client.inplace_core has the steps, written
+    once for both clients), behind kvcache_client.transport.GrpcTransport. Thread-safe.
 
-    def __init__(self, stub: pb_grpc.KVCacheStub, metadata: tuple[tuple[str, str], ...], link: ArenaLink) -> None:
+    Its I/O: LeaseGet as a grpc future waited for until the caller's deadline; a LeaseGet its caller
+    stopped waiting for is abandoned to `book`, which hands its leases back from a gRPC callback
+    thread with a non-blocking LeaseRelease. Other releases block the caller (counters are exact
+    once a call returns).
+    """
+
+    def __init__(
+        self,
+        stub: pb_grpc.KVCacheStub,
+        metadata: tuple[tuple[str, str], ...],
+        link: ArenaLink,
+        fetch: Callable[[str, Sequence[bytes], bool, float], list[Fetched | None]],
+    ) -> None:
         self._stub = stub
         self._md = metadata
         self.link = link
-        self.handed_back = 0  # LeaseGet answers that came after their caller stopped waiting, released
-        self._count_lock = threading.Lock()
-        self._releasing: set[grpc.Future] = set()
+        self._fetch = fetch
+        self.book = LeaseBook()
 
-    def lease(
-        self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float
-    ) -> tuple[list[Fetched | None], list[int], float]:
-        """Views of the leased blocks RAM holds (None for the others), the lease ids to release, and
-        the time.monotonic() by which the leases end at the latest (Leased.expires_at).
+    @property
+    def handed_back(self) -> int:
+        """LeaseGet answers that came after their caller stopped waiting, whose leases were released."""
+        return self.book.handed_back
 
-        Raises:
-            grpc.RpcError: see arena_fallback.
-            ArenaMoved: the server's arena cannot be mapped here any more.
-        """
-        sent = time.monotonic()
-        reply = self._pinning_lease(
-            pb.LeaseGetRequest(namespace=namespace, keys=keys, prefix_only=prefix_only), deadline
-        )
-        ids = lease_ids(reply)
-        try:
-            return self.link.leased_views(reply, len(keys)), ids, sent + reply.expires_in_s if ids else math.inf
-        except BaseException:
-            self.release(ids)
-            raise
+    def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
+        """inplace_core.lease: release(leased.ids) once the views are no longer used."""
+        return run(core.lease(self.link, namespace, keys, prefix_only, timeout_s), self)
 
-    def _pinning_lease(self, request: pb.LeaseGetRequest, deadline: float) -> pb.LeaseGetResponse:
-        """LeaseGet run to its own end (the caller's deadline plus a cleanup's), waited for until the
-        caller's deadline: when that passes first, the leases its answer grants are released as soon
-        as it arrives (counted in `handed_back`), so no deadline, however short, leaves slots pinned.
-
-        Raises:
-            grpc.RpcError: the call's status, or DEADLINE_EXCEEDED when the deadline passed first.
-        """
-        future = self._stub.LeaseGet.future(request, timeout=_left(deadline) + _CLEANUP_S, metadata=self._md)
-        try:
-            return future.result(timeout=_left(deadline))
-        except grpc.FutureTimeoutError:
-            self._later(future)
-            raise DeadlineBeforeAnswer("LeaseGet") from None
-        except BaseException:  # KeyboardInterrupt and the like: the answer may still come
-            if not future.done():
-                self._later(future)
-            raise
-
-    def _later(self, future: grpc.Future) -> None:
-        with self._count_lock:  # kept until it ends: gRPC cancels a call whose future is collected
-            self._releasing.add(future)
-        future.add_done_callback(self._release_late)
-
-    def _release_late(self, future: grpc.Future) -> None:
-        """Runs in a gRPC thread once a LeaseGet its caller stopped waiting for has ended."""
-        self._released(future)
-        if future.cancelled() or future.exception() is not None:
-            return  # nothing was granted
-        ids = lease_ids(future.result())
-        if not ids:
-            return
-        # Non-blocking: a callback thread must not wait on another call. The future is kept until it
-        # ends (gRPC cancels a call whose future is garbage-collected).
-        release = self._stub.LeaseRelease.future(
-            pb.LeaseReleaseRequest(leases=ids), timeout=_CLEANUP_S, metadata=self._md
-        )
-        with self._count_lock:
-            self.handed_back += 1
-            self._releasing.add(release)
-        release.add_done_callback(self._released)
-
-    def _released(self, future: grpc.Future) -> None:
-        with self._count_lock:
-            self._releasing.discard(future)
+    def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
+        """inplace_core.get: blocks in this client's own memory, the leases already handed back."""
+        return run(core.get(self.link, namespace, keys, prefix_only, timeout_s), self)
 
     def release(self, ids: list[int]) -> None:
         """Ends leases; a failure only logs (they expire on the server)."""
-        if not ids:
-            return
+        self.hand_back(ids)
+
+    # -- inplace_core.InPlaceIO, blocking ------------------------------------------------------------
+
+    def lease_get(self, request: pb.LeaseGetRequest, deadline: float) -> pb.LeaseGetResponse:
+        future = self._stub.LeaseGet.future(request, timeout=core.pinning_timeout_s(deadline), metadata=self._md)
+        taken = False
         try:
-            self._stub.LeaseRelease(pb.LeaseReleaseRequest(leases=ids), timeout=_CLEANUP_S, metadata=self._md)
-        except grpc.RpcError as exc:
-            log.debug("releasing %d leases: %s (they expire on the server)", len(ids), exc.code())
+            answer: pb.LeaseGetResponse = future.result(timeout=core.left(deadline))
+            taken = True
+            return answer
+        except grpc.FutureTimeoutError:
+            raise DeadlineBeforeAnswer("LeaseGet") from None
+        finally:
+            if not taken:  # the deadline, KeyboardInterrupt and the like: the answer may still come
+                self.book.abandon(future, self._hand_back_later)
 
+    def _hand_back_later(self, ids: list[int]) -> None:
+        """Runs in a gRPC thread once an abandoned LeaseGet ended: must not wait on another call."""
+        request = pb.LeaseReleaseRequest(leases=ids)
+        self.book.keep(self._stub.LeaseRelease.future(request, timeout=core.CLEANUP_S, metadata=self._md))
 
-_CLEANUP_S = 5.0
-"""Deadline of a release: cleanup after the caller's call, whatever its deadline was."""
+    def follow(self, path: str) -> None:
+        self.link.follow(path)
 
+    def hand_back(self, ids: list[int]) -> None:
+        run(core.releasing(ids), self)
 
-def _left(deadline: float) -> float:
-    return max(0.001, deadline - time.monotonic())
+    def send_release(self, request: pb.LeaseReleaseRequest) -> pb.LeaseReleaseResponse:
+        response: pb.LeaseReleaseResponse = self._stub.LeaseRelease(request, timeout=core.CLEANUP_S, metadata=self._md)
+        return response
 
+    def fetch(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
+        return self._fetch(namespace, keys, prefix_only, timeout_s)
 
-def copy_out(view: memoryview) -> memoryview:
-    """A read-only copy of a leased block in this process's own memory (valid after the release)."""
-    out = np.empty(len(view), dtype=np.uint8)
-    out[:] = np.frombuffer(view, dtype=np.uint8)
-    return memoryview(out).toreadonly()
+    def copy_out(self, leased: Leased) -> list[Fetched | None]:
+        return core.copied_out(leased)
 
 
 def copy_payload_into(block: memoryview, destination: object) -> None:

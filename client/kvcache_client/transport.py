@@ -16,21 +16,12 @@ clients map, retry and time out.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Protocol
 
 import grpc
 
-from kvcache_client.arena import (
-    ArenaLink,
-    ArenaMoved,
-    InPlaceCalls,
-    Leased,
-    arena_fallback,
-    copied_out,
-    not_leased,
-)
+from kvcache_client.arena import ArenaLink, InPlaceCalls, Leased
 from kvcache_client.arena_aio import AsyncInPlaceCalls
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
@@ -120,7 +111,7 @@ class GrpcTransport:
         self._message_bytes = message_bytes
         self.shm = ShmLink(shm)
         self.arena = ArenaLink(shm and env_allows_shm())
-        self._inplace = InPlaceCalls(self._stub, self._md, self.arena)
+        self._inplace = InPlaceCalls(self._stub, self._md, self.arena, self._get_through_segment)
         self.part_bytes = 0  # set from the server's Info
         self.info_response: pb.InfoResponse | None = None
         self._info_done = False
@@ -212,38 +203,15 @@ class GrpcTransport:
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
         """Blocks in this client's own memory: leased ones copied out of the arena once, then released."""
-        leased = self.lease(namespace, keys, prefix_only, timeout_s)
-        try:
-            return copied_out(leased)
-        finally:
-            self._inplace.release(leased.ids)
+        self._check_info(timeout_s)
+        return self._inplace.get(namespace, keys, prefix_only, timeout_s)
 
     def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
         """As get, but blocks the server's RAM holds are read-only views of its arena under leases
-        (when the arena is shared with this process), to hand back with release(leased.ids) once used."""
+        (when the arena is shared with this process), to hand back with release(leased.ids) once used
+        (kvcache_client.inplace_core)."""
         self._check_info(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        if not self.arena.on:
-            return Leased(self._get_through_segment(namespace, keys, prefix_only, timeout_s))
-        try:
-            out, ids, expires_at = self._inplace.lease(namespace, keys, prefix_only, deadline)
-        except (grpc.RpcError, ArenaMoved) as exc:
-            if not arena_fallback(exc, self.arena):
-                raise
-            return Leased(self._get_through_segment(namespace, keys, prefix_only, timeout_s))
-        in_place = [f is not None for f in out]
-        try:
-            missing = not_leased(out, prefix_only)
-            if missing:
-                rest = self._get_through_segment(
-                    namespace, [keys[i] for i in missing], prefix_only, max(0.001, deadline - time.monotonic())
-                )
-                for i, f in zip(missing, rest, strict=True):
-                    out[i] = f
-        except BaseException:
-            self._inplace.release(ids)
-            raise
-        return Leased(out, ids, in_place, expires_at)
+        return self._inplace.lease(namespace, keys, prefix_only, timeout_s)
 
     def release(self, ids: list[int]) -> None:
         """Hands back leases that lease() returned."""
@@ -321,7 +289,7 @@ class AsyncGrpcTransport:
         self._message_bytes = message_bytes
         self.shm = ShmLink(shm)
         self.arena = ArenaLink(shm and env_allows_shm())
-        self._inplace = AsyncInPlaceCalls(self._stub, self._md, self.arena, OFFLOAD_BYTES)
+        self._inplace = AsyncInPlaceCalls(self._stub, self._md, self.arena, self._get_through_segment, OFFLOAD_BYTES)
         self.part_bytes = 0  # set from the server's Info
         self.info_response: pb.InfoResponse | None = None
         self._info_done = False
@@ -402,43 +370,15 @@ class AsyncGrpcTransport:
     ) -> list[Fetched | None]:
         """Blocks in this client's own memory: leased ones copied out of the arena once (in a
         worker thread when large, waited for even when cancelled), then released."""
-        leased = await self.lease(namespace, keys, prefix_only, timeout_s)
-        try:
-            nbytes = sum(len(f[0]) for f, p in zip(leased.blocks, leased.in_place, strict=True) if f is not None and p)
-            if nbytes >= OFFLOAD_BYTES:
-                return await run_to_end(lambda _: copied_out(leased))
-            return copied_out(leased)
-        finally:
-            await self._inplace.release(leased.ids)
+        await self._check_info(timeout_s)
+        return await self._inplace.get(namespace, keys, prefix_only, timeout_s)
 
     async def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
         """As GrpcTransport.lease: blocks the server's RAM holds are read-only views of its arena
         under leases (when it is shared with this process), to hand back with release(leased.ids).
         A call cancelled or past its deadline leaves no lease behind (kvcache_client.arena_aio)."""
         await self._check_info(timeout_s)
-        deadline = time.monotonic() + timeout_s
-        if not self.arena.on:
-            return Leased(await self._get_through_segment(namespace, keys, prefix_only, timeout_s))
-        try:
-            out, ids, expires_at = await self._inplace.lease(namespace, keys, prefix_only, deadline)
-        except (grpc.RpcError, ArenaMoved) as exc:
-            if not arena_fallback(exc, self.arena):
-                raise
-            left = max(0.001, deadline - time.monotonic())
-            return Leased(await self._get_through_segment(namespace, keys, prefix_only, left))
-        in_place = [f is not None for f in out]
-        try:
-            missing = not_leased(out, prefix_only)
-            if missing:
-                rest = await self._get_through_segment(
-                    namespace, [keys[i] for i in missing], prefix_only, max(0.001, deadline - time.monotonic())
-                )
-                for i, f in zip(missing, rest, strict=True):
-                    out[i] = f
-        except BaseException:
-            await self._inplace.release(ids)
-            raise
-        return Leased(out, ids, in_place, expires_at)
+        return await self._inplace.lease(namespace, keys, prefix_only, timeout_s)
 
     async def release(self, ids: list[int]) -> None:
         """Hands back leases that lease() returned (to its end even when the caller is cancelled)."""
