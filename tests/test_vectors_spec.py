@@ -402,3 +402,19 @@ def test_nothing_of_the_project_is_imported_by_the_spec() -> None:
     head = source[: source.index("# --- the tests")]
     for package in ("kvcache_core", "kvcache_client", "kvcache_connectors"):
         assert f"import {package}" not in head and f"from {package}" not in head
+
+
+@pytest.mark.timeout(120)
+def test_vllm_reports_tp_replicas_as_docs_vllm_md_says() -> None:
+    """docs/vllm.md's rank-to-head rule takes vLLM's kv_tp_replicas as given, and says how vLLM 0.33 computes
+    it: T for MLA layers (max_tp_shards 1), 1 for other attention even when T exceeds the KV heads."""
+    pytest.importorskip("vllm")
+    import torch
+    from vllm.v1.core.kv_cache_planning import kv_cache_groups_tp_replicas
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec, MLAAttentionSpec
+
+    gqa = FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    assert gqa.max_tp_shards is None
+    assert kv_cache_groups_tp_replicas([KVCacheGroupSpec(["l0", "l1"], gqa)], 8) == 1
+    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, max_tp_shards=1)
+    assert kv_cache_groups_tp_replicas([KVCacheGroupSpec(["l0", "l1"], mla)], 8) == 8
