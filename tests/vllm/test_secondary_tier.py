@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext
+from vllm.v1.kv_offload.base import LookupResult, Medium, OffloadKey, ReqContext, make_offload_key
 from vllm.v1.kv_offload.factory import OffloadingSpecFactory
 from vllm.v1.kv_offload.tiering.base import SecondaryTierManager, TransferJob
 from vllm.v1.kv_offload.tiering.factory import SecondaryTierFactory
@@ -21,7 +21,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcache_client import KVCacheClient
 from kvcache_connectors.vllm_tier import KVCacheTier, TierMetrics
-from tests.vllm.tier_harness import END_STEP, Instance, finished, offload_keys, offloading_config, tier_entry
+from tests.vllm.harness import BLOCK, hybrid_kv_cache_config
+from tests.vllm.tier_harness import (
+    END_STEP,
+    Instance,
+    block_hash,
+    finished,
+    offload_keys,
+    offloading_config,
+    tier_entry,
+)
 
 ROWS = 8
 
@@ -29,8 +38,10 @@ ROWS = 8
 class Tier:
     """A KVCacheTier built by vLLM's factory over a primary buffer of real tensor bytes."""
 
-    def __init__(self, model_dir: str, entry: dict[str, Any], *, kv_events: bool = False) -> None:
-        config = offloading_config(model_dir, entry, kv_events=kv_events)
+    def __init__(
+        self, model_dir: str, entry: dict[str, Any], *, kv_events: bool = False, kv_cache_config: Any = None
+    ) -> None:
+        config = offloading_config(model_dir, entry, kv_events=kv_events, kv_cache_config=kv_cache_config)
         self.chunk_bytes = config.worker_kv_bytes_per_block * config.cache.blocks_per_chunk
         self.buffer = torch.zeros(ROWS, self.chunk_bytes, dtype=torch.uint8)
         spec = OffloadingSpecFactory.create_spec(config)
@@ -301,3 +312,48 @@ def test_a_hung_server_costs_one_timeout_per_cooldown_not_one_per_job(model_dir,
             assert t.counters()[TierMetrics.LOAD_FAILED_JOBS] == 5
         finally:
             os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.timeout(60)
+def test_hybrid_groups_full_and_sliding_window_through_the_tier(model_dir, server, tiers) -> None:
+    """A hybrid model (full attention + sliding window, vLLM's own group configs): one namespace for
+    both groups, keys never shared between groups, and a sliding-window group's chunks past a miss
+    (its early chunks fell out of the window and were never stored) are found one by one, where a
+    full-attention group stops at its first miss."""
+    hybrid = hybrid_kv_cache_config(64, window=2 * BLOCK)
+    entry = tier_entry(server.target)
+    t = Tier(model_dir, entry, kv_cache_config=hybrid)
+    tiers.append(t)
+    assert t.tier._sliding_groups == frozenset({1})  # from vLLM's own OffloadingConfig
+    full = [make_offload_key(block_hash(i), 0) for i in range(4)]
+    sliding = [make_offload_key(block_hash(i), 1) for i in range(4)]
+    assert len(set(t.tier.namespace.keys(full + sliding))) == 8  # same hash, two groups: two keys
+    data = chunks(4, seed=5, nbytes=t.chunk_bytes)
+    # The full group stores chunks 0, 1 and 3; the sliding group only its in-window tail, 2 and 3.
+    stored = [full[0], full[1], full[3], sliding[2], sliding[3]]
+    rows = [0, 1, 3, 4, 5]
+    for row, key in zip(rows, stored, strict=True):
+        t.buffer[row].copy_(data[(full + sliding).index(key) % 4])
+    t.tier.submit_store(t.job(stored, rows, load=False))
+    (done,) = finished(t.tier, 1, timeout_s=10)
+    assert done.success
+    hits = t.tier.lookup_batch(full + sliding, ReqContext("h"))
+    # Full attention: the prefix 0, 1 (3 is past the miss at 2); sliding: 2 and 3 past the misses at 0, 1.
+    assert hits == [True, True, False, False, False, False, True, True]
+    t.buffer.fill_(0)
+    t.tier.submit_load(t.job([sliding[2], sliding[3]], [6, 7], load=True, req="h"))
+    (loaded,) = finished(t.tier, 1, timeout_s=10)
+    assert loaded.success
+    assert torch.equal(t.buffer[6], data[2]) and torch.equal(t.buffer[7], data[3])
+
+
+@pytest.mark.timeout(60)
+def test_a_job_deadline_grows_with_its_bytes(model_dir, server, tiers) -> None:
+    """timeout_s is the deadline of a job's call plus its bytes at min_rate_bytes_s: a large job is
+    not failed by a deadline sized for a small one, and a small one still fails fast."""
+    t = Tier(model_dir, tier_entry(server.target, timeout_s=0.5, min_rate_bytes_s=1 << 20))
+    tiers.append(t)
+    assert t.tier._job_timeout_s(0) == 0.5
+    assert t.tier._job_timeout_s(4 << 20) == pytest.approx(4.5)
+    with pytest.raises(ValueError, match="min_rate_bytes_s"):
+        Tier(model_dir, tier_entry(server.target, min_rate_bytes_s=0))

@@ -36,8 +36,11 @@ def tier_entry(target: str, **options: Any) -> dict[str, Any]:
     return {"type": TIER_TYPE, "module_path": MODULE_PATH, "target": target, **options}
 
 
-def offloading_config(model_dir: str, entry: dict[str, Any], *, kv_events: bool = False, num_blocks: int = 64):
-    """vLLM's OffloadingConfig for the tiny model: OffloadingConnector, TieringOffloadingSpec, one tier."""
+def offloading_config(
+    model_dir: str, entry: dict[str, Any], *, kv_events: bool = False, num_blocks: int = 64, kv_cache_config=None
+):
+    """vLLM's OffloadingConfig for the tiny model: OffloadingConnector, TieringOffloadingSpec, one tier
+    (`kv_cache_config`: another model's groups, e.g. harness.hybrid_kv_cache_config)."""
     vllm_config = make_vllm_config(
         model_dir,
         extra={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 20, "secondary_tiers": [entry]},
@@ -47,7 +50,7 @@ def offloading_config(model_dir: str, entry: dict[str, Any], *, kv_events: bool 
     transfer.kv_connector = "OffloadingConnector"
     transfer.kv_connector_module_path = None
     transfer.engine_id = str(uuid.uuid4())  # each instance its own shared primary region
-    return build_offloading_config(vllm_config, make_kv_cache_config(num_blocks))
+    return build_offloading_config(vllm_config, kv_cache_config or make_kv_cache_config(num_blocks))
 
 
 def block_hash(i: int, prompt: int = 0) -> bytes:

@@ -20,7 +20,10 @@ class KVCacheTierConfig:
 
     Attributes:
         target: The kvcache server ("host:port").
-        timeout_s: Deadline of one load or store job's call (one attempt, never retried).
+        timeout_s: Deadline of one load or store job's call (one attempt, never retried), plus the
+            job's bytes at min_rate_bytes_s.
+        min_rate_bytes_s: The slowest transfer a job is given time for: a job of B bytes has
+            timeout_s + B / min_rate_bytes_s (100 MB/s: 64 chunks of 2 MiB get 1.3 s more).
         lookup_timeout_s: Deadline of each Lookup call of a request's batch (a failure is a miss).
         breaker_cooldown_s: After a failed call, the tier stops calling the server for this long
             (lookups are misses, jobs fail at once), then probes it with one call: a dead server
@@ -39,6 +42,7 @@ class KVCacheTierConfig:
 
     target: str
     timeout_s: float = 5.0
+    min_rate_bytes_s: float = 100e6
     lookup_timeout_s: float = 1.0
     breaker_cooldown_s: float = 5.0
     max_queued_jobs: int = 64
@@ -53,10 +57,11 @@ class KVCacheTierConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
             raise ValueError("the kvcache tier needs 'target' (host:port of a kvcache server)")
-        for name in ("timeout_s", "lookup_timeout_s", "breaker_cooldown_s"):
+        for name in ("timeout_s", "lookup_timeout_s", "breaker_cooldown_s", "min_rate_bytes_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+                unit = "bytes per second" if name == "min_rate_bytes_s" else "seconds"
+                raise ValueError(f"{name} must be a positive number of {unit}, got {value!r}")
         if not isinstance(self.max_queued_jobs, int) or self.max_queued_jobs < 1:
             raise ValueError(f"max_queued_jobs must be a positive integer, got {self.max_queued_jobs!r}")
         if not all(isinstance(k, str) and isinstance(v, str) for k, v in dict(self.namespace_extra).items()):

@@ -269,7 +269,9 @@ class KVCacheTier(SecondaryTierManager):
                     for k, r in zip(self.namespace.keys(keys), rows, strict=True)
                 ]
                 try:
-                    result = self._client.put_many(self._ns, items)
+                    result = self._client.put_many(
+                        self._ns, items, timeout_s=self._job_timeout_s(len(items) * self.block_size_bytes)
+                    )
                 except CALL_ERRORS:
                     self._failed()
                     raise
@@ -299,7 +301,12 @@ class KVCacheTier(SecondaryTierManager):
                 if not self._allow():
                     raise ServerSkipped(f"server {self.config.target} failed recently (breaker open)")
                 try:
-                    found = self._client.get_into(self._ns, self.namespace.keys(keys), [self._row(r) for r in rows])
+                    found = self._client.get_into(
+                        self._ns,
+                        self.namespace.keys(keys),
+                        [self._row(r) for r in rows],
+                        timeout_s=self._job_timeout_s(len(keys) * self.block_size_bytes),
+                    )
                 except CALL_ERRORS:
                     self._failed()
                     raise
@@ -397,6 +404,10 @@ class KVCacheTier(SecondaryTierManager):
         return KVCacheTierInfo(kvcache_target=self.config.target, kvcache_namespace=self._ns).as_config_info()
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _job_timeout_s(self, nbytes: int) -> float:
+        """A job's deadline: timeout_s, plus its bytes at the slowest rate it is given time for."""
+        return self.config.timeout_s + nbytes / self.config.min_rate_bytes_s
 
     def _row(self, chunk_id: int) -> memoryview:
         start = chunk_id * self.block_size_bytes
