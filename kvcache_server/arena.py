@@ -227,6 +227,34 @@ class Extents:
         self._starts.insert(i, offset)
         self._len[offset] = size
 
+    def take(self, offset: int, nbytes: int) -> list[tuple[int, int]]:
+        """Allocates whatever of [offset, offset + align(nbytes)) is free now; returns those pieces
+        as (offset, length), by offset (each is given back with free()). The RAM tier holds an evicted
+        block's extent this way while its bytes are copied out (kvcache_server/tiers/ram.py)."""
+        end = offset + align(max(nbytes, 1))
+        taken: list[tuple[int, int]] = []
+        i = max(0, bisect.bisect_right(self._starts, offset) - 1)
+        while i < len(self._starts) and self._starts[i] < end:
+            start = self._starts[i]
+            stop = start + self._len[start]
+            lo, hi = max(start, offset), min(stop, end)
+            if lo >= hi:
+                i += 1
+                continue
+            del self._starts[i]
+            del self._len[start]
+            if start < lo:  # the free piece before stays free
+                self._starts.insert(i, start)
+                self._len[start] = lo - start
+                i += 1
+            if hi < stop:  # and so does the one after
+                self._starts.insert(i, hi)
+                self._len[hi] = stop - hi
+                i += 1
+            self.free_bytes -= hi - lo
+            taken.append((lo, hi - lo))
+        return taken
+
     def fits(self, nbytes: int) -> bool:
         need = align(max(nbytes, 1))
         return any(n >= need for n in self._len.values())

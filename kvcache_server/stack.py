@@ -69,6 +69,7 @@ from kvcache_server.tiers.ram import (
     DEFAULT_MAX_LEASE_KEYS,
     DEFAULT_MAX_LEASES,
     DEFAULT_PIN_SHARE,
+    Evicted,
     Lease,
     RamTier,
     Reservation,
@@ -259,8 +260,9 @@ class Found:
 
 
 RAM_OFF_LOOP_BYTES = 256 << 10
-"""RAM tier writes of at least this many bytes are copied into their slots in a worker thread (and
-what they evict for demotion copied out there), so that a large put never holds the event loop."""
+"""RAM tier writes that copy at least this many bytes (their blocks into their slots, and what they
+evict copied out for demotion) copy in a worker thread, so that no put holds the event loop; below
+it a thread hop costs more than the copy (about 20 us)."""
 
 SERVE_LEASE_S = 600.0
 """How long the leases of a Get's RAM hits live at most: a handler releases them as soon as the
@@ -778,6 +780,44 @@ class TierStack:
         finally:
             self._fence.end(epoch)
 
+    async def reserve_many(self, namespace: str, sizes: Sequence[int]) -> list[Reservation] | None:
+        """Writable arena slots for blocks that a server thread writes in place (an in-place put),
+        within the tenant's pin cap; None, with none kept, when RAM cannot make room for them all.
+
+        What making room evicts is copied out for demotion in a worker thread when large (never on
+        the event loop by the MiB), and only then are the slots handed out: one may lie where a
+        victim's bytes were. A caller cancelled meanwhile waits for that thread before the slots are
+        freed, so nothing is written over bytes still being copied."""
+        made, evicted = self._ram.reserve_many(namespace, sizes)
+        try:
+            await self._copy_out(evicted)
+        except BaseException:  # cancelled (the thread has ended) or failed: nobody will write them
+            self._ram.abandon([r.id for r in made if r is not None])
+            raise
+        finally:
+            self._ram.settle(evicted)
+        slots = [r for r in made if r is not None]
+        if len(slots) < len(sizes):
+            self._ram.abandon([r.id for r in slots])
+            return None
+        return slots
+
+    @staticmethod
+    async def _copy_out(evicted: Evicted, fill: Callable[[], None] | None = None, fill_bytes: int = 0) -> None:
+        """evicted.copy(), then `fill` (the call's copies into its slots, `fill_bytes` of them): in a
+        worker thread when they copy RAM_OFF_LOOP_BYTES or more, awaited to its end even when the
+        caller is cancelled (then the caller frees its slots: nothing reads or writes them any more)."""
+
+        def copy() -> None:
+            evicted.copy()
+            if fill is not None:
+                fill()
+
+        if evicted.copy_bytes + fill_bytes < RAM_OFF_LOOP_BYTES:
+            copy()
+        else:
+            await in_pool(None, copy)
+
     async def put_reserved(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> PutOutcome:
         """Stores blocks written in place into reserved arena slots (verified by the caller): RAM
         indexes each slot under its key without a copy; lower tiers get a copy of its bytes (the slot
@@ -853,11 +893,15 @@ class TierStack:
         self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]], epoch: int
     ) -> list[bool]:
         """Stores blocks in RAM (put_many_sync's effect). Large ones are copied into their reserved
-        slots in a worker thread, so nothing on the event loop copies block bytes by the megabyte;
+        slots in a worker thread, and so are the copies for demotion of what a small one evicts when
+        they are large (_stage_and_adopt), so nothing on the event loop copies block bytes by the MiB;
         they are indexed back on the loop, after the fence is checked again: a Delete that ran while
         they were being copied wins (their slots are freed), exactly as when all of it ran on the loop."""
-        if self._loop is None or sum(len(b) for _, b in items) < RAM_OFF_LOOP_BYTES:
+        if self._loop is None:
             return self._ram.put_many_sync(namespace, items)
+        if sum(len(b) for _, b in items) < RAM_OFF_LOOP_BYTES:
+            # One by one, as put_many_sync: a later block may evict an earlier one of the same put.
+            return [ok for item in items for ok in await self._stage_and_adopt(namespace, [item], epoch, small=True)]
         # In batches of at most a quarter of the tier: staged slots are pinned until adopted, and a
         # put larger than RAM must still keep its newest blocks (later batches evict earlier ones).
         out: list[bool] = []
@@ -872,11 +916,22 @@ class TierStack:
         return out + await self._stage_and_adopt(namespace, batch, epoch)
 
     async def _stage_and_adopt(
-        self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]], epoch: int
+        self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]], epoch: int, *, small: bool = False
     ) -> list[bool]:
+        """Copies the blocks into slots, then indexes those no Delete fenced off meanwhile. Large: all
+        of it in a worker thread (stage_many). Small: the slots reserved on the loop, and the copies
+        (the blocks', and what reserving evicted, copied out for demotion) on it only when they come
+        to less than RAM_OFF_LOOP_BYTES: a put of a few KiB may evict a block of MiBs."""
         staged: list[Reservation | None] = []
         try:
-            await in_pool(None, lambda: staged.extend(self._ram.stage_many(namespace, items)))
+            if small:
+                staged, evicted = self._ram.reserve_slots(namespace, [(key, len(block)) for key, block in items])
+                try:
+                    await self._copy_out(evicted, lambda: RamTier.fill(staged, items), sum(len(b) for _, b in items))
+                finally:
+                    self._ram.settle(evicted)
+            else:
+                await in_pool(None, lambda: staged.extend(self._ram.stage_many(namespace, items)))
         except BaseException:  # cancelled (the thread has ended) or failed: what it staged is freed
             self._ram.abandon([r.id for r in staged if r is not None])
             raise
@@ -901,7 +956,7 @@ class TierStack:
             self._loop.call_soon_threadsafe(self._on_ram_evict, namespace, key, block)
             return
         self.events.publish(EventKind.REMOVED, TierKind.RAM, namespace, [key])
-        if not self._demote or self._closing or self._fence.running(namespace, key):
+        if not block or not self._demote or self._closing or self._fence.running(namespace, key):
             return
         lower = self._lower[0]
         if not lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.DEMOTION)):

@@ -246,17 +246,19 @@ class PutStages:
         call ends (cancelled, a deadline), and only then is whatever was not committed abandoned, so
         no late write can land in a slot that was reused."""
         ram = self._stack.ram
-        made: list[Reservation] = []
-        reads: list[tuple[int, int, int, ShmRange, memoryview]] = []
+        for i, (_, ref) in enumerate(blocks):
+            await self._segment_of(context, first_index + i, ref, segments)
+        if not all(ref.length for _, ref in blocks):
+            return None
+        # The slots come after what reserving them evicted is copied out (off the loop when large).
+        made: list[Reservation] = await self._stack.reserve_many(namespace, [ref.length for _, ref in blocks]) or []
+        if not made:
+            return None
+        reads = [
+            (first_index + i, *segments[ref.segment], ref, res.buffer)
+            for i, ((_, ref), res) in enumerate(zip(blocks, made, strict=True))
+        ]
         try:
-            for i, (_, ref) in enumerate(blocks):
-                where = first_index + i
-                await self._segment_of(context, where, ref, segments)
-                res = ram.reserve(namespace, ref.length) if ref.length else None
-                if res is None:
-                    return None
-                made.append(res)
-                reads.append((where, *segments[ref.segment], ref, res.buffer))
             keys = {first_index + i: key for i, (key, _) in enumerate(blocks)}
             limit = self._limits.max_block_bytes
 

@@ -20,8 +20,13 @@ put, the bulk path), which adopt_many() indexes under a key without a copy and a
 server reservations never expire (their owner abandons them once its writer has ended).
 
 All methods take one lock for a few dictionary operations, so the tier is safe from the event loop
-and from threads alike. Under the lock a method copies only what get_many_sync returns and what an
-eviction hands to on_evict (for demotion); a put's copy into its slot is made outside it.
+and from threads alike. Under the lock a method copies only what get_many_sync returns; a put's copy
+into its slot and the copies of what making room evicted (for on_evict, to demote) are made outside
+it. Making room is in two phases so that the second can run in a worker thread: under the lock the
+victims leave the index and the new slot is allocated, while the victims' extents stay allocated to
+no one else (Evicted); then, outside it, their bytes are copied out (Evicted.copy) and the extents
+given back (settle). A slot that may lie where a victim's bytes were is handed out, written or freed
+only after that copy has ended (reserve_many, reserve_slots; TierStack does the copying off the loop).
 
 Longer than the project's ~500-line module guideline: the index, the eviction order, the byte cap,
 leases and reservations share one lock and one set of invariants (every arena byte is free or in
@@ -37,6 +42,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -50,8 +56,43 @@ ENTRY_OVERHEAD_BYTES = 384
 
 EntryKey = tuple[str, bytes]
 EvictCallback = Callable[[str, bytes, bytes], None]
-"""Called as on_evict(namespace, key, block) for each block evicted to make room (not for deletes);
-`block` is b"" unless the tier was made with copy_evicted (a copy costs the lock its duration)."""
+"""Called as on_evict(namespace, key, block) for each block evicted to make room (not for deletes),
+outside the lock, by settle(); `block` is b"" unless the tier was made with copy_evicted (and b""
+too where the copy was never made: the caller failed before Evicted.copy ran)."""
+
+
+@dataclass(slots=True, eq=False)
+class Evicted:
+    """What making room evicted in one call: blocks out of the index whose bytes may still have to be
+    copied out for on_evict, and the extents that keep them until then.
+
+    Until RamTier.settle(evicted), no victim's bytes are overwritten: the part of a victim's extent
+    that a new slot of the same call took lies in a slot its caller neither hands out, writes nor
+    frees before copy() has ended; the rest of it is allocated to nobody (`held`):
+
+        before    | victim a (1 MiB)                    | victim b (1 MiB)  |
+        planned   | new slot (1.5 MiB)                        | held         |
+                   `-- not handed out before copy() ends --'  `-- settle() frees it
+
+    copy() reads only those bytes, so it runs in any thread, without the lock.
+    """
+
+    victims: list[tuple[str, bytes, int, int]] = field(default_factory=list)  # (namespace, key, offset, length)
+    held: list[tuple[int, int]] = field(default_factory=list)  # extents allocated to nobody until settle()
+    view: memoryview | None = None  # the arena, where the bytes are copied from (None: not copied)
+    blocks: list[bytes] | None = None  # the victims' bytes, once copy() has run
+
+    @property
+    def copy_bytes(self) -> int:
+        """Bytes copy() still has to copy."""
+        return sum(v[3] for v in self.victims) if self.view is not None and self.blocks is None else 0
+
+    def copy(self) -> None:
+        """Copies the victims' bytes out of the arena (bytes(): the GIL is held per block; a 2 MiB
+        block takes about 0.2 ms, so other threads get it between blocks)."""
+        if self.view is not None and self.blocks is None:
+            view = self.view
+            self.blocks = [bytes(view[offset : offset + length]) for _, _, offset, length in self.victims]
 
 
 class EvictionPolicy(Protocol):
@@ -364,25 +405,35 @@ class RamTier(Tier):
         return out
 
     def stage_many(self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[Reservation | None]:
-        """Each block copied into a slot reserved for it (under the lock; the copy outside it), not yet
-        indexed, or None where there is no room: adopt_many indexes them, abandon frees them. A block
-        that replaces one stored under its key never evicts that one, and a refused block keeps it.
-        Thread-safe; on an exception nothing stays reserved."""
-        out: list[Reservation | None] = []
-        try:
-            for key, block in items:
-                res = self._reserve(namespace, len(block), math.inf, capped=False, keep=(namespace, key))
-                out.append(res)
-                if res is None:
-                    continue
-                if len(block) >= _GIL_FREE_COPY_BYTES:  # numpy drops the GIL for the copy
-                    np.copyto(np.frombuffer(res.buffer, np.uint8), np.frombuffer(block, np.uint8))
-                else:
-                    res.buffer[:] = block
-        except BaseException:
-            self.abandon([r.id for r in out if r is not None])
-            raise
-        return out
+        """Each block copied into a slot reserved for it, not yet indexed, or None where there is no
+        room: adopt_many indexes them, abandon frees them. Everything is copied here, in the calling
+        thread (reserve_slots, then the copies, then settle): call it from a worker thread for large
+        blocks. A block that replaces one stored under its key never evicts that one, and a refused
+        block keeps it. Thread-safe; on an exception nothing stays reserved."""
+        staged, evicted = self.reserve_slots(namespace, [(key, len(block)) for key, block in items])
+        self._copy_then_settle(staged, evicted, lambda: self.fill(staged, items))
+        return staged
+
+    def reserve_slots(
+        self, namespace: str, items: Sequence[tuple[bytes, int]]
+    ) -> tuple[list[Reservation | None], Evicted]:
+        """Phase one of stage_many: a slot reserved for each (key, nbytes), or None where there is no
+        room (as stage_many; without the tenant's pin cap), and what making room evicted. Copies
+        nothing. The caller then runs evicted.copy() (in a worker thread when large), writes the
+        blocks into their slots (fill), and calls settle(evicted); no reservation may be written or
+        abandoned before evicted.copy() has ended (a slot may lie where a victim's bytes are)."""
+        return self._reserve_batch(namespace, [(n, (namespace, key)) for key, n in items], capped=False)
+
+    @staticmethod
+    def fill(staged: Sequence[Reservation | None], items: Sequence[tuple[bytes, bytes | memoryview]]) -> None:
+        """Copies each block into its reserved slot (None: not reserved, skipped)."""
+        for res, (_, block) in zip(staged, items, strict=True):
+            if res is None:
+                continue
+            if len(block) >= _GIL_FREE_COPY_BYTES:  # numpy drops the GIL for the copy
+                np.copyto(np.frombuffer(res.buffer, np.uint8), np.frombuffer(block, np.uint8))
+            else:
+                res.buffer[:] = block
 
     def adopt_many(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> list[bool]:
         """Indexes reserved slots under their keys, without a copy (the caller verified the blocks).
@@ -412,65 +463,127 @@ class RamTier(Tier):
                 stored.append(True)
         return stored
 
-    def _evicted(self, evicted: list[tuple[str, bytes, bytes]]) -> None:
-        if self._on_evict is not None:
-            # Outside the lock: the callback may be slow or re-enter the tier.
-            for ns, key, block in evicted:
-                self._on_evict(ns, key, block)
+    def settle(self, evicted: Evicted) -> None:
+        """Phase two of making room, once evicted.copy() has ended (or will never run): gives the
+        extents held for the victims' bytes back and hands each victim to on_evict (outside the lock:
+        the callback may be slow or re-enter the tier). Call once per Evicted."""
+        if evicted.held:
+            with self._lock:
+                for offset, length in evicted.held:
+                    self._extents.free(offset, length)
+            evicted.held = []
+        victims, evicted.victims = evicted.victims, []
+        if self._on_evict is None or not victims:
+            return
+        blocks = evicted.blocks if evicted.blocks is not None else [b""] * len(victims)
+        for (ns, key, _, _), block in zip(victims, blocks, strict=True):
+            self._on_evict(ns, key, block)
+
+    def _copy_then_settle(
+        self, made: Sequence[Reservation | None], evicted: Evicted, then: Callable[[], None] | None = None
+    ) -> None:
+        """Both phases here and now: copies the victims out, runs `then` (writes into the slots), and
+        settles; on an exception the reservations are abandoned (after the copy: none is lost to a
+        failing callback, and none is freed while a victim's bytes in it are still being read)."""
+        try:
+            evicted.copy()
+            if then is not None:
+                then()
+        except BaseException:
+            self.abandon([r.id for r in made if r is not None])
+            self.settle(evicted)
+            raise
+        try:
+            self.settle(evicted)
+        except BaseException:  # reservations do not expire: none may be lost to a failing callback
+            self.abandon([r.id for r in made if r is not None])
+            raise
 
     @staticmethod
     def entry_cost_of(length: int) -> int:
         return align(length) + ENTRY_OVERHEAD_BYTES
 
     def reserve(self, namespace: str, nbytes: int, ttl_s: float = math.inf) -> Reservation | None:
-        """A writable slot for a block of `nbytes` (see _reserve), within the tenant's pin cap."""
-        return self._reserve(namespace, nbytes, ttl_s, capped=True, keep=None)
+        """A writable slot for a block of `nbytes` (see reserve_many), within the tenant's pin cap;
+        what making room evicted is copied out here, in the calling thread."""
+        (res,), evicted = self._reserve_batch(namespace, [(nbytes, None)], ttl_s=ttl_s, capped=True)
+        self._copy_then_settle([res], evicted)
+        return res
 
-    def _reserve(
-        self, namespace: str, nbytes: int, ttl_s: float, *, capped: bool, keep: EntryKey | None
-    ) -> Reservation | None:
-        """A writable slot for a block of `nbytes`, evicting to make room; None if it cannot fit or
-        the tenant pins its share already.
+    def reserve_many(self, namespace: str, sizes: Sequence[int]) -> tuple[list[Reservation | None], Evicted]:
+        """Phase one of reserving writable slots for blocks of `sizes`, one after the other, evicting
+        to make room; within the tenant's pin cap. The list stops at the first size that cannot fit
+        (its None last) and every slot is reserved only if none is None.
+
+        Copies nothing: the caller runs evicted.copy() (in a worker thread when large), then either
+        hands the slots to their writer or abandons them, then calls settle(evicted); no slot may be
+        written or abandoned before evicted.copy() has ended (it may lie where a victim's bytes are).
 
         Reservations are the server's own (a segment put, a bulk session): only server threads write
         into them, and their owner abandons whatever it did not commit, after its writer has ended.
-        By default they never expire: a reservation reclaimed while its writer still ran would let
-        that writer's late bytes land in a slot reused for another key."""
-        evicted: list[tuple[str, bytes, bytes]] = []
-        res: Reservation | None = None
+        They never expire: a reservation reclaimed while its writer still ran would let that
+        writer's late bytes land in a slot reused for another key."""
+        return self._reserve_batch(namespace, [(n, None) for n in sizes], capped=True, stop=True)
+
+    def _reserve_batch(
+        self,
+        namespace: str,
+        wants: Sequence[tuple[int, EntryKey | None]],
+        *,
+        capped: bool,
+        ttl_s: float = math.inf,
+        stop: bool = False,
+    ) -> tuple[list[Reservation | None], Evicted]:
+        """A slot for each (nbytes, entry it replaces), under one hold of the lock; None where it
+        cannot fit or (with `capped`) the tenant pins its share already; with `stop`, none after the
+        first None."""
+        evicted = Evicted(view=self.region.view if self._on_evict is not None and self._copy_evicted else None)
+        out: list[Reservation | None] = []
         with self._lock:
             now = self._clock()
             self._reap_locked(now)
             part = self._partition(namespace)
-            cost = self.entry_cost_of(nbytes)
-            if capped and part.pinned() + cost > part.pin_cap:
-                self._stats.rejected += 1
-            else:
-                slot = self._allocate_locked(
-                    part, nbytes, evicted, extra=cost, keep=keep if keep in self._blocks else None
-                )
-                if slot is not None:
-                    self._pin(slot)
-                    self._reserved += cost
-                    part.reserved += cost
-                    res = Reservation(
-                        new_id(self._leases, self._reservations),
-                        namespace,
-                        slot.offset,
-                        nbytes,
-                        self.region.view[slot.offset : slot.offset + nbytes],
-                        now + ttl_s,
-                        slot,
-                    )
-                    self._reservations[res.id] = res
-                    if ttl_s != math.inf:
-                        heapq.heappush(self._expiries, (res.expires, res.id))
-        try:
-            self._evicted(evicted)
-        except BaseException:  # reservations do not expire: none may be lost to a failing callback
-            if res is not None:
-                self.abandon([res.id])
-            raise
+            for nbytes, keep in wants:
+                res = self._reserve_locked(part, namespace, nbytes, ttl_s, now, evicted, capped=capped, keep=keep)
+                out.append(res)
+                if res is None and stop:
+                    break
+        return out, evicted
+
+    def _reserve_locked(
+        self,
+        part: _Partition,
+        namespace: str,
+        nbytes: int,
+        ttl_s: float,
+        now: float,
+        evicted: Evicted,
+        *,
+        capped: bool,
+        keep: EntryKey | None,
+    ) -> Reservation | None:
+        cost = self.entry_cost_of(nbytes)
+        if capped and part.pinned() + cost > part.pin_cap:
+            self._stats.rejected += 1
+            return None
+        slot = self._allocate_locked(part, nbytes, evicted, extra=cost, keep=keep if keep in self._blocks else None)
+        if slot is None:
+            return None
+        self._pin(slot)
+        self._reserved += cost
+        part.reserved += cost
+        res = Reservation(
+            new_id(self._leases, self._reservations),
+            namespace,
+            slot.offset,
+            nbytes,
+            self.region.view[slot.offset : slot.offset + nbytes],
+            now + ttl_s,
+            slot,
+        )
+        self._reservations[res.id] = res
+        if ttl_s != math.inf:
+            heapq.heappush(self._expiries, (res.expires, res.id))
         return res
 
     def reservation(self, reservation_id: int) -> Reservation | None:
@@ -566,10 +679,10 @@ class RamTier(Tier):
             self._orphaned += cost
         return slot
 
-    def _evict(self, entry: EntryKey, evicted: list[tuple[str, bytes, bytes]]) -> None:
-        if self._on_evict is not None:  # copied out before the slot can be reused, if anyone wants it
-            block = bytes(self._bytes(self._blocks[entry])) if self._copy_evicted else b""
-            evicted.append((entry[0], entry[1], block))
+    def _evict(self, entry: EntryKey, evicted: Evicted) -> None:
+        if self._on_evict is not None:  # its bytes are copied out later, outside the lock (Evicted)
+            slot = self._blocks[entry]
+            evicted.victims.append((entry[0], entry[1], slot.offset, slot.length))
         self._drop_entry(self._partition(entry[0]), entry)
         self._stats.evictions += 1
 
@@ -577,7 +690,7 @@ class RamTier(Tier):
         self,
         part: _Partition,
         nbytes: int,
-        evicted: list[tuple[str, bytes, bytes]],
+        evicted: Evicted,
         *,
         extra: int,
         keep: EntryKey | None = None,
@@ -585,7 +698,9 @@ class RamTier(Tier):
         """A free slot for `nbytes` whose entry costs `extra`, evicting as the class docstring says;
         None (counted) if none can be made. The evictions are planned first (kvcache_server.tiers.
         room.plan_room): nothing is evicted unless the plan yields both the byte room and one
-        contiguous extent that fits; `keep` (the entry a re-put replaces) is never a victim."""
+        contiguous extent that fits; `keep` (the entry a re-put replaces) is never a victim. The
+        victims leave the index and their extents the allocator's free list: what the new slot does
+        not take of them is held in `evicted` until settle(), when their bytes are to be copied."""
         if extra > self._capacity or (part.quota and extra > part.quota):
             self._stats.rejected += 1
             return None
@@ -597,12 +712,17 @@ class RamTier(Tier):
         if victims is None:
             self._stats.rejected += 1
             return None
+        first = len(evicted.victims)
         for entry in victims:
             self._evict(entry, evicted)
         offset = self._extents.alloc(nbytes)
-        if offset is None or not self._room_for(part, extra):  # the plan is exact; a bug must not overfill
-            if offset is not None:
-                self._extents.free(offset, nbytes)
+        if offset is not None and not self._room_for(part, extra):  # the plan is exact; a bug must not overfill
+            self._extents.free(offset, nbytes)
+            offset = None
+        if evicted.view is not None:  # nobody may reuse the victims' bytes before they are copied out
+            for _, _, at, length in evicted.victims[first:]:
+                evicted.held += self._extents.take(at, length)
+        if offset is None:
             self._stats.rejected += 1
             return None
         return Slot(offset, nbytes)
