@@ -9,30 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
-import threading
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
-from kvcache_client.arena import Leased, LeasedBlocks, copy_payload_into
 from kvcache_client.bulk import DEFAULT_CONNECTIONS, AsyncBulkTransport, BulkLink, bearer_token
-from kvcache_client.client import (
+from kvcache_client.calls import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_TARGET,
+    Calls,
     NamespaceLike,
-    call_timeout_s,
-    namespace_name,
-    verified,
+    block_bytes,
+    check_destinations,
+    copied,
+    copy_into,
 )
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, describe
-from kvcache_client.errors import DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
-from kvcache_client.shm import CallEnded, run_to_end
+from kvcache_client.shm import run_to_end
+from kvcache_client.steps import Steps, arun
 from kvcache_client.transport import (
     OFFLOAD_BYTES,
     AsyncGrpcTransport,
@@ -47,9 +44,24 @@ from kvcache_core.format import Layout
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger(__name__)
-
 T = TypeVar("T")
+
+
+class _AsyncIO:
+    """The asyncio face's I/O for kvcache_client.calls: each operation is awaited, on the transport
+    bound to the running loop."""
+
+    def __init__(self, bound: Callable[[], AsyncTransport]) -> None:
+        self._bound = bound
+
+    async def request(self, fn: Callable[[AsyncTransport, float], Awaitable[T]], timeout_s: float) -> T:
+        return await fn(self._bound(), timeout_s)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def transport(self) -> AsyncTransport:
+        return self._bound()
 
 
 class AsyncKVCacheClient:
@@ -81,14 +93,11 @@ class AsyncKVCacheClient:
             ValueError: `timeout_s` is not positive, or `tls` names a cert_file without key_file.
             OSError: a file of `tls` cannot be read.
         """
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
+        self._calls = Calls(timeout_s, retry)
         self.target = target
-        self._timeout_s = timeout_s
         self._described = describe(
             target, tls=tls, shm=shm, bulk=bulk, custom=transport is not None, timeout_s=timeout_s
         )
-        self._retry = retry or RetryPolicy()
         self._transport: AsyncTransport | None = transport
         self._loop: asyncio.AbstractEventLoop | None = None  # set on first use
         self._closed = False
@@ -102,7 +111,7 @@ class AsyncKVCacheClient:
             self._make_transport: Callable[[], AsyncTransport] = lambda: AsyncBulkTransport(
                 AsyncGrpcTransport(channel(), metadata=metadata, shm=shm), link
             )
-        self.corrupt_blocks = 0
+        self._io = _AsyncIO(self._bound)
 
     def __repr__(self) -> str:
         return f"AsyncKVCacheClient({self._described})"
@@ -132,31 +141,13 @@ class AsyncKVCacheClient:
             self._transport = self._make_transport()
         return self._transport
 
-    async def _call(self, timeout_s: float, fn: Callable[[AsyncTransport, float], Awaitable[T]]) -> T:
-        transport = self._bound()
-        deadline = time.monotonic() + timeout_s
-        attempts = 0
-        last: RPCError | None = None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if last is not None:  # the deadline ended the retries: say what kept failing
-                    raise last
-                raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the call finished")
-            attempts += 1
-            try:
-                return await fn(transport, remaining)
-            except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
-                if not self._retry.should_retry(err.code, attempts):
-                    raise err from None
-                last = err
-                sleep_s = min(self._retry.backoff_s(attempts), max(0.0, deadline - time.monotonic()))
-                log.debug("%s; retrying in %.3fs (attempt %d)", err, sleep_s, attempts)
-                await asyncio.sleep(sleep_s)
+    async def _run(self, steps: Steps[T]) -> T:
+        return await arun(steps, self._io)
 
-    def _count_corrupt(self) -> None:
-        self.corrupt_blocks += 1
+    @property
+    def corrupt_blocks(self) -> int:
+        """Blocks that failed their checksum under their key, returned as misses."""
+        return self._calls.corrupt_blocks
 
     @staticmethod
     def chunk_keys(
@@ -183,11 +174,7 @@ class AsyncKVCacheClient:
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
             Nothing stored is not an error: prefix_length is then 0.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not keys:
-            return LookupResult(0)
-        ns = namespace_name(namespace)
-        return await self._call(timeout_s, lambda tr, t: tr.lookup(ns, keys, t))
+        return await self._run(self._calls.lookup(namespace, keys, timeout_s))
 
     async def put_many(
         self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], *, timeout_s: float | None = None
@@ -205,11 +192,7 @@ class AsyncKVCacheClient:
             DeadlineExceeded: the call did not finish within its deadline.
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not items:
-            return PutResult(0, 0, 0)
-        ns = namespace_name(namespace)
-        return await self._call(timeout_s, lambda tr, t: tr.put(ns, items, t))
+        return await self._run(self._calls.put_many(namespace, items, timeout_s))
 
     async def get_many(
         self,
@@ -237,12 +220,7 @@ class AsyncKVCacheClient:
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
             A missing block, or one that fails its checksum (counted in corrupt_blocks), is None, not an error.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not keys:
-            return []
-        ns = namespace_name(namespace)
-        fetched = await self._call(timeout_s, lambda tr, t: tr.get(ns, keys, prefix_only, t))
-        return verified(fetched, keys, self._count_corrupt)
+        return await self._run(self._calls.get_many(namespace, keys, prefix_only, timeout_s))
 
     @contextlib.asynccontextmanager
     async def leased(
@@ -270,28 +248,11 @@ class AsyncKVCacheClient:
             RuntimeError: the client is bound to another event loop.
             RPCError: as get_many (InvalidRequest, Unavailable, DeadlineExceeded, ...); a miss is None.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not keys:
-            yield LeasedBlocks()
-            return
-        ns = namespace_name(namespace)
-        transport = self._bound()
-        if not hasattr(transport, "lease"):  # a transport without in-place reads
-            yield LeasedBlocks(await self.get_many(ns, keys, prefix_only=prefix_only, timeout_s=timeout_s))
-            return
-        lease: Callable[..., Awaitable[Leased]] = transport.lease  # type: ignore[attr-defined]
-        got = await self._call(timeout_s, lambda _tr, t: lease(ns, keys, prefix_only, t))
-        blocks = LeasedBlocks()
+        held = await self._run(self._calls.lease(namespace, keys, prefix_only, timeout_s))
         try:
-            blocks.extend(verified(got.blocks, keys, self._count_corrupt))
-            blocks.expires_at = got.expires_at
-            yield blocks
+            yield held.blocks
         finally:
-            for block, in_place in zip(blocks, got.in_place, strict=False):
-                if block is not None and in_place:
-                    with contextlib.suppress(BufferError):  # something still views it: it stays readable
-                        block.release()
-            await transport.release(got.ids)  # type: ignore[attr-defined]
+            await self._run(self._calls.unlease(held))
 
     async def get_into(
         self,
@@ -314,25 +275,13 @@ class AsyncKVCacheClient:
             TypeError: a destination that is neither a tensor nor a writable buffer.
             RuntimeError, RPCError: as get_many.
         """
-        if len(destinations) != len(keys):
-            raise ValueError(f"{len(destinations)} destinations for {len(keys)} keys")
+        check_destinations(keys, destinations)
         async with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s) as blocks:
-
-            def copy(stop: threading.Event | None) -> None:
-                for block, destination in zip(blocks, destinations, strict=True):
-                    if stop is not None and stop.is_set():
-                        raise CallEnded("stopped before every block was copied")
-                    if block is not None:
-                        copy_payload_into(block, destination)
-
-            if sum(len(b) for b in blocks if b is not None) >= OFFLOAD_BYTES:
-                await run_to_end(copy)
+            if block_bytes(blocks) >= OFFLOAD_BYTES:
+                await run_to_end(lambda stop: copy_into(blocks, destinations, stop))
             else:
-                copy(None)
-            if blocks.expired():  # the copies outlived the leases: not trusted
-                log.warning("get_into outlived its arena leases; its blocks are treated as misses")
-                return [False] * len(blocks)
-            return [block is not None for block in blocks]
+                copy_into(blocks, destinations)
+            return copied(blocks)
 
     async def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """Removes keys from every tier; returns how many were stored.
@@ -346,11 +295,7 @@ class AsyncKVCacheClient:
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
             A key that is not stored is not an error: it is not counted.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not keys:
-            return 0
-        ns = namespace_name(namespace)
-        return await self._call(timeout_s, lambda tr, t: tr.delete(ns, keys, t))
+        return await self._run(self._calls.delete(namespace, keys, timeout_s))
 
     async def stats(self, *, timeout_s: float | None = None) -> ServerStats:
         """The server's counters.
@@ -363,7 +308,7 @@ class AsyncKVCacheClient:
             DeadlineExceeded: the call did not finish within its deadline.
             RPCError: any other status (Unauthenticated, ...), as kvcache_client.errors maps it.
         """
-        return await self._call(call_timeout_s(timeout_s, self._timeout_s), lambda tr, t: tr.stats(t))
+        return await self._run(self._calls.stats(timeout_s))
 
     async def put_tensors(
         self,
@@ -381,12 +326,7 @@ class AsyncKVCacheClient:
             ModuleNotFoundError: torch is not installed.
             RuntimeError, RPCError: as put_many (InvalidRequest, ResourceExhausted, Unavailable, ...).
         """
-        from kvcache_client.tensors import tensor_block_parts
-
-        if len(keys) != len(tensors):
-            raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
-        items = [(k, tensor_block_parts(t, k, layout)) for k, t in zip(keys, tensors, strict=True)]
-        return await self.put_many(namespace, items, timeout_s=timeout_s)
+        return await self._run(self._calls.put_tensors(namespace, keys, tensors, layout, timeout_s))
 
     async def get_tensors(
         self,
@@ -410,10 +350,7 @@ class AsyncKVCacheClient:
             ModuleNotFoundError: torch is not installed.
             RuntimeError, RPCError: as get_many (InvalidRequest, Unavailable, ...); a miss is None.
         """
-        from kvcache_client.tensors import block_to_tensor
-
-        blocks = await self.get_many(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s)
-        return [None if b is None else block_to_tensor(b, verify=False) for b in blocks]
+        return await self._run(self._calls.get_tensors(namespace, keys, prefix_only, timeout_s))
 
     async def close(self) -> None:
         """Closes the channel (if a call made one) and removes this client's shared-memory segments;

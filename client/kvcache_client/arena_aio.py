@@ -77,7 +77,7 @@ class AsyncInPlaceCalls:
     async def drain(self) -> None:
         """Waits for the pinning calls and cleanups still running (each has its own deadline)."""
         while pending := self.book.pending:  # a pinning call's end may start its hand-back: until none is left
-            await asyncio.wait(pending)  # type: ignore[arg-type]
+            await asyncio.wait(pending)  # type: ignore[type-var]
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)

@@ -25,22 +25,27 @@ exception: lookup returns a shorter prefix, get_many None.
 from __future__ import annotations
 
 import contextlib
-import logging
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-import grpc
 import numpy as np
 
 from kvcache_client import keys as _keys
-from kvcache_client.arena import LeasedBlocks, copy_payload_into
 from kvcache_client.bulk import DEFAULT_CONNECTIONS, BulkLink, BulkTransport, bearer_token
+from kvcache_client.calls import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_TARGET,
+    Calls,
+    NamespaceLike,
+    check_destinations,
+    copied,
+    copy_into,
+)
 from kvcache_client.connection import TLSConfig, auth_metadata, describe, make_channel
-from kvcache_client.errors import BlockFormatError, DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.retry import RetryPolicy
+from kvcache_client.steps import Steps, run
 from kvcache_client.transport import (
-    Fetched,
     GrpcTransport,
     LookupResult,
     PutResult,
@@ -48,60 +53,33 @@ from kvcache_client.transport import (
     Transport,
 )
 from kvcache_core.blockwire import BlockData
-from kvcache_core.format import Layout, verify_block
+from kvcache_core.format import Layout
 
 if TYPE_CHECKING:
     import torch
 
-log = logging.getLogger(__name__)
-
-DEFAULT_TARGET = "127.0.0.1:51051"
-DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
-
 T = TypeVar("T")
-NamespaceLike = _keys.Namespace | str
 
-__all__ = ["DEFAULT_TARGET", "KVCacheClient", "LookupResult", "PutResult", "ServerStats"]
-
-
-def call_timeout_s(timeout_s: float | None, default_s: float) -> float:
-    """A call's deadline in seconds: `timeout_s`, or `default_s` (the client's) when it is None.
-
-    Raises:
-        ValueError: `timeout_s` is not positive (0 means neither "no deadline" nor "the default").
-    """
-    if timeout_s is None:
-        return default_s
-    if not timeout_s > 0:  # NaN included
-        raise ValueError(f"timeout_s must be positive, or None for the client's default; got {timeout_s!r}")
-    return timeout_s
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_TARGET", "KVCacheClient", "LookupResult", "NamespaceLike", "PutResult",
+    "ServerStats",
+]  # fmt: skip
 
 
-def namespace_name(namespace: NamespaceLike) -> str:
-    """The server-side namespace string: a Namespace's fingerprint hex, or a str as given."""
-    return namespace.name if isinstance(namespace, _keys.Namespace) else namespace
+class _BlockingIO:
+    """The blocking face's I/O for kvcache_client.calls: each operation runs in the calling thread."""
 
+    def __init__(self, transport: Transport) -> None:
+        self._transport = transport
 
-def verified(
-    fetched: list[Fetched | None], keys: Sequence[bytes], on_corrupt: Callable[[], None]
-) -> list[memoryview | None]:
-    """Blocks that pass their checksum under the key they were asked for; the rest become misses
-    (a damaged block, or another key's block: format v2 binds each block to its key)."""
-    out: list[memoryview | None] = []
-    for key, item in zip(keys, fetched, strict=True):
-        if item is None:
-            out.append(None)
-            continue
-        data, tier = item
-        try:
-            verify_block(data, key)
-        except BlockFormatError as exc:
-            log.error("block %s from tier %s failed verification, treating as a miss: %s", key.hex(), tier, exc)
-            on_corrupt()
-            out.append(None)
-            continue
-        out.append(memoryview(data))
-    return out
+    def request(self, fn: Callable[[Transport, float], T], timeout_s: float) -> T:
+        return fn(self._transport, timeout_s)
+
+    def sleep(self, seconds: float) -> None:
+        time.sleep(seconds)
+
+    def transport(self) -> Transport:
+        return self._transport
 
 
 class KVCacheClient:
@@ -148,14 +126,11 @@ class KVCacheClient:
             ValueError: `timeout_s` is not positive, or `tls` names a cert_file without key_file.
             OSError: a file of `tls` cannot be read.
         """
-        if timeout_s <= 0:
-            raise ValueError("timeout_s must be positive")
+        self._calls = Calls(timeout_s, retry)
         self.target = target
-        self._timeout_s = timeout_s
         self._described = describe(
             target, tls=tls, shm=shm, bulk=bulk, custom=transport is not None, timeout_s=timeout_s
         )
-        self._retry = retry or RetryPolicy()
         self.bulk: BulkLink | None = None  # the bulk path's state and counters (None with a custom transport)
         if transport is None:
             self.bulk = BulkLink(target, token=bearer_token(token), tls=tls, enabled=bulk, connections=bulk_connections)
@@ -166,7 +141,7 @@ class KVCacheClient:
             )
             transport = BulkTransport(grpc_transport, self.bulk)
         self._transport: Transport = transport
-        self.corrupt_blocks = 0
+        self._io = _BlockingIO(transport)
 
     def __repr__(self) -> str:
         return f"KVCacheClient({self._described})"
@@ -182,30 +157,13 @@ class KVCacheClient:
 
     # -- plumbing ------------------------------------------------------------------------------
 
-    def _call(self, timeout_s: float, fn: Callable[[float], T]) -> T:
-        deadline = time.monotonic() + timeout_s
-        attempts = 0
-        last: RPCError | None = None
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                if last is not None:  # the deadline ended the retries: say what kept failing
-                    raise last
-                raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the call finished")
-            attempts += 1
-            try:
-                return fn(remaining)
-            except grpc.RpcError as exc:
-                err = from_rpc_error(exc)
-                if not self._retry.should_retry(err.code, attempts):
-                    raise err from None
-                last = err
-                sleep_s = min(self._retry.backoff_s(attempts), max(0.0, deadline - time.monotonic()))
-                log.debug("%s; retrying in %.3fs (attempt %d)", err, sleep_s, attempts)
-                time.sleep(sleep_s)
+    def _run(self, steps: Steps[T]) -> T:
+        return run(steps, self._io)
 
-    def _count_corrupt(self) -> None:
-        self.corrupt_blocks += 1
+    @property
+    def corrupt_blocks(self) -> int:
+        """Blocks that failed their checksum under their key, returned as misses."""
+        return self._calls.corrupt_blocks
 
     # -- API -----------------------------------------------------------------------------------
 
@@ -233,11 +191,7 @@ class KVCacheClient:
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
             Nothing stored is not an error: prefix_length is then 0.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not keys:
-            return LookupResult(0)
-        ns = namespace_name(namespace)
-        return self._call(timeout_s, lambda t: self._transport.lookup(ns, keys, t))
+        return self._run(self._calls.lookup(namespace, keys, timeout_s))
 
     def put_many(
         self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], *, timeout_s: float | None = None
@@ -254,11 +208,7 @@ class KVCacheClient:
             DeadlineExceeded: the call did not finish within its deadline.
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not items:
-            return PutResult(0, 0, 0)
-        ns = namespace_name(namespace)
-        return self._call(timeout_s, lambda t: self._transport.put(ns, items, t))
+        return self._run(self._calls.put_many(namespace, items, timeout_s))
 
     def get_many(
         self,
@@ -284,12 +234,7 @@ class KVCacheClient:
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
             A missing block, or one that fails its checksum (counted in corrupt_blocks), is None, not an error.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not keys:
-            return []
-        ns = namespace_name(namespace)
-        fetched = self._call(timeout_s, lambda t: self._transport.get(ns, keys, prefix_only, t))
-        return verified(fetched, keys, self._count_corrupt)
+        return self._run(self._calls.get_many(namespace, keys, prefix_only, timeout_s))
 
     @contextlib.contextmanager
     def leased(
@@ -319,27 +264,11 @@ class KVCacheClient:
             ValueError: `timeout_s` is not positive.
             RPCError: as get_many (InvalidRequest, Unavailable, DeadlineExceeded, ...); a miss is None.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not keys:
-            yield LeasedBlocks()
-            return
-        ns = namespace_name(namespace)
-        lease = getattr(self._transport, "lease", None)
-        if lease is None:  # a transport without in-place reads
-            yield LeasedBlocks(self.get_many(ns, keys, prefix_only=prefix_only, timeout_s=timeout_s))
-            return
-        got = self._call(timeout_s, lambda t: lease(ns, keys, prefix_only, t))
-        blocks = LeasedBlocks()
+        held = self._run(self._calls.lease(namespace, keys, prefix_only, timeout_s))
         try:
-            blocks.extend(verified(got.blocks, keys, self._count_corrupt))
-            blocks.expires_at = got.expires_at
-            yield blocks
+            yield held.blocks
         finally:
-            for block, in_place in zip(blocks, got.in_place, strict=False):
-                if block is not None and in_place:
-                    with contextlib.suppress(BufferError):  # something still views it: it stays readable
-                        block.release()
-            self._transport.release(got.ids)
+            self._run(self._calls.unlease(held))
 
     def get_into(
         self,
@@ -364,18 +293,10 @@ class KVCacheClient:
             TypeError: a destination that is neither a tensor nor a writable buffer.
             RPCError: as get_many.
         """
-        if len(destinations) != len(keys):
-            raise ValueError(f"{len(destinations)} destinations for {len(keys)} keys")
-        found: list[bool] = []
+        check_destinations(keys, destinations)
         with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s) as blocks:
-            for block, destination in zip(blocks, destinations, strict=True):
-                if block is not None:
-                    copy_payload_into(block, destination)
-                found.append(block is not None)
-            if blocks.expired():  # the copies outlived the leases: not trusted
-                log.warning("get_into outlived its arena leases; %d blocks treated as misses", sum(found))
-                return [False] * len(found)
-        return found
+            copy_into(blocks, destinations)
+            return copied(blocks)
 
     def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """Removes keys from every tier; returns how many were stored.
@@ -388,11 +309,7 @@ class KVCacheClient:
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
             A key that is not stored is not an error: it is not counted.
         """
-        timeout_s = call_timeout_s(timeout_s, self._timeout_s)
-        if not keys:
-            return 0
-        ns = namespace_name(namespace)
-        return self._call(timeout_s, lambda t: self._transport.delete(ns, keys, t))
+        return self._run(self._calls.delete(namespace, keys, timeout_s))
 
     def stats(self, *, timeout_s: float | None = None) -> ServerStats:
         """The server's counters.
@@ -404,7 +321,7 @@ class KVCacheClient:
             DeadlineExceeded: the call did not finish within its deadline.
             RPCError: any other status (Unauthenticated, ...), as kvcache_client.errors maps it.
         """
-        return self._call(call_timeout_s(timeout_s, self._timeout_s), self._transport.stats)
+        return self._run(self._calls.stats(timeout_s))
 
     def put_tensors(
         self,
@@ -422,12 +339,7 @@ class KVCacheClient:
             ModuleNotFoundError: torch is not installed.
             RPCError: as put_many (InvalidRequest, ResourceExhausted, Unavailable, DeadlineExceeded, ...).
         """
-        from kvcache_client.tensors import tensor_block_parts
-
-        if len(keys) != len(tensors):
-            raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
-        items = [(k, tensor_block_parts(t, k, layout)) for k, t in zip(keys, tensors, strict=True)]
-        return self.put_many(namespace, items, timeout_s=timeout_s)
+        return self._run(self._calls.put_tensors(namespace, keys, tensors, layout, timeout_s))
 
     def get_tensors(
         self,
@@ -451,10 +363,7 @@ class KVCacheClient:
             ModuleNotFoundError: torch is not installed.
             RPCError: as get_many (InvalidRequest, Unavailable, DeadlineExceeded, ...); a miss is None.
         """
-        from kvcache_client.tensors import block_to_tensor
-
-        blocks = self.get_many(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s)
-        return [None if b is None else block_to_tensor(b, verify=False) for b in blocks]
+        return self._run(self._calls.get_tensors(namespace, keys, prefix_only, timeout_s))
 
     def close(self) -> None:
         """Closes the channel and removes this client's shared-memory segments; blocks and tensors it

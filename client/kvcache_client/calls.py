@@ -1,0 +1,329 @@
+"""What KVCacheClient and AsyncKVCacheClient do, written once (httpx's shape: one implementation,
+a blocking and an asyncio face).
+
+Each call is a generator of steps (kvcache_client.steps): its arguments checked (a bad one raises
+ValueError before anything is sent), its deadline and the retries inside it (`retrying`), what it
+asks of the transport, and its answer checked (every block verified under its key). A face drives
+the steps with its own I/O object, which does three things: run one request on the transport (a
+call in this thread, or an await), sleep between retries (time.sleep or asyncio.sleep), and hand
+over its transport (the asyncio face binds it to the running loop first). Everything else is here,
+so the two clients cannot drift apart; what stays in a face is `with` against `async with`, and
+where the asyncio face moves large copies off the event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
+
+import grpc
+
+from kvcache_client import keys as _keys
+from kvcache_client.arena import LeasedBlocks, copy_payload_into
+from kvcache_client.errors import BlockFormatError, DeadlineExceeded, RPCError, from_rpc_error
+from kvcache_client.inplace_core import Leased
+from kvcache_client.results import Fetched, LookupResult, PutResult, ServerStats
+from kvcache_client.retry import RetryPolicy
+from kvcache_client.shm import CallEnded
+from kvcache_client.steps import Steps
+from kvcache_core.blockwire import BlockData
+from kvcache_core.format import Layout, verify_block
+
+if TYPE_CHECKING:
+    import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TARGET = "127.0.0.1:51051"
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30
+
+NamespaceLike = _keys.Namespace | str
+
+
+def call_timeout_s(timeout_s: float | None, default_s: float) -> float:
+    """A call's deadline in seconds: `timeout_s`, or `default_s` (the client's) when it is None.
+
+    Raises:
+        ValueError: `timeout_s` is not positive (0 means neither "no deadline" nor "the default").
+    """
+    if timeout_s is None:
+        return default_s
+    if not timeout_s > 0:  # NaN included
+        raise ValueError(f"timeout_s must be positive, or None for the client's default; got {timeout_s!r}")
+    return timeout_s
+
+
+def namespace_name(namespace: NamespaceLike) -> str:
+    """The server-side namespace string: a Namespace's fingerprint hex, or a str as given."""
+    return namespace.name if isinstance(namespace, _keys.Namespace) else namespace
+
+
+def verified(
+    fetched: list[Fetched | None], keys: Sequence[bytes], on_corrupt: Callable[[], None]
+) -> list[memoryview | None]:
+    """Blocks that pass their checksum under the key they were asked for; the rest become misses
+    (a damaged block, or another key's block: format v2 binds each block to its key)."""
+    out: list[memoryview | None] = []
+    for key, item in zip(keys, fetched, strict=True):
+        if item is None:
+            out.append(None)
+            continue
+        data, tier = item
+        try:
+            verify_block(data, key)
+        except BlockFormatError as exc:
+            log.error("block %s from tier %s failed verification, treating as a miss: %s", key.hex(), tier, exc)
+            on_corrupt()
+            out.append(None)
+            continue
+        out.append(memoryview(data))
+    return out
+
+
+# -- get_into's copies (the asyncio face runs large ones in a worker thread) ---------------------------
+
+
+def check_destinations(keys: Sequence[bytes], destinations: Sequence[object]) -> None:
+    """Raises:
+    ValueError: not one destination per key.
+    """
+    if len(destinations) != len(keys):
+        raise ValueError(f"{len(destinations)} destinations for {len(keys)} keys")
+
+
+def copy_into(
+    blocks: Sequence[memoryview | None], destinations: Sequence[object], stop: threading.Event | None = None
+) -> None:
+    """Copies each found block's payload once into its destination (arena.copy_payload_into).
+
+    Raises:
+        CallEnded: `stop` was set (the caller was cancelled) before every block was copied.
+        ValueError, TypeError: see copy_payload_into.
+    """
+    for block, destination in zip(blocks, destinations, strict=True):
+        if stop is not None and stop.is_set():
+            raise CallEnded("stopped before every block was copied")
+        if block is not None:
+            copy_payload_into(block, destination)
+
+
+def block_bytes(blocks: Sequence[memoryview | None]) -> int:
+    return sum(len(b) for b in blocks if b is not None)
+
+
+def copied(blocks: Sequence[memoryview | None]) -> list[bool]:
+    """get_into's answer once the copies out of leased() ended: True where a block was found, all
+    False when the copies outlived the leases (LeasedBlocks.expired: they are then not trusted)."""
+    found = [block is not None for block in blocks]
+    if isinstance(blocks, LeasedBlocks) and blocks.expired():
+        log.warning("get_into outlived its arena leases; %d blocks treated as misses", sum(found))
+        return [False] * len(found)
+    return found
+
+
+# -- the operations a face performs --------------------------------------------------------------------
+
+
+class ClientIO(Protocol):
+    """What a face does for the steps; the asyncio face's methods are coroutine functions."""
+
+    def request(self, fn: Callable[[Any, float], Any], timeout_s: float) -> Any:
+        """fn(transport, timeout_s): its answer (awaited on the asyncio face)."""
+
+    def sleep(self, seconds: float) -> Any:
+        """Waits between retries."""
+
+    def transport(self) -> Any:
+        """The transport (the asyncio face's, bound to the running loop)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    fn: Callable[[Any, float], Any]
+    timeout_s: float
+
+    def perform(self, io: ClientIO) -> Any:
+        return io.request(self.fn, self.timeout_s)
+
+
+@dataclass(frozen=True, slots=True)
+class Sleep:
+    seconds: float
+
+    def perform(self, io: ClientIO) -> Any:
+        return io.sleep(self.seconds)
+
+
+@dataclass(frozen=True, slots=True)
+class GetTransport:
+    def perform(self, io: ClientIO) -> Any:
+        return io.transport()
+
+
+def _release(ids: list[int]) -> Request:
+    """The transport's release of leases (no deadline of the call's: it has its own)."""
+    return Request(lambda transport, _: transport.release(ids), math.inf)
+
+
+@dataclass(slots=True)
+class Held:
+    """What leased() hands out (`blocks`) and what it gives back when its block ends (`leased`: None
+    when nothing was leased)."""
+
+    blocks: LeasedBlocks
+    leased: Leased | None = None
+
+
+# -- the calls ---------------------------------------------------------------------------------------
+
+
+class Calls:
+    """The calls of one client, whichever its face: its default deadline, its retry policy, and
+    the blocks that failed verification (`corrupt_blocks`)."""
+
+    def __init__(self, timeout_s: float, retry: RetryPolicy | None) -> None:
+        """Raises:
+        ValueError: `timeout_s` is not positive.
+        """
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self.timeout_s = timeout_s
+        self.retry = retry or RetryPolicy()
+        self.corrupt_blocks = 0
+
+    def _count_corrupt(self) -> None:
+        self.corrupt_blocks += 1
+
+    def retrying(self, timeout_s: float, fn: Callable[[Any, float], Any]) -> Steps[Any]:
+        """fn(transport, remaining_s) until it answers, within one deadline `timeout_s` from now:
+        statuses the retry policy names are retried after its backoff.
+
+        Raises:
+            RPCError: the status that was not retried (a kvcache_client.errors type), or the last one
+                retried when the deadline ended the retries; DeadlineExceeded when it passed first.
+        """
+        deadline = time.monotonic() + timeout_s
+        attempts = 0
+        last: RPCError | None = None
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                if last is not None:  # the deadline ended the retries: say what kept failing
+                    raise last
+                raise DeadlineExceeded(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the call finished")
+            attempts += 1
+            try:
+                return (yield Request(fn, remaining))
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if not self.retry.should_retry(err.code, attempts):
+                    raise err from None
+                last = err
+            sleep_s = min(self.retry.backoff_s(attempts), max(0.0, deadline - time.monotonic()))
+            log.debug("%s; retrying in %.3fs (attempt %d)", last, sleep_s, attempts)
+            yield Sleep(sleep_s)
+
+    def lookup(self, namespace: NamespaceLike, keys: Sequence[bytes], timeout_s: float | None) -> Steps[LookupResult]:
+        timeout_s = call_timeout_s(timeout_s, self.timeout_s)
+        if not keys:
+            return LookupResult(0)
+        ns = namespace_name(namespace)
+        result: LookupResult = yield from self.retrying(timeout_s, lambda tr, t: tr.lookup(ns, keys, t))
+        return result
+
+    def put_many(
+        self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], timeout_s: float | None
+    ) -> Steps[PutResult]:
+        timeout_s = call_timeout_s(timeout_s, self.timeout_s)
+        if not items:
+            return PutResult(0, 0, 0)
+        ns = namespace_name(namespace)
+        result: PutResult = yield from self.retrying(timeout_s, lambda tr, t: tr.put(ns, items, t))
+        return result
+
+    def get_many(
+        self, namespace: NamespaceLike, keys: Sequence[bytes], prefix_only: bool, timeout_s: float | None
+    ) -> Steps[list[memoryview | None]]:
+        timeout_s = call_timeout_s(timeout_s, self.timeout_s)
+        if not keys:
+            return []
+        ns = namespace_name(namespace)
+        fetched = yield from self.retrying(timeout_s, lambda tr, t: tr.get(ns, keys, prefix_only, t))
+        return verified(fetched, keys, self._count_corrupt)
+
+    def lease(
+        self, namespace: NamespaceLike, keys: Sequence[bytes], prefix_only: bool, timeout_s: float | None
+    ) -> Steps[Held]:
+        """leased()'s start: each key's verified block, read in place where the transport can."""
+        timeout_s = call_timeout_s(timeout_s, self.timeout_s)
+        if not keys:
+            return Held(LeasedBlocks())
+        ns = namespace_name(namespace)
+        transport = yield GetTransport()
+        if not hasattr(transport, "lease"):  # a transport without in-place reads
+            return Held(LeasedBlocks((yield from self.get_many(ns, keys, prefix_only, timeout_s))))
+        got: Leased = yield from self.retrying(timeout_s, lambda tr, t: tr.lease(ns, keys, prefix_only, t))
+        try:
+            blocks = LeasedBlocks(verified(got.blocks, keys, self._count_corrupt))
+            blocks.expires_at = got.expires_at
+        except BaseException:
+            yield _release(got.ids)
+            raise
+        return Held(blocks, got)
+
+    @staticmethod
+    def unlease(held: Held) -> Steps[None]:
+        """leased()'s end, however its block ended: the views released (unless something still holds
+        a buffer of them: they stay readable), then the leases (the transport's release runs to its
+        end, on the asyncio face whatever becomes of the caller)."""
+        got = held.leased
+        if got is None:
+            return
+        for block, in_place in zip(held.blocks, got.in_place, strict=False):
+            if block is not None and in_place:
+                with contextlib.suppress(BufferError):
+                    block.release()
+        yield _release(got.ids)
+
+    def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], timeout_s: float | None) -> Steps[int]:
+        timeout_s = call_timeout_s(timeout_s, self.timeout_s)
+        if not keys:
+            return 0
+        ns = namespace_name(namespace)
+        deleted: int = yield from self.retrying(timeout_s, lambda tr, t: tr.delete(ns, keys, t))
+        return deleted
+
+    def stats(self, timeout_s: float | None) -> Steps[ServerStats]:
+        stats: ServerStats = yield from self.retrying(
+            call_timeout_s(timeout_s, self.timeout_s), lambda tr, t: tr.stats(t)
+        )
+        return stats
+
+    def put_tensors(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        tensors: Sequence[torch.Tensor],
+        layout: Layout,
+        timeout_s: float | None,
+    ) -> Steps[PutResult]:
+        from kvcache_client.tensors import tensor_block_parts
+
+        if len(keys) != len(tensors):
+            raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
+        items = [(k, tensor_block_parts(t, k, layout)) for k, t in zip(keys, tensors, strict=True)]
+        return (yield from self.put_many(namespace, items, timeout_s))
+
+    def get_tensors(
+        self, namespace: NamespaceLike, keys: Sequence[bytes], prefix_only: bool, timeout_s: float | None
+    ) -> Steps[list[torch.Tensor | None]]:
+        from kvcache_client.tensors import block_to_tensor
+
+        blocks = yield from self.get_many(namespace, keys, prefix_only, timeout_s)
+        return [None if b is None else block_to_tensor(b, verify=False) for b in blocks]
