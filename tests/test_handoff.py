@@ -190,9 +190,16 @@ def test_two_users_keep_the_shared_memory_path_and_cannot_reach_each_other(users
     arena = info.arena_path
     size, n = 256 << 10, 8  # above the 64 KiB under which puts stay inline
     base = {"target": server.target, "n": n, "size": size}
-    a = _as(users["a"], base | {"token": TOKENS["a"], "ns": "m", "tag": "a"})
+    a = _as(users["a"], base | {"token": TOKENS["a"], "ns": "m", "tag": "a", "rounds": 2})
     try:
         ra = _result(a)
+        assert a.stdin is not None
+        a.stdin.write("\n")
+        a.stdin.flush()
+        again = _result(a)
+        # Pooled: the second round's calls used the segments the first handed over (before the fix
+        # of the liveness probe, each call waited out a 2 s socket timeout and handed over new ones).
+        assert again["segments"] == ra["segments"] and again["identical"] == n and again["fallbacks"] == 0
         probes = [f"/proc/{ra['pid']}/fd/{fd}" for fd in ra["fds"]] + [str(place / "shm")]
         probes += [arena] if arena else []
         b = _as(users["b"], base | {"token": TOKENS["b"], "ns": "m", "tag": "b", "probe": probes, "asyncio": True})

@@ -33,6 +33,7 @@ import logging
 import mmap
 import os
 import secrets
+import select
 import socket
 import stat
 import struct
@@ -323,11 +324,11 @@ class Handoff:
             if self._sock is None or generation != self.generation or self._pid != os.getpid():
                 return False
             try:
-                if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                # A poll, not a recv: the socket has a timeout, which a recv would wait out.
+                readable, _, _ = select.select([self._sock], [], [], 0)
+                if readable and self._sock.recv(1, socket.MSG_PEEK) == b"":
                     self._drop_connection()  # the server closed it (it stopped or restarted)
                     return False
-            except (BlockingIOError, InterruptedError):
-                pass
             except OSError:
                 self._drop_connection()
                 return False
