@@ -91,4 +91,6 @@ class KVCacheL2Config:
         unknown = sorted(set(params) - known)
         if unknown:
             raise ValueError(f"unknown kvcache L2 adapter option(s) {unknown}; known: {sorted(known)}")
+        if "target" not in params:
+            raise ValueError("the kvcache L2 adapter needs 'target' (host:port of a kvcache server)")
         return cls(**dict(params))

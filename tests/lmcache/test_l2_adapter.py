@@ -1,0 +1,392 @@
+"""KVCacheL2Adapter through LMCache's own L2AdapterInterface contract, against a real kvcache server.
+
+Buffers are LMCache's MemoryObjs from its host allocator, keys its ObjectKeys, results its Bitmap
+and L2StoreResult; completions are waited for on the adapter's eventfds, as LMCache's store and
+prefetch controllers wait for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from lmcache.v1.distributed.internal_api import L1MemoryDesc
+from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface
+from lmcache.v1.distributed.l2_adapters.config import add_l2_adapters_args, parse_args_to_l2_adapters_config
+from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+
+from kvcache_client import KVCacheClient
+from kvcache_connectors.lmcache_l2 import KVCacheL2Adapter, KVCacheL2Config
+from kvcache_connectors.lmcache_l2.keys import KeyMapper, lmcache_namespace, scope_of
+from kvcache_server.launcher import LocalKVCacheServer
+from tests.lmcache.harness import (
+    CHUNK_BYTES,
+    Buffers,
+    bits,
+    eventually,
+    object_keys,
+    readable,
+    wait_result,
+    wait_store,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+SUBMIT_BOUND_S = 0.05
+"""A submit_* call only queues: it returns within this however the server behaves."""
+
+
+@pytest.fixture
+def buffers() -> Iterator[Buffers]:
+    b = Buffers()
+    yield b
+    b.close()
+
+
+def lookup(adapter: KVCacheL2Adapter, keys: list, timeout_s: float = 10.0) -> list[int]:
+    task = adapter.submit_lookup_and_lock_task(keys, {})
+    return bits(
+        wait_result(adapter.query_lookup_and_lock_result, task, adapter.get_lookup_and_lock_event_fd(), timeout_s)
+    )
+
+
+def load(adapter: KVCacheL2Adapter, keys: list, objects: list, timeout_s: float = 10.0) -> list[int]:
+    task = adapter.submit_load_task(keys, objects)
+    return bits(wait_result(adapter.query_load_result, task, adapter.get_load_event_fd(), timeout_s))
+
+
+def store(adapter: KVCacheL2Adapter, keys: list, objects: list, timeout_s: float = 10.0):
+    return wait_store(adapter, adapter.submit_store_task(keys, objects), timeout_s)
+
+
+def same_bytes(a: list, b: list) -> bool:
+    return all(bytes(x.byte_array) == bytes(y.byte_array) for x, y in zip(a, b, strict=True))
+
+
+# -- the contract, end to end --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["arena-leases", "copies"])
+def test_store_lookup_lock_load_unlock_delete_usage(server, make_adapter, buffers, shm: bool) -> None:
+    """The whole contract once: store, lookup-and-lock (a bitmap over stored and never-stored keys),
+    load into LMCache's buffers byte-identical, unlock (the server's leases end), delete (usage per
+    salt back to nothing, the keys misses), with every counter exact. shm=True: the locks are read
+    leases on the server's RAM slots; shm=False: copies held in this process."""
+    adapter = make_adapter(target=server.target, shm=shm, bulk=False)
+    keys = object_keys(4, salt="alice")
+    src = buffers.filled([1, 2, 3, 4])
+    result = store(adapter, keys, src)
+    assert result.is_successful() and result.bytes_transferred() == 4 * CHUNK_BYTES
+    usage = adapter.get_usage()
+    assert (usage.total_bytes_used, dict(usage.bytes_by_cache_salt)) == (4 * CHUNK_BYTES, {"alice": 4 * CHUNK_BYTES})
+    with KVCacheClient(server.target) as probe:
+        assert probe.stats().tier("ram").blocks == 4  # the bytes are kvcache's
+
+        never = object_keys(2, first=100, salt="alice")
+        assert lookup(adapter, [keys[0], never[0], keys[1], keys[2], keys[3], never[1]]) == [1, 0, 1, 1, 1, 0]
+        status = adapter.report_status()
+        assert status["locked_keys"] == 4 and status["locked_bytes"] > 4 * CHUNK_BYTES  # blocks: header + payload
+        if shm:
+            assert probe.stats().arena_leases > 0  # the locked blocks are pinned in the server's RAM
+
+        dst = buffers.empty(4)
+        assert load(adapter, keys, dst) == [1, 1, 1, 1]
+        assert same_bytes(src, dst)
+        adapter.submit_unlock(keys)
+        assert adapter.report_status()["locked_keys"] == 0
+        assert eventually(lambda: probe.stats().arena_leases == 0)
+
+        adapter.delete(keys)
+        assert eventually(lambda: adapter.get_usage().total_bytes_used == 0)
+        assert dict(adapter.get_usage().bytes_by_cache_salt) == {}
+        assert probe.stats().tier("ram").blocks == 0
+        assert lookup(adapter, keys) == [0, 0, 0, 0]
+    counters = adapter.counters.snapshot()
+    assert {k: v for k, v in counters.items() if v} == {
+        "stored_chunks": 4,
+        "lookup_hits": 4,
+        "lookup_misses": 2 + 4,
+        "loaded_chunks": 4,
+        "unlocks": 4,
+        "deleted_chunks": 4,
+    }
+
+
+def test_a_miss_is_a_miss(server, make_adapter, buffers) -> None:
+    """Keys never stored: the lookup's bitmap is all zeros, a load of them sets no bit and leaves
+    LMCache's buffers untouched, nothing is locked, and nothing counts as a failure."""
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(3, first=7)
+    assert lookup(adapter, keys) == [0, 0, 0]
+    assert adapter.report_status()["locked_keys"] == 0
+    dst = buffers.empty(3)
+    assert load(adapter, keys, dst) == [0, 0, 0]
+    assert all(not any(bytes(obj.byte_array)) for obj in dst)
+    adapter.submit_unlock(keys)  # unlocking what is not locked is a no-op
+    counters = adapter.counters.snapshot()
+    assert (counters["lookup_misses"], counters["load_missing_chunks"], counters["load_failed_tasks"]) == (3, 3, 1)
+    assert counters["lookup_failures"] == counters["unlocks"] == 0
+
+
+def test_empty_tasks_complete(server, make_adapter) -> None:
+    adapter = make_adapter(target=server.target)
+    assert store(adapter, [], []).is_successful()
+    assert lookup(adapter, []) == []
+    assert load(adapter, [], []) == []
+
+
+def test_models_ranks_groups_and_salts_never_share_bytes(server, make_adapter, buffers) -> None:
+    """One chunk hash under five scopes (base, another model, kv_rank, object group, salt): five
+    namespaces; what is stored under one is a miss under the others, and each loads its own bytes."""
+    adapter = make_adapter(target=server.target)
+    scopes = [
+        object_keys(1, first=5)[0],
+        object_keys(1, first=5, model="org/other")[0],
+        object_keys(1, first=5, rank=(2 << 24) | (1 << 16) | (2 << 8) | 1)[0],  # ComputeKVRank(2, 1, 2, 1)
+        object_keys(1, first=5, group=1)[0],
+        object_keys(1, first=5, salt="bob")[0],
+    ]
+    assert len({k.chunk_hash for k in scopes}) == 1
+    namespaces = {lmcache_namespace(scope_of(k)).name for k in scopes}
+    assert len(namespaces) == 5
+    mapper = KeyMapper()
+    assert len({mapper.group([k])[0][2][0] for k in scopes}) == 5  # the keys differ too
+
+    assert store(adapter, scopes[:1], buffers.filled([11])).is_successful()
+    assert lookup(adapter, scopes) == [1, 0, 0, 0, 0]
+    adapter.submit_unlock(scopes[:1])
+    src = buffers.filled([20, 21, 22, 23, 24])
+    assert store(adapter, scopes, src).is_successful()
+    dst = buffers.empty(5)
+    assert lookup(adapter, scopes) == [1, 1, 1, 1, 1]
+    assert load(adapter, scopes, dst) == [1, 1, 1, 1, 1]
+    adapter.submit_unlock(scopes)
+    assert same_bytes(src, dst)
+    # the first store of the base key counted once, its second store added no bytes
+    assert dict(adapter.get_usage().bytes_by_cache_salt) == {"": 4 * CHUNK_BYTES, "bob": CHUNK_BYTES}
+
+
+def test_namespace_extra_changes_every_namespace() -> None:
+    key = object_keys(1)[0]
+    assert lmcache_namespace(scope_of(key)).name != lmcache_namespace(scope_of(key), {"dtype": "bfloat16"}).name
+
+
+def test_eventfds_are_distinct_and_signal_their_own_kind(server, make_adapter, buffers) -> None:
+    adapter = make_adapter(target=server.target)
+    fds = [adapter.get_store_event_fd(), adapter.get_lookup_and_lock_event_fd(), adapter.get_load_event_fd()]
+    assert len(set(fds)) == 3
+    assert not any(readable(fd, 0) for fd in fds)
+    keys = object_keys(2, first=40)
+    task = adapter.submit_store_task(keys, buffers.filled([1, 2]))
+    assert readable(fds[0], 10)
+    assert not readable(fds[1], 0) and not readable(fds[2], 0)
+    assert adapter.pop_completed_store_tasks()[task].is_successful()
+    assert adapter.pop_completed_store_tasks() == {}  # each result once
+    task = adapter.submit_lookup_and_lock_task(keys, {})
+    assert readable(fds[1], 10)
+    assert not readable(fds[0], 0) and not readable(fds[2], 0)
+    assert bits(adapter.query_lookup_and_lock_result(task)) == [1, 1]
+    task = adapter.submit_load_task(keys, buffers.empty(2))
+    assert readable(fds[2], 10)
+    assert not readable(fds[0], 0) and not readable(fds[1], 0)
+    assert bits(adapter.query_load_result(task)) == [1, 1]
+    assert adapter.query_load_result(task) is None
+    adapter.submit_unlock(keys)
+
+
+def test_locks_past_max_locked_bytes_are_hits_not_held(server, make_adapter, buffers) -> None:
+    """A lookup that would hold more than max_locked_bytes answers its hits without holding them;
+    the load reads them again and still copies the stored bytes."""
+    adapter = make_adapter(target=server.target, max_locked_bytes=2 * CHUNK_BYTES)
+    keys = object_keys(3, first=60)
+    src = buffers.filled([6, 7, 8])
+    assert store(adapter, keys, src).is_successful()
+    assert lookup(adapter, keys) == [1, 1, 1]
+    status = adapter.report_status()
+    assert (status["locked_keys"], status["locked_bytes"], status["locks_not_held"]) == (3, 0, 3)
+    dst = buffers.empty(3)
+    assert load(adapter, keys, dst) == [1, 1, 1]
+    assert same_bytes(src, dst)
+    adapter.submit_unlock(keys)
+    assert adapter.report_status()["locked_keys"] == 0
+
+
+def test_a_block_of_another_size_is_a_miss(server, make_adapter, buffers) -> None:
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(1, first=70)
+    assert store(adapter, keys, buffers.filled([1])).is_successful()
+    assert lookup(adapter, keys) == [1]
+    small = buffers.empty(1, shape=torch.Size([2, 2, 8, 128]))
+    assert load(adapter, keys, small) == [0]
+    assert not any(bytes(small[0].byte_array))
+    adapter.submit_unlock(keys)
+
+
+def test_lmcache_builds_it_from_the_plugin_spec(server) -> None:
+    """LMCache's own CLI parsing and factory build the adapter from the `--l2-adapter` JSON, as
+    `lmcache server` does: cls(adapter_params, l1_memory_desc=...)."""
+    parser = argparse.ArgumentParser()
+    add_l2_adapters_args(parser)
+    spec = {
+        "type": "plugin",
+        "module_path": "kvcache_connectors.lmcache_l2",
+        "class_name": "KVCacheL2Adapter",
+        "adapter_params": {"target": server.target, "timeout_s": 2.0, "namespace_extra": {"dtype": "bfloat16"}},
+    }
+    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(spec)]))
+    adapter = create_l2_adapter_from_registry(config.adapters[0], L1MemoryDesc(ptr=0, size=1 << 20, align_bytes=4096))
+    try:
+        assert isinstance(adapter, KVCacheL2Adapter) and isinstance(adapter, L2AdapterInterface)
+        assert adapter.config == KVCacheL2Config(
+            target=server.target, timeout_s=2.0, namespace_extra={"dtype": "bfloat16"}
+        )
+        assert adapter.report_status()["is_healthy"] is True
+    finally:
+        adapter.close()
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        ({}, "target"),
+        ({"target": "h:1", "timeout": 1}, "unknown"),
+        ({"target": "h:1", "timeout_s": 0}, "timeout_s"),
+        ({"target": "h:1", "max_queued_bytes": True}, "max_queued_bytes"),
+        ({"target": "h:1", "shm": "yes"}, "shm"),
+        ({"target": "h:1", "namespace_extra": {"a": 1}}, "namespace_extra"),
+        ({"target": "h:1", "max_capacity_bytes": -1}, "max_capacity_bytes"),
+    ],
+)
+def test_bad_params_fail_at_start_up(params: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        KVCacheL2Adapter(params)
+
+
+def test_the_token_stays_out_of_repr() -> None:
+    assert "s3cret" not in repr(KVCacheL2Config(target="h:1", token="s3cret"))
+
+
+# -- a server that fails mid-call ----------------------------------------------------------------
+
+
+def test_a_killed_server_degrades_to_misses_within_the_deadline(make_adapter, buffers) -> None:
+    """The server process killed after a store and a lookup-and-lock: the load of the held keys
+    still copies their bytes (what the lock holds is in this process, shm=False), a new lookup and a
+    load of keys not held are misses, a store fails, each submit returns at once and each result
+    comes within its deadline; unlocking the held keys succeeds though the server is gone."""
+    with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
+        adapter = make_adapter(target=server.target, shm=False, bulk=False, timeout_s=1.0, lookup_timeout_s=0.5)
+        keys = object_keys(2, first=80)
+        src = buffers.filled([8, 9])
+        assert store(adapter, keys, src).is_successful()
+        assert lookup(adapter, keys) == [1, 1]
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+
+        started = time.monotonic()
+        task = adapter.submit_load_task(keys, dst := buffers.empty(2))
+        assert time.monotonic() - started < SUBMIT_BOUND_S
+        assert bits(wait_result(adapter.query_load_result, task, adapter.get_load_event_fd(), 2.0)) == [1, 1]
+        assert same_bytes(src, dst)
+
+        others = object_keys(2, first=90)
+        started = time.monotonic()
+        task = adapter.submit_lookup_and_lock_task(others, {})
+        assert time.monotonic() - started < SUBMIT_BOUND_S
+        fd = adapter.get_lookup_and_lock_event_fd()
+        assert bits(wait_result(adapter.query_lookup_and_lock_result, task, fd, 1.5)) == [0, 0]  # the call failed
+        started = time.monotonic()
+        load_task = adapter.submit_load_task(others, buffers.empty(2))
+        store_task = adapter.submit_store_task(others, buffers.filled([1, 2]))
+        assert time.monotonic() - started < SUBMIT_BOUND_S
+        # the breaker is open: both complete without a call
+        assert bits(wait_result(adapter.query_load_result, load_task, adapter.get_load_event_fd(), 0.5)) == [0, 0]
+        assert not wait_store(adapter, store_task, 0.5).is_successful()
+        adapter.submit_unlock(keys)
+        assert adapter.report_status()["locked_keys"] == 0
+        assert eventually(lambda: adapter.report_status()["queued"]["kvcache-l2-control"] == (0, 0))
+        counters = adapter.counters.snapshot()
+        assert counters["lookup_failures"] == 1
+        assert counters["load_missing_chunks"] == 2 and counters["load_failed_tasks"] == 1
+        assert counters["store_failed_tasks"] == 1 and counters["stored_chunks"] == 2
+        assert counters["breaker_skips"] == 2
+        assert adapter.report_status()["is_healthy"] is False
+
+
+def test_a_stopped_server_costs_one_deadline_per_cooldown(make_adapter, buffers) -> None:
+    """A server SIGSTOPped (it accepts connections, answers nothing): of 5 lookups queued at once the
+    first waits out its 0.5 s deadline and opens the breaker, the other 4 miss without a call; all 5
+    answer within a second, each submit returned at once, and LMCache's thread was never held."""
+    with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
+        adapter = make_adapter(target=server.target, timeout_s=1.0, lookup_timeout_s=0.5, breaker_cooldown_s=60.0)
+        keys = object_keys(1, first=120)
+        assert store(adapter, keys, buffers.filled([3])).is_successful()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            tasks = [adapter.submit_lookup_and_lock_task(keys, {}) for _ in range(5)]
+            submitted_s = time.monotonic() - started
+            fd = adapter.get_lookup_and_lock_event_fd()
+            results = [bits(wait_result(adapter.query_lookup_and_lock_result, t, fd, 2.0)) for t in tasks]
+            elapsed_s = time.monotonic() - started
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert submitted_s < SUBMIT_BOUND_S
+        assert results == [[0]] * 5
+        assert 0.5 <= elapsed_s < 1.0
+        counters = adapter.counters.snapshot()
+        assert (counters["lookup_failures"], counters["breaker_skips"], counters["lookup_misses"]) == (5, 4, 5)
+        assert adapter.report_status()["locked_keys"] == 0
+
+
+def test_queues_are_bounded_by_tasks_and_bytes(make_adapter, buffers) -> None:
+    """With the server stopped, a lane holds one running task and at most max_queued_tasks queued,
+    and no more than max_queued_bytes of LMCache's buffers; the rest complete at once (failed
+    stores, all-miss loads) and are counted."""
+    with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
+        adapter = make_adapter(
+            target=server.target,
+            timeout_s=1.0,
+            breaker_cooldown_s=60.0,
+            max_queued_tasks=2,
+            max_queued_bytes=3 * CHUNK_BYTES,
+        )
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            first = adapter.submit_store_task(object_keys(1, first=200), buffers.filled([1]))
+            assert eventually(lambda: adapter.report_status()["queued"]["kvcache-l2-store"] == (0, 0))  # running
+            queued = [adapter.submit_store_task(object_keys(1, first=201 + i), buffers.filled([i])) for i in range(2)]
+            refused = adapter.submit_store_task(object_keys(1, first=210), buffers.filled([9]))
+            assert not adapter.pop_completed_store_tasks()[refused].is_successful()  # at once, no wait
+            running = adapter.submit_load_task(object_keys(2, first=300), buffers.empty(2))
+            assert eventually(lambda: adapter.report_status()["queued"]["kvcache-l2-load"] == (0, 0))
+            waiting = adapter.submit_load_task(object_keys(2, first=302), buffers.empty(2))
+            assert adapter.report_status()["queued"]["kvcache-l2-load"] == (1, 2 * CHUNK_BYTES)
+            over = adapter.submit_load_task(object_keys(2, first=304), buffers.empty(2))
+            assert bits(adapter.query_load_result(over)) == [0, 0]  # past the byte cap: refused at once
+            assert adapter.counters.snapshot()["refused_tasks"] == 2
+            fd = adapter.get_load_event_fd()
+            loads = [bits(wait_result(adapter.query_load_result, t, fd, 3.0)) for t in (running, waiting)]
+            results = [wait_store(adapter, t, 3.0) for t in [first, *queued]]
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert [r.is_successful() for r in results] == [False] * 3
+        assert loads == [[0, 0], [0, 0]]
+
+
+def test_close_fails_queued_tasks_and_releases_held_leases(server, make_adapter, buffers) -> None:
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(2, first=400)
+    assert store(adapter, keys, buffers.filled([1, 2])).is_successful()
+    assert lookup(adapter, keys) == [1, 1]
+    with KVCacheClient(server.target) as probe:
+        assert probe.stats().arena_leases > 0
+        adapter.close()
+        assert probe.stats().arena_leases == 0
+    adapter.close()  # twice is harmless
