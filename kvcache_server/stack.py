@@ -827,7 +827,8 @@ class TierStack:
         try:
             nbytes = sum(res.length for _, res in items)
             if self._lower and nbytes >= RAM_OFF_LOOP_BYTES:  # the copies for lower tiers, off the loop
-                copies = await in_pool(None, lambda: [bytes(res.buffer) for _, res in items])
+                read = self._ram.region.read  # pread: the GIL free while the kernel copies
+                copies = await in_pool(None, lambda: [read(res.offset, res.length) for _, res in items])
                 blocks: list[tuple[bytes, bytes | memoryview]] = [
                     (k, c) for (k, _), c in zip(items, copies, strict=True)
                 ]

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from kvcache_client import KVCacheClient, KVCacheError
-from kvcache_server.arena import Extents, align
+from kvcache_server.arena import Extents, Region, align
 from kvcache_server.tiers.ram import RamTier
 from kvcache_server.write_queue import PendingWrite, WriteQueue
 from tests.backends import RedisProcess
@@ -204,3 +204,18 @@ def test_without_demotion_nothing_is_held_nor_copied() -> None:
     assert (evicted.copy_bytes, evicted.held, len(evicted.victims)) == (0, [], 1)
     tier.settle(evicted)
     tier.abandon([made[0].id])
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_region_reads_copy_through_the_kernel(tmp_path: Path, shared: bool) -> None:
+    """Region.read copies with pread (of the arena file, or of the memfd an unshared arena lives
+    in), so a thread copying blocks out does not hold the GIL meanwhile."""
+    region = Region(4 * MiB, str(tmp_path) if shared else None, prefault=False)
+    try:
+        data = os.urandom(MiB)
+        region.view[MiB : 2 * MiB] = data
+        assert region._fd >= 0  # there is a descriptor to pread from
+        assert region.read(MiB, MiB) == data
+        assert region.read(MiB + 7, 100) == data[7:107]
+    finally:
+        region.close()

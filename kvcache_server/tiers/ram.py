@@ -79,20 +79,19 @@ class Evicted:
 
     victims: list[tuple[str, bytes, int, int]] = field(default_factory=list)  # (namespace, key, offset, length)
     held: list[tuple[int, int]] = field(default_factory=list)  # extents allocated to nobody until settle()
-    view: memoryview | None = None  # the arena, where the bytes are copied from (None: not copied)
+    region: Region | None = None  # where the bytes are copied from (None: nobody wants them)
     blocks: list[bytes] | None = None  # the victims' bytes, once copy() has run
 
     @property
     def copy_bytes(self) -> int:
         """Bytes copy() still has to copy."""
-        return sum(v[3] for v in self.victims) if self.view is not None and self.blocks is None else 0
+        return sum(v[3] for v in self.victims) if self.region is not None and self.blocks is None else 0
 
     def copy(self) -> None:
-        """Copies the victims' bytes out of the arena (bytes(): the GIL is held per block; a 2 MiB
-        block takes about 0.2 ms, so other threads get it between blocks)."""
-        if self.view is not None and self.blocks is None:
-            view = self.view
-            self.blocks = [bytes(view[offset : offset + length]) for _, _, offset, length in self.victims]
+        """Copies the victims' bytes out of the arena (Region.read: pread, the GIL free meanwhile)."""
+        if self.region is not None and self.blocks is None:
+            read = self.region.read
+            self.blocks = [read(offset, length) for _, _, offset, length in self.victims]
 
 
 class EvictionPolicy(Protocol):
@@ -537,7 +536,7 @@ class RamTier(Tier):
         """A slot for each (nbytes, entry it replaces), under one hold of the lock; None where it
         cannot fit or (with `capped`) the tenant pins its share already; with `stop`, none after the
         first None."""
-        evicted = Evicted(view=self.region.view if self._on_evict is not None and self._copy_evicted else None)
+        evicted = Evicted(region=self.region if self._on_evict is not None and self._copy_evicted else None)
         out: list[Reservation | None] = []
         with self._lock:
             now = self._clock()
@@ -719,7 +718,7 @@ class RamTier(Tier):
         if offset is not None and not self._room_for(part, extra):  # the plan is exact; a bug must not overfill
             self._extents.free(offset, nbytes)
             offset = None
-        if evicted.view is not None:  # nobody may reuse the victims' bytes before they are copied out
+        if evicted.region is not None:  # nobody may reuse the victims' bytes before they are copied out
             for _, _, at, length in evicted.victims[first:]:
                 evicted.held += self._extents.take(at, length)
         if offset is None:
