@@ -13,10 +13,12 @@ class Tier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     TIER_RAM: _ClassVar[Tier]
     TIER_REDIS: _ClassVar[Tier]
     TIER_S3: _ClassVar[Tier]
+    TIER_DISK: _ClassVar[Tier]
 TIER_UNSPECIFIED: Tier
 TIER_RAM: Tier
 TIER_REDIS: Tier
 TIER_S3: Tier
+TIER_DISK: Tier
 
 class LookupRequest(_message.Message):
     __slots__ = ("namespace", "keys")

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 from kvcache_proto import kvcache_pb2 as pb
 
-TIER_NAMES = {pb.TIER_RAM: "ram", pb.TIER_REDIS: "redis", pb.TIER_S3: "s3"}
+TIER_NAMES = {pb.TIER_RAM: "ram", pb.TIER_REDIS: "redis", pb.TIER_S3: "s3", pb.TIER_DISK: "disk"}
 
 Fetched = tuple[memoryview | bytes, str]
 """A block as received (a view into the received message) and the name of the tier that served it."""

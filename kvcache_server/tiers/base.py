@@ -41,6 +41,7 @@ class TierKind(enum.IntEnum):
     RAM = 1
     REDIS = 2
     S3 = 3
+    DISK = 4
 
 
 class TierError(Exception):
