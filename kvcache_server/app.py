@@ -21,8 +21,16 @@ from kvcache_server.admission import Admission
 from kvcache_server.allocator import trim_forever
 from kvcache_server.auth import Authenticator, TokenStore
 from kvcache_server.bulk import BulkListener
-from kvcache_server.config import LowerTierSection, RedisSection, ServerConfig, ShmSection, TlsSection, is_loopback
-from kvcache_server.events import EventHub
+from kvcache_server.config import (
+    DiskSection,
+    LowerTierSection,
+    RedisSection,
+    ServerConfig,
+    ShmSection,
+    TlsSection,
+    is_loopback,
+)
+from kvcache_server.events import EventHub, EventKind
 from kvcache_server.handoff import HandoffListener, HandoffRegistry
 from kvcache_server.interceptor import RequestContextInterceptor
 from kvcache_server.metrics import Metrics
@@ -32,7 +40,7 @@ from kvcache_server.service import SERVICE_NAME, KVCacheService
 from kvcache_server.shm import ShmDirectory
 from kvcache_server.shm import default_dir as shm_default_dir
 from kvcache_server.stack import LowerTierPolicy, PinLimits, QueueFull, TierStack, WriteMode
-from kvcache_server.tiers.base import Tier
+from kvcache_server.tiers.base import Tier, TierKind
 from kvcache_server.tiers.codec import CompressionMode
 
 log = logging.getLogger(__name__)
@@ -122,13 +130,26 @@ def _cluster_tier(r: RedisSection) -> Tier:
     )
 
 
+def _disk_tier(d: DiskSection, events: EventHub) -> Tier:
+    from kvcache_server.tiers.disk import DiskTier
+
+    return DiskTier(
+        d.dir,
+        capacity_bytes=d.capacity_bytes,
+        region_bytes=d.region_bytes,
+        io_threads=d.io_threads,
+        write_threads=d.write_threads,
+        on_evict=lambda namespace, keys: events.publish(EventKind.REMOVED, TierKind.DISK, namespace, keys),
+    )
+
+
 def build_stack(
     config: ServerConfig,
     observer: Observer | None = None,
     tokens: TokenStore | None = None,
     arena_dir: str | None = None,
 ) -> TierStack:
-    """RAM, then Redis and S3 where enabled; tier modules are imported only when used.
+    """RAM, then disk, Redis and S3 where enabled; tier modules are imported only when used.
 
     With `arena_dir` (the shm directory) the RAM tier's arena is a file there that same-host clients
     map (docs/arena.md); when it cannot be made there (a small tmpfs), it is private memory (logged).
@@ -179,6 +200,8 @@ def build_stack(
         tenant_max_subscribers=tenant_max,
         server_id=e.server_id or f"{socket.gethostname()}:{config.server.port}",  # create_server: the bound port
     )
+    if config.disk.enabled:  # first below RAM: demotions go to it; Redis/S3 behind it unchanged
+        lower.insert(0, (_disk_tier(config.disk, events), _policy(config.disk)))
 
     def stack(where: str | None) -> TierStack:
         return TierStack(
@@ -387,7 +410,7 @@ def memory_limits(cgroup_root: Path = _CGROUP) -> dict[str, int]:
 
 def _warn_if_memory_short(config: ServerConfig, cgroup_root: Path = _CGROUP) -> None:
     """Warns when the RAM tier plus the in-flight budget plus the lower tiers' queues exceed the memory there is."""
-    queues = sum(s.queue_max_bytes for s in (config.redis, config.s3) if s.enabled)
+    queues = sum(s.queue_max_bytes for s in (config.disk, config.redis, config.s3) if s.enabled)
     need = config.ram.capacity_bytes + config.limits.inflight_bytes + queues
     for source, available in memory_limits(cgroup_root).items():
         if need > available:
@@ -464,6 +487,8 @@ def describe(running: RunningServer) -> str:
     """The one start-up line: what is served where."""
     c = running.config
     tiers = [f"ram {c.ram.capacity_bytes / (1 << 30):.2f} GiB"]
+    if c.disk.enabled:
+        tiers.append(f"disk {c.disk.dir} {c.disk.capacity_bytes / (1 << 30):.2f} GiB ({c.disk.write_mode})")
     if c.redis.enabled:
         kind = f"redis cluster ({len(c.redis.startup_nodes())} start-up nodes)" if c.redis.cluster else "redis"
         tiers.append(f"{kind} {c.redis.url.split('@')[-1]} ({c.redis.write_mode})")

@@ -248,6 +248,37 @@ class S3Section(LowerTierSection):
 
 
 @dataclass(frozen=True, slots=True)
+class DiskSection(LowerTierSection):
+    """The disk tier: blocks in region files on a local file system, between RAM and Redis/S3 (docs/tiers.md)."""
+
+    # A directory on a local disk (NVMe), this server's alone (it is locked); required when enabled.
+    dir: str = ""
+    # The byte cap of the tier's files together; evicted by region, least recently used first.
+    capacity_bytes: int = 64 * _GiB
+    # The unit of eviction; a block whose record (block + ~100 bytes) exceeds a region is not stored here.
+    region_bytes: int = 64 * _MiB
+    # Reader threads; writer threads, each appending to a region of its own.
+    io_threads: int = 8
+    write_threads: int = 2
+    write_mode: str = "behind"
+    # A local disk answers in milliseconds: a hung one is a miss soon, before its breaker opens.
+    timeout_s: float = 1.0
+
+    def validate(self) -> None:
+        self._validate_common("disk")
+        if self.enabled and not self.dir:
+            raise ConfigError("disk.dir is required when disk.enabled is true")
+        if not _MiB <= self.region_bytes < 4 * _GiB:
+            raise ConfigError("disk.region_bytes must be in [1 MiB, 4 GiB)")
+        if self.io_threads < 1 or self.write_threads < 1:
+            raise ConfigError("disk.io_threads and disk.write_threads must be >= 1")
+        if self.capacity_bytes // self.region_bytes < self.write_threads + 1:
+            raise ConfigError(
+                "disk.capacity_bytes must hold at least disk.write_threads + 1 regions of disk.region_bytes"
+            )
+
+
+@dataclass(frozen=True, slots=True)
 class LimitsSection:
     """Bounds on what a client may send (each also bounds server memory per request)."""
 
@@ -348,7 +379,7 @@ class MetricsSection:
 class HealthSection:
     """What grpc.health.v1 reports (docs/deployment.md)."""
 
-    # Comma-separated lower tiers ("redis", "s3") without which the server reports NOT_SERVING.
+    # Comma-separated lower tiers ("disk", "redis", "s3") without which the server reports NOT_SERVING.
     required_tiers: str = ""
     check_interval_s: float = 1.0
 
@@ -357,9 +388,9 @@ class HealthSection:
         return tuple(t.strip() for t in self.required_tiers.split(",") if t.strip())
 
     def validate(self) -> None:
-        unknown = set(self.required) - {"redis", "s3"}
+        unknown = set(self.required) - {"disk", "redis", "s3"}
         if unknown:
-            raise ConfigError(f"health.required_tiers: unknown tiers {sorted(unknown)} (known: redis, s3)")
+            raise ConfigError(f"health.required_tiers: unknown tiers {sorted(unknown)} (known: disk, redis, s3)")
         if self.check_interval_s <= 0:
             raise ConfigError("health.check_interval_s must be positive")
 
@@ -538,6 +569,7 @@ class ServerConfig:
 
     server: ServerSection = field(default_factory=ServerSection)
     ram: RamSection = field(default_factory=RamSection)
+    disk: DiskSection = field(default_factory=DiskSection)
     redis: RedisSection = field(default_factory=RedisSection)
     s3: S3Section = field(default_factory=S3Section)
     limits: LimitsSection = field(default_factory=LimitsSection)
