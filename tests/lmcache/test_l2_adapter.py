@@ -390,3 +390,27 @@ def test_close_fails_queued_tasks_and_releases_held_leases(server, make_adapter,
         adapter.close()
         assert probe.stats().arena_leases == 0
     adapter.close()  # twice is harmless
+
+
+def test_a_lock_outlived_by_its_lease_is_read_again(make_server, make_adapter, buffers) -> None:
+    """The server ends a read lease at ram.lease_timeout_s whatever the client does (so a lock
+    LMCache never unlocks cannot pin RAM for ever): a load after that does not trust the held view
+    (its slot may hold another block by then), reads the key again and still copies its bytes."""
+    server = make_server(ram={"capacity_bytes": 64 << 20, "lease_timeout_s": 0.3})
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(2, first=500)
+    src = buffers.filled([5, 6])
+    assert store(adapter, keys, src).is_successful()
+    assert lookup(adapter, keys) == [1, 1]
+    with KVCacheClient(server.target) as probe:
+        assert probe.stats().arena_leases > 0
+        assert eventually(lambda: probe.stats().arena_leases == 0, 5.0)  # expired on the server
+        assert probe.stats().arena_leases_expired > 0
+        dst = buffers.empty(2)
+        assert load(adapter, keys, dst) == [1, 1]
+        assert same_bytes(src, dst)
+        assert probe.stats().tier("ram").hits == 2 + 2  # the lookup's reads, then the load's own
+        adapter.submit_unlock(keys)
+        assert adapter.report_status()["locked_keys"] == 0
+        assert eventually(lambda: adapter.report_status()["queued"]["kvcache-l2-control"] == (0, 0))
+        assert adapter.counters.snapshot()["releases_failed"] == 0  # releasing expired leases is no error
