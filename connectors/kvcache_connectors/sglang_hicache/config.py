@@ -103,6 +103,8 @@ class HiCacheBackendConfig:
         unknown = sorted(set(options) - known)
         if unknown:
             raise ValueError(f"unknown kvcache HiCache option(s) {unknown}; known: {sorted(known)}")
+        if "target" not in options:
+            raise ValueError("the kvcache HiCache backend needs 'target' (host:port of a kvcache server)")
         options["interface_v1"] = bool(extra_config.get("interface_v1", 0))  # as HiCacheController reads it
         if "namespace_extra" in options and isinstance(options["namespace_extra"], Mapping):
             options["namespace_extra"] = dict(options["namespace_extra"])
