@@ -35,6 +35,17 @@ if LMCACHE_MISSING:
     collect_ignore_glob = ["test_*.py"]
 
 
+# LMCache's loggers each attach OpenTelemetry's deprecated LoggingHandler (one warning per logger).
+OTEL_LOGGING_WARNING = "ignore:`LoggingHandler` in `opentelemetry-sdk` is deprecated:DeprecationWarning"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(item.path).parents:
+            item.add_marker(pytest.mark.filterwarnings(OTEL_LOGGING_WARNING))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if LMCACHE_MISSING:
         terminalreporter.write_line(
