@@ -115,6 +115,10 @@ def group_kind(group: Mapping[str, Any]) -> str:
     return "mla" if group["spec"] == "MLAAttentionSpec" else "full"
 
 
+def escape(s: str) -> str:
+    return "".join({"%": "%25", "@": "%40", ";": "%3B"}.get(ch, ch) for ch in s)
+
+
 def vllm_spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
     request = inputs["request"]
     tokens = request["prompt_token_ids"]
@@ -131,9 +135,9 @@ def vllm_spec(inputs: Mapping[str, Any]) -> dict[str, Any]:
     if inputs["quantization"]:
         extra["vllm.quantization"] = inputs["quantization"]
     if request["lora_name"] is not None:
-        extra["vllm.lora"] = request["lora_name"]
+        extra["vllm.lora"] = escape(request["lora_name"]) + "@" + escape(request["lora_path"])
     if request["mm_features"]:
-        extra["vllm.mm"] = ";".join(f"{f['identifier']}@{f['offset']}" for f in request["mm_features"])
+        extra["vllm.mm"] = ";".join(f"{escape(f['identifier'])}@{f['offset']}" for f in request["mm_features"])
     salt = request["cache_salt"] or ""
     tp, replicas = inputs["tensor_parallel_size"], inputs["kv_tp_replicas"]
     shards = tp // replicas
@@ -348,6 +352,11 @@ def test_the_vectors_cover_every_extra_and_rule() -> None:
         "vllm.kv_group_layers",
     }
     assert {"full", "sliding_window"} <= kinds
+    requests = [v["inputs"]["request"] for v in VECTORS if v["connector"] == "vllm"]
+    escaped = "".join(f["identifier"] for r in requests for f in r["mm_features"]) + "".join(
+        (r["lora_name"] or "") + (r["lora_path"] or "") for r in requests
+    )
+    assert {"%", "@", ";"} <= set(escaped)
     by_name = {v["name"]: v for v in VECTORS}
     tp_over_heads = by_name["vllm_tp8_two_kv_heads_replicated"]
     assert (

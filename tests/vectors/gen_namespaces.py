@@ -31,6 +31,7 @@ import vllm
 import vllm.config.vllm as vllm_config_module
 from transformers import Gemma2Config, LlamaConfig, Qwen2Config
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.canonical_mapping import canonical_format_id
+from vllm.lora.request import LoRARequest
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -87,7 +88,14 @@ def vllm_case(
     for g in groups:
         g.setdefault("dtype", "torch.bfloat16")
         g.setdefault("sliding_window", None)
-    req = {"prompt_token_ids": PROMPT, "prompt_embeds": False, "cache_salt": None, "lora_name": None, "mm_features": []}
+    req = {
+        "prompt_token_ids": PROMPT,
+        "prompt_embeds": False,
+        "cache_salt": None,
+        "lora_name": None,
+        "lora_path": None,
+        "mm_features": [],
+    }
     req.update(request or {})
     return {
         "name": name,
@@ -154,7 +162,7 @@ def vllm_expected(inputs: Mapping[str, Any]) -> dict[str, Any]:
     request = SimpleNamespace(
         prompt_token_ids=r["prompt_token_ids"],
         prompt_embeds=object() if r["prompt_embeds"] else None,
-        lora_request=None if r["lora_name"] is None else SimpleNamespace(lora_name=r["lora_name"]),
+        lora_request=None if r["lora_name"] is None else LoRARequest(r["lora_name"], 1, r["lora_path"]),
         mm_features=[
             SimpleNamespace(identifier=f["identifier"], mm_position=SimpleNamespace(offset=f["offset"]))
             for f in r["mm_features"]
@@ -245,7 +253,7 @@ VLLM_CASES = [
         quantization="awq_marlin",
         groups=[{**full(llama_layers(28), 4, 128), "dtype": "torch.float16"}],
     ),
-    vllm_case("vllm_lora", request={"lora_name": "sql-adapter"}),
+    vllm_case("vllm_lora", request={"lora_name": "sql-adapter", "lora_path": "/adapters/sql-adapter"}),
     vllm_case(
         "vllm_multimodal",
         model="Qwen/Qwen2.5-VL-7B-Instruct",
@@ -261,7 +269,27 @@ VLLM_CASES = [
         "vllm_lora_and_multimodal_tower_lora",
         model="Qwen/Qwen2.5-VL-7B-Instruct",
         groups=[full(llama_layers(28), 4, 128)],
-        request={"lora_name": "captioner", "mm_features": [{"identifier": "captioner:abc123", "offset": 0}]},
+        request={
+            "lora_name": "captioner",
+            "lora_path": "org/captioner-lora",
+            "mm_features": [{"identifier": "captioner:abc123", "offset": 0}],
+        },
+    ),
+    vllm_case(
+        "vllm_request_facts_escaped",
+        model="Qwen/Qwen2.5-VL-7B-Instruct",
+        groups=[full(llama_layers(28), 4, 128)],
+        request={
+            "lora_name": "sql@v2",
+            "lora_path": "/adapters/sql;v2/100%",
+            "mm_features": [{"identifier": "a@1;b", "offset": 2}, {"identifier": "50%40 off", "offset": 9}],
+        },
+    ),
+    vllm_case(
+        "vllm_multimodal_two_items_not_one",
+        model="Qwen/Qwen2.5-VL-7B-Instruct",
+        groups=[full(llama_layers(28), 4, 128)],
+        request={"mm_features": [{"identifier": "a", "offset": 1}, {"identifier": "b", "offset": 2}]},
     ),
     vllm_case("vllm_cache_salt", request={"cache_salt": "tenant-42"}),
     vllm_case("vllm_prompt_embeds_not_cached", request={"prompt_embeds": True}),
@@ -275,6 +303,7 @@ VLLM_CASES = [
         request={
             "cache_salt": "s",
             "lora_name": "med",
+            "lora_path": "/loras/med",
             "mm_features": [{"identifier": "img-uuid-1", "offset": 7}],
         },
     ),
@@ -287,7 +316,7 @@ VLLM_CASES = [
         "vllm_hybrid_with_lora",
         model="google/gemma-2-9b-it",
         groups=[full(GEMMA_LAYERS[1::2], 8, 256), sliding(4096, GEMMA_LAYERS[0::2], 8, 256)],
-        request={"lora_name": "sql-adapter"},
+        request={"lora_name": "sql-adapter", "lora_path": "/adapters/sql-adapter"},
     ),
     vllm_case(
         "vllm_one_sliding_window_group",

@@ -14,9 +14,14 @@ namespaces without talking to each other and without PYTHONHASHSEED:
     tp_size, tp_rank              1 and 0 (MLA: shards and this shard's index, see below)
     cache_salt                    the request's cache_salt
     extra                         namespace_extra, plus vllm.* facts: --kv-cache-dtype when not
-                                  "auto", --quantization, the request's LoRA and multimodal inputs,
-                                  and for a hybrid model the group's spec (vllm.kv_group) and
-                                  layers (vllm.kv_group_layers)
+                                  "auto", --quantization, the request's LoRA adapter (lora_fact)
+                                  and multimodal inputs (mm_fact), and for a hybrid model the
+                                  group's spec (vllm.kv_group) and layers (vllm.kv_group_layers)
+
+The request's facts join user-supplied strings (adapter names and paths, multimodal
+identifiers, which may be the request's own multi_modal_uuids) with "@" and ";"; each
+string is percent-escaped first (escape_fact), so two different requests never give one
+value, and one request gives the same value in every process and language.
 
 Hybrid models (vLLM's hybrid memory allocator): every KV-cache group is its own KVFacts
 and namespace, so chunks of a full-attention group and of a sliding-window group never
@@ -42,7 +47,7 @@ the per-shard namespaces of kvcache.mla v1.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +68,31 @@ from kvcache_core.format import DType
 from kvcache_core.keys import CANONICAL_LAYOUT, HEADS_LAYOUT_VERSION, MLA_LAYOUT, Namespace, head_block_key
 
 Extra = tuple[tuple[str, str], ...]
+
+
+def escape_fact(value: str) -> str:
+    """`value` with "%", "@" and ";" written "%25", "%40" and "%3B": it then holds no separator.
+
+    "%" is replaced first, so an escape is never read as text and every escaped string decodes
+    to one value; strings without the three characters (hex digests, UUIDs, most names and
+    paths) stay as they are.
+    """
+    return value.replace("%", "%25").replace("@", "%40").replace(";", "%3B")
+
+
+def lora_fact(lora_name: str, lora_path: str) -> str:
+    """The vllm.lora fact of a LoRA adapter: "<name>@<path>", both escaped (escape_fact).
+
+    The path is what tells an adapter's weights apart across instances (two instances may load
+    different weights under one name); vLLM's lora_int_id is per process and is left out.
+    """
+    return f"{escape_fact(lora_name)}@{escape_fact(lora_path)}"
+
+
+def mm_fact(items: Iterable[tuple[str, int]]) -> str:
+    """The vllm.mm fact of multimodal items (identifier, offset of its first placeholder token),
+    in prompt order: "<identifier>@<offset>" per item, identifiers escaped (escape_fact), joined by ";"."""
+    return ";".join(f"{escape_fact(identifier)}@{offset}" for identifier, offset in items)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,7 +65,7 @@ from vllm.v1.request import Request
 from kvcache_client.client import KVCacheClient
 from kvcache_connectors.vllm.events import StoredBlockEvents
 from kvcache_connectors.vllm.metadata import ChunkRef, KVCacheConnectorMetadata, RequestTransfer, StoredChunks
-from kvcache_connectors.vllm.namespaces import Extra, KVFacts
+from kvcache_connectors.vllm.namespaces import Extra, KVFacts, lora_fact, mm_fact
 from kvcache_connectors.vllm.stats import Counters
 from kvcache_core.breaker import CircuitBreaker
 from kvcache_core.errors import KVCacheError
@@ -82,16 +82,16 @@ def request_extra(request: Request) -> Extra | None:
     """The request's own namespace facts, or None when its KV is not a function of its token ids.
 
     A LoRA adapter changes every layer's KV, and so does an image behind placeholder
-    tokens: both go into the namespace. Prompt embeddings have no token ids to key.
+    tokens: both go into the namespace (lora_fact, mm_fact). Prompt embeddings have no
+    token ids to key.
     """
     if request.prompt_token_ids is None or request.prompt_embeds is not None:
         return None
     extra: list[tuple[str, str]] = []
-    if request.lora_request is not None:
-        extra.append(("vllm.lora", request.lora_request.lora_name))
+    if (lora := request.lora_request) is not None:
+        extra.append(("vllm.lora", lora_fact(lora.lora_name, lora.lora_path)))
     if request.mm_features:
-        items = ";".join(f"{f.identifier}@{f.mm_position.offset}" for f in request.mm_features)
-        extra.append(("vllm.mm", items))
+        extra.append(("vllm.mm", mm_fact((f.identifier, f.mm_position.offset) for f in request.mm_features)))
     return tuple(extra)
 
 
