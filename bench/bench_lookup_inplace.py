@@ -16,6 +16,9 @@ write-behind). A writer in its own process loops put_many of --blocks fresh bloc
 key held in RAM, back to back with a 2 ms pause, idle for --idle-seconds, then under the writer for
 --seconds. Reported: p50/p99/max of each phase, p99 busy / p99 idle, the writer's rounds and GB/s,
 and the bytes the server received in place (Stats), which must be the writer's bytes.
+
+With --hog-seconds, a control phase between the two: the same Lookups while --hogs processes only
+spin (no server work, no copies), for what CPU contention alone does to the p99 on this machine.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from kvcache_client import KVCacheClient, KVCacheError, RetryPolicy
 from kvcache_core.format import encode_block
 
 NAMESPACE = "bench-lookup-inplace"
+HOG = "while True: pass"
 WRITER = r"""
 import os, sys
 from kvcache_client import KVCacheClient
@@ -88,6 +92,15 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             before = admin.stats().shm_bytes_received
         with KVCacheClient(target, timeout_s=0.5, retry=RetryPolicy(max_attempts=1), shm=False) as client:
             idle, idle_failed = lookups(client, key, args.idle_seconds)
+            hogged: list[float] = []
+            if args.hog_seconds > 0:
+                hogs = [subprocess.Popen(python_cmd("-c", HOG)) for _ in range(args.hogs)]
+                try:
+                    hogged, _ = lookups(client, key, args.hog_seconds)
+                finally:
+                    for hog in hogs:
+                        hog.kill()
+                        hog.wait(10)
             size = args.block_mib * MiB - 4096
             writer = subprocess.Popen(
                 python_cmd("-c", WRITER, target, str(args.blocks), str(size)), stdout=subprocess.PIPE, text=True
@@ -126,6 +139,13 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 "failed": busy_failed,
             },
             "p99_ratio": percentile(busy, 99) / percentile(idle, 99),
+            "hogs": {
+                "processes": args.hogs,
+                "p99_ms": percentile(hogged, 99) * 1e3,
+                "p99_ratio": percentile(hogged, 99) / percentile(idle, 99),
+            }
+            if hogged
+            else None,
             "writer_rounds": rounds,
             "writer_gb_s": nbytes / elapsed / 1e9,
             "in_place_mib": (stats.shm_bytes_received - before) // MiB,
@@ -145,6 +165,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=32, help="blocks per put (default 32)")
     p.add_argument("--block-mib", type=int, default=2, help="block size in MiB (default 2)")
     p.add_argument("--ram-mib", type=int, default=256, help="RAM tier (default 256 MiB)")
+    p.add_argument("--hog-seconds", type=float, default=0.0, help="control phase with spinning processes (default off)")
+    p.add_argument("--hogs", type=int, default=os.cpu_count() or 2, help="spinning processes (default: the CPUs)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     r = run(args)
@@ -157,6 +179,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"busy  Lookup p50 {busy['p50_ms']:.2f} ms  p99 {busy['p99_ms']:.2f} ms  max {busy['max_ms']:.1f} ms  "
         f"failed {busy['failed']}  (p99 {r['p99_ratio']:.1f}x idle)"
     )
+    hogs = r["hogs"]
+    if isinstance(hogs, dict):
+        print(
+            f"hogs  Lookup p99 {hogs['p99_ms']:.2f} ms with {hogs['processes']} spinning processes "
+            f"(p99 {hogs['p99_ratio']:.1f}x idle)"
+        )
     print(
         f"writer {r['writer_rounds']} rounds, {r['writer_gb_s']:.2f} GB/s; in place {r['in_place_mib']} MiB; "
         f"RAM evictions {r['ram_evictions']}"
