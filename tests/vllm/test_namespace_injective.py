@@ -4,14 +4,24 @@ every process.
 The request facts (vllm.mm, vllm.lora) join user-supplied strings, so they must be injective: found in
 review, one image "a@1;b" at offset 2 and two images "a"@1 and "b"@2 both gave vllm.mm "a@1;b@2" (the
 second request would be served the first one's KV), and vllm.lora held the adapter's name only (two
-instances loading other weights under one name shared KV).
+instances loading other weights under one name shared KV). The vLLM tier wrote a callable hf_overrides
+with str(), which holds its address: every process had its own namespace, and no hits.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
 import itertools
+import json
 import re
+import subprocess
+import sys
+import textwrap
+import types
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -26,7 +36,9 @@ from kvcache_connectors.vllm.namespaces import KVFacts
 from kvcache_connectors.vllm.scheduler import request_extra
 from kvcache_core.keys import chunk_keys
 from tests.vllm.harness import BLOCK, make_kv_cache_config, make_vllm_config
+from tests.vllm.tier_harness import offloading_config, tier_entry
 
+ROOT = Path(__file__).resolve().parents[2]
 PROMPT = list(range(40))
 
 # Strings made of the separators, the escape character and what an escape looks like.
@@ -142,3 +154,101 @@ def test_lora_facts_are_injective(name_a: str, path_a: str, name_b: str, path_b:
         return v
 
     assert (value(name_a, path_a) == value(name_b, path_b)) == ((name_a, path_a) == (name_b, path_b))
+
+
+# -- the vLLM tier: hf_overrides --------------------------------------------------------------
+
+
+def longer_context(config: Any) -> Any:
+    """A callable hf_overrides, as vLLM takes it (applied to the HF config)."""
+    config.max_position_embeddings = 4096
+    return config
+
+
+def tier_namespace(model_dir: str, hf_overrides: object) -> tuple[str, str]:
+    """The tier's hf_overrides fact and namespace name, built under an engine config with these overrides."""
+    import vllm.config.vllm as vllm_config_module
+
+    from kvcache_connectors.vllm_tier.namespace import vllm_namespace
+
+    oc = offloading_config(model_dir, tier_entry("127.0.0.1:1"))
+    saved = vllm_config_module._current_vllm_config
+    model = types.SimpleNamespace(revision="main", quantization=None, hf_overrides=hf_overrides)
+    vllm_config_module._current_vllm_config = types.SimpleNamespace(model_config=model)  # type: ignore[assignment]
+    try:
+        ns = vllm_namespace(types.SimpleNamespace(config=oc), chunk_bytes=1 << 16)  # type: ignore[arg-type]
+    finally:
+        vllm_config_module._current_vllm_config = saved
+    return dict(ns.facts)["hf_overrides"], ns.name
+
+
+@pytest.mark.timeout(240)
+def test_a_callable_override_gives_one_namespace_in_every_process(model_dir: str) -> None:
+    here = tier_namespace(model_dir, longer_context)
+    assert here[0] == "tests.vllm.test_namespace_injective.longer_context"
+    child = textwrap.dedent(
+        f"""
+        import json, sys
+        from tests.vllm.test_namespace_injective import longer_context, tier_namespace
+        print(json.dumps(tier_namespace({model_dir!r}, longer_context)))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", child], cwd=ROOT, capture_output=True, text=True, timeout=200, check=True
+    ).stdout
+    assert tuple(json.loads(out.strip().splitlines()[-1])) == here
+
+
+@pytest.mark.timeout(60)
+def test_freshly_created_equivalent_callables_give_one_namespace(model_dir: str, tmp_path: Path, monkeypatch) -> None:
+    (tmp_path / "kvcache_probe_overrides.py").write_text("def rope(config):\n    return config\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("kvcache_probe_overrides")
+    first = module.rope
+    second = importlib.reload(module).rope  # a new function object; `first` stays alive elsewhere
+    assert first is not second
+    assert tier_namespace(model_dir, first) == tier_namespace(model_dir, second)
+    assert tier_namespace(model_dir, first)[0] == "kvcache_probe_overrides.rope"
+    sys.modules.pop("kvcache_probe_overrides")
+
+
+@pytest.mark.timeout(60)
+def test_dict_overrides_are_json_and_their_order_does_not_matter(model_dir: str) -> None:
+    a = tier_namespace(model_dir, {"rope_scaling": {"type": "yarn", "factor": 4.0}, "max_position_embeddings": 8})
+    b = tier_namespace(model_dir, {"max_position_embeddings": 8, "rope_scaling": {"factor": 4.0, "type": "yarn"}})
+    assert a == b and a[0] == '{"max_position_embeddings": 8, "rope_scaling": {"factor": 4.0, "type": "yarn"}}'
+    assert tier_namespace(model_dir, None)[0] == "" and tier_namespace(model_dir, {})[0] == "{}"
+
+
+def _outer() -> Any:
+    def nested(config: Any) -> Any:
+        return config
+
+    return nested
+
+
+class _CallableObject:
+    def __call__(self, config: Any) -> Any:
+        return config
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        lambda config: config,
+        _outer(),
+        functools.partial(longer_context),
+        _CallableObject(),
+        _CallableObject().__call__,
+        {"rope_theta": object()},
+        {"torch_dtype": {"nested": [1, object()]}},
+        {1: "int key"},
+        {"rope_theta": float("nan")},
+        "a string",
+    ],
+    ids=["lambda", "nested", "partial", "object", "bound", "dict_object", "nested_object", "int_key", "nan", "str"],
+)
+def test_overrides_no_other_process_could_spell_alike_are_refused(model_dir: str, overrides: object) -> None:
+    with pytest.raises(ValueError, match="hf_overrides"):
+        tier_namespace(model_dir, overrides)

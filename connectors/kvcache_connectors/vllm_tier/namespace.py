@@ -26,11 +26,19 @@ bytes per chunk, the page layout and this tier's own options:
 OffloadingConfig does not carry the revision, the quantization or hf_overrides; a checkpoint
 that differs there gives other K/V for the same tokens, and the key-bound checksum would pass:
 they are read from vLLM's current config (set while the engine builds its connector).
+
+Every fact is the same in every process given the same engine: hf_overrides, which vLLM takes
+as a dict or a callable, is written by hf_overrides_fact (JSON, or a function's importable
+name), and a value with no such spelling is refused rather than written with str() (a
+callable's str() holds its address: every process would get its own namespace, and no hits).
 """
 
 from __future__ import annotations
 
+import inspect
 import json
+import math
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -86,15 +94,78 @@ def vllm_facts(
         model_revision = model_revision or (model.revision or "")
         facts["model_revision"] = model_revision
         facts["quantization"] = str(model.quantization or "")
-        overrides = model.hf_overrides
-        facts["hf_overrides"] = (
-            json.dumps(overrides, sort_keys=True, default=str) if isinstance(overrides, dict) else str(overrides or "")
-        )
+        facts["hf_overrides"] = hf_overrides_fact(model.hf_overrides)
     facts["model_facts"] = "engine" if model is not None else "none"
     facts["vllm_version"] = vllm.__version__
     for k, v in (extra or {}).items():
         facts[f"extra.{k}"] = v
     return facts
+
+
+def hf_overrides_fact(overrides: object) -> str:
+    """vLLM's hf_overrides as the namespace writes it, alike in every process.
+
+    None is ""; a dict is its JSON (json.dumps, keys sorted, default separators); a callable
+    (vLLM applies it to the HF config) is "<module>.<qualname>", for a function or class that
+    is importable under that name. The name stands for the code: change it (or namespace_extra)
+    when the function's effect changes.
+
+    Raises:
+        ValueError: a value no other process could spell the same way: a dict holding anything
+            but str keys, str, int, float (finite), bool, None, lists, tuples and dicts; a
+            lambda, a nested function, a bound method, a partial or another callable object.
+    """
+    if overrides is None:
+        return ""
+    if isinstance(overrides, dict):
+        _check_json(overrides, "hf_overrides")
+        return json.dumps(overrides, sort_keys=True, allow_nan=False)
+    if callable(overrides):
+        return _importable_name(overrides)
+    raise ValueError(f"hf_overrides must be a dict, a callable or None for the kvcache tier, got {type(overrides)!r}")
+
+
+def _check_json(value: object, where: str) -> None:
+    if value is None or isinstance(value, str | bool | int):
+        return
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"{where} is {value!r}: the kvcache tier's namespace needs finite floats")
+        return
+    if isinstance(value, list | tuple):
+        for i, item in enumerate(value):
+            _check_json(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for k, item in value.items():
+            if not isinstance(k, str):
+                raise ValueError(f"{where} has the key {k!r}: the kvcache tier's namespace needs str keys")
+            _check_json(item, f"{where}[{k!r}]")
+        return
+    raise ValueError(
+        f"{where} is a {type(value).__name__} ({value!r}), which has no spelling the kvcache tier's namespace can "
+        "give alike in every process: use JSON values (str, int, float, bool, None, lists, dicts)"
+    )
+
+
+def _importable_name(obj: object) -> str:
+    """`module.qualname` of a function or class that the name finds in its module (a reloaded
+    module's older function object included), so that every process reads one thing from it."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    target: object = sys.modules.get(module) if isinstance(module, str) else None
+    # Not <lambda> nor <locals> (one name for many functions), not a method bound to its object.
+    if isinstance(qualname, str) and "<" not in qualname and not inspect.ismethod(obj):
+        for part in qualname.split("."):
+            target = getattr(target, part, None)
+    else:
+        target = None
+    if not callable(target) or getattr(target, "__qualname__", None) != qualname:
+        raise ValueError(
+            f"hf_overrides is {obj!r}: the kvcache tier's namespace names a callable override by its module and "
+            "qualified name, so it must be a module-level function or class (not a lambda, a nested function, "
+            "a bound method, a partial or a callable object)"
+        )
+    return f"{module}.{qualname}"
 
 
 def vllm_namespace(
