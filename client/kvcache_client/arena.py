@@ -195,8 +195,9 @@ class InPlaceCalls:
 
     Its I/O: LeaseGet as a grpc future waited for until the caller's deadline; a LeaseGet its caller
     stopped waiting for is abandoned to `book`, which hands its leases back from a gRPC callback
-    thread with a non-blocking LeaseRelease. Other releases block the caller (counters are exact
-    once a call returns).
+    thread with a non-blocking LeaseRelease. Other releases are futures kept by `book` too, which
+    the caller waits for (counters are exact once a call returns) but an interrupt of the caller
+    does not stop.
     """
 
     def __init__(
@@ -247,7 +248,15 @@ class InPlaceCalls:
     def _hand_back_later(self, ids: list[int]) -> None:
         """Runs in a gRPC thread once an abandoned LeaseGet ended: must not wait on another call."""
         request = pb.LeaseReleaseRequest(leases=ids)
-        self.book.keep(self._stub.LeaseRelease.future(request, timeout=core.CLEANUP_S, metadata=self._md))
+        try:
+            self.book.keep(self._stub.LeaseRelease.future(request, timeout=core.CLEANUP_S, metadata=self._md))
+        except ValueError:  # the channel was closed meanwhile (close() from another thread)
+            log.debug("handing back %d leases: the channel is closed (they expire on the server)", len(ids))
+
+    def drain(self, timeout_s: float = 2 * core.CLEANUP_S) -> None:
+        """Waits for the abandoned calls and releases still running (each has its own deadline)."""
+        if not self.book.wait_idle(timeout_s):
+            log.debug("in-place calls still running after %.1fs: their leases expire on the server", timeout_s)
 
     def follow(self, path: str) -> None:
         self.link.follow(path)
@@ -256,7 +265,11 @@ class InPlaceCalls:
         run(core.releasing(ids), self)
 
     def send_release(self, request: pb.LeaseReleaseRequest) -> pb.LeaseReleaseResponse:
-        response: pb.LeaseReleaseResponse = self._stub.LeaseRelease(request, timeout=core.CLEANUP_S, metadata=self._md)
+        # A call of its own, kept by the book: a caller interrupted while it waits (KeyboardInterrupt)
+        # stops waiting, not the release (the asyncio face shields its release task alike).
+        future = self._stub.LeaseRelease.future(request, timeout=core.CLEANUP_S, metadata=self._md)
+        self.book.keep(future)
+        response: pb.LeaseReleaseResponse = future.result()
         return response
 
     def fetch(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:

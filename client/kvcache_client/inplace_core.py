@@ -213,6 +213,7 @@ class LeaseBook:
         """LeaseGet answers that came after their caller stopped waiting, whose leases were released at once."""
         self._pending: set[Pending] = set()
         self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
 
     @property
     def pending(self) -> set[Pending]:
@@ -227,28 +228,34 @@ class LeaseBook:
 
     def abandon(self, call: Pending, hand_back: Callable[[list[int]], object]) -> None:
         """`call`, a LeaseGet whose answer its caller will not take, hands back what it grants
-        (`hand_back(ids)`, which must not block: it may run in a gRPC callback thread)."""
+        (`hand_back(ids)`, which must not block: it may run in a gRPC callback thread, and keeps
+        the call it starts here, before the LeaseGet leaves `pending`)."""
         with self._lock:
             self._pending.add(call)
 
         def settle(ended: Pending) -> None:
-            ids = self._settle(ended)
-            if ids:
-                hand_back(ids)
+            try:
+                granted = not ended.cancelled() and ended.exception() is None  # else nothing was, or it expires
+                ids = lease_ids(ended.result()) if granted else []
+                if ids:
+                    with self._lock:
+                        self.handed_back += 1
+                    hand_back(ids)
+            finally:
+                self._done(ended)
 
         call.add_done_callback(settle)
 
-    def _settle(self, ended: Pending) -> list[int]:
-        granted = not ended.cancelled() and ended.exception() is None  # else nothing was, or it expires
-        ids = lease_ids(ended.result()) if granted else []
-        with self._lock:
-            self._pending.discard(ended)
-            self.handed_back += bool(ids)
-        return ids
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Blocks until nothing is pending (the blocking face's close), at most `timeout_s`; whether it got there."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._pending, timeout_s)
 
     def _done(self, call: Pending) -> None:
         with self._lock:
             self._pending.discard(call)
+            if not self._pending:
+                self._idle.notify_all()
 
 
 # -- the operations a face performs ----------------------------------------------------------------
