@@ -16,6 +16,7 @@ clients map, retry and time out.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -253,6 +254,7 @@ class GrpcTransport:
         return server_stats(self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md))
 
     def close(self) -> None:
+        self._inplace.drain()  # abandoned LeaseGets and their hand-backs, each with its own deadline
         self.shm.close()
         self._channel.close()
 
@@ -363,7 +365,18 @@ class AsyncGrpcTransport:
 
     async def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
         messages = _aiter(put_messages(namespace, items, self._message_bytes, self.part_bytes))
-        return put_result(await self._put(messages, timeout=timeout_s, metadata=self._md))
+        deadline = time.monotonic() + timeout_s
+        try:
+            return put_result(await self._put(messages, timeout=timeout_s, metadata=self._md))
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if (task is not None and task.cancelling()) or time.monotonic() < deadline:
+                raise  # the caller was cancelled
+            # A grpc.aio stream-unary call whose deadline passes while it still sends ends as a
+            # CancelledError of its own, not with its status: said as the blocking face says it.
+            raise grpc.aio.AioRpcError(
+                grpc.StatusCode.DEADLINE_EXCEEDED, grpc.aio.Metadata(), grpc.aio.Metadata(), "Deadline Exceeded"
+            ) from None
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
