@@ -67,6 +67,7 @@ class RunningServer:
     bulk: BulkListener | None = None
     service: KVCacheService | None = None
     handoff: HandoffListener | None = None
+    interceptor: RequestContextInterceptor | None = None
 
     @property
     def target(self) -> str:
@@ -296,8 +297,9 @@ async def create_server(config: ServerConfig) -> RunningServer:
     share = config.server.tenant_share
     tenant_max = (lambda tenant: tokens.limits(tenant).max_concurrent_rpcs or share) if tokens else None
     admission = Admission(config.server.max_concurrent_rpcs, tenant_max)
+    interceptor = RequestContextInterceptor(observer, Authenticator(tokens) if tokens else None, admission)
     server = grpc.aio.server(
-        interceptors=[RequestContextInterceptor(observer, Authenticator(tokens) if tokens else None, admission)],
+        interceptors=[interceptor],
         options=[
             ("grpc.max_receive_message_length", max_message),
             ("grpc.max_send_message_length", max_message),
@@ -362,6 +364,7 @@ async def create_server(config: ServerConfig) -> RunningServer:
         bulk=bulk,
         service=service,
         handoff=handoff,
+        interceptor=interceptor,
     )
     if shm is not None:
         running.shm_task = asyncio.create_task(_sweep_shm(shm, config.shm.stale_after_s), name="kvcache-shm-sweep")
