@@ -8,14 +8,16 @@ Run from the repository root with the project's virtualenv:
 
 Part 1, batches of 64 blocks (16 KiB, 256 KiB, 2 MiB), in this process (no RPC: the tier itself):
     raw pwrite/pread  the same bytes appended to / read from one file in the same directory with
-                      os.pwrite/os.pread, from a pool of as many threads as the tier has (io_threads
-                      for reads, write_threads for writes): what the file system gives Python.
+                      os.pwrite/os.pread (each batch written past the last, wrapping at the tier's
+                      capacity, so both write new page-cache pages), from a pool of as many threads as
+                      the tier has (io_threads for reads, write_threads for writes): what the file
+                      system gives Python.
     disk tier         DiskTier.put_many / get_many (record headers, index, the region seqlock).
     ram tier          TierStack with RAM only: get of the same batch (leased views; no copy).
     redis tier        RedisTier.get_many against a redis-server started here (no persistence),
                       when redis-server is installed.
     Reads twice: warm (the page cache holds the files) and cold (fsync, then POSIX_FADV_DONTNEED on
-    the files before each call, so they come from the device). Ratios: disk tier time / baseline
+    the files before each call, untimed, so they come from the device). Ratios: disk tier time / baseline
     time (1.00x = as fast as the baseline; raw I/O is the floor).
 
 Part 2, hit rate (trace-like): a TierStack with a small RAM tier, alone and with a disk tier 8x
@@ -61,11 +63,13 @@ def median(times: list[float]) -> float:
     return statistics.median(times)
 
 
-def timed(fn, iters: int) -> float:
-    """Median seconds of fn() over iters calls (after one warm-up)."""
+def timed(fn, iters: int, before=None) -> float:
+    """Median seconds of fn() over iters calls (after one warm-up); before(), if given, runs untimed before each."""
     fn()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -85,13 +89,16 @@ def drop_cache(paths: list[Path]) -> None:
 class Raw:
     """The baseline: the same blocks appended to one file with os.pwrite, read back with os.pread."""
 
-    def __init__(self, directory: Path, items: list[tuple[bytes, bytes]], threads: int) -> None:
+    def __init__(self, directory: Path, items: list[tuple[bytes, bytes]], threads: int, wrap_bytes: int) -> None:
         self.path = directory / "raw.bin"
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         self.items = items
         self.pool = ThreadPoolExecutor(threads)
         self.threads = threads
         self.offsets = []
+        self.nbytes = sum(len(b) for _, b in items)
+        self.base = 0  # each write appends past the last, as the tier does, wrapping at the tier's capacity
+        self.wrap = max(wrap_bytes - self.nbytes, 0)
         off = 0
         for _, b in items:
             self.offsets.append((off, len(b)))
@@ -102,9 +109,12 @@ class Raw:
         return [range(i, min(i + step, len(self.items))) for i in range(0, len(self.items), step)]
 
     def write(self) -> None:
+        base = self.base
+        self.base = base + self.nbytes if base + 2 * self.nbytes <= self.wrap else 0
+
         def part(r: range) -> None:
             for i in r:
-                os.pwrite(self.fd, self.items[i][1], self.offsets[i][0])
+                os.pwrite(self.fd, self.items[i][1], base + self.offsets[i][0])
 
         list(self.pool.map(part, self._chunks()))
 
@@ -159,12 +169,13 @@ def part1(base: Path, sizes: list[int], iters: int, io_threads: int, write_threa
             keys = [k for k, _ in items]
             nbytes = sum(len(b) for _, b in items)
             region = max(MiB, 1 << (nbytes * 2 - 1).bit_length())
-            raw_w = Raw(d, items, write_threads)
-            raw_r = Raw(d, items, io_threads)
+            capacity = region * (write_threads + 2) * 4
+            raw_w = Raw(d, items, write_threads, capacity)
+            raw_r = Raw(d, items, io_threads, capacity)
             raw_r.fd, raw_r.path = raw_w.fd, raw_w.path
             tier = DiskTier(
                 str(d / "tier"),
-                capacity_bytes=region * (write_threads + 2) * 4,
+                capacity_bytes=capacity,
                 region_bytes=min(region, (4 << 30) - MiB),
                 io_threads=io_threads,
                 write_threads=write_threads,
@@ -196,19 +207,13 @@ def part1(base: Path, sizes: list[int], iters: int, io_threads: int, write_threa
             for mode in ("warm", "cold"):
                 files = [raw_w.path, *sorted((d / "tier").glob("r*.kvd"))]
 
-                def raw_read(mode=mode, files=files, raw_r=raw_r) -> None:
-                    if mode == "cold":
-                        drop_cache(files)
-                    raw_r.read()
-
-                def tier_read(mode=mode, files=files, tier=tier, keys=keys) -> None:
-                    if mode == "cold":
-                        drop_cache(files)
+                def tier_read(tier=tier, keys=keys) -> None:
                     got = call(tier.get_many(NS, keys))
                     assert all(g is not None for g in got)
 
-                r_raw = timed(raw_read, iters)
-                r_tier = timed(tier_read, iters)
+                cold = (lambda files=files: drop_cache(files)) if mode == "cold" else None
+                r_raw = timed(raw_r.read, iters, cold)
+                r_tier = timed(tier_read, iters, cold)
                 ram_s = timed(lambda: call(ram_get()), iters)
                 redis_s = float("nan")
                 if redis_tier is not None:
@@ -244,7 +249,8 @@ async def replay(requests: list[list[bytes]], ram_bytes: int, disk_dir: Path | N
     lower = []
     if disk_dir is not None:
         tier = DiskTier(str(disk_dir), capacity_bytes=8 * ram_bytes, region_bytes=MiB, io_threads=4, write_threads=1)
-        lower = [(tier, LowerTierPolicy(write_mode=WriteMode.BEHIND, queue_max_bytes=64 * MiB))]
+        policy = LowerTierPolicy(write_mode=WriteMode.BEHIND, queue_max_bytes=64 * MiB, timeout_s=10.0)
+        lower = [(tier, policy)]
     stack = TierStack(ram_bytes, lower, prefault=False)
     await stack.start()
     payload = os.urandom(block)

@@ -163,6 +163,35 @@ def test_torn_and_stale_records_are_never_indexed_after_a_crash(tmp_path: Path) 
     run(reopen())
 
 
+def test_a_run_killed_before_its_commit_is_invisible_after_a_restart(tmp_path: Path) -> None:
+    """A batch is one run: its records' bytes, then the 4-byte magic of its first record that commits them."""
+    first, second = blocks(5), blocks(5)
+
+    async def write() -> int:
+        t = tier(tmp_path)
+        assert all(await t.put_many(NS, first))
+        assert all(await t.put_many(NS, second))
+        run_start = (t._index[t._entry(NS, second[0][0])] >> 32) & 0xFFFFFFFF
+        await t.close()
+        return run_start
+
+    run_start = run(write())
+    (path,) = region_files(tmp_path)
+    with open(path, "r+b") as f:  # as left by a writer killed between its pwritev and the commit
+        f.seek(run_start)
+        f.write(bytes(4))
+
+    async def reopen() -> None:
+        t = tier(tmp_path)
+        assert await t.get_many(NS, [k for k, _ in first + second]) == [b for _, b in first] + [None] * 5
+        # Written again (into a new region: the tier does not append to regions it rebuilt).
+        assert all(await t.put_many(NS, second))
+        assert await t.get_many(NS, [k for k, _ in second]) == [b for _, b in second]
+        await t.close()
+
+    run(reopen())
+
+
 def test_an_evicted_region_does_not_come_back_after_a_restart(tmp_path: Path) -> None:
     async def go() -> tuple[list[bytes], list[tuple[bytes, bytes]]]:
         t = tier(tmp_path, capacity=3 * MiB)  # 3 regions: the fourth fill evicts region 0

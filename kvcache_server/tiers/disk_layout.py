@@ -2,7 +2,8 @@
 
 A region is one file, `r<id>.kvd`, of at most `region_bytes`. It is written front to back by one
 writer thread at a time and never rewritten in place, except (a) its header, when the region is
-evicted whole and reused, and (b) the 4-byte magic of a record that is deleted.
+evicted whole and reused, (b) the 4-byte magic of a record that is deleted, and (c) the 4-byte magic
+that commits a run of appended records.
 
     region file
     0                64
@@ -23,8 +24,10 @@ evicted whole and reused, and (b) the 4-byte magic of a record that is deleted.
 
 Why each rule holds what it must through a crash (SIGKILL, or power loss without fsync):
 
-- A record's block is written before its header (two pwrites, in this order, by the one thread
-  that owns the region). A header in the page cache therefore implies its block is there too.
+- Records are appended in runs (group commit, by the one thread that owns the region): one pwritev
+  of the whole run with the first record's magic zeroed, then one aligned 4-byte pwrite of that
+  magic. Until the second write lands the scan stops at the run's first record; once it has, the
+  run's bytes are all in the page cache. So a valid header implies its block is there too.
   After a power loss the order is not guaranteed; the block's own key-bound checksum
   (docs/format.md), verified by the stack on every read, then turns a torn block into a miss.
 - A region's records are appended by one thread, so everything before a valid header was
