@@ -8,10 +8,13 @@ should reconnect and resynchronise (e.g. with Lookup). The server's speed never
 depends on how fast anyone reads events.
 
 What is and is not reported:
-    STORED   RAM: puts and promotions; Redis/S3: successful writes (put, write-behind,
+    STORED   RAM: puts and promotions; disk/Redis/S3: successful writes (put, write-behind,
              demotion, promotion).
-    REMOVED  RAM: evictions and deletes; Redis/S3: deletes (the keys the tier held,
-             Tier.delete_present) and corrupt copies removed on read.
+    REMOVED  RAM and disk: evictions and deletes; Redis/S3: deletes (the keys the tier held,
+             Tier.delete_present); any lower tier: corrupt copies removed on read.
+    The disk tier's events carry tier TIER_DISK. vLLM's events carry a medium instead: its
+    offloading tier (kvcache_connectors.vllm_tier) reports kvcache as STORAGE, whichever of
+    kvcache's tiers holds a block.
     Not seen: Redis expiring or evicting values itself (TTL, maxmemory) and S3
     lifecycle rules; routers should treat events as hints, never as truth.
 

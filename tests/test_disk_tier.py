@@ -16,9 +16,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from kvcache_client import KVCacheClient
+from kvcache_client.cli import main as cli_main
+from kvcache_proto import kvcache_pb2 as pb
+from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.config import ConfigError, load_config
 from kvcache_server.stack import LowerTierPolicy, TierStack, WriteMode
 from kvcache_server.tiers import disk_layout as layout
@@ -26,6 +30,7 @@ from kvcache_server.tiers.base import TierKind
 from kvcache_server.tiers.disk import INDEX_BYTES_PER_BLOCK, DiskTier
 from tests.backends import IN_CI, KVServerProcess, rss_bytes, wait_for
 from tests.conftest import keyed, raw_block
+from tests.test_observability import metric, scrape
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -287,6 +292,46 @@ def test_the_disk_section() -> None:
         64 << 30,
     )
     load_config(env={"KVCACHE_HEALTH_REQUIRED_TIERS": "disk", "KVCACHE_DISK_ENABLED": "1", "KVCACHE_DISK_DIR": "/x"})
+
+
+# -- what a server shows of it ---------------------------------------------------------------------
+
+
+def test_stats_metrics_events_and_the_cli_show_the_disk_tier(make_server, tmp_path: Path, capsys) -> None:
+    server = make_server(
+        ram={"capacity_bytes": MiB},
+        disk={"enabled": True, "dir": str(tmp_path), "capacity_bytes": 8 * MiB, "region_bytes": MiB},
+        metrics={"enabled": True, "port": 0},
+    )
+    assert [t.name for t in server.stack.tiers] == ["ram", "disk"]
+    stub = pb_grpc.KVCacheStub(grpc.insecure_channel(server.target))
+    stream = stub.WatchEvents(pb.WatchEventsRequest(namespace=NS), timeout=60)
+    seen: list[pb.KVEvent] = []
+
+    def read() -> None:
+        with contextlib.suppress(grpc.RpcError):  # cancelled at the end
+            seen.extend(stream)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    wait_for(lambda: server.stack.events.subscribers == 1, 10, "the event subscriber")
+    batch = blocks(100)  # 2 MB: through RAM (1 MiB) to disk (write-behind, and RAM's demotions)
+    with KVCacheClient(server.target, shm=False, bulk=False) as client:
+        for i in range(0, 100, 10):
+            client.put_many(NS, batch[i : i + 10])
+        server.call(server.stack.wait_idle())
+        assert [bytes(b) for b in client.get_many(NS, [k for k, _ in batch[:10]])] == [b for _, b in batch[:10]]
+        disk = disk_stats(client)
+        assert (disk.blocks, disk.capacity_bytes, disk.hits) == (100, 8 * MiB, 10)
+        assert client.lookup(NS, [batch[0][0]]).tiers in (("ram",), ("disk",))
+    wait_for(lambda: any(e.tier == pb.TIER_DISK and e.kind == pb.KVEvent.STORED for e in seen), 10, "STORED disk")
+    stream.cancel()
+    samples = scrape(server.running.metrics_port)
+    assert metric(samples, "kvcache_tier_puts_total", tier="disk") == 100
+    assert metric(samples, "kvcache_tier_hits_total", tier="disk") == 10
+    assert cli_main(["--target", server.target, "stats"]) == 0
+    header = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("tier"))
+    assert header.split() == ["tier", "ram", "disk"]
 
 
 # -- real server processes ------------------------------------------------------------------------
