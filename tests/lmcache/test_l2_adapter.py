@@ -38,8 +38,9 @@ from tests.lmcache.harness import (
 
 pytestmark = pytest.mark.timeout(60)
 
-SUBMIT_BOUND_S = 0.05
-"""A submit_* call only queues: it returns within this however the server behaves."""
+SUBMIT_BOUND_S = 0.1
+"""A submit_* call only queues: it returns within this however the server behaves (it takes a few
+microseconds; the bound leaves room for a loaded CI machine's scheduling)."""
 
 
 @pytest.fixture
@@ -306,8 +307,8 @@ def test_a_killed_server_degrades_to_misses_within_the_deadline(make_adapter, bu
         store_task = adapter.submit_store_task(others, buffers.filled([1, 2]))
         assert time.monotonic() - started < SUBMIT_BOUND_S
         # the breaker is open: both complete without a call
-        assert bits(wait_result(adapter.query_load_result, load_task, adapter.get_load_event_fd(), 0.5)) == [0, 0]
-        assert not wait_store(adapter, store_task, 0.5).is_successful()
+        assert bits(wait_result(adapter.query_load_result, load_task, adapter.get_load_event_fd(), 1.0)) == [0, 0]
+        assert not wait_store(adapter, store_task, 1.0).is_successful()
         adapter.submit_unlock(keys)
         assert adapter.report_status()["locked_keys"] == 0
         assert eventually(lambda: adapter.report_status()["queued"]["kvcache-l2-control"] == (0, 0))
@@ -322,7 +323,7 @@ def test_a_killed_server_degrades_to_misses_within_the_deadline(make_adapter, bu
 def test_a_stopped_server_costs_one_deadline_per_cooldown(make_adapter, buffers) -> None:
     """A server SIGSTOPped (it accepts connections, answers nothing): of 5 lookups queued at once the
     first waits out its 0.5 s deadline and opens the breaker, the other 4 miss without a call; all 5
-    answer within a second, each submit returned at once, and LMCache's thread was never held."""
+    answer within 1.5 s, each submit returned at once, and LMCache's thread was never held."""
     with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
         adapter = make_adapter(target=server.target, timeout_s=1.0, lookup_timeout_s=0.5, breaker_cooldown_s=60.0)
         keys = object_keys(1, first=120)
@@ -339,7 +340,7 @@ def test_a_stopped_server_costs_one_deadline_per_cooldown(make_adapter, buffers)
             os.kill(server.proc.pid, signal.SIGCONT)
         assert submitted_s < SUBMIT_BOUND_S
         assert results == [[0]] * 5
-        assert 0.5 <= elapsed_s < 1.0
+        assert 0.5 <= elapsed_s < 1.5  # one 0.5 s deadline, not five
         counters = adapter.counters.snapshot()
         assert (counters["lookup_failures"], counters["breaker_skips"], counters["lookup_misses"]) == (5, 4, 5)
         assert adapter.report_status()["locked_keys"] == 0

@@ -486,7 +486,11 @@ class KVCacheL2Adapter(L2AdapterInterface):
 
     def close(self) -> None:
         """Fails the queued tasks, waits for the running ones (each bounded by its deadline), releases
-        every lease still held, closes the client and the eventfds. Closing twice is harmless."""
+        every lease still held, closes the client and the eventfds. Closing twice is harmless.
+
+        A release waits at most 5 s for the server (the SDK's cleanup deadline): against a stopped
+        server, close takes that long per lookup whose locks LMCache still held.
+        """
         with self._lock:
             if self._closed:
                 return
