@@ -7,7 +7,8 @@ segment resolved to views of it; the server's Info answer decides which of these
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -23,6 +24,7 @@ from kvcache_client.results import (
     TierPutResult,
 )
 from kvcache_client.shm import FULL_METADATA, SPACE_ERRNOS, Segment, ShmLink, resolve
+from kvcache_client.steps import Do, Steps
 from kvcache_core.blockwire import (
     BlockPart,
     GetItem,
@@ -189,6 +191,30 @@ def shm_fallback(exc: grpc.RpcError | OSError, link: ShmLink) -> bool:
     link.fallback(reason)
     link.off(reason)
     return True
+
+
+def through_segment(link: ShmLink, segment: Segment | None, send: Callable[[Segment | None], Any]) -> Steps[Any]:
+    """A call through `segment` (send(segment): a put or get through this client's segment), redone
+    inline (send(None)) when it fails in a way the inline call avoids (shm_fallback); without a
+    segment, inline at once. The segment is retired unless its call completed: after a deadline or
+    a cancellation the server may still be reading or writing it. Both transports drive these steps
+    (kvcache_client.steps); `send` is theirs.
+
+    Raises:
+        grpc.RpcError, OSError: what the call raised, when it is not a fallback.
+    """
+    if segment is not None:
+        completed = False
+        try:
+            result = yield Do(lambda: send(segment))
+            completed = True
+            return result
+        except (OSError, grpc.RpcError) as exc:  # OSError: no room in the tmpfs, or a segment that cannot be mapped
+            if not shm_fallback(exc, link):
+                raise
+        finally:
+            link.done(segment, completed)  # retired unless the call completed
+    return (yield Do(lambda: send(None)))
 
 
 def apply_info(link: ShmLink, info: pb.InfoResponse | None) -> int:

@@ -23,7 +23,7 @@ kvcache_client.inplace_core (in-place reads through the server's arena: leases a
 from __future__ import annotations
 
 import inspect
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, Protocol, TypeVar
 
 T = TypeVar("T")
@@ -39,7 +39,19 @@ class Operation(Protocol):
         """Runs the step on `io` (a face's I/O object): its outcome, or an awaitable of it on the asyncio face."""
 
 
-def run(steps: Steps[T], io: object) -> T:
+class Do:
+    """An operation that needs no I/O object: fn() (a value on the blocking face, an awaitable on the asyncio one)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+
+    def perform(self, io: object) -> Any:
+        return self.fn()
+
+
+def run(steps: Steps[T], io: object = None) -> T:
     """Drives `steps` to its end, each operation run now on `io` (the blocking face, whose
     operations return their outcomes: `arun` then never suspends, and ends within one send).
 
@@ -54,7 +66,7 @@ def run(steps: Steps[T], io: object) -> T:
     raise RuntimeError("an operation of the blocking face returned an awaitable")
 
 
-async def arun(steps: Steps[T], io: object) -> T:
+async def arun(steps: Steps[T], io: object = None) -> T:
     """Drives `steps` to its end, each operation performed on `io` and awaited where it returns an
     awaitable (the asyncio face). A cancellation arrives in the steps as the CancelledError of the
     operation being awaited, at the yield that asked for it.

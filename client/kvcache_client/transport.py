@@ -32,11 +32,12 @@ from kvcache_client.messages import (
     put_messages,
     put_result,
     server_stats,
-    shm_fallback,
     shm_get_request,
+    through_segment,
 )
 from kvcache_client.results import Fetched, LookupResult, PutResult, ServerStats
 from kvcache_client.shm import Segment, ShmLink, env_allows_shm, run_to_end
+from kvcache_client.steps import arun, run
 from kvcache_core.blockwire import BlockData, PutData, ShmRange, data_len, decode_get_response, encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
@@ -158,19 +159,15 @@ class GrpcTransport:
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float
     ) -> PutResult:
         segment = self.shm.put_segment(sum(data_len(d) for _, d in items))
-        if segment is not None:
-            completed = False
-            try:
-                groups = segment.writer(items, PIPELINE_GROUP_BYTES)  # OSError: no room in the tmpfs
-                result = self._send_staged(namespace, groups, timeout_s)
-                completed = True
-                return result
-            except (OSError, grpc.RpcError) as exc:
-                if not shm_fallback(exc, self.shm):
-                    raise
-            finally:
-                self.shm.done(segment, completed)  # retired unless the call completed
-        return self._send_put(namespace, items, timeout_s)
+        return run(through_segment(self.shm, segment, lambda seg: self._put_via(namespace, items, timeout_s, seg)))
+
+    def _put_via(
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, segment: Segment | None
+    ) -> PutResult:
+        if segment is None:
+            return self._send_put(namespace, items, timeout_s)
+        groups = segment.writer(items, PIPELINE_GROUP_BYTES)  # OSError: no room in the tmpfs
+        return self._send_staged(namespace, groups, timeout_s)
 
     def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
         messages = put_messages(namespace, items, self._message_bytes, self.part_bytes)
@@ -222,19 +219,9 @@ class GrpcTransport:
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
     ) -> list[Fetched | None]:
         segment = self.shm.get_segment()
-        if segment is not None:
-            completed = False
-            try:
-                result = self._fetch(namespace, keys, prefix_only, timeout_s, segment)
-                completed = True
-                return result
-            except (OSError, grpc.RpcError) as exc:  # OSError: the segment cannot be mapped
-                if not shm_fallback(exc, self.shm):
-                    raise
-            finally:
-                # Retired unless the call completed: after a deadline the server may still be writing.
-                self.shm.done(segment, completed)
-        return self._fetch(namespace, keys, prefix_only, timeout_s, None)
+        return run(
+            through_segment(self.shm, segment, lambda seg: self._fetch(namespace, keys, prefix_only, timeout_s, seg))
+        )
 
     def _fetch(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float, segment: Segment | None
@@ -344,24 +331,27 @@ class AsyncGrpcTransport:
     ) -> PutResult:
         nbytes = sum(data_len(d) for _, d in items)
         segment = self.shm.put_segment(nbytes)
-        if segment is not None:
-            completed = False
-            try:
-                # Copying into the segment, off the event loop when it is large. A cancelled call stops
-                # the copy at its next block and waits for it before the segment is retired below.
-                if nbytes >= OFFLOAD_BYTES:
-                    refs = await run_to_end(lambda stop: segment.write_blocks(items, stop))
-                else:
-                    refs = segment.write_blocks(items)  # OSError: no room in the tmpfs
-                result = await self._send_put(namespace, refs, timeout_s)
-                completed = True
-                return result
-            except (OSError, grpc.RpcError) as exc:
-                if not shm_fallback(exc, self.shm):
-                    raise
-            finally:
-                self.shm.done(segment, completed)  # retired unless the call completed
-        return await self._send_put(namespace, items, timeout_s)
+        return await arun(
+            through_segment(self.shm, segment, lambda seg: self._put_via(namespace, items, nbytes, timeout_s, seg))
+        )
+
+    async def _put_via(
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, BlockData]],
+        nbytes: int,
+        timeout_s: float,
+        segment: Segment | None,
+    ) -> PutResult:
+        if segment is None:
+            return await self._send_put(namespace, items, timeout_s)
+        # Copying into the segment, off the event loop when it is large. A cancelled call stops the
+        # copy at its next block and waits for it before the segment is retired.
+        if nbytes >= OFFLOAD_BYTES:
+            refs = await run_to_end(lambda stop: segment.write_blocks(items, stop))
+        else:
+            refs = segment.write_blocks(items)  # OSError: no room in the tmpfs
+        return await self._send_put(namespace, refs, timeout_s)
 
     async def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
         messages = _aiter(put_messages(namespace, items, self._message_bytes, self.part_bytes))
@@ -401,20 +391,9 @@ class AsyncGrpcTransport:
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
     ) -> list[Fetched | None]:
         segment = self.shm.get_segment()
-        if segment is not None:
-            completed = False
-            try:
-                result = await self._fetch(namespace, keys, prefix_only, timeout_s, segment)
-                completed = True
-                return result
-            except (OSError, grpc.RpcError) as exc:  # OSError: the segment cannot be mapped
-                if not shm_fallback(exc, self.shm):
-                    raise
-            finally:
-                # Retired unless the call completed: after a deadline or a cancellation the server may
-                # still be writing.
-                self.shm.done(segment, completed)
-        return await self._fetch(namespace, keys, prefix_only, timeout_s, None)
+        return await arun(
+            through_segment(self.shm, segment, lambda seg: self._fetch(namespace, keys, prefix_only, timeout_s, seg))
+        )
 
     async def _fetch(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float, segment: Segment | None
