@@ -23,6 +23,10 @@ SGLANG_MODULES = (
     "sglang.srt.mem_cache.hybrid_cache.hybrid_cache_controller",
     "sglang.srt.managers.cache_controller",
     "sglang.srt.observability.metrics_collector",
+    "sglang.srt.mem_cache.allocator",
+    "sglang.srt.mem_cache.deepseek_v4_memory_pool",  # imported by HiCacheController.attach_storage_backend
+    "sglang.srt.distributed.parallel_state",  # and by its sync groups
+    "sglang.srt.mem_cache.utils",
     "kvcache_connectors.sglang_hicache",
 )
 
@@ -43,7 +47,17 @@ def extra_config_json(target: str, **options: Any) -> str:
     return json.dumps(config)
 
 
-def mha_host_pool(
+def mha_host_pool(**geometry: Any) -> Any:
+    """An MHA host pool (mha_pools' second half)."""
+    return mha_pools(**geometry)[1]
+
+
+def mla_host_pool(**geometry: Any) -> Any:
+    """An MLA host pool (mla_pools' second half)."""
+    return mla_pools(**geometry)[1]
+
+
+def mha_pools(
     *,
     layout: str = "page_first",
     page_size: int = 4,
@@ -53,7 +67,7 @@ def mha_host_pool(
     layers: int = 3,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Any:
-    """An MHA host pool built from a CPU device pool, as SGLang's assembler does (_mha_host_inputs)."""
+    """A CPU MHA device pool and its host pool, built as SGLang's assembler does (_mha_host_inputs)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
@@ -61,7 +75,7 @@ def mha_host_pool(
         tokens, page_size, dtype, heads, head_dim, layers, "cpu", False, start_layer=0, end_layer=layers
     )
     info = device.get_device_pool_infos()[0].buffer_info
-    return get_mha_host_pool_cls(info)(
+    return device, get_mha_host_pool_cls(info)(
         info,
         2.0,  # --hicache-ratio
         0,  # --hicache-size
@@ -76,7 +90,7 @@ def mha_host_pool(
     )
 
 
-def mla_host_pool(
+def mla_pools(
     *,
     layout: str = "page_first",
     page_size: int = 4,
@@ -86,14 +100,14 @@ def mla_host_pool(
     layers: int = 3,
     dtype: torch.dtype = torch.bfloat16,
 ) -> Any:
-    """An MLA host pool built from a CPU device pool, as SGLang's assembler does (_build_mha_mla_host_pool)."""
+    """A CPU MLA device pool and its host pool, built as SGLang's assembler does (_build_mha_mla_host_pool)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     device = MLATokenToKVPool(
         tokens, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layers, "cpu", False, start_layer=0, end_layer=layers
     )
-    return MLATokenToKVPoolHost(
+    return device, MLATokenToKVPoolHost(
         device.get_device_pool_infos()[0].buffer_info,
         2.0,
         0,
