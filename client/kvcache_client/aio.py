@@ -163,15 +163,12 @@ class AsyncKVCacheClient:
     async def lookup(
         self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None
     ) -> LookupResult:
-        """The longest stored prefix of `keys`, in one round trip.
+        """The longest stored prefix of `keys`, in one round trip (as KVCacheClient.lookup).
 
         Raises:
             ValueError: `timeout_s` is not positive.
             RuntimeError: the client is bound to another event loop.
-            InvalidRequest: a key is not 16 bytes, or too many keys for the server's limit.
-            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
-            DeadlineExceeded: the call did not finish within its deadline.
-            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            RPCError: as KVCacheClient.lookup (InvalidRequest, Unavailable, DeadlineExceeded, ...).
             Nothing stored is not an error: prefix_length is then 0.
         """
         return await self._run(self._calls.lookup(namespace, keys, timeout_s))
@@ -179,18 +176,13 @@ class AsyncKVCacheClient:
     async def put_many(
         self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], *, timeout_s: float | None = None
     ) -> PutResult:
-        """Stores (key, block) pairs: blocks from format.encode_block, or (header, payload) parts from
-        format.encode_block_parts (the payload is then copied once, straight into the message).
+        """Stores (key, block) pairs: encoded blocks, or (header, payload) parts (as KVCacheClient.put_many).
 
         Raises:
             ValueError: `timeout_s` is not positive.
             RuntimeError: the client is bound to another event loop.
-            InvalidRequest: a key is not 16 bytes, or a block is not a valid block (format v2).
-            DataCorrupted: a block does not match its checksum under its key.
-            ResourceExhausted: a block is over the server's max_block_bytes, or the request over its limits.
-            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
-            DeadlineExceeded: the call did not finish within its deadline.
-            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            RPCError: as KVCacheClient.put_many (InvalidRequest, DataCorrupted, ResourceExhausted,
+                Unavailable, DeadlineExceeded, ...).
         """
         return await self._run(self._calls.put_many(namespace, items, timeout_s))
 
@@ -204,20 +196,13 @@ class AsyncKVCacheClient:
     ) -> list[memoryview | None]:
         """Each key's verified block, or None. With prefix_only, stops at the first miss.
 
-        Blocks are read-only memoryviews of this client's own memory: the received message, on the
-        same-host path (docs/shm.md) this client's get segment, or a copy made once out of the
-        server's arena (docs/arena.md; leased() reads it without that copy). Nothing
-        else sees those bytes: the server's stored copy is never changed through them. Use bytearray(block)
-        or a clone of get_tensors' tensor for bytes to modify (see get_tensors).
+        As KVCacheClient.get_many: read-only memoryviews of this client's own memory.
 
         Raises:
             ValueError: `timeout_s` is not positive.
             RuntimeError: the client is bound to another event loop.
-            InvalidRequest: a key is not 16 bytes, or too many keys for the server's limit.
-            ResourceExhausted: the answer would be over a message or request limit.
-            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
-            DeadlineExceeded: the call did not finish within its deadline.
-            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            RPCError: as KVCacheClient.get_many (InvalidRequest, ResourceExhausted, Unavailable,
+                DeadlineExceeded, ...).
             A missing block, or one that fails its checksum (counted in corrupt_blocks), is None, not an error.
         """
         return await self._run(self._calls.get_many(namespace, keys, prefix_only, timeout_s))
@@ -284,29 +269,23 @@ class AsyncKVCacheClient:
             return copied(blocks)
 
     async def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
-        """Removes keys from every tier; returns how many were stored.
+        """Removes keys from every tier; returns how many were stored (as KVCacheClient.delete).
 
         Raises:
             ValueError: `timeout_s` is not positive.
             RuntimeError: the client is bound to another event loop.
-            InvalidRequest: a key is not 16 bytes, or too many keys for the server's limit.
-            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
-            DeadlineExceeded: the call did not finish within its deadline.
-            RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
+            RPCError: as KVCacheClient.delete (InvalidRequest, Unavailable, DeadlineExceeded, ...).
             A key that is not stored is not an error: it is not counted.
         """
         return await self._run(self._calls.delete(namespace, keys, timeout_s))
 
     async def stats(self, *, timeout_s: float | None = None) -> ServerStats:
-        """The server's counters.
+        """The server's counters (as KVCacheClient.stats).
 
         Raises:
             ValueError: `timeout_s` is not positive.
             RuntimeError: the client is bound to another event loop.
-            PermissionDenied: with auth, the token lacks the admin right.
-            Unavailable: the server stayed unreachable (UNAVAILABLE is retried until the deadline).
-            DeadlineExceeded: the call did not finish within its deadline.
-            RPCError: any other status (Unauthenticated, ...), as kvcache_client.errors maps it.
+            RPCError: as KVCacheClient.stats (PermissionDenied, Unavailable, DeadlineExceeded, ...).
         """
         return await self._run(self._calls.stats(timeout_s))
 
@@ -338,12 +317,8 @@ class AsyncKVCacheClient:
     ) -> list[torch.Tensor | None]:
         """One CPU tensor per key, or None; each tensor views the received bytes without a copy.
 
-        The tensors are read-only by contract, but torch has no read-only tensors: a write (`add_`,
-        `copy_`, `t[...] = x`) is not refused. It changes this client's receive buffer in place (the
-        received message, or this client's get segment on the same-host path), so the block's
-        memoryview and every tensor of that block change with it, and the bytes no longer match their
-        checksum; the server's stored block and other callers' tensors are never affected. To modify,
-        take a copy first: `t.clone()`, or copy it into its destination (`dst.copy_(t)`).
+        Read-only by contract, though torch does not refuse a write: see KVCacheClient.get_tensors
+        for what a write changes, and take `t.clone()` to modify.
 
         Raises:
             ValueError: `timeout_s` is not positive, or this torch build lacks a block's dtype.

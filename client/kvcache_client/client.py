@@ -220,8 +220,9 @@ class KVCacheClient:
     ) -> list[memoryview | None]:
         """Each key's verified block, or None. With prefix_only, stops at the first miss.
 
-        Blocks are read-only memoryviews, without a copy, of this client's own receive buffers: the
-        received message, or on the same-host path (docs/shm.md) this client's get segment. Nothing
+        Blocks are read-only memoryviews of this client's own memory: without a copy, the received
+        message or, on the same-host path (docs/shm.md), this client's get segment; or a copy made
+        once out of the server's arena (docs/arena.md; leased() reads it without that copy). Nothing
         else sees those bytes: the server's stored copy is never changed through them. Use bytearray(block)
         or a clone of get_tensors' tensor for bytes to modify (see get_tensors).
 
