@@ -31,6 +31,9 @@ SGLANG_MODULES = (
 )
 
 MODULE_PATH = "kvcache_connectors.sglang_hicache"
+# The host memory the pools are booked against (SGLang's host_memory_budget_scope), instead of
+# this machine's free memory less SGLang's 10 GiB reserve: the pools here are a few KiB.
+HOST_BUDGET_BYTES = 64 << 20
 CLASS_NAME = "KVCacheHiCacheStorage"
 
 
@@ -69,25 +72,28 @@ def mha_pools(
 ) -> Any:
     """A CPU MHA device pool and its host pool, built as SGLang's assembler does (_mha_host_inputs)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mha import get_mha_host_pool_cls
 
     device = MHATokenToKVPool(
         tokens, page_size, dtype, heads, head_dim, layers, "cpu", False, start_layer=0, end_layer=layers
     )
     info = device.get_device_pool_infos()[0].buffer_info
-    return device, get_mha_host_pool_cls(info)(
-        info,
-        2.0,  # --hicache-ratio
-        0,  # --hicache-size
-        page_size,
-        layout,
-        pin_memory=False,  # no CUDA to register host memory with
-        device="cpu",
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
-        write_back_staging=device.hicache_write_back_staging,
-    )
+    with host_memory_budget_scope(HOST_BUDGET_BYTES):
+        host = get_mha_host_pool_cls(info)(
+            info,
+            2.0,  # --hicache-ratio
+            0,  # --hicache-size
+            page_size,
+            layout,
+            pin_memory=False,  # no CUDA to register host memory with
+            device="cpu",
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            write_back_staging=device.hicache_write_back_staging,
+        )
+    return device, host
 
 
 def mla_pools(
@@ -102,25 +108,28 @@ def mla_pools(
 ) -> Any:
     """A CPU MLA device pool and its host pool, built as SGLang's assembler does (_build_mha_mla_host_pool)."""
     from sglang.srt.mem_cache.memory_pool import MLATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.base import host_memory_budget_scope
     from sglang.srt.mem_cache.pool_host.mla import MLATokenToKVPoolHost
 
     device = MLATokenToKVPool(
         tokens, page_size, dtype, kv_lora_rank, qk_rope_head_dim, layers, "cpu", False, start_layer=0, end_layer=layers
     )
-    return device, MLATokenToKVPoolHost(
-        device.get_device_pool_infos()[0].buffer_info,
-        2.0,
-        0,
-        page_size,
-        layout,
-        pin_memory=False,
-        device="cpu",
-        device_capacity_tokens=device.size,
-        start_layer=device.start_layer,
-        end_layer=device.end_layer,
-        target_layer_num=device.layer_num,
-        override_kv_cache_dim=device.kv_cache_dim,
-    )
+    with host_memory_budget_scope(HOST_BUDGET_BYTES):
+        host = MLATokenToKVPoolHost(
+            device.get_device_pool_infos()[0].buffer_info,
+            2.0,
+            0,
+            page_size,
+            layout,
+            pin_memory=False,
+            device="cpu",
+            device_capacity_tokens=device.size,
+            start_layer=device.start_layer,
+            end_layer=device.end_layer,
+            target_layer_num=device.layer_num,
+            override_kv_cache_dim=device.kv_cache_dim,
+        )
+    return device, host
 
 
 def fill_random(host_pool: Any, seed: int) -> None:
