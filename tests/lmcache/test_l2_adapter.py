@@ -317,7 +317,8 @@ def test_a_killed_server_degrades_to_misses_within_the_deadline(make_adapter, bu
         assert counters["load_missing_chunks"] == 2 and counters["load_failed_tasks"] == 1
         assert counters["store_failed_tasks"] == 1 and counters["stored_chunks"] == 2
         assert counters["breaker_skips"] == 2
-        assert adapter.report_status()["is_healthy"] is False
+        status = adapter.report_status()
+        assert (status["breaker"], status["is_healthy"]) == ("open", True)  # degraded to misses, not broken
 
 
 def test_a_stopped_server_costs_one_deadline_per_cooldown(make_adapter, buffers) -> None:
@@ -415,3 +416,23 @@ def test_a_lock_outlived_by_its_lease_is_read_again(make_server, make_adapter, b
         assert adapter.report_status()["locked_keys"] == 0
         assert eventually(lambda: adapter.report_status()["queued"]["kvcache-l2-control"] == (0, 0))
         assert adapter.counters.snapshot()["releases_failed"] == 0  # releasing expired leases is no error
+
+
+def test_a_server_killed_mid_call_is_a_miss_within_the_deadline(make_adapter, buffers) -> None:
+    """The server stopped, a lookup sent (the call hangs), then the server killed while it waits:
+    the lookup answers all misses no later than its deadline, and nothing stays locked."""
+    with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
+        adapter = make_adapter(target=server.target, timeout_s=1.0, lookup_timeout_s=1.0)
+        keys = object_keys(2, first=600)
+        assert store(adapter, keys, buffers.filled([1, 2])).is_successful()
+        os.kill(server.proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        task = adapter.submit_lookup_and_lock_task(keys, {})
+        time.sleep(0.3)  # the LeaseGet is on the wire
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(10)
+        fd = adapter.get_lookup_and_lock_event_fd()
+        assert bits(wait_result(adapter.query_lookup_and_lock_result, task, fd, 2.0)) == [0, 0]
+        assert time.monotonic() - started < 1.0 + 0.5
+        assert adapter.report_status()["locked_keys"] == 0
+        assert adapter.counters.snapshot()["lookup_failures"] == 1

@@ -206,3 +206,36 @@ def test_lmcache_server_keeps_kvcache_below_its_l1(kvcache, lmcache_with_kvcache
             assert (missed["lookup_hits"], missed["lookup_misses"], missed["lookup_failures"]) == (4, 2, 0)
     finally:
         ctx.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_stopped_kvcache_is_a_miss_for_lmcache_and_its_server_keeps_serving(kvcache, lmcache_with_kvcache) -> None:
+    """kvcache SIGSTOPped under a running `lmcache server`: a retrieve of chunks only kvcache holds
+    comes back empty within the adapter's lookup deadline (2 s) plus LMCache's own overhead, LMCache
+    answers its HTTP status meanwhile, and once kvcache resumes the same retrieve is served again."""
+    lmc = lmcache_with_kvcache
+    ctx = GeometryContext(lmc.url, lmc.http_url, "org/tiny-e2e", timeout=30)
+    try:
+        ctx.register_geometry(num_layers=LAYERS, num_kv_heads=HEADS, block_size=CHUNK_TOKENS, head_dim=HEAD_DIM)
+        tokens = list(range(2000, 2000 + 2 * CHUNK_TOKENS))
+        kv = torch.randn(2, LAYERS, len(tokens), HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(6)).to(DTYPE)
+        assert ctx.store(kv, tokens)
+        assert eventually(lambda: lmc.status()["storage_manager"]["l1_manager"]["total_object_count"] == 0, 30)
+        os.kill(kvcache.proc.pid, signal.SIGSTOP)
+        try:
+            started = time.monotonic()
+            assert ctx.retrieve(tokens) is None
+            elapsed_s = time.monotonic() - started
+            assert lmc.status()["is_healthy"] is True
+            adapter = lmc.status()["storage_manager"]["l2_adapters"][0]
+        finally:
+            os.kill(kvcache.proc.pid, signal.SIGCONT)
+        assert elapsed_s < 2.0 + 3.0, elapsed_s
+        assert adapter["lookup_failures"] == 1 and adapter["lookup_hits"] == 0 and adapter["locked_keys"] == 0
+        assert adapter["breaker"] == "open"
+        # the breaker's cooldown (5 s by default) passes, then the next lookup reaches kvcache again
+        time.sleep(5.0)
+        out = ctx.retrieve(tokens)
+        assert out is not None and torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
+    finally:
+        ctx.close()
