@@ -430,14 +430,18 @@ def test_a_disk_that_fills_makes_the_tier_miss_and_count(tmp_path: Path) -> None
                 s = disk_stats(client)
                 assert s.errors > 0 and s.rejected > 0, s  # ENOSPC: counted
                 assert s.used_bytes <= 4 * MiB
-                # The tier goes on: it evicts its own regions instead of growing, and serves what it holds.
-                for batch in batches[-3:]:
-                    client.put_many(NS, batch)
-                recent = [k for b in batches[-3:] for k, _ in b]
-                got = client.get_many(NS, recent)
-                assert sum(g is not None for g in got) > 10
-                put = dict(b for bt in batches for b in bt)
-                assert all(g is None or bytes(g) == put[k] for k, g in zip(recent, got, strict=True))
+                # The tier goes on: it reuses its own regions in place instead of growing.
+                more = [blocks(10, 40_000) for _ in range(6)]  # 2.4 MB: what the disk holds, and more than RAM
+                for batch in more:
+                    assert client.put_many(NS, batch).tier("disk").stored == 10
+                assert disk_stats(client).errors - s.errors <= 2  # a region or two found the disk full
+                # And serves what it holds (RAM, 2 MiB, holds the last ~50): the older ones from disk.
+                put = dict(b for bt in batches + more for b in bt)
+                keys = [k for b in more for k, _ in b]
+                got = client.get_many(NS, keys)
+                assert all(g is None or bytes(g) == put[k] for k, g in zip(keys, got, strict=True))
+                assert sum(g is not None for g in got) == 60
+                assert disk_stats(client).hits >= 5
                 assert client.corrupt_blocks == 0
                 assert proc.proc.poll() is None
         finally:
@@ -463,10 +467,14 @@ def test_files_that_vanish_mid_run_are_misses_counted(tmp_path: Path) -> None:
             s = disk_stats(client)
             assert s.errors > 0, s  # the truncated regions' blocks: short reads, counted, dropped
             # It goes on: new blocks are written (vanished region files made again) and served.
-            fresh = blocks(100, 20_000)
-            for i in range(0, 100, 20):
-                assert client.put_many(NS, fresh[i : i + 20]).stored == 20
-            assert [bytes(g) for g in client.get_many(NS, [k for k, _ in fresh[-10:]])] == [b for _, b in fresh[-10:]]
+            fresh = blocks(200, 20_000)
+            for i in range(0, 200, 20):
+                result = client.put_many(NS, fresh[i : i + 20])
+                assert result.stored == 20 and result.tier("disk").stored == 20
+            # The oldest of them are on disk only by now (RAM holds 2 MiB): served from there.
+            hits = disk_stats(client).hits
+            assert [bytes(g) for g in client.get_many(NS, [k for k, _ in fresh[:10]])] == [b for _, b in fresh[:10]]
+            assert disk_stats(client).hits == hits + 10
             assert proc.proc.poll() is None
     finally:
         proc.stop()

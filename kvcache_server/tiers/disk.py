@@ -27,7 +27,8 @@ may be of the new records and the read is a miss.
 Failures: an I/O error (EIO, a vanished or truncated file) on a read makes that key a miss and
 drops it from the index (counted in errors); a full file system (ENOSPC) seals the region being
 written where it ended, stops taking never-used regions for FULL_BACKOFF_S (evicting instead),
-and refuses the write (counted in rejected and errors). The tier never raises for one bad block;
+and refuses the write (counted in rejected and errors); meanwhile regions are reused within the
+bytes their files already have. The tier never raises for one bad block;
 it raises TierError only when a whole batch failed on I/O errors, so the stack's breaker opens
 for a dead disk.
 
@@ -238,28 +239,31 @@ class DiskTier(Tier):
         region: _Region | None = getattr(self._local, "region", None)
         if region is not None and region.frontier + span <= region.limit:
             return region
-        with self._lock:
-            if region is not None:
-                region.active = False
-                self._lru[region.id] = None
-                self._local.region = None
-            region, evicted = self._take_region()
-        if evicted:
-            self._evicted(evicted)
-        if region is None:
-            return None
-        try:
-            if region.fd < 0 or os.fstat(region.fd).st_nlink == 0:  # never made, or removed behind our back
-                if region.fd >= 0:
-                    os.close(region.fd)
-                region.fd = -1
-                region.fd = os.open(region.path, os.O_RDWR | os.O_CREAT, 0o600)
-            _pwrite_all(region.fd, layout.pack_region_header(region.epoch, self._region_bytes), 0)
-        except OSError as exc:
-            self._write_failed(region, exc)
-            return None
-        self._local.region = region
-        return region if region.frontier + span <= region.limit else None
+        for _ in range(len(self._regions)):  # with the disk full, a region may have less room than `span`
+            with self._lock:
+                if region is not None:
+                    region.active = False
+                    self._lru[region.id] = None
+                    self._local.region = None
+                region, evicted = self._take_region()
+            if evicted:
+                self._evicted(evicted)
+            if region is None:
+                return None
+            try:
+                if region.fd < 0 or os.fstat(region.fd).st_nlink == 0:  # never made, or removed behind our back
+                    if region.fd >= 0:
+                        os.close(region.fd)
+                    region.fd = -1
+                    region.fd = os.open(region.path, os.O_RDWR | os.O_CREAT, 0o600)
+                _pwrite_all(region.fd, layout.pack_region_header(region.epoch, self._region_bytes), 0)
+            except OSError as exc:
+                self._write_failed(region, exc)
+                return None
+            self._local.region = region
+            if region.frontier + span <= region.limit:
+                return region
+        return None
 
     def _take_region(self) -> tuple[_Region | None, list[tuple[str, bytes]]]:
         """A region to write, fresh or evicted (under the lock), and the (namespace, key) it evicted."""
@@ -282,6 +286,9 @@ class DiskTier(Tier):
         region.live_bytes = 0
         region.frontier = layout.REGION_HEADER_BYTES
         region.limit = self._region_bytes
+        if time.monotonic() < self._full_until and region.fd >= 0:
+            # The disk is full: write this region within the bytes its file has (in place, no new space).
+            region.limit = max(layout.REGION_HEADER_BYTES, min(self._region_bytes, os.fstat(region.fd).st_size & ~7))
         region.active = True
         return region, evicted
 
@@ -302,11 +309,9 @@ class DiskTier(Tier):
             if exc.errno == errno.ENOSPC:
                 self._full_until = time.monotonic() + FULL_BACKOFF_S
             region.limit = region.frontier
-            if region.active:
+            if region.active:  # last in line: with the disk full, regions reused in place are what work
                 region.active = False
                 self._lru[region.id] = None
-                if not region.keys:  # nothing in it: the first to be reused
-                    self._lru.move_to_end(region.id, last=False)
             if getattr(self._local, "region", None) is region:
                 self._local.region = None
         log.warning("disk tier: write to %s failed (%s); region sealed at %d bytes", region.path, exc, region.frontier)
