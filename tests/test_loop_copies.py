@@ -219,3 +219,23 @@ def test_region_reads_copy_through_the_kernel(tmp_path: Path, shared: bool) -> N
         assert region.read(MiB + 7, 100) == data[7:107]
     finally:
         region.close()
+
+
+def test_bulk_puts_into_a_full_ram_copy_their_victims_off_the_loop(
+    make_server, redis_server: RedisProcess, tmp_path: Path, queued: Counter[tuple[str, str]]
+) -> None:
+    """Remote puts over the bulk port, received straight into arena slots it reserves (ArenaSink):
+    making room evicts, and each victim's copy for demotion is made in a worker thread.
+    Old code: the sink reserved with RamTier.reserve on the loop, which copied its victims there."""
+    server = server_over_redis(make_server, redis_server, tmp_path)
+    trace()
+    first, second = blocks(16, BLOCK), blocks(8, BLOCK)
+    with KVCacheClient(server.target, shm=False) as client:
+        for data in (first, second):
+            assert client.put_many(NS, data).stored == len(data)
+        stats = client.stats()
+        assert stats.bulk_bytes_received >= sum(len(b) for _, b in first + second)  # all over the bulk port
+        assert stats.tier("ram").evictions == 8
+        server.call(server.stack.wait_idle())
+    assert queued[("DEMOTION", "loop")] == 0
+    assert queued[("DEMOTION", "thread")] == 8

@@ -108,9 +108,12 @@ class ArenaSink(BufferSink):
         self.in_arena = 0
 
     async def reserve(self, namespace: str, nbytes: int) -> Slot:
-        reservation = self._stack.ram.reserve(namespace, nbytes)
-        if reservation is None:  # no room now: a buffer, stored by the stack's put like any block
+        # What making room evicts is copied out for demotion in a worker thread (TierStack.reserve_many),
+        # never on the event loop.
+        made = await self._stack.reserve_many(namespace, [nbytes])
+        if made is None:  # no room now: a buffer, stored by the stack's put like any block
             return await super().reserve(namespace, nbytes)
+        (reservation,) = made
         with self._lock:
             self.reserved += 1
             self.in_arena += 1
