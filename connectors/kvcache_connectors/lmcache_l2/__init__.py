@@ -5,7 +5,8 @@
 
 Modules, one job each: config (adapter_params), keys (which kvcache namespace and key an ObjectKey
 goes under; the derivation itself is kvcache_connectors.engine_keys), lanes (worker threads with
-bounded queues), adapter (the L2AdapterInterface). See docs/lmcache.md.
+bounded queues), locks (the locked keys and the leased blocks they hold), counters, adapter (the
+L2AdapterInterface, composing them). See docs/lmcache.md.
 """
 
 from kvcache_connectors.lmcache_l2.adapter import Counters, KVCacheL2Adapter

@@ -30,7 +30,7 @@ import itertools
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +41,10 @@ from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from kvcache_client import DType, KVCacheClient, KVCacheError, encode_block_parts
 from kvcache_client.retry import NO_RETRY
 from kvcache_connectors.lmcache_l2.config import KVCacheL2Config
+from kvcache_connectors.lmcache_l2.counters import Counters
 from kvcache_connectors.lmcache_l2.keys import KeyMapper
 from kvcache_connectors.lmcache_l2.lanes import Lane, Task
+from kvcache_connectors.lmcache_l2.locks import Hold, LockTable
 from kvcache_core.breaker import CircuitBreaker
 from kvcache_core.format import payload_view
 
@@ -62,72 +64,13 @@ class ServerSkipped(Exception):
     """A call not attempted: the server failed recently and the breaker is open."""
 
 
-class Counters:
-    """What the adapter did, cumulative (report_status carries a snapshot). Thread-safe."""
-
-    NAMES = (
-        "stored_chunks",  # chunks stored in kvcache
-        "store_failed_tasks",  # store tasks that did not store every chunk
-        "lookup_hits",  # keys a lookup found (and locked)
-        "lookup_misses",  # keys a lookup did not find, failures included
-        "lookup_failures",  # lookup calls that failed or were skipped (their keys missed)
-        "locks_not_held",  # hits answered without holding their blocks (max_locked_bytes reached)
-        "loaded_chunks",  # chunks copied into LMCache's buffers
-        "load_missing_chunks",  # chunks a load did not copy (gone, failed, wrong size)
-        "load_failed_tasks",  # load tasks that did not load every chunk
-        "unlocks",  # locks dropped by submit_unlock
-        "releases_failed",  # lease releases that failed (the server expires them)
-        "deleted_chunks",  # chunks a delete removed from this adapter's accounting
-        "delete_failures",  # delete calls that failed or were refused (queue full)
-        "refused_tasks",  # tasks completed at once: lane queue full, or the adapter closed
-        "breaker_skips",  # calls not attempted while the breaker was open
-    )
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._values = dict.fromkeys(self.NAMES, 0)
-
-    def add(self, name: str, value: int = 1) -> None:
-        if value:
-            with self._lock:
-                self._values[name] += value
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._values)
-
-
-@dataclass(eq=False, slots=True)
-class _Hold:
-    """The leased blocks of one lookup call in one namespace, held until its last lock is dropped."""
-
-    stack: contextlib.ExitStack
-    blocks: Sequence[memoryview | None]
-    nbytes: int
-    refs: int = 0
-
-    def expired(self) -> bool:
-        expired: Callable[[], bool] | None = getattr(self.blocks, "expired", None)
-        return expired() if expired is not None else False
-
-
-@dataclass(slots=True)
-class _Lock:
-    """One lock on one key: its block in a hold, or none (answered as a hit without holding it)."""
-
-    hold: _Hold | None
-    index: int = -1
-
-
 @dataclass(slots=True)
 class _State:
-    """Results waiting for LMCache's controllers, and the locks; guarded by KVCacheL2Adapter._lock."""
+    """Results waiting for LMCache's controllers, and the usage's sizes; guarded by KVCacheL2Adapter._lock."""
 
     stores: dict[L2TaskId, L2StoreResult] = field(default_factory=dict)
     lookups: dict[L2TaskId, Bitmap] = field(default_factory=dict)
     loads: dict[L2TaskId, Bitmap] = field(default_factory=dict)
-    locks: dict[Any, list[_Lock]] = field(default_factory=dict)  # ObjectKey -> its locks, last taken last
-    locked_bytes: int = 0
     sizes: dict[Any, int] = field(default_factory=dict)  # ObjectKey -> bytes this adapter stored (usage)
 
 
@@ -166,6 +109,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         self._load_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._lock = threading.Lock()
         self._state = _State()
+        self._locks = LockTable(config.max_locked_bytes)
         self._task_ids = itertools.count()
         self._closed = False
         tasks, nbytes = config.max_queued_tasks, config.max_queued_bytes
@@ -292,20 +236,13 @@ class KVCacheL2Adapter(L2AdapterInterface):
         except BaseException:
             stack.close()
             raise
-        hits = [j for j, block in enumerate(blocks) if block is not None]
-        nbytes = sum(len(blocks[j]) for j in hits)
-        with self._lock:
-            held = bool(hits) and self._state.locked_bytes + nbytes <= self.config.max_locked_bytes
-            hold = _Hold(stack, blocks, nbytes, refs=len(hits)) if held else None
-            if hold is not None:
-                self._state.locked_bytes += nbytes
-            for j in hits:
-                self._state.locks.setdefault(keys[j], []).append(_Lock(hold, j))
+        hits, held = self._locks.lock(keys, stack, blocks)
+        for j, block in enumerate(blocks):
+            if block is not None:
                 bitmap.set(positions[j])
-        if hold is None:  # nothing found, or past max_locked_bytes: hits stay hits, loads read them again
+        if not held:  # nothing found, or past max_locked_bytes: hits stay hits, loads read them again
             stack.close()
-            if hits:
-                self.counters.add("locks_not_held", len(hits))
+            self.counters.add("locks_not_held", hits)
 
     def query_lookup_and_lock_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -315,29 +252,17 @@ class KVCacheL2Adapter(L2AdapterInterface):
         """Drops one lock per key (a key without one is ignored); the last lock on a lookup's blocks
         releases their leases on the control lane. Never fails: a release the server does not get
         ends at the lease's time-out."""
-        done: list[_Hold] = []
-        dropped = 0
-        with self._lock:
-            for key in keys:
-                locks = self._state.locks.get(key)
-                if not locks:
-                    continue
-                lock = locks.pop()
-                dropped += 1
-                if not locks:
-                    del self._state.locks[key]
-                if lock.hold is not None:
-                    lock.hold.refs -= 1
-                    if lock.hold.refs == 0:
-                        self._state.locked_bytes -= lock.hold.nbytes
-                        done.append(lock.hold)
+        dropped, done = self._locks.unlock(keys)
         self.counters.add("unlocks", dropped)
         for hold in done:
-            # Releases bypass the queue's caps: each one frees what a lookup pinned, and refusing it
-            # would keep the server's slots until their time-out.
-            self._control.submit(Task(run=lambda hold=hold: self._release(hold), drop=hold.stack.close), force=True)
+            self._queue_release(hold)
 
-    def _release(self, hold: _Hold) -> None:
+    def _queue_release(self, hold: Hold) -> None:
+        # Releases bypass the lane's caps: each one frees what a lookup pinned, and refusing it would
+        # keep the server's slots until their time-out.
+        self._control.submit(Task(run=lambda: self._release(hold), drop=hold.stack.close), force=True)
+
+    def _release(self, hold: Hold) -> None:
         try:
             hold.stack.close()
         except CALL_ERRORS as exc:  # the server expires the leases on its own
@@ -391,12 +316,10 @@ class KVCacheL2Adapter(L2AdapterInterface):
 
     def _load_held(self, key: ObjectKey, obj: MemoryObj, bitmap: Bitmap, i: int) -> bool:
         """Copies `key`'s held block into `obj`; False when it has none to copy (read it again)."""
-        with self._lock:
-            hold = next((lk for lk in reversed(self._state.locks.get(key, ())) if lk.hold is not None), None)
-            if hold is None or hold.hold is None:
-                return False
-            held, index = hold.hold, hold.index
-            held.refs += 1  # kept while copying: a concurrent unlock of another lock must not release it
+        borrowed = self._locks.borrow(key)  # referenced while copying: an unlock meanwhile cannot release it
+        if borrowed is None:
+            return False
+        held, index = borrowed
         try:
             block = held.blocks[index]
             if block is None or held.expired():
@@ -408,13 +331,8 @@ class KVCacheL2Adapter(L2AdapterInterface):
             bitmap.set(i)
             return True
         finally:
-            with self._lock:
-                held.refs -= 1
-                last = held.refs == 0
-                if last:
-                    self._state.locked_bytes -= held.nbytes
-            if last:
-                self._control.submit(Task(run=lambda: self._release(held), drop=held.stack.close), force=True)
+            if self._locks.give_back(held):
+                self._queue_release(held)
 
     def _load_fetched(
         self, ns: str, kv_keys: list[bytes], objects: list[MemoryObj], positions: list[int], bitmap: Bitmap
@@ -441,8 +359,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
 
     def delete(self, keys: list[ObjectKey]) -> None:
         """Queues a delete of the keys not locked now; the usage drops once the server answers."""
-        with self._lock:
-            deletable = [k for k in keys if k not in self._state.locks]
+        deletable = [k for k in keys if not self._locks.is_locked(k)]
         if not deletable:
             return
 
@@ -472,8 +389,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         usage = self.get_usage()
         with self._breaker_lock:
             breaker = self._breaker.state.name.lower()
-        with self._lock:
-            locked_keys, locked_bytes = len(self._state.locks), self._state.locked_bytes
+        locked_keys, locked_bytes = self._locks.usage()
         return {
             "is_healthy": not self._closed,
             "type": "kvcache",
@@ -502,12 +418,8 @@ class KVCacheL2Adapter(L2AdapterInterface):
         for lane in (self._stores, self._lookups, self._loads):
             if not lane.close(wait_s):
                 log.warning("kvcache L2 adapter: a %s task still runs at close", lane.name)
-        with self._lock:
-            holds = {id(lk.hold): lk.hold for locks in self._state.locks.values() for lk in locks if lk.hold}
-            self._state.locks.clear()
-            self._state.locked_bytes = 0
-        for hold in holds.values():
-            self._control.submit(Task(run=lambda hold=hold: self._release(hold), drop=hold.stack.close), force=True)
+        for hold in self._locks.drain():
+            self._queue_release(hold)
         self._control.idle(wait_s + 5.0)
         self._control.close(wait_s)
         self._client.close()

@@ -1,0 +1,125 @@
+"""LockTable: which keys LMCache holds locked, and the leased blocks those locks keep readable.
+
+A lookup-and-lock leases one namespace's keys at once (KVCacheClient.leased, entered on an
+ExitStack that stays open): that is one Hold. Each hit takes a Lock on its key, pointing at its
+block in the hold. The hold's leases are released when its last reference goes: a lock dropped
+by unlock, or a load's borrow given back.
+
+    key A ─ [Lock ─┐, Lock ─┐]          locks per key, last taken last (LMCache unlocks one per
+    key B ─ [Lock ─┤]       │            lookup that found it)
+                   ▼        ▼
+                 Hold 1   Hold 2        refs = locks + borrows; 0 -> release (the control lane)
+
+`max_locked_bytes` bounds the bytes of all holds: a lookup past it takes locks without a hold
+(its hits are hits, and the load reads them again). Thread-safe: the lookup, load and control
+lanes and LMCache's threads all use it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(eq=False, slots=True)
+class Hold:
+    """The leased blocks of one lookup call in one namespace, held until its last reference goes."""
+
+    stack: contextlib.ExitStack
+    blocks: Sequence[memoryview | None]
+    nbytes: int
+    refs: int = 0
+
+    def expired(self) -> bool:
+        """Whether the server may have ended the leases (its slots may hold other blocks by now)."""
+        expired: Callable[[], bool] | None = getattr(self.blocks, "expired", None)
+        return expired() if expired is not None else False
+
+
+@dataclass(slots=True)
+class _Lock:
+    hold: Hold | None  # None: a hit answered without holding its block
+    index: int = -1
+
+
+class LockTable:
+    """Locks per key and the holds behind them, within `max_bytes` of held blocks."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self._max_bytes = max_bytes
+        self._locks: dict[Hashable, list[_Lock]] = {}
+        self._bytes = 0
+        self._mutex = threading.Lock()
+
+    def lock(
+        self, keys: Sequence[Hashable], stack: contextlib.ExitStack, blocks: Sequence[memoryview | None]
+    ) -> tuple[int, bool]:
+        """Takes a lock on each key whose block is not None: (locks taken, whether `stack` became
+        their hold). It does when the blocks fit in max_bytes; otherwise (or when nothing was
+        found) the caller closes `stack` itself, and the locks hold no block."""
+        hits = [j for j, block in enumerate(blocks) if block is not None]
+        nbytes = sum(len(blocks[j]) for j in hits)
+        with self._mutex:
+            fits = bool(hits) and self._bytes + nbytes <= self._max_bytes
+            hold = Hold(stack, blocks, nbytes, refs=len(hits)) if fits else None
+            if hold is not None:
+                self._bytes += nbytes
+            for j in hits:
+                self._locks.setdefault(keys[j], []).append(_Lock(hold, j))
+        return len(hits), hold is not None
+
+    def unlock(self, keys: Sequence[Hashable]) -> tuple[int, list[Hold]]:
+        """Drops one lock per key (a key without one is skipped): (locks dropped, holds to release)."""
+        dropped, done = 0, []
+        with self._mutex:
+            for key in keys:
+                locks = self._locks.get(key)
+                if not locks:
+                    continue
+                lock = locks.pop()
+                dropped += 1
+                if not locks:
+                    del self._locks[key]
+                if lock.hold is not None and self._unref(lock.hold):
+                    done.append(lock.hold)
+        return dropped, done
+
+    def borrow(self, key: Hashable) -> tuple[Hold, int] | None:
+        """The hold and index of `key`'s latest held block, referenced until give_back; None if none."""
+        with self._mutex:
+            for lock in reversed(self._locks.get(key, ())):
+                if lock.hold is not None:
+                    lock.hold.refs += 1
+                    return lock.hold, lock.index
+        return None
+
+    def give_back(self, hold: Hold) -> bool:
+        """Ends a borrow; True when that was the hold's last reference (release it)."""
+        with self._mutex:
+            return self._unref(hold)
+
+    def is_locked(self, key: Hashable) -> bool:
+        with self._mutex:
+            return key in self._locks
+
+    def drain(self) -> list[Hold]:
+        """Forgets every lock (the adapter closes); the holds to release."""
+        with self._mutex:
+            holds = {id(lk.hold): lk.hold for locks in self._locks.values() for lk in locks if lk.hold is not None}
+            self._locks.clear()
+            self._bytes = 0
+        return list(holds.values())
+
+    def usage(self) -> tuple[int, int]:
+        """(keys locked, bytes held)."""
+        with self._mutex:
+            return len(self._locks), self._bytes
+
+    def _unref(self, hold: Hold) -> bool:
+        hold.refs -= 1
+        if hold.refs:
+            return False
+        self._bytes -= hold.nbytes
+        return True
