@@ -7,7 +7,8 @@ lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
     store     submit_store_task: one put_many per namespace of LMCache's buffers
     lookup    submit_lookup_and_lock_task: one leased() per namespace; the hits stay held (locked)
     load      submit_load_task: copies from the held blocks into LMCache's buffers; keys not held
-              (or whose leases ran out) are read again with leased() and copied
+              (or whose leases ran out) are read again with leased() and copied (get_into would
+              refuse the whole call for one buffer of the wrong size; here that key alone misses)
     control   submit_unlock's releases and delete
 
 A lock is a read lease: on the server's host (its block arena shared, docs/arena.md) the blocks of
