@@ -342,7 +342,9 @@ def request(**kwargs: Any) -> Request:
 def test_request_facts_separate_lora_adapters_and_multimodal_inputs() -> None:
     assert request_extra(request(prompt_token_ids=[1, 2, 3])) == ()
     lora = LoRARequest(lora_name="sql-adapter", lora_int_id=1, lora_path="/adapters/sql")
-    assert request_extra(request(prompt_token_ids=[1, 2, 3], lora_request=lora)) == (("vllm.lora", "sql-adapter"),)
+    assert request_extra(request(prompt_token_ids=[1, 2, 3], lora_request=lora)) == (
+        ("vllm.lora", "sql-adapter@/adapters/sql"),  # the weights' path too: one name, two paths never share
+    )
     images = [
         MultiModalFeatureSpec(data=None, modality="image", identifier=name, mm_position=PlaceholderRange(offset, 4))
         for name, offset in (("img-a", 2), ("img-b", 9))
