@@ -32,6 +32,10 @@ bytes their files already have. The tier never raises for one bad block;
 it raises TierError only when a whole batch failed on I/O errors, so the stack's breaker opens
 for a dead disk.
 
+Longer than the project's ~500-line module guideline: the index, the regions' LRU, the writers' runs and
+the readers' seqlock share one lock and one set of invariants (an entry names a live record of its
+region's current epoch); the byte layout and the scan, which need none of that, are disk_layout.py.
+
 Memory: the index holds, per block, one 20-byte bytes key (namespace id + key) and one int
 (region, offset, length) in a dict, plus one reference in its region's key list:
 INDEX_BYTES_PER_BLOCK, measured by tests/test_disk_tier.py in a server process.
@@ -40,6 +44,7 @@ INDEX_BYTES_PER_BLOCK, measured by tests/test_disk_tier.py in a server process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import fcntl
 import logging
@@ -299,7 +304,8 @@ class DiskTier(Tier):
         for namespace, key in evicted:
             by_ns.setdefault(namespace, []).append(key)
         for namespace, keys in by_ns.items():
-            self._loop.call_soon_threadsafe(self._on_evict, namespace, keys)
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile (shutdown): nobody to tell
+                self._loop.call_soon_threadsafe(self._on_evict, namespace, keys)
 
     def _write_failed(self, region: _Region, exc: OSError) -> None:
         """Seals `region` where it ends after a failed write; a full disk also pauses new region files."""
