@@ -26,7 +26,7 @@ from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.config import ConfigError, load_config
 from kvcache_server.stack import LowerTierPolicy, TierStack, WriteMode
 from kvcache_server.tiers import disk_layout as layout
-from kvcache_server.tiers.base import TierKind
+from kvcache_server.tiers.base import TierError, TierKind
 from kvcache_server.tiers.disk import INDEX_BYTES_PER_BLOCK, DiskTier
 from tests.backends import IN_CI, KVServerProcess, rss_bytes, wait_for
 from tests.conftest import keyed, raw_block
@@ -222,6 +222,31 @@ def test_an_evicted_region_does_not_come_back_after_a_restart(tmp_path: Path) ->
         await t.close()
 
     run(reopen())
+
+
+def test_io_errors_are_misses_and_keep_the_breaker_open_until_the_disk_reads_again(tmp_path: Path) -> None:
+    batch = blocks(10)
+    keys = [k for k, _ in batch]
+
+    async def go() -> None:
+        disk = tier(tmp_path / "d")
+        stack = TierStack(64 << 10, [(disk, LowerTierPolicy(breaker_failures=1))], prefault=False)
+        await stack.start()
+        assert all(await disk.put_many(NS, batch))
+        (region,) = [r for r in disk._regions if r.fd >= 0]
+        good, region.fd = region.fd, os.open(tmp_path, os.O_RDONLY)  # every pread now fails (EISDIR)
+        assert await stack.get(NS, keys[:3]) == [None] * 3  # a miss, not an exception
+        s = stack.stats()[1]
+        assert s.errors >= 3 + 1 and s.breaker == "open"  # the tier's 3, and the stack's failed call
+        with pytest.raises(TierError):  # its probe reads the disk while the last I/O failed
+            await disk.contains_many(NS, keys[3:4])
+        os.close(region.fd)
+        region.fd = good
+        assert await disk.contains_many(NS, keys[3:4]) == [True]  # reads again: probes pass
+        assert await disk.get_many(NS, keys[3:]) == [b for _, b in batch[3:]]
+        await stack.close()
+
+    run(go())
 
 
 # -- in the stack ---------------------------------------------------------------------------------
