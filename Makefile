@@ -32,6 +32,8 @@ install-test: $(BIN)/python system-deps
 	$(PIP) install --quiet -e ".[server,torch,transformers,test,dev]"
 	# vllm==0.33.0 for tests/vllm, without its CUDA dependency tree (a no-op when already there)
 	TORCH_CPU="$(TORCH_CPU)" scripts/install_vllm_cpu.sh $(VENV)
+	# lmcache==0.5.6 for tests/lmcache (kvcache as LMCache's L2), without its CUDA dependencies
+	TORCH_CPU="$(TORCH_CPU)" scripts/install_lmcache_cpu.sh $(VENV)
 
 test: install-test
 	$(BIN)/ruff check .
