@@ -34,6 +34,8 @@ install-test: $(BIN)/python system-deps
 	TORCH_CPU="$(TORCH_CPU)" scripts/install_vllm_cpu.sh $(VENV)
 	# lmcache==0.5.6 for tests/lmcache (kvcache as LMCache's L2), without its CUDA dependencies
 	TORCH_CPU="$(TORCH_CPU)" scripts/install_lmcache_cpu.sh $(VENV)
+	# sglang==0.5.23 for tests/sglang (kvcache as SGLang's HiCache storage), without its CUDA dependencies
+	scripts/install_sglang_cpu.sh $(VENV)
 
 test: install-test
 	$(BIN)/ruff check .

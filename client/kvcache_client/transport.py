@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -93,7 +93,45 @@ def _identity(data: bytes) -> bytes:
     return data
 
 
-class GrpcTransport:
+class _Channel:
+    """What both transports hold of their channel (a grpc.Channel or a grpc.aio.Channel: the same
+    calls, blocking or awaited) and of the server's Info answer."""
+
+    def __init__(self, channel: Any, message_bytes: int, metadata: Metadata, shm: bool) -> None:
+        self._channel = channel
+        self._md = tuple(metadata)
+        self._stub = pb_grpc.KVCacheStub(channel)
+        # Put and Get carry block bytes: blockwire instead of the generated classes (same wire format).
+        self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
+        self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
+        self._message_bytes = message_bytes
+        self.shm = ShmLink(shm)
+        self.arena = ArenaLink(shm and env_allows_shm())
+        self.part_bytes = 0  # set from the server's Info
+        self.info_response: pb.InfoResponse | None = None
+        self._info_done = False
+
+    def _take_info(self, info: pb.InfoResponse | None) -> None:
+        """Takes the server's Info answer (None: it has no Info call): the shm directory or segment
+        socket, blocks in parts, the arena. Blocking (a socket connect, mapping a large arena, which
+        populates it): the asyncio transport runs it in a worker thread."""
+        self.part_bytes = apply_info(self.shm, info)
+        self.info_response = info
+        if info is None:
+            self.arena.off("the server has no Info call")
+        else:
+            self.shm.handoff_from(info.shm_socket, info.server_uid, self._md)  # another Unix user's path
+            self.arena.configure(info.arena_path, info.arena_bytes, info.max_keys_per_request, info.max_block_bytes)
+        self._info_done = True
+
+
+def _info_or_none(exc: grpc.RpcError) -> None:
+    """An Info call that failed: None for a server without Info (UNIMPLEMENTED), else the error."""
+    if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+        raise exc
+
+
+class GrpcTransport(_Channel):
     """Blocking gRPC transport over one channel."""
 
     def __init__(
@@ -104,38 +142,19 @@ class GrpcTransport:
         metadata: Metadata = (),
         shm: bool = True,
     ) -> None:
-        self._channel = channel
-        self._md = tuple(metadata)
-        self._stub = pb_grpc.KVCacheStub(channel)
-        # Put and Get carry block bytes: blockwire instead of the generated classes (same wire format).
-        self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
-        self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
-        self._message_bytes = message_bytes
-        self.shm = ShmLink(shm)
-        self.arena = ArenaLink(shm and env_allows_shm())
+        super().__init__(channel, message_bytes, metadata, shm)
         self._inplace = InPlaceCalls(self._stub, self._md, self.arena, self._get_through_segment)
-        self.part_bytes = 0  # set from the server's Info
-        self.info_response: pb.InfoResponse | None = None
-        self._info_done = False
 
     def _check_info(self, timeout_s: float) -> None:
-        """Asks the server once what it accepts (shm directory, blocks in parts)."""
+        """Asks the server once what it accepts (shm directory, blocks in parts, its arena)."""
         if self._info_done:
             return
+        info = None
         try:
             info = self._stub.Info(pb.InfoRequest(), timeout=timeout_s, metadata=self._md)
         except grpc.RpcError as exc:
-            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            info = None
-        self.part_bytes = apply_info(self.shm, info)
-        self.info_response = info
-        if info is None:
-            self.arena.off("the server has no Info call")
-        else:
-            self.shm.handoff_from(info.shm_socket, info.server_uid, self._md)  # another Unix user's path
-            self.arena.configure(info.arena_path, info.arena_bytes, info.max_keys_per_request, info.max_block_bytes)
-        self._info_done = True
+            _info_or_none(exc)
+        self._take_info(info)
 
     def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
         """The server's Info answer, asked once (again with `refresh`); None when it has no Info call."""
@@ -259,7 +278,7 @@ async def _aiter(requests: Iterable[bytes]) -> AsyncIterator[bytes]:
         yield request
 
 
-class AsyncGrpcTransport:
+class AsyncGrpcTransport(_Channel):
     """asyncio gRPC transport over one grpc.aio channel."""
 
     def __init__(
@@ -270,45 +289,19 @@ class AsyncGrpcTransport:
         metadata: Metadata = (),
         shm: bool = True,
     ) -> None:
-        self._channel = channel
-        self._md = tuple(metadata)
-        self._stub = pb_grpc.KVCacheStub(channel)
-        self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
-        self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
-        self._message_bytes = message_bytes
-        self.shm = ShmLink(shm)
-        self.arena = ArenaLink(shm and env_allows_shm())
+        super().__init__(channel, message_bytes, metadata, shm)
         self._inplace = AsyncInPlaceCalls(self._stub, self._md, self.arena, self._get_through_segment, OFFLOAD_BYTES)
-        self.part_bytes = 0  # set from the server's Info
-        self.info_response: pb.InfoResponse | None = None
-        self._info_done = False
 
     async def _check_info(self, timeout_s: float) -> None:
         """Asks the server once what it accepts (shm directory, blocks in parts, its arena)."""
         if self._info_done:
             return
+        info = None
         try:
             info = await self._stub.Info(pb.InfoRequest(), timeout=timeout_s, metadata=self._md)
         except grpc.RpcError as exc:
-            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            info = None
-        self.part_bytes = apply_info(self.shm, info)
-        self.info_response = info
-        if info is None:
-            self.arena.off("the server has no Info call")
-        else:
-            # Another Unix user's path: a connect to the server's segment socket, off the event loop.
-            await asyncio.to_thread(self.shm.handoff_from, info.shm_socket, info.server_uid, self._md)
-            # Mapping a large arena populates it: off the event loop.
-            await asyncio.to_thread(
-                self.arena.configure,
-                info.arena_path,
-                info.arena_bytes,
-                info.max_keys_per_request,
-                info.max_block_bytes,
-            )
-        self._info_done = True
+            _info_or_none(exc)
+        await asyncio.to_thread(self._take_info, info)  # a socket connect, an arena mapped: off the loop
 
     async def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
         """The server's Info answer, asked once (again with `refresh`); None when it has no Info call."""
