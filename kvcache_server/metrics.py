@@ -69,8 +69,8 @@ _TIER_COUNTERS = {
     "hits": "Blocks found in the tier",
     "misses": "Blocks asked of the tier and not found",
     "puts": "Blocks written to the tier",
-    "evictions": "Blocks evicted to make room (RAM)",
-    "rejected": "Blocks refused because they could never fit (RAM)",
+    "evictions": "Blocks evicted to make room (RAM, disk)",
+    "rejected": "Blocks refused because they could never fit (RAM, disk)",
     "checksum_failures": "Blocks read from the tier that failed verification (deleted there)",
     "errors": "Backend errors and timeouts (each a miss)",
     "skipped": "Calls not attempted because the circuit breaker was open",
@@ -134,9 +134,9 @@ class _StatsCollector(Collector):
                 family.add_metric([s.name], getattr(s, name))
             yield family
         gauges = {
-            "kvcache_tier_blocks": ("Blocks held by the tier (RAM)", lambda s: s.blocks),
-            "kvcache_tier_used_bytes": ("Bytes accounted against the tier's capacity (RAM)", lambda s: s.used_bytes),
-            "kvcache_tier_capacity_bytes": ("The tier's byte cap (RAM)", lambda s: s.capacity_bytes),
+            "kvcache_tier_blocks": ("Blocks held by the tier (RAM, disk)", lambda s: s.blocks),
+            "kvcache_tier_used_bytes": ("Bytes counted against the tier's cap (RAM, disk)", lambda s: s.used_bytes),
+            "kvcache_tier_capacity_bytes": ("The tier's byte cap (RAM, disk)", lambda s: s.capacity_bytes),
             "kvcache_tier_queue_depth": ("Writes waiting in the tier's write-behind queue", lambda s: s.queue_depth),
             "kvcache_tier_queue_bytes": ("Bytes waiting in the tier's write-behind queue", lambda s: s.queue_bytes),
             "kvcache_tier_breaker_state": (
