@@ -112,3 +112,4 @@ def test_prefix_reuse_example(model_dir: str, kv_server: str) -> None:
     # request, prompt, loaded, computed, ...: the first computes all 74 tokens, the others the 10 of their question.
     assert [row[:4] for row in rows] == [["0", "74", "0", "74"], ["1", "74", "64", "10"], ["2", "74", "64", "10"]]
     assert all(row[-1] == "yes" for row in rows), proc.stdout
+    assert "leaked" not in proc.stderr, proc.stderr  # issue 27: it once ended with a leaked-semaphore warning
