@@ -80,7 +80,7 @@ def free_ports(n: int) -> list[int]:
 class LMCacheServer:
     """`lmcache server` in a child process of this interpreter (the venv the install script filled)."""
 
-    def __init__(self, log_path: Path, l2_adapter: dict[str, object]) -> None:
+    def __init__(self, log_path: Path, l2_adapter: dict[str, object], *, store_policy: str = "skip_l1") -> None:
         self.port, self.http_port, self.metrics_port = free_ports(3)
         self.log_path = log_path
         argv = [
@@ -93,7 +93,7 @@ class LMCacheServer:
             "--prometheus-port", str(self.metrics_port),
             "--chunk-size", str(CHUNK_TOKENS),
             "--l1-size-gb", "0.05", "--eviction-policy", "LRU",
-            "--l2-store-policy", "skip_l1",
+            "--l2-store-policy", store_policy,
             "--max-workers", "1",
             "--supported-transfer-mode", "auto",
             "--disable-grpc-metrics",
@@ -149,17 +149,19 @@ def kvcache() -> Iterator[LocalKVCacheServer]:
         yield server
 
 
+def kvcache_l2(kvcache: LocalKVCacheServer) -> dict[str, object]:
+    """The `--l2-adapter` spec naming this adapter over `kvcache`."""
+    return {
+        "type": "plugin",
+        "module_path": "kvcache_connectors.lmcache_l2",
+        "class_name": "KVCacheL2Adapter",
+        "adapter_params": {"target": kvcache.target, "timeout_s": 5.0, "lookup_timeout_s": 2.0},
+    }
+
+
 @pytest.fixture
 def lmcache_with_kvcache(kvcache: LocalKVCacheServer, tmp_path: Path) -> Iterator[LMCacheServer]:
-    server = LMCacheServer(
-        tmp_path / "lmcache.log",
-        {
-            "type": "plugin",
-            "module_path": "kvcache_connectors.lmcache_l2",
-            "class_name": "KVCacheL2Adapter",
-            "adapter_params": {"target": kvcache.target, "timeout_s": 5.0, "lookup_timeout_s": 2.0},
-        },
-    )
+    server = LMCacheServer(tmp_path / "lmcache.log", kvcache_l2(kvcache))
     try:
         server.wait_ready(120)
         yield server
@@ -239,3 +241,83 @@ def test_a_stopped_kvcache_is_a_miss_for_lmcache_and_its_server_keeps_serving(kv
         assert out is not None and torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
     finally:
         ctx.close()
+
+
+def l1_objects(lmc: LMCacheServer) -> int:
+    return lmc.status()["storage_manager"]["l1_manager"]["total_object_count"]
+
+
+@pytest.mark.timeout(300)
+def test_a_new_lmcache_server_loads_what_a_stopped_one_stored_from_kvcache_alone(kvcache, tmp_path) -> None:
+    """Issue #24's restart proof. A first `lmcache server` (store policy "default": its L1 keeps
+    the chunks too) stores four chunks, which reach kvcache; it is stopped (SIGTERM, its process
+    gone) and a second one starts with the same adapter spec and an empty L1. The retrieve of the
+    same tokens through the second one returns the stored KV byte for byte, and it can only have
+    come from kvcache: its L1 held nothing, kvcache's RAM hits rise by exactly four, its adapter
+    locked, loaded and unlocked four chunks and holds no lock after, and the kvcache server holds no
+    arena lease. Tokens never stored miss without a lock or a lease."""
+    spec = kvcache_l2(kvcache)
+    tokens = list(range(3000, 3000 + 4 * CHUNK_TOKENS))
+    kv = torch.randn(2, LAYERS, len(tokens), HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(7)).to(DTYPE)
+    geometry = {"num_layers": LAYERS, "num_kv_heads": HEADS, "block_size": CHUNK_TOKENS, "head_dim": HEAD_DIM}
+    with KVCacheClient(kvcache.target) as probe:
+        before = probe.stats().tier("ram")
+
+        first = LMCacheServer(tmp_path / "lmcache-1.log", spec, store_policy="default")
+        try:
+            first.wait_ready(120)
+            ctx = GeometryContext(first.url, first.http_url, "org/tiny-restart", timeout=30)
+            try:
+                ctx.register_geometry(**geometry)
+                assert ctx.store(kv, tokens)
+                assert eventually(lambda: probe.stats().tier("ram").blocks == before.blocks + 4, 30), first.log_tail()
+                # kvcache holds the blocks a moment before the adapter counts its store complete
+                assert eventually(lambda: first.status()["storage_manager"]["l2_adapters"][0]["stored_chunks"] == 4)
+                writer = first.status()["storage_manager"]["l2_adapters"][0]
+                assert (writer["stored_chunks"], writer["store_failed_tasks"], writer["locked_keys"]) == (4, 0, 0)
+                assert l1_objects(first) == 4  # "default" keeps them in L1 as well
+            finally:
+                ctx.close()
+        finally:
+            first.stop()
+        assert first.proc.returncode is not None
+        stored = probe.stats()
+        assert stored.tier("ram").blocks == before.blocks + 4 and stored.arena_leases == 0
+
+        second = LMCacheServer(tmp_path / "lmcache-2.log", spec, store_policy="default")
+        try:
+            second.wait_ready(120)
+            assert l1_objects(second) == 0
+            fresh = second.status()["storage_manager"]["l2_adapters"][0]
+            assert (fresh["stored_chunks"], fresh["lookup_hits"], fresh["loaded_chunks"]) == (0, 0, 0)
+            ctx = GeometryContext(second.url, second.http_url, "org/tiny-restart", timeout=30)
+            try:
+                ctx.register_geometry(**geometry)
+                started = time.monotonic()
+                out = ctx.retrieve(tokens)
+                elapsed_s = time.monotonic() - started
+                assert out is not None, second.log_tail()
+                assert out.shape == kv.shape and out.dtype == kv.dtype
+                assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
+                assert elapsed_s < 30.0, elapsed_s
+                after = probe.stats()
+                assert after.tier("ram").hits - stored.tier("ram").hits == 4  # read from kvcache, once each
+                assert after.tier("ram").misses == stored.tier("ram").misses
+                # LMCache's prefetch controller may unlock just after the retrieve returns
+                assert eventually(lambda: second.status()["storage_manager"]["l2_adapters"][0]["unlocks"] == 4)
+                reader = second.status()["storage_manager"]["l2_adapters"][0]
+                counts = ("lookup_hits", "loaded_chunks", "unlocks")
+                assert {k: reader[k] for k in counts} == dict.fromkeys(counts, 4), reader
+                assert (reader["lookup_misses"], reader["lookup_failures"], reader["load_missing_chunks"]) == (0, 0, 0)
+                assert (reader["locked_keys"], reader["locked_bytes"], reader["releases_failed"]) == (0, 0, 0)
+                assert eventually(lambda: probe.stats().arena_leases == 0), probe.stats().arena_leases
+                assert probe.stats().arena_leases_expired == stored.arena_leases_expired  # released, not timed out
+
+                assert ctx.retrieve(list(range(7000, 7000 + 2 * CHUNK_TOKENS))) is None
+                missed = second.status()["storage_manager"]["l2_adapters"][0]
+                assert (missed["lookup_hits"], missed["lookup_misses"], missed["unlocks"]) == (4, 2, 4)
+                assert missed["locked_keys"] == 0 and probe.stats().arena_leases == 0
+            finally:
+                ctx.close()
+        finally:
+            second.stop()
