@@ -466,6 +466,7 @@ def _open_handoff(section: ShmSection, shm: ShmDirectory | None, tokens: TokenSt
     try:
         listener.start()
     except OSError as exc:
+        listener.stop()  # its selector
         log.warning("segment socket off (clients of other Unix users use gRPC): %s", exc)
         return None
     return listener

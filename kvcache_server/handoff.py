@@ -189,7 +189,7 @@ class HandoffListener:
         self._sel = selectors.DefaultSelector()
         self._conns: dict[int, _Conn] = {}  # by socket fd
         self._listener: socket.socket | None = None
-        self._wake_r, self._wake_w = os.pipe()
+        self._wake_r = self._wake_w = -1  # a pipe that wakes the thread to stop (made by start)
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.refused = 0  # connections and segments refused (caps, bad token, bad descriptor)
@@ -214,6 +214,7 @@ class HandoffListener:
             sock.close()
             raise
         self._listener = sock
+        self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC)
         self._sel.register(sock, selectors.EVENT_READ, None)
         self._sel.register(self._wake_r, selectors.EVENT_READ, "wake")
         self._thread = threading.Thread(target=self._run, name="kvcache-handoff", daemon=True)
@@ -225,10 +226,15 @@ class HandoffListener:
         return len(self._conns)
 
     def stop(self) -> None:
-        """Stops the thread, closes every connection (their segments dropped) and removes the path."""
+        """Stops the thread, closes every connection (their segments dropped) and removes the path.
+        Idempotent: a second call closes nothing (a descriptor number closed twice could be another
+        object's by then)."""
+        if self._stopping:
+            return
         self._stopping = True
-        with contextlib.suppress(OSError):
-            os.write(self._wake_w, b"x")
+        if self._wake_w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._wake_w, b"x")
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         for conn in list(self._conns.values()):
@@ -242,8 +248,9 @@ class HandoffListener:
             self._listener = None
         self._sel.close()
         for fd in (self._wake_r, self._wake_w):
-            with contextlib.suppress(OSError):
+            if fd >= 0:
                 os.close(fd)
+        self._wake_r = self._wake_w = -1
         self.registry.close()
 
     def _run(self) -> None:

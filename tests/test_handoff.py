@@ -371,3 +371,25 @@ def test_descriptors_held_are_capped_per_user(users, place, make_server) -> None
     finally:
         listener.stop()
     del server
+
+
+def test_stopping_twice_closes_nothing_of_another_object(place) -> None:
+    """RunningServer.stop may run twice (a test stops a server, its fixture again): the second stop of
+    the socket must not close descriptor numbers that other objects hold by then (seen: the bulk
+    listener's socket and the shm directory failed with EBADF at the next server's stop)."""
+    listener = HandoffListener(str(place / "twice.sock"), HandoffRegistry(), None)
+    listener.start()
+    listener.stop()
+    others = [os.pipe() for _ in range(4)]  # take the numbers the listener's pipe had
+    try:
+        listener.stop()
+        for r, w in others:
+            os.fstat(r), os.fstat(w)  # still open
+    finally:
+        for r, w in others:
+            os.close(r), os.close(w)
+    failed = HandoffListener("/nonexistent-dir/x.sock", HandoffRegistry(), None)
+    with pytest.raises(OSError):
+        failed.start()
+    failed.stop()  # a listener that never started stops cleanly, once
+    failed.stop()
