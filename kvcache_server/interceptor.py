@@ -2,10 +2,9 @@
 
 The request id is the caller's `x-request-id` metadata when present (so a trace
 can follow a request from an engine into kvcache), else a fresh random one. It
-is echoed back in the trailing metadata of calls of one request message
-(unary, and server-streaming: Get) and in the initial metadata of
-client-streaming ones (Put: sent when the call is admitted), and in the
-trailing metadata of a call refused before it started and set in a context variable that the
+is echoed back in the trailing metadata of unary calls and in the initial
+metadata of streaming ones (Put, Get, WatchEvents: sent when the call is
+admitted), and in the trailing metadata of a call refused before it started and set in a context variable that the
 logging filter adds to every record logged while the RPC runs. Logs never carry
 block bytes or token ids: handlers log keys' hex at most.
 
@@ -84,11 +83,12 @@ class _Method:
     __slots__ = ("admission", "auth", "id_in_trailers", "name", "observer", "ours")
 
     def __init__(self, full_name: str, interceptor: RequestContextInterceptor, *, id_in_trailers: bool) -> None:
-        # Calls of one request message (unary, and server-streaming: Get) echo the request id in their
-        # trailing metadata, sent with the status: sending it in initial metadata ahead of the answer
-        # is one more operation of gRPC's per call (about a quarter of a Lookup's server CPU, an
-        # eighth of a small Get's). Client-streaming calls (Put) send it at admission, in initial
-        # metadata, so a client sees that its stream was admitted before it ends.
+        # Unary calls echo the request id in their trailing metadata, sent with the answer: sending it
+        # in initial metadata ahead of the answer is one more operation of gRPC's per call (about a
+        # quarter of a Lookup's server CPU). Streaming calls send it at admission, in initial
+        # metadata: a client sees that its Put stream was admitted before it ends, and a Get's
+        # headers are out before its replies, so the status of a Get cut off because its client
+        # stopped reading still reaches that client (without them it saw "Stream removed").
         self.id_in_trailers = id_in_trailers
         service, _, self.name = full_name.lstrip("/").rpartition("/")
         self.ours = service == KVCACHE_SERVICE
@@ -139,15 +139,13 @@ class _Call:
                 log.info("refused %s (request %s): %s", m.name, rid, refusal)
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal, ((REQUEST_ID_HEADER, rid),))
             self.admitted = True
-        if not m.id_in_trailers:
+        if m.id_in_trailers:  # sent with the answer, or with the status of a call the handler aborts
+            context.set_trailing_metadata(((REQUEST_ID_HEADER, rid),))
+        else:
             await context.send_initial_metadata(((REQUEST_ID_HEADER, rid),))
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: object, tb: object) -> bool:
         m = self.method
-        if m.id_in_trailers:  # beside what the handler set (a Get's shm "full" marker)
-            self.context.set_trailing_metadata(
-                (*(self.context.trailing_metadata() or ()), (REQUEST_ID_HEADER, self.rid))
-            )
         if self.admitted:
             m.admission.release(self.tenant)  # type: ignore[union-attr]
         if exc_type is None or issubclass(exc_type, grpc.aio.AbortError):
@@ -254,8 +252,7 @@ class RequestContextInterceptor(grpc.aio.ServerInterceptor):
         return wrapped
 
     def _wrap(self, full_name: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        one_request = handler.unary_unary is not None or handler.unary_stream is not None
-        method = _Method(full_name, self, id_in_trailers=one_request)
+        method = _Method(full_name, self, id_in_trailers=handler.unary_unary is not None)
         if handler.unary_unary:
             return handler._replace(unary_unary=_unary(method, handler.unary_unary))
         if handler.stream_unary:

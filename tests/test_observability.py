@@ -349,7 +349,7 @@ def test_the_interceptor_wraps_each_method_once_and_echoes_request_ids(make_serv
     """Per-call work is only the call's own: a method's handler is wrapped on its first call and the
     wrapped handler reused (no class, closure or handler tuple built per call: a quarter of a
     Lookup's server CPU with the separate send of the request id, bench/bench_small_calls.py);
-    calls of one request message echo the request id in their trailing metadata, Put in its initial."""
+    unary calls echo the request id in their trailing metadata, streaming ones in their initial."""
     server = make_server()
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.KVCacheStub(channel)
@@ -361,8 +361,12 @@ def test_the_interceptor_wraps_each_method_once_and_echoes_request_ids(make_serv
             )
             assert ("x-request-id", f"lookup-{i}") in tuple(call.trailing_metadata())
         stream = stub.Get(pb.GetRequest(namespace="ns", keys=[os.urandom(16)]), metadata=(("x-request-id", "get-1"),))
+        with pytest.raises(grpc.RpcError) as refused:  # a unary call its handler aborts carries it too
+            stub.Lookup(pb.LookupRequest(namespace="ns", keys=[b"short"]), metadata=(("x-request-id", "bad-1"),))
+        assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert ("x-request-id", "bad-1") in tuple(refused.value.trailing_metadata())
+        assert ("x-request-id", "get-1") in tuple(stream.initial_metadata())  # streaming: at admission
         list(stream)
-        assert ("x-request-id", "get-1") in tuple(stream.trailing_metadata())
         key, block = keyed(b"p" * 64)
         request = pb.PutRequest(namespace="ns", blocks=[pb.Block(key=key, data=block)])
         put = stub.Put.future(iter([request]), metadata=(("x-request-id", "put-1"),), timeout=10)
