@@ -100,6 +100,10 @@ class Region:
                 raise
             self._fd, self.path = fd, path
         else:
+            # A memfd is not charged against the kernel's overcommit limit when mapped (its pages are
+            # allocated as they are touched: a cap the machine cannot hold would SIGBUS later), an
+            # anonymous shared mapping is: ask for one first, so such a cap fails here, at start-up.
+            mmap.mmap(-1, self.size, flags=mmap.MAP_SHARED | mmap.MAP_ANONYMOUS).close()
             self._fd = _memfd(self.size)
             if self._fd >= 0:
                 self._map = mmap.mmap(self._fd, self.size, flags=mmap.MAP_SHARED)
