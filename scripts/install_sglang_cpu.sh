@@ -37,21 +37,9 @@ DEPS=(
   traitlets==5.16.1
 )
 
-if [ -d "$TARGET" ]; then
-  [ -x "$TARGET/bin/python" ] || { echo "install_sglang_cpu: $TARGET is not a virtual environment" >&2; exit 2; }
-  PYTHON="$TARGET/bin/python"
-  PIP=("$PYTHON" -m pip)
-else
-  read -r -a PIP <<<"$TARGET"
-  # The interpreter behind the pip command, for the import check: "X -m pip" or ".../bin/pip".
-  if [ "${#PIP[@]}" -ge 3 ] && [ "${PIP[1]}" = "-m" ] && [ "${PIP[2]}" = "pip" ]; then
-    PYTHON=${PIP[0]}
-  else
-    PYTHON="$(dirname "$(command -v "${PIP[0]}")")/python"
-  fi
-fi
-pip() { "${PIP[@]}" --disable-pip-version-check "$@"; }
-installed_version() { pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
+NAME=install_sglang_cpu
+# shellcheck source=scripts/pip_target.sh
+. "$ROOT/scripts/pip_target.sh"  # PYTHON, PIP, pip, installed_version
 
 torch_version=$(installed_version torch)
 case "$torch_version" in

@@ -24,21 +24,9 @@ VLLM_VERSION=0.33.0
 XGRAMMAR=xgrammar==0.2.8
 TVM_FFI=apache-tvm-ffi==0.1.15.post2
 
-if [ -d "$TARGET" ]; then
-  [ -x "$TARGET/bin/python" ] || { echo "install_vllm_cpu: $TARGET is not a virtual environment" >&2; exit 2; }
-  PYTHON="$TARGET/bin/python"
-  PIP=("$PYTHON" -m pip)
-else
-  read -r -a PIP <<<"$TARGET"
-  # The interpreter behind the pip command, for the import check: "X -m pip" or ".../bin/pip".
-  if [ "${#PIP[@]}" -ge 3 ] && [ "${PIP[1]}" = "-m" ] && [ "${PIP[2]}" = "pip" ]; then
-    PYTHON=${PIP[0]}
-  else
-    PYTHON="$(dirname "$(command -v "${PIP[0]}")")/python"
-  fi
-fi
-pip() { "${PIP[@]}" --disable-pip-version-check "$@"; }
-installed_version() { pip show "$1" 2>/dev/null | sed -n 's/^Version: //p'; }
+NAME=install_vllm_cpu
+# shellcheck source=scripts/pip_target.sh
+. "$ROOT/scripts/pip_target.sh"  # PYTHON, PIP, pip, installed_version
 
 torch_version=$(installed_version torch)
 if [ -z "$torch_version" ]; then
