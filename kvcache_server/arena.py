@@ -29,6 +29,7 @@ import logging
 import mmap
 import os
 import secrets
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -56,6 +57,10 @@ def align(n: int) -> int:
     return (n + SLOT_ALIGN - 1) // SLOT_ALIGN * SLOT_ALIGN
 
 
+class RegionClosed(RuntimeError):
+    """Region.read after Region.close (a copy that a stopping server started too late)."""
+
+
 class Region:
     """The arena's memory: a fixed-size mapping, optionally backed by a file that clients can map.
 
@@ -81,6 +86,12 @@ class Region:
         self.size = (size + PAGE - 1) // PAGE * PAGE
         self.path = ""
         self._fd = -1
+        # read()s in worker threads under way: close() waits for them before it closes the
+        # descriptor, whose number the kernel would otherwise hand to the next open (a pread then
+        # copies another file's bytes as a block's).
+        self._readers = 0
+        self._readers_done = threading.Condition()
+        self._closed = False
         if directory is not None:
             remove_dead_arenas(directory)
             name = ARENA_PREFIX + secrets.token_hex(16)
@@ -144,16 +155,31 @@ class Region:
         2 MiB, and a thread copying blocks out that way kept the event loop waiting up to the
         interpreter's 5 ms switch interval each time; with pread, 0.07 ms: docs/arena.md, "Lookups
         under in-place commits"). Without a file (no memfd), bytes() of the view."""
-        if self._fd >= 0:
-            out = os.pread(self._fd, length, offset)
-            if len(out) == length:
-                return out
-        return bytes(self.view[offset : offset + length])
+        with self._readers_done:
+            if self._closed:
+                raise RegionClosed("the arena is closed (the server is stopping)")
+            self._readers += 1
+            fd = self._fd
+        try:
+            if fd >= 0:
+                out = os.pread(fd, length, offset)
+                if len(out) == length:
+                    return out
+            return bytes(self.view[offset : offset + length])
+        finally:
+            with self._readers_done:
+                self._readers -= 1
+                self._readers_done.notify_all()
 
-    def close(self) -> None:
+    def close(self, wait_s: float = 10.0) -> None:
         """Removes the file (clients' mappings stay valid until they unmap) and unmaps the region.
 
-        Views of the region still held elsewhere keep the mapping alive until they are dropped."""
+        Waits (at most `wait_s`) for read()s under way; later ones raise RegionClosed. Views of the
+        region still held elsewhere keep the mapping alive until they are dropped."""
+        with self._readers_done:
+            self._closed = True
+            if not self._readers_done.wait_for(lambda: self._readers == 0, timeout=wait_s):
+                log.warning("arena: %d reads still running after %.0fs; closing anyway", self._readers, wait_s)
         if self._fd >= 0:
             if self.path:
                 with contextlib.suppress(FileNotFoundError):

@@ -96,6 +96,47 @@ def test_extents_allocate_best_fit_and_coalesce() -> None:
     assert ext.extents() == [(0, 1 << 16)] and ext.free_bytes == 1 << 16
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["file", "memfd"])
+def test_a_copy_running_as_the_region_closes_never_reads_another_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shared: bool
+) -> None:
+    """A demotion copy (Region.read, a pread in a worker thread) still under way when a stopping
+    server closes the arena: before, close() closed the descriptor at once, the next open got its
+    number, and the copy returned that file's bytes as the block's. Now close() waits for the
+    reads under way, and a read after it raises RegionClosed."""
+    region = Region(1 << 20, str(tmp_path) if shared else None)
+    region.view[: 1 << 16] = b"A" * (1 << 16)
+    entered, go = threading.Event(), threading.Event()
+    real_pread = os.pread
+
+    def paused_pread(fd: int, n: int, offset: int) -> bytes:  # the thread loses the CPU right here
+        entered.set()
+        assert go.wait(30)
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(arena_module.os, "pread", paused_pread)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(region.read(0, 1 << 16)))
+    reader.start()
+    assert entered.wait(30)
+    closer = threading.Thread(target=region.close)
+    closer.start()
+    closer.join(0.2)  # close() waits for the read (before: it had closed the descriptor already)
+    other = tmp_path / "other"
+    other.write_bytes(b"B" * (1 << 16))
+    fd = os.open(other, os.O_RDONLY)  # the lowest free number: the arena's, had it been closed
+    try:
+        go.set()
+        reader.join(30)
+        closer.join(30)
+    finally:
+        os.close(fd)
+    assert not closer.is_alive() and got == [b"A" * (1 << 16)]
+    monkeypatch.setattr(arena_module.os, "pread", real_pread)
+    with pytest.raises(arena_module.RegionClosed):
+        region.read(0, 16)
+
+
 def test_region_is_an_owner_only_file_clients_can_map_and_goes_with_close(tmp_path: Path) -> None:
     region = Region(1 << 20, str(tmp_path))
     st = os.stat(region.path)
