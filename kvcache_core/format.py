@@ -314,6 +314,32 @@ def verify_block(data: bytes | memoryview, key: bytes) -> BlockHeader:
     return header
 
 
+def verify_copy(block: bytes | memoryview, key: bytes, payload: bytes | bytearray | memoryview) -> BlockHeader:
+    """Checks a copy of a block's payload (`payload`, wherever it was copied to) against the
+    checksum in `block`'s header under `key`: for a caller that copies first and verifies the bytes
+    where they landed, the only place whose verification says what the caller will use
+    (KVCacheClient.leased(verify=False)).
+
+    Raises:
+        BlockFormatError: as verify_block, or `payload` is not the header's payload length.
+        ChecksumMismatch: the copy does not match: the block (or the copy) is damaged, or it is
+            another key's block.
+    """
+    header = parse_header(block)
+    if header.compression is not Compression.NONE:
+        raise BlockFormatError(f"block is compressed ({header.compression.name}); decompress before verifying")
+    view = memoryview(payload).cast("B")
+    if len(view) != header.payload_len:
+        raise BlockFormatError(f"a copy of {len(view)} bytes of a {header.payload_len}-byte payload")
+    actual = compute_checksum(key, header.dtype, header.layout, header.shape, view)
+    if actual != header.checksum:
+        raise ChecksumMismatch(
+            f"checksum mismatch under key {bytes(key).hex()}: header {header.checksum:016x}, computed {actual:016x} "
+            "(the copy is damaged or the block belongs to another key)"
+        )
+    return header
+
+
 def payload_view(data: bytes | memoryview, header: BlockHeader | None = None) -> memoryview:
     """The payload of a block as a memoryview into `data` (no copy)."""
     header = header or parse_header(data)

@@ -25,7 +25,8 @@ import torch
 from kvcache_client import DataCorrupted, KVCacheClient
 from kvcache_client.arena import ArenaLink
 from kvcache_client.shm import Segment
-from kvcache_core.format import encode_block
+from kvcache_core.errors import ChecksumMismatch
+from kvcache_core.format import encode_block, payload_view, verify_copy
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from tests.conftest import ServerThread, raw_block
@@ -225,6 +226,35 @@ def test_bytes_changed_under_a_lease_become_a_miss_never_wrong_kv(arena_server: 
         assert client.get_into(NS, [item[0]], [bytearray(len(item[1]) - 48)]) == [False]
         assert client.corrupt_blocks == 2
         assert client.stats().arena_leases == 0
+
+
+def test_leased_without_verify_leaves_the_views_to_the_caller_and_checks_copies(arena_server: ServerThread) -> None:
+    """leased(verify=False): a block changed in its slot comes back as a view (not read), and the
+    caller's check of its copy (verify_copy) catches it; an intact block's copy passes. A block a
+    client received as a copy (not in place) is verified as it arrives either way."""
+    items = blocks(2, 256 << 10)
+    with KVCacheClient(arena_server.target) as client:
+        client.put_many(NS, items)
+        ram = arena_server.stack.ram
+        (lease,) = ram.lease_many("ns", [items[1][0]])
+        assert lease is not None
+        ram.release([lease.id])
+        ram.region.view[lease.offset + 1000 : lease.offset + 1008] = b"\xff" * 8
+        with client.leased(NS, [k for k, _ in items], verify=False) as views:
+            assert all(v is not None for v in views) and views.expires_at < math.inf  # in place
+            copies = [bytearray(payload_view(v)) for v in views]
+            verify_copy(views[0], items[0][0], copies[0])
+            with pytest.raises(ChecksumMismatch):
+                verify_copy(views[1], items[1][0], copies[1])
+        assert client.corrupt_blocks == 0  # nothing was read
+        with client.leased(NS, [k for k, _ in items]) as views:  # verify=True, the default
+            assert views[0] is not None and views[1] is None
+        assert client.corrupt_blocks == 1
+    with KVCacheClient(arena_server.target, shm=False) as remote:  # copies: verified on arrival
+        with remote.leased(NS, [k for k, _ in items], verify=False) as views:
+            assert views[0] is not None and views[1] is None
+        assert remote.corrupt_blocks == 1
+        assert remote.stats().arena_leases == 0
 
 
 def test_a_block_that_fails_its_checksum_in_its_slot_is_refused_and_its_slot_freed(

@@ -215,6 +215,7 @@ class AsyncKVCacheClient:
         *,
         prefix_only: bool = False,
         timeout_s: float | None = None,
+        verify: bool = True,
     ) -> AsyncIterator[list[memoryview | None]]:
         """Each key's verified block, read in place where it can be, for the `async with` block only.
 
@@ -226,14 +227,14 @@ class AsyncKVCacheClient:
         before it is handed out), released when the block ends, also when it ends by an exception
         or a cancellation (the release runs to its end with its own deadline). A call cancelled or
         past its deadline before the block starts leaves no lease behind either. Elsewhere, and for
-        keys RAM lacks, the blocks are as get_many returns them.
+        keys RAM lacks, the blocks are as get_many returns them. verify=False: as KVCacheClient.leased.
 
         Raises:
             ValueError: `timeout_s` is not positive.
             RuntimeError: the client is bound to another event loop.
             RPCError: as get_many (InvalidRequest, Unavailable, DeadlineExceeded, ...); a miss is None.
         """
-        held = await self._run(self._calls.lease(namespace, keys, prefix_only, timeout_s))
+        held = await self._run(self._calls.lease(namespace, keys, prefix_only, timeout_s, verify))
         try:
             yield held.blocks
         finally:

@@ -258,9 +258,15 @@ class Calls:
         return verified(fetched, keys, self._count_corrupt)
 
     def lease(
-        self, namespace: NamespaceLike, keys: Sequence[bytes], prefix_only: bool, timeout_s: float | None
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        prefix_only: bool,
+        timeout_s: float | None,
+        verify: bool = True,
     ) -> Steps[Held]:
-        """leased()'s start: each key's verified block, read in place where the transport can."""
+        """leased()'s start: each key's verified block (with verify=False, leased views are left for
+        the caller to verify where it copies them), read in place where the transport can."""
         timeout_s = call_timeout_s(timeout_s, self.timeout_s)
         if not keys:
             return Held(LeasedBlocks())
@@ -270,7 +276,14 @@ class Calls:
             return Held(LeasedBlocks((yield from self.get_many(ns, keys, prefix_only, timeout_s))))
         got: Leased = yield from self.retrying(timeout_s, lambda tr, t: tr.lease(ns, keys, prefix_only, t))
         try:
-            blocks = LeasedBlocks(verified(got.blocks, keys, self._count_corrupt))
+            # verify=False: leased views are left to the caller; copies this client received are checked.
+            views = [i < len(got.in_place) and got.in_place[i] and not verify for i in range(len(got.blocks))]
+            rest = [None if v else b for b, v in zip(got.blocks, views, strict=True)]
+            checked = verified(rest, keys, self._count_corrupt)
+            blocks = LeasedBlocks(
+                memoryview(b[0]) if v and b is not None else c
+                for b, v, c in zip(got.blocks, views, checked, strict=True)
+            )
             blocks.expires_at = got.expires_at
         except BaseException:
             yield _release(got.ids)

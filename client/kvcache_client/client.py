@@ -245,6 +245,7 @@ class KVCacheClient:
         *,
         prefix_only: bool = False,
         timeout_s: float | None = None,
+        verify: bool = True,
     ) -> Iterator[list[memoryview | None]]:
         """Each key's verified block, read in place where it can be, for the `with` block only.
 
@@ -261,11 +262,16 @@ class KVCacheClient:
         `expires_at` (LeasedBlocks) says until when the views hold these blocks at the latest: a
         copy finished before it is exact.
 
+        verify=False hands leased views out without reading them (for a caller that copies them
+        anyway and checks the copy where it landed, kvcache_core.format.verify_copy: one pass over
+        the bytes instead of two). Such a view is not to be used as it is; blocks that were not read
+        in place (another host, keys RAM lacks) are verified as get_many verifies them either way.
+
         Raises:
             ValueError: `timeout_s` is not positive.
             RPCError: as get_many (InvalidRequest, Unavailable, DeadlineExceeded, ...); a miss is None.
         """
-        held = self._run(self._calls.lease(namespace, keys, prefix_only, timeout_s))
+        held = self._run(self._calls.lease(namespace, keys, prefix_only, timeout_s, verify))
         try:
             yield held.blocks
         finally:
