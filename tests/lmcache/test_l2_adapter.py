@@ -229,6 +229,32 @@ def test_a_block_of_another_size_is_a_miss(server, make_adapter, buffers) -> Non
     adapter.submit_unlock(keys)
 
 
+def test_the_load_verifies_its_copy_so_bytes_changed_after_the_lookup_are_a_miss(server, make_adapter, buffers) -> None:
+    """The lookup leases without reading the blocks (one round trip); the load checks each copy
+    where it landed in LMCache's buffer. A block changed in its slot after the lookup (here by the
+    test, through the server's own writable view of its arena: no client can write it) is a miss,
+    counted, never loaded: before, the lookup verified the slot and the load copied whatever was
+    there by then, and reported it loaded."""
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(2, first=90)
+    src = buffers.filled([5, 6])
+    assert store(adapter, keys, src).is_successful()
+    assert lookup(adapter, keys) == [1, 1]
+    ((ns, _, kv_keys),) = KeyMapper().group(keys)
+    ram = server.stack.ram
+    (lease,) = ram.lease_many(ns, [kv_keys[1]])
+    assert lease is not None
+    ram.release([lease.id])
+    ram.region.view[lease.offset + 4096 : lease.offset + 4104] = b"\xff" * 8
+    dst = buffers.empty(2)
+    assert load(adapter, keys, dst) == [1, 0]
+    assert bytes(dst[0].byte_array) == bytes(src[0].byte_array)
+    assert adapter.counters.snapshot()["corrupt_chunks"] == 1
+    adapter.submit_unlock(keys)
+    with KVCacheClient(server.target) as probe:
+        assert eventually(lambda: probe.stats().arena_leases == 0)
+
+
 def test_lmcache_builds_it_from_the_plugin_spec(server) -> None:
     """LMCache's own CLI parsing and factory build the adapter from the `--l2-adapter` JSON, as
     `lmcache server` does: cls(adapter_params, l1_memory_desc=...)."""

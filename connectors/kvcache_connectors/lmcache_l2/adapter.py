@@ -5,16 +5,21 @@ poll its three eventfds; every method here returns at once. The calls to the ser
 lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
 
     store     submit_store_task: one put_many per namespace of LMCache's buffers
-    lookup    submit_lookup_and_lock_task: one leased() per namespace; the hits stay held (locked)
-    load      submit_load_task: copies from the held blocks into LMCache's buffers; keys not held
-              (or whose leases ran out) are read again with leased() and copied (get_into would
-              refuse the whole call for one buffer of the wrong size; here that key alone misses)
+    lookup    submit_lookup_and_lock_task: one leased(verify=False) per namespace; the hits stay
+              held (locked)
+    load      submit_load_task: copies from the held blocks into LMCache's buffers, each copy
+              verified where it landed; keys not held (or whose leases ran out) are read again with
+              leased() and copied (get_into would refuse the whole call for one buffer of the wrong
+              size; here that key alone misses)
     control   submit_unlock's releases and delete
 
 A lock is a read lease: on the server's host (its block arena shared, docs/arena.md) the blocks of
 a lookup stay views of the server's RAM slots, which the server does not reuse until the lease is
-released or expires (ram.lease_timeout_s); elsewhere they are copies in this process. Either way
-what a load copies is what the lookup found, verified against its key-bound checksum. Unlock drops
+released or expires (ram.lease_timeout_s). The lookup does not read them: the load copies each one
+into LMCache's buffer and checks the key-bound checksum there (kvcache_core.format.verify_copy), so
+the bytes are read once, where LMCache will use them, and the lookup costs one round trip.
+Elsewhere the locked blocks are copies in this process, verified as they arrived. Either way what a
+load reports loaded was verified against its key-bound checksum after its last copy. Unlock drops
 one lock per key; the last lock on a lookup's blocks releases its leases on the control lane. A
 release that fails only logs: the server ends the lease at its time-out anyway, so unlock always
 succeeds eventually, as LMCache requires.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -47,7 +53,8 @@ from kvcache_connectors.lmcache_l2.keys import KeyMapper
 from kvcache_connectors.lmcache_l2.lanes import Lane, Task
 from kvcache_connectors.lmcache_l2.locks import Hold, LockTable
 from kvcache_core.breaker import CircuitBreaker
-from kvcache_core.format import payload_view
+from kvcache_core.errors import BlockFormatError
+from kvcache_core.format import payload_view, verify_copy
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -230,14 +237,19 @@ class KVCacheL2Adapter(L2AdapterInterface):
         self, ns: str, keys: list[ObjectKey], positions: list[int], kv_keys: list[bytes], bitmap: Bitmap
     ) -> None:
         """Leases one namespace's keys and takes a lock on each hit (lookup lane)."""
-        stack = contextlib.ExitStack()
         timeout_s = self.config.lookup_timeout_s
+        stack = contextlib.ExitStack()
         try:
-            blocks = self._guarded(lambda: stack.enter_context(self._client.leased(ns, kv_keys, timeout_s=timeout_s)))
+            blocks = self._guarded(
+                lambda: stack.enter_context(self._client.leased(ns, kv_keys, timeout_s=timeout_s, verify=False))
+            )
         except BaseException:
             stack.close()
             raise
-        hits, held = self._locks.lock(keys, stack, blocks)
+        # Leases (a finite expiry): some blocks are views of the server's arena, not read yet. Without,
+        # they are copies in this process, verified as they arrived.
+        unverified = not math.isinf(getattr(blocks, "expires_at", math.inf))
+        hits, held = self._locks.lock(keys, stack, blocks, kv_keys, unverified)
         for j, block in enumerate(blocks):
             if block is not None:
                 bitmap.set(positions[j])
@@ -329,11 +341,23 @@ class KVCacheL2Adapter(L2AdapterInterface):
                 return True  # a wrong size is a miss: reading it again gives the same bytes
             if held.expired():  # the copy outlived the leases: the slot may hold another block
                 return False
+            if held.unverified and not self._verified_copy(block, held.kv_keys[index], obj):
+                return True  # damaged, or another key's block: a miss (reading it again gives the same)
             bitmap.set(i)
             return True
         finally:
             if self._locks.give_back(held):
                 self._queue_release(held)
+
+    def _verified_copy(self, block: memoryview, kv_key: bytes, obj: MemoryObj) -> bool:
+        """Whether the payload copied from `block` into `obj` matches the block's key-bound checksum."""
+        try:
+            verify_copy(block, kv_key, memoryview(obj.byte_array).cast("B"))
+        except BlockFormatError as exc:
+            self.counters.add("corrupt_chunks")
+            log.error("kvcache block %s failed verification after its copy, a miss: %s", kv_key.hex(), exc)
+            return False
+        return True
 
     def _load_fetched(
         self, ns: str, kv_keys: list[bytes], objects: list[MemoryObj], positions: list[int], bitmap: Bitmap

@@ -18,6 +18,7 @@ class Counters:
         "loaded_chunks",  # chunks copied into LMCache's buffers
         "load_missing_chunks",  # chunks a load did not copy (gone, failed, wrong size)
         "load_failed_tasks",  # load tasks that did not load every chunk
+        "corrupt_chunks",  # chunks whose copy failed its key-bound checksum (a miss)
         "unlocks",  # locks dropped by submit_unlock
         "releases_failed",  # lease releases that failed (the server expires them)
         "deleted_chunks",  # chunks a delete removed from this adapter's accounting
