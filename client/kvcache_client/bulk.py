@@ -349,8 +349,13 @@ class AsyncBulkTransport:
         return fetched
 
     async def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
-        """In-place reads from the server's arena (same host; docs/arena.md): the gRPC transport's."""
-        return await self.inner.lease(namespace, keys, prefix_only, timeout_s)
+        """As BulkTransport.lease: in place from the server's arena on its host, elsewhere a get,
+        over the bulk port where it is usable (get_into's remote bytes, as the blocking face's)."""
+        start = time.monotonic()
+        await self.inner.info(timeout_s)
+        if self.inner.arena.on:
+            return await self.inner.lease(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
+        return Leased(await self.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start)))
 
     async def release(self, ids: list[int]) -> None:
         await self.inner.release(ids)
