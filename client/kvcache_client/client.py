@@ -237,7 +237,9 @@ class KVCacheClient:
 
         Blocks are read-only memoryviews of this client's own memory: without a copy, the received
         message or, on the same-host path (docs/shm.md), this client's get segment; or a copy made
-        once out of the server's arena (docs/arena.md; leased() reads it without that copy). Nothing
+        once out of the server's arena (docs/arena.md; leased() reads it without that copy), or a
+        receive from the bulk port, into a buffer of the client's pool (kvcache_client.bufpool:
+        reused by a later call only once nothing of the caller's reaches it), verified there. Nothing
         else sees those bytes: the server's stored copy is never changed through them. Use bytearray(block)
         or a clone of get_tensors' tensor for bytes to modify (see get_tensors).
 
@@ -369,7 +371,7 @@ class KVCacheClient:
 
         The tensors are read-only by contract, but torch has no read-only tensors: a write (`add_`,
         `copy_`, `t[...] = x`) is not refused. It changes this client's receive buffer in place (the
-        received message, or this client's get segment on the same-host path), so the block's
+        received message, this client's get segment, or the pooled buffer of get_many), so the block's
         memoryview and every tensor of that block change with it, and the bytes no longer match their
         checksum; the server's stored block and other callers' tensors are never affected. To modify,
         take a copy first: `t.clone()`, or copy it into its destination (`dst.copy_(t)`).
