@@ -5,8 +5,8 @@ and where the server listens for bulk frames (bulk_port, bulk_host, bulk_tls). B
 wraps a gRPC transport and moves the bytes of puts and gets of at least `min_bytes` over a small
 pool of connections (blocks striped across them), sent with sendmsg from the caller's buffers
 and received with recv_into into one buffer per block (kvcache_client.bufpool's: warm memory once
-an earlier call's blocks were dropped). The same-host shared-memory path, when on,
-is preferred (it moves bytes without a socket).
+an earlier call's blocks were dropped). The same-host shared-memory path, when on, is preferred
+(it moves bytes without a socket).
 
 When the bulk port cannot be reached, a call goes over gRPC instead (counted in `fallbacks`) and
 the bulk path is tried again after `retry_after_s`, asking Info again (a restarted server may

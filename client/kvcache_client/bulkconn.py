@@ -2,8 +2,8 @@
 
 BulkConnection speaks the frames of kvcache_core.bulkwire for one request at a time: sendmsg straight from
 the caller's buffers, recv_into straight into one buffer per block (kvcache_client.bufpool's), the
-call's deadline on every socket operation. BulkPool lends connections to calls and runs a call's stripes in parallel;
-kvcache_client.bulk decides when to use them.
+call's deadline on every socket operation. BulkPool lends connections to calls and runs a call's
+stripes in parallel; kvcache_client.bulk decides when to use them.
 """
 
 from __future__ import annotations
