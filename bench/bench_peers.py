@@ -2,6 +2,7 @@
 
     python bench/bench_peers.py                        # 4 chunks x 32 MiB, 15 interleaved rounds
     python bench/bench_peers.py --chunk-mib 8 --rounds 5 --sweep 1,2,4,8,16
+    python bench/bench_peers.py --chunks 16 --chunk-mib 2 --no-peers --sweep ''   # issue 25's other shape
     PYTHONPATH=/path/to/other/checkout python bench/bench_peers.py   # the same bench on other code
 
 Paths, each timed on the same prompt (`--chunks` blocks of `--chunk-mib`, bf16-like random bytes)
@@ -12,8 +13,9 @@ and interleaved round by round (every path once per round, medians over the roun
   of a remote client;
 - redis-py: SET / MGET of the chunks against a redis-server child (pipelined);
 - the kvcache SDK against a kvcache server child, with `shm` (same host: the block arena in place,
-  or segments on code without it) and with `shm=False` (as a remote client). Its get is get_into
-  (one copy into a warm destination, verified) where the SDK has it, and get_many;
+  or segments on code without it) and with `shm=False` (as a remote client: the bulk port). Each
+  of its three gets is a row: get_into (one copy into a warm destination, verified), get_many and
+  get_tensors (memory the SDK hands out), with their time over get_into's in a table of their own;
 - peers, where they are installed (docs: ../shared/reference/peers.md; `--peers-dir`): LMCache's MP
   server and Mooncake Store, each driven by a child in its own virtual environment; skipped with a
   message otherwise.
@@ -190,18 +192,24 @@ def start_kvcache(capacity_bytes: int) -> tuple[ServerProcess, str]:
     return proc, f"127.0.0.1:{port}"
 
 
+GETS = ("get_into", "get_many", "get_tensors")
+"""The SDK's three gets, each its own row: get_into copies into warm destinations the bench keeps;
+get_many and get_tensors return memory the SDK owns, dropped before the next round (as a caller
+that copies each block on and lets it go)."""
+
+
 class Sdk(Path_):
-    def __init__(self, target: str, chunks: list[np.ndarray], *, shm: bool, into: bool) -> None:
+    def __init__(self, target: str, chunks: list[np.ndarray], *, shm: bool, get: str) -> None:
         self.client = KVCacheClient(target, shm=shm, timeout_s=120)
         self.keys = [os.urandom(16) for _ in chunks]
         self.blocks = [
             encode_block(memoryview(c).cast("B"), key=k, dtype="bfloat16", shape=(c.nbytes // 2,))
             for k, c in zip(self.keys, chunks, strict=True)
         ]
-        self.into = into and hasattr(self.client, "get_into")
+        self.op = get if hasattr(self.client, get) else "get_many"  # code without get_into
         self.dst = [np.empty(c.nbytes, dtype=np.uint8) for c in chunks]
-        where = "shm" if shm else "shm=False, as a remote client"
-        self.name = f"kvcache SDK ({where}){', get_into' if self.into else ''}"
+        self.where = "shm" if shm else "shm=False, as a remote client"
+        self.name = f"kvcache SDK ({self.where}), {self.op}"
         self.put()
 
     def put(self) -> None:
@@ -209,10 +217,10 @@ class Sdk(Path_):
         assert result.stored == len(self.keys), result
 
     def get(self) -> None:
-        if self.into:
+        if self.op == "get_into":
             assert all(self.client.get_into(NS, self.keys, self.dst))
         else:
-            got = self.client.get_many(NS, self.keys)
+            got = getattr(self.client, self.op)(NS, self.keys)
             assert all(g is not None for g in got)
 
     def close(self) -> None:
@@ -293,12 +301,11 @@ def run_table(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     n = args.chunk_mib * MiB
     chunks = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(args.chunks)]
     total = n * args.chunks
-    proc, target = start_kvcache(max(1 << 30, 3 * total))
+    proc, target = start_kvcache(max(1 << 30, (2 * len(GETS) + 2) * total))  # every SDK row's blocks, and room
     paths: list[Path_] = []
     try:
         paths = [Memcpy(chunks), RawSocket(chunks), RedisPy(chunks)]
-        paths += [Sdk(target, chunks, shm=True, into=True), Sdk(target, chunks, shm=True, into=False)]
-        paths += [Sdk(target, chunks, shm=False, into=False)]
+        paths += [Sdk(target, chunks, shm=shm, get=get) for shm in (True, False) for get in GETS]
         if not args.no_peers:
             paths += peers(args)
         times: dict[str, dict[str, list[float]]] = {p.name: {"put": [], "get": []} for p in paths}
@@ -331,6 +338,19 @@ def print_table(rates: dict[str, dict[str, float]], args: argparse.Namespace) ->
         row += f"{r['get'] / floor['get']:.2f} | {r['put'] / sock['put']:.2f} | {r['get'] / sock['get']:.2f} |"
         row += "".join(f" {r['put'] / rates[p]['put']:.2f} | {r['get'] / rates[p]['get']:.2f} |" for p in peer_names)
         print(row)
+    print_convenient(rates)
+
+
+def print_convenient(rates: dict[str, dict[str, float]]) -> None:
+    """get_many's and get_tensors' time over get_into's, same host and remote (issue 25's target: at most 1.25)."""
+    print("\n| SDK path | get_into GB/s | get_many / get_into time | get_tensors / get_into time |")
+    print("|---|---:|---:|---:|")
+    for where in ("shm", "shm=False, as a remote client"):
+        row = {get: rates.get(f"kvcache SDK ({where}), {get}", {}).get("get") for get in GETS}
+        if row["get_into"] is None:
+            continue
+        ratios = [f"{row['get_into'] / r:.2f}" if r else "-" for r in (row["get_many"], row["get_tensors"])]
+        print(f"| {where} | {row['get_into']:.2f} | {ratios[0]} | {ratios[1]} |")
 
 
 def _sweep_client(

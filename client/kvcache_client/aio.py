@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.bufpool import DEFAULT_POOL_BYTES, BufferPool
 from kvcache_client.bulk import DEFAULT_CONNECTIONS, AsyncBulkTransport, BulkLink, bearer_token
 from kvcache_client.calls import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -85,12 +86,14 @@ class AsyncKVCacheClient:
         shm: bool = True,
         bulk: bool = True,
         bulk_connections: int = DEFAULT_CONNECTIONS,
+        buffer_pool_bytes: int = DEFAULT_POOL_BYTES,
         transport: AsyncTransport | None = None,
     ) -> None:
         """See KVCacheClient.__init__. Needs no event loop: the grpc.aio channel is made on first use.
 
         Raises:
-            ValueError: `timeout_s` is not positive, or `tls` names a cert_file without key_file.
+            ValueError: `timeout_s` is not positive, `buffer_pool_bytes` is negative, or `tls` names
+                a cert_file without key_file.
             OSError: a file of `tls` cannot be read.
         """
         self._calls = Calls(timeout_s, retry)
@@ -102,14 +105,15 @@ class AsyncKVCacheClient:
         self._loop: asyncio.AbstractEventLoop | None = None  # set on first use
         self._closed = False
         self.bulk: BulkLink | None = None  # the bulk path's state and counters (None with a custom transport)
+        buffers = self.buffers = BufferPool(buffer_pool_bytes)  # as KVCacheClient's
         if transport is None:
             channel = aio_channel_factory(target, tls=tls, max_message_bytes=max_message_bytes)
             metadata = auth_metadata(token)
             link = self.bulk = BulkLink(
-                target, token=bearer_token(token), tls=tls, enabled=bulk, connections=bulk_connections
+                target, token=bearer_token(token), tls=tls, enabled=bulk, connections=bulk_connections, buffers=buffers
             )
             self._make_transport: Callable[[], AsyncTransport] = lambda: AsyncBulkTransport(
-                AsyncGrpcTransport(channel(), metadata=metadata, shm=shm), link
+                AsyncGrpcTransport(channel(), metadata=metadata, shm=shm, buffers=buffers), link
             )
         self._io = _AsyncIO(self._bound)
 
@@ -340,6 +344,7 @@ class AsyncKVCacheClient:
         self._closed = True
         if self._transport is not None:
             await self._transport.close()
+        self.buffers.clear()
 
     async def __aenter__(self) -> AsyncKVCacheClient:
         self._bound()  # the channel, in this loop

@@ -10,8 +10,10 @@ process may map it (same host, same user), block bytes never travel at all:
 - **get**: LeaseGet answers, for each key the server's RAM holds, where its block lies under a
   read lease (the slot is not reused until LeaseRelease or the lease's time-out). The SDK verifies
   the key-bound checksum before anything uses the bytes, then reads them in place
-  (KVCacheClient.leased), copies them once into the caller's destination (get_into) or into memory
-  of its own (get_many), and releases. Keys RAM does not hold are fetched with Get.
+  (KVCacheClient.leased) or copies them once into the caller's destination (get_into), and
+  releases; get_many copies them once into memory of its own (a buffer of kvcache_client.bufpool),
+  releases, and verifies them there, where they lie after the copy. Keys RAM does not hold are
+  fetched with Get.
 
 The arena is mapped read-only (the file is 0400: an open for writing fails), so nothing this client
 does can change a block in it. A restarted server has a new arena file, possibly of another size;
@@ -39,6 +41,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from kvcache_client import inplace_core as core
+from kvcache_client.bufpool import BufferPool
 from kvcache_client.inplace_core import ArenaMoved, DeadlineBeforeAnswer, LeaseBook, Leased
 from kvcache_client.results import Fetched
 from kvcache_client.steps import run
@@ -206,11 +209,13 @@ class InPlaceCalls:
         metadata: tuple[tuple[str, str], ...],
         link: ArenaLink,
         fetch: Callable[[str, Sequence[bytes], bool, float], list[Fetched | None]],
+        buffers: BufferPool,
     ) -> None:
         self._stub = stub
         self._md = metadata
         self.link = link
         self._fetch = fetch
+        self.buffers = buffers  # where get copies leased blocks out to
         self.book = LeaseBook()
 
     @property
@@ -276,7 +281,7 @@ class InPlaceCalls:
         return self._fetch(namespace, keys, prefix_only, timeout_s)
 
     def copy_out(self, leased: Leased) -> list[Fetched | None]:
-        return core.copied_out(leased)
+        return core.copied_out(leased, self.buffers)
 
 
 def copy_payload_into(block: memoryview, destination: object) -> None:

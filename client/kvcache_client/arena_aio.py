@@ -26,6 +26,7 @@ from typing import Any
 
 from kvcache_client import inplace_core as core
 from kvcache_client.arena import ArenaLink
+from kvcache_client.bufpool import BufferPool
 from kvcache_client.inplace_core import DeadlineBeforeAnswer, LeaseBook, Leased
 from kvcache_client.results import Fetched
 from kvcache_client.shm import run_to_end
@@ -44,12 +45,14 @@ class AsyncInPlaceCalls:
         link: ArenaLink,
         fetch: Callable[[str, Sequence[bytes], bool, float], Awaitable[list[Fetched | None]]],
         offload_bytes: int,
+        buffers: BufferPool,
     ) -> None:
         self._stub = stub
         self._md = metadata
         self.link = link
         self._fetch = fetch
         self._offload_bytes = offload_bytes
+        self.buffers = buffers  # where get copies leased blocks out to
         self.book = LeaseBook()  # also keeps the releases still running, for drain()
 
     @property
@@ -126,5 +129,5 @@ class AsyncInPlaceCalls:
 
     async def copy_out(self, leased: Leased) -> list[Fetched | None]:
         if core.in_place_bytes(leased) >= self._offload_bytes:  # waited for even when cancelled
-            return await run_to_end(lambda _: core.copied_out(leased))
-        return core.copied_out(leased)
+            return await run_to_end(lambda _: core.copied_out(leased, self.buffers))
+        return core.copied_out(leased, self.buffers)

@@ -4,8 +4,9 @@ gRPC stays the control plane: Lookup, Delete, Stats and Info go over gRPC, and I
 and where the server listens for bulk frames (bulk_port, bulk_host, bulk_tls). BulkTransport
 wraps a gRPC transport and moves the bytes of puts and gets of at least `min_bytes` over a small
 pool of connections (blocks striped across them), sent with sendmsg from the caller's buffers
-and received with recv_into into one buffer per block. The same-host shared-memory path, when on,
-is preferred (it moves bytes without a socket).
+and received with recv_into into one buffer per block (kvcache_client.bufpool's: warm memory once
+an earlier call's blocks were dropped). The same-host shared-memory path, when on, is preferred
+(it moves bytes without a socket).
 
 When the bulk port cannot be reached, a call goes over gRPC instead (counted in `fallbacks`) and
 the bulk path is tried again after `retry_after_s`, asking Info again (a restarted server may
@@ -24,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvcache_client.arena import Leased
+from kvcache_client.bufpool import BufferPool
 from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, stripes
 from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.results import TIER_NAMES, Fetched, LookupResult, PutResult, ServerStats, TierPutResult
@@ -89,10 +91,12 @@ class BulkLink:
         min_bytes: int = DEFAULT_MIN_BYTES,
         request_bytes: int = DEFAULT_REQUEST_BYTES,
         retry_after_s: float = DEFAULT_RETRY_AFTER_S,
+        buffers: BufferPool | None = None,
     ) -> None:
         if connections < 1:
             raise ValueError("bulk connections must be at least 1")
         self.counters = BulkCounters()
+        self.buffers = BufferPool() if buffers is None else buffers  # where gets receive blocks into
         self.state = "unknown" if enabled and env_allows_bulk() else "off"
         self.reason = "" if self.state == "unknown" else "disabled by the client"
         self._target = split_target(target)
@@ -192,7 +196,11 @@ class BulkLink:
         bounds = [len(keys) * i // n for i in range(n + 1)]
 
         def lane(lo: int, hi: int) -> Callable[[BulkConnection], dict[int, Fetched]]:
-            return lambda conn: {lo + i: f for i, f in conn.get(namespace, keys[lo:hi], prefix_only, deadline).items()}
+            def received(conn: BulkConnection) -> dict[int, Fetched]:
+                got = conn.get(namespace, keys[lo:hi], prefix_only, deadline, self.buffers)
+                return {lo + i: f for i, f in got.items()}
+
+            return received
 
         parts = pool.parallel([lane(bounds[i], bounds[i + 1]) for i in range(n) if bounds[i] < bounds[i + 1]], deadline)
         found: dict[int, Fetched] = {k: v for part in parts for k, v in part.items()}
@@ -341,8 +349,13 @@ class AsyncBulkTransport:
         return fetched
 
     async def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
-        """In-place reads from the server's arena (same host; docs/arena.md): the gRPC transport's."""
-        return await self.inner.lease(namespace, keys, prefix_only, timeout_s)
+        """As BulkTransport.lease: in place from the server's arena on its host, elsewhere a get,
+        over the bulk port where it is usable (get_into's remote bytes, as the blocking face's)."""
+        start = time.monotonic()
+        await self.inner.info(timeout_s)
+        if self.inner.arena.on:
+            return await self.inner.lease(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
+        return Leased(await self.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start)))
 
     async def release(self, ids: list[int]) -> None:
         await self.inner.release(ids)

@@ -1,9 +1,9 @@
 """The bulk path's connections (docs/bulk.md): one framed TCP/TLS stream, and a pool of them.
 
 BulkConnection speaks the frames of kvcache_core.bulkwire for one request at a time: sendmsg straight from
-the caller's buffers, recv_into straight into one fresh buffer per block, the call's deadline on
-every socket operation. BulkPool lends connections to calls and runs a call's stripes in parallel;
-kvcache_client.bulk decides when to use them.
+the caller's buffers, recv_into straight into one buffer per block (kvcache_client.bufpool's), the
+call's deadline on every socket operation. BulkPool lends connections to calls and runs a call's
+stripes in parallel; kvcache_client.bulk decides when to use them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import TypeVar
 import grpc
 import numpy as np
 
+from kvcache_client.bufpool import BufferPool
 from kvcache_client.errors import DeadlineExceeded, ResourceExhausted, error_for
 from kvcache_client.results import TIER_NAMES, Fetched
 from kvcache_core import bulkwire as bw
@@ -158,7 +159,16 @@ class BulkConnection:
         except bw.FrameError as exc:
             raise BulkUnreachable(str(exc)) from None
 
-    def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float) -> dict[int, Fetched]:
+    def get(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        prefix_only: bool,
+        deadline: float,
+        buffers: BufferPool | None = None,
+    ) -> dict[int, Fetched]:
+        """The blocks the server found, by index into `keys`, each received straight into a buffer
+        of `buffers` (fresh memory without one); unverified: the caller verifies them there."""
         payload = bw.get(namespace, keys, prefix_only)
         self.send([bw.header(bw.FrameType.GET, len(payload)), payload], deadline)
         found: dict[int, Fetched] = {}
@@ -177,7 +187,8 @@ class BulkConnection:
             index, tier = bw.GET_ITEM.unpack(item)
             if index >= len(keys) or index in found:
                 raise BulkUnreachable(f"bulk server sent block {index} of a GET of {len(keys)} keys")
-            block = memoryview(np.empty(length - bw.GET_ITEM.size, np.uint8))  # uninitialised: written once
+            size = length - bw.GET_ITEM.size  # written once, whole, by the receive: never read uninitialised
+            block = memoryview(np.empty(size, np.uint8) if buffers is None else buffers.take(size))
             self.recv(block, f"block {index}", deadline)
             found[index] = (block.toreadonly(), TIER_NAMES.get(tier, "unknown"))
 

@@ -78,7 +78,9 @@ def verified(
         try:
             verify_block(data, key)
         except BlockFormatError as exc:
-            log.error("block %s from tier %s failed verification, treating as a miss: %s", key.hex(), tier, exc)
+            # str(exc), not exc: a record kept by a handler would keep the exception, whose traceback
+            # holds this frame and every block of the call (buffers the pool could not reuse).
+            log.error("block %s from tier %s failed verification, treating as a miss: %s", key.hex(), tier, str(exc))
             on_corrupt()
             out.append(None)
             continue

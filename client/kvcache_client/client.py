@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 
 from kvcache_client import keys as _keys
+from kvcache_client.bufpool import DEFAULT_POOL_BYTES, BufferPool
 from kvcache_client.bulk import DEFAULT_CONNECTIONS, BulkLink, BulkTransport, bearer_token
 from kvcache_client.calls import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -103,6 +104,7 @@ class KVCacheClient:
         shm: bool = True,
         bulk: bool = True,
         bulk_connections: int = DEFAULT_CONNECTIONS,
+        buffer_pool_bytes: int = DEFAULT_POOL_BYTES,
         transport: Transport | None = None,
     ) -> None:
         """Connects lazily to `target` ("host:port").
@@ -120,10 +122,14 @@ class KVCacheClient:
                 advertises one and shm is not in use (docs/bulk.md); False (or KVCACHE_BULK=0) keeps
                 them on gRPC. `client.bulk.counters` says which path moved them.
             bulk_connections: Connections to the bulk port; a call's blocks are striped across them.
+            buffer_pool_bytes: Cap of the memory get_many's blocks land in when they are copied out of
+                the server's arena or received from its bulk port, reused once the caller dropped them
+                (kvcache_client.bufpool); 0 gives each block fresh memory.
             transport: Replaces the gRPC transport (tests, other data paths).
 
         Raises:
-            ValueError: `timeout_s` is not positive, or `tls` names a cert_file without key_file.
+            ValueError: `timeout_s` is not positive, `buffer_pool_bytes` is negative, or `tls` names
+                a cert_file without key_file.
             OSError: a file of `tls` cannot be read.
         """
         self._calls = Calls(timeout_s, retry)
@@ -132,12 +138,21 @@ class KVCacheClient:
             target, tls=tls, shm=shm, bulk=bulk, custom=transport is not None, timeout_s=timeout_s
         )
         self.bulk: BulkLink | None = None  # the bulk path's state and counters (None with a custom transport)
+        self.buffers = BufferPool(buffer_pool_bytes)  # what get_many's copies land in (unused by a custom transport)
         if transport is None:
-            self.bulk = BulkLink(target, token=bearer_token(token), tls=tls, enabled=bulk, connections=bulk_connections)
+            self.bulk = BulkLink(
+                target,
+                token=bearer_token(token),
+                tls=tls,
+                enabled=bulk,
+                connections=bulk_connections,
+                buffers=self.buffers,
+            )
             grpc_transport = GrpcTransport(
                 make_channel(target, tls=tls, max_message_bytes=max_message_bytes),
                 metadata=auth_metadata(token),
                 shm=shm,
+                buffers=self.buffers,
             )
             transport = BulkTransport(grpc_transport, self.bulk)
         self._transport: Transport = transport
@@ -222,7 +237,9 @@ class KVCacheClient:
 
         Blocks are read-only memoryviews of this client's own memory: without a copy, the received
         message or, on the same-host path (docs/shm.md), this client's get segment; or a copy made
-        once out of the server's arena (docs/arena.md; leased() reads it without that copy). Nothing
+        once out of the server's arena (docs/arena.md; leased() reads it without that copy), or a
+        receive from the bulk port, into a buffer of the client's pool (kvcache_client.bufpool:
+        reused by a later call only once nothing of the caller's reaches it), verified there. Nothing
         else sees those bytes: the server's stored copy is never changed through them. Use bytearray(block)
         or a clone of get_tensors' tensor for bytes to modify (see get_tensors).
 
@@ -360,7 +377,7 @@ class KVCacheClient:
 
         The tensors are read-only by contract, but torch has no read-only tensors: a write (`add_`,
         `copy_`, `t[...] = x`) is not refused. It changes this client's receive buffer in place (the
-        received message, or this client's get segment on the same-host path), so the block's
+        received message, this client's get segment, or the pooled buffer of get_many), so the block's
         memoryview and every tensor of that block change with it, and the bytes no longer match their
         checksum; the server's stored block and other callers' tensors are never affected. To modify,
         take a copy first: `t.clone()`, or copy it into its destination (`dst.copy_(t)`).
@@ -380,6 +397,7 @@ class KVCacheClient:
             nothing of its own; closing twice is harmless.
         """
         self._transport.close()
+        self.buffers.clear()
 
     def __enter__(self) -> KVCacheClient:
         return self

@@ -42,6 +42,7 @@ from kvcache_proto import kvcache_pb2 as pb
 
 if TYPE_CHECKING:
     from kvcache_client.arena import ArenaLink
+    from kvcache_client.bufpool import BufferPool
 
 log = logging.getLogger(__name__)
 
@@ -162,17 +163,19 @@ def arena_fallback(exc: grpc.RpcError | ArenaMoved, link: ArenaLink) -> bool:
     return True
 
 
-def copy_out(view: memoryview) -> memoryview:
-    """A read-only copy of a leased block in this process's own memory (valid after the release)."""
-    out = np.empty(len(view), dtype=np.uint8)
-    out[:] = np.frombuffer(view, dtype=np.uint8)
+def copy_out(view: memoryview, buffers: BufferPool) -> memoryview:
+    """A read-only copy of a leased block in this process's own memory (valid after the release):
+    one copy into a buffer of `buffers` (warm when an earlier call's was dropped). The caller
+    verifies it there, after the copy: what the arena held before it is not what is handed out."""
+    out = buffers.take(len(view))
+    np.copyto(out, np.frombuffer(view, dtype=np.uint8))
     return memoryview(out).toreadonly()
 
 
-def copied_out(leased: Leased) -> list[Fetched | None]:
+def copied_out(leased: Leased, buffers: BufferPool) -> list[Fetched | None]:
     """A lease's blocks in this process's own memory (leased views copied once), to release after."""
     return [
-        (copy_out(f[0]), f[1]) if f is not None and in_place else f
+        (copy_out(f[0], buffers), f[1]) if f is not None and in_place else f
         for f, in_place in zip(leased.blocks, leased.in_place, strict=True)
     ]
 
@@ -281,7 +284,7 @@ class InPlaceIO(Protocol):
         """The ordinary get (segments, then inline gRPC)."""
 
     def copy_out(self, leased: Leased) -> Any:
-        """copied_out(leased)."""
+        """copied_out(leased, the face's buffer pool)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,6 +43,7 @@ import grpc
 
 from kvcache_client.aio import AsyncKVCacheClient
 from kvcache_client.arena import Leased
+from kvcache_client.bufpool import BufferPool
 from kvcache_client.bulk import AsyncBulkTransport, BulkLink, BulkTransport, bearer_token
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, make_channel
@@ -308,14 +309,16 @@ def target_transports(
     """One blocking transport per server target, in order: block bytes through its arena on this
     host, over its bulk port elsewhere (docs/bulk.md), else gRPC."""
     metadata = auth_metadata(token)
+    buffers = BufferPool()  # one cap for all targets' gets (kvcache_client.bufpool)
     return [
         BulkTransport(
             GrpcTransport(
                 make_channel(t, tls=tls, max_message_bytes=max_message_bytes, extra_options=channel_options),
                 metadata=metadata,
                 shm=shm,
+                buffers=buffers,
             ),
-            BulkLink(t, token=bearer_token(token), tls=tls),
+            BulkLink(t, token=bearer_token(token), tls=tls, buffers=buffers),
         )
         for t in names
     ]
@@ -367,12 +370,13 @@ def async_fleet_client(
     """
     names = split_targets(targets)
     metadata = auth_metadata(token)
+    buffers = BufferPool()  # one cap for all targets' gets, as fleet_client's
 
     def factory(target: str) -> Callable[[], AsyncTransport]:
         channel = aio_channel_factory(target, tls=tls, max_message_bytes=max_message_bytes)
         return lambda: AsyncBulkTransport(
-            AsyncGrpcTransport(channel(), metadata=metadata, shm=shm),
-            BulkLink(target, token=bearer_token(token), tls=tls),
+            AsyncGrpcTransport(channel(), metadata=metadata, shm=shm, buffers=buffers),
+            BulkLink(target, token=bearer_token(token), tls=tls, buffers=buffers),
         )
 
     transport = AsyncFailoverTransport(

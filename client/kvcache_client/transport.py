@@ -24,6 +24,7 @@ import grpc
 
 from kvcache_client.arena import ArenaLink, InPlaceCalls, Leased
 from kvcache_client.arena_aio import AsyncInPlaceCalls
+from kvcache_client.bufpool import BufferPool
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
     GetCollector,
@@ -97,8 +98,11 @@ class _Channel:
     """What both transports hold of their channel (a grpc.Channel or a grpc.aio.Channel: the same
     calls, blocking or awaited) and of the server's Info answer."""
 
-    def __init__(self, channel: Any, message_bytes: int, metadata: Metadata, shm: bool) -> None:
+    def __init__(
+        self, channel: Any, message_bytes: int, metadata: Metadata, shm: bool, buffers: BufferPool | None
+    ) -> None:
         self._channel = channel
+        self.buffers = BufferPool() if buffers is None else buffers  # where blocks leased out of the arena land
         self._md = tuple(metadata)
         self._stub = pb_grpc.KVCacheStub(channel)
         # Put and Get carry block bytes: blockwire instead of the generated classes (same wire format).
@@ -141,9 +145,10 @@ class GrpcTransport(_Channel):
         message_bytes: int = DEFAULT_MESSAGE_BYTES,
         metadata: Metadata = (),
         shm: bool = True,
+        buffers: BufferPool | None = None,
     ) -> None:
-        super().__init__(channel, message_bytes, metadata, shm)
-        self._inplace = InPlaceCalls(self._stub, self._md, self.arena, self._get_through_segment)
+        super().__init__(channel, message_bytes, metadata, shm, buffers)
+        self._inplace = InPlaceCalls(self._stub, self._md, self.arena, self._get_through_segment, self.buffers)
 
     def _check_info(self, timeout_s: float) -> None:
         """Asks the server once what it accepts (shm directory, blocks in parts, its arena)."""
@@ -288,9 +293,12 @@ class AsyncGrpcTransport(_Channel):
         message_bytes: int = DEFAULT_MESSAGE_BYTES,
         metadata: Metadata = (),
         shm: bool = True,
+        buffers: BufferPool | None = None,
     ) -> None:
-        super().__init__(channel, message_bytes, metadata, shm)
-        self._inplace = AsyncInPlaceCalls(self._stub, self._md, self.arena, self._get_through_segment, OFFLOAD_BYTES)
+        super().__init__(channel, message_bytes, metadata, shm, buffers)
+        self._inplace = AsyncInPlaceCalls(
+            self._stub, self._md, self.arena, self._get_through_segment, OFFLOAD_BYTES, self.buffers
+        )
 
     async def _check_info(self, timeout_s: float) -> None:
         """Asks the server once what it accepts (shm directory, blocks in parts, its arena)."""

@@ -1,0 +1,345 @@
+"""get_many and get_tensors: one copy (same host, out of the server's arena) or one receive (remote,
+the bulk port) into a buffer of the client's pool, verified where it lands (docs/arena.md's trust
+model), handed to the caller, and reused only once no caller reaches it (kvcache_client.bufpool).
+
+Against real servers: the blocks' bytes, the pool's exact counts (`reused`, `allocated`), the leases
+the server saw released, and what a change in the arena between the lease and the copy becomes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvcache_client import AsyncKVCacheClient, KVCacheClient
+from kvcache_client.arena import InPlaceCalls
+from kvcache_client.arena_aio import AsyncInPlaceCalls
+from kvcache_client.bufpool import BufferPool
+from kvcache_client.inplace_core import Leased
+from tests.conftest import ServerThread, raw_block
+
+pytestmark = pytest.mark.timeout(120)
+
+NS = "ns"
+MiB = 1 << 20
+SIZE = 2 * MiB  # pooled (MIN_POOLED_BYTES is 1 MiB)
+
+
+def blocks(n: int, size: int = SIZE) -> list[tuple[bytes, bytes]]:
+    out = []
+    for _ in range(n):
+        k = os.urandom(16)
+        out.append((k, raw_block(k, os.urandom(size))))
+    return out
+
+
+@pytest.fixture
+def arena_server(make_server, tmp_path: Path) -> ServerThread:
+    return make_server(ram={"capacity_bytes": 64 * MiB, "lease_timeout_s": 60.0}, shm={"dir": str(tmp_path / "shm")})
+
+
+@pytest.fixture
+def bulk_server(make_server) -> ServerThread:
+    return make_server(ram={"capacity_bytes": 64 * MiB}, shm={"enabled": False})
+
+
+@pytest.fixture
+def releases(arena_server: ServerThread, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The live leases each LeaseRelease the server answers ends, in order."""
+    ram = arena_server.stack.ram
+    real = ram.release
+    seen: list[int] = []
+
+    def counted(ids: Any, tenant: str | None = None) -> int:
+        n = real(ids, tenant)
+        seen.append(n)
+        return n
+
+    monkeypatch.setattr(ram, "release", counted)
+    return seen
+
+
+def counts(pool: BufferPool) -> tuple[int, int]:
+    return pool.reused, pool.allocated
+
+
+class Face:
+    """One client, blocking or asyncio, called the same way (the asyncio one on a loop of its own)."""
+
+    def __init__(self, name: str, target: str, **kwargs: Any) -> None:
+        self.name = name
+        self._loop = asyncio.new_event_loop() if name == "asyncio" else None
+        cls = AsyncKVCacheClient if name == "asyncio" else KVCacheClient
+        self.client: Any = cls(target, timeout_s=30, **kwargs)
+
+    def __call__(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        result = getattr(self.client, method)(*args, **kwargs)
+        return self._loop.run_until_complete(result) if self._loop is not None else result
+
+    def close(self) -> None:
+        self("close")
+        if self._loop is not None:
+            self._loop.close()
+
+
+@pytest.fixture(params=["blocking", "asyncio"])
+def face(request: pytest.FixtureRequest) -> Iterator[Callable[..., Face]]:
+    made: list[Face] = []
+
+    def make(target: str, **kwargs: Any) -> Face:
+        made.append(Face(request.param, target, **kwargs))
+        return made[-1]
+
+    yield make
+    for f in made:
+        f.close()
+
+
+def test_same_host_blocks_land_in_warm_buffers_once_the_last_ones_were_dropped(
+    arena_server: ServerThread, releases: list[int], face: Callable[..., Face]
+) -> None:
+    data = blocks(4)
+    keys = [k for k, _ in data]
+    c = face(arena_server.target)
+    c("put_many", NS, data)
+    pool = c.client.buffers
+    got = c("get_many", NS, keys)
+    assert c.client._transport.arena.state == "on"
+    assert [bytes(b) for b in got] == [b for _, b in data]
+    assert all(b.readonly for b in got)
+    assert counts(pool) == (0, 4) and pool.kept_bytes == 4 * len(data[0][1])
+    del got  # the caller lets them go: the next call copies into the same, warm, memory
+    got = c("get_many", NS, keys)
+    assert [bytes(b) for b in got] == [b for _, b in data]
+    assert counts(pool) == (4, 4)
+    del got
+    tensors = c("get_tensors", NS, keys)
+    assert [t.numpy().tobytes() for t in tensors] == [b[48:] for _, b in data]
+    assert counts(pool) == (8, 4) and pool.kept_bytes == 4 * len(data[0][1])
+    # Every call leased each block once and handed every lease back.
+    assert releases == [4, 4, 4]
+    assert arena_server.stack.ram.arena_stats()["leases"] == 0
+    assert c("stats").inplace_bytes_leased == 3 * sum(len(b) for _, b in data)
+
+
+def test_a_block_the_caller_still_reaches_is_never_overwritten(arena_server: ServerThread) -> None:
+    """Whatever the caller keeps of a block (the memoryview, a slice of it, a numpy array made from
+    it, a tensor of get_tensors or a view of that tensor), its buffer is not lent again."""
+    first, second = blocks(5), blocks(5)
+    with KVCacheClient(arena_server.target) as client:
+        client.put_many(NS, first + second)
+        pool = client.buffers
+        views = client.get_many(NS, [k for k, _ in first])
+        tensors = client.get_tensors(NS, [k for k, _ in first])
+        kept: list[Any] = [
+            views[0],
+            views[1][100:200],
+            np.frombuffer(views[2], np.uint8)[48:],
+            tensors[3],
+            tensors[4].view(torch.int16)[8:],
+        ]
+        expect = [bytes(first[0][1]), first[1][1][100:200], first[2][1][48:], first[3][1][48:], first[4][1][64:]]
+        del views, tensors
+        gc.collect()
+        assert counts(pool) == (0, 10)  # get_tensors ran while the views were held: memory of its own
+        for _ in range(3):  # other blocks of the same size, three times: into the five buffers let go
+            got = client.get_many(NS, [k for k, _ in second])
+            assert [bytes(b) for b in got] == [b for _, b in second]
+            del got
+        assert counts(pool) == (15, 10)
+        as_bytes = [
+            bytes(kept[0]),
+            bytes(kept[1]),
+            kept[2].tobytes(),
+            kept[3].numpy().tobytes(),
+            kept[4].contiguous().view(torch.uint8).numpy().tobytes(),
+        ]
+        assert as_bytes == expect
+        del kept, as_bytes
+        client.get_many(NS, [k for k, _ in first])
+        assert counts(pool) == (20, 10)  # let go: lent again
+
+
+def test_bytes_changed_in_the_arena_between_the_lease_and_the_copy_are_a_miss(
+    arena_server: ServerThread, releases: list[int], monkeypatch: pytest.MonkeyPatch, face: Callable[..., Face]
+) -> None:
+    """The check is where the bytes lie after the last copy: a block changed in its slot after the
+    server leased it, before the SDK copies it out, is never returned as valid (a design that
+    verified in the arena and copied after would hand it out)."""
+    data = blocks(3)
+    keys = [k for k, _ in data]
+    c = face(arena_server.target)
+    c("put_many", NS, data)
+    region = arena_server.stack.ram.region
+    changed: list[int] = []
+
+    def change_then_copy(real: Callable[..., Any]) -> Callable[..., Any]:
+        def copy_out(self: Any, leased: Leased) -> Any:
+            view = leased.blocks[1][0]  # the middle block, as leased: find its slot by its bytes
+            offset = bytes(region.view).find(bytes(view[:4096]))
+            region.view[offset + 5000 : offset + 5008] = b"\xa5" * 8
+            changed.append(offset)
+            return real(self, leased)
+
+        return copy_out
+
+    for cls in (InPlaceCalls, AsyncInPlaceCalls):
+        monkeypatch.setattr(cls, "copy_out", change_then_copy(cls.copy_out))
+    got = c("get_many", NS, keys)
+    assert [None if b is None else bytes(b) for b in got] == [data[0][1], None, data[2][1]]
+    assert c.client.corrupt_blocks == 1 and len(changed) == 1
+    tensors = c("get_tensors", NS, keys)
+    assert tensors[1] is None and c.client.corrupt_blocks == 2
+    assert tensors[2].numpy().tobytes() == data[2][1][48:]
+    assert releases == [3, 3]  # every lease of both calls handed back, the changed block's too
+    assert arena_server.stack.ram.arena_stats()["leases"] == 0
+
+
+def test_a_copy_that_fails_hands_back_every_lease(arena_server: ServerThread, releases: list[int]) -> None:
+    data = blocks(4)
+    with KVCacheClient(arena_server.target) as client:
+        client.put_many(NS, data)
+        pool = client.buffers
+        real, taken = pool.take, []
+
+        def fails_third(nbytes: int) -> np.ndarray:
+            taken.append(nbytes)
+            if len(taken) == 3:
+                raise MemoryError("no room for the third block")
+            return real(nbytes)
+
+        pool.take = fails_third  # type: ignore[method-assign]
+        with pytest.raises(MemoryError):
+            client.get_many(NS, [k for k, _ in data])
+        gc.collect()  # the traceback's frames
+        assert releases == [4] and arena_server.stack.ram.arena_stats()["leases"] == 0
+        del pool.take
+        assert [bytes(b) for b in client.get_many(NS, [k for k, _ in data])] == [b for _, b in data]
+        assert releases == [4, 4] and counts(pool) == (2, 4)  # the two copies the failed call made, reused
+
+
+def test_writes_through_a_tensor_change_only_the_callers_memory(arena_server: ServerThread) -> None:
+    """get_tensors' tensors are the caller's: a write (torch does not refuse it) changes neither the
+    server's block nor what a later call returns, even in the same, reused, buffer."""
+    data = blocks(2)
+    keys = [k for k, _ in data]
+    with KVCacheClient(arena_server.target) as client:
+        client.put_many(NS, data)
+        tensors = client.get_tensors(NS, keys)
+        for t in tensors:
+            t.fill_(7)
+        again = client.get_many(NS, keys)
+        assert [bytes(b) for b in again] == [b for _, b in data]  # fresh buffers: the written ones are held
+        with client.leased(NS, keys) as views:
+            assert [bytes(v) for v in views] == [b for _, b in data]
+        del tensors, again
+        reused = client.buffers.reused
+        assert [t.numpy().tobytes() for t in client.get_tensors(NS, keys)] == [b[48:] for _, b in data]
+        assert client.buffers.reused == reused + 2  # the buffers the writes went into: overwritten whole
+
+
+def test_remote_blocks_are_received_into_warm_buffers(bulk_server: ServerThread, face: Callable[..., Face]) -> None:
+    data = blocks(4, 3 * MiB)
+    keys = [k for k, _ in data]
+    c = face(bulk_server.target, shm=False)
+    c("put_many", NS, data)
+    pool = c.client.buffers
+    got = c("get_many", NS, keys)
+    assert c.client.bulk.state == "on"
+    assert [bytes(b) for b in got] == [b for _, b in data]
+    assert counts(pool) == (0, 4)
+    kept = got[0]
+    del got
+    tensors = c("get_tensors", NS, keys)
+    assert [t.numpy().tobytes() for t in tensors] == [b[48:] for _, b in data]
+    assert counts(pool) == (3, 5) and bytes(kept) == data[0][1]  # the one kept was not received into
+    del tensors
+    dst = [bytearray(len(b) - 48) for _, b in data]
+    assert c("get_into", NS, keys, dst) == [True] * 4  # its receive buffers come from the pool too
+    assert [bytes(d) for d in dst] == [b[48:] for _, b in data]
+    assert counts(pool) == (7, 5)
+    assert c.client.bulk.counters.bulk_bytes_received == 3 * sum(len(b) for _, b in data)
+    assert c.client.corrupt_blocks == 0
+
+
+def test_a_block_damaged_on_the_wire_is_a_miss_and_its_buffer_is_reused(
+    bulk_server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A remote block is verified in the buffer it was received into: one changed after the receive
+    (as a bit flipped on the way would be) is a miss, never returned as valid."""
+    from kvcache_client.bulkconn import BulkConnection
+
+    data = blocks(2, 3 * MiB)
+    keys = [k for k, _ in data]
+    real = BulkConnection.recv
+
+    def flips(self: BulkConnection, view: memoryview, what: str, deadline: float) -> None:
+        real(self, view, what, deadline)
+        if what == "block 1":
+            np.frombuffer(view, np.uint8)[4000] ^= 1
+
+    with KVCacheClient(bulk_server.target, shm=False, bulk_connections=1) as client:  # indices as in `keys`
+        client.put_many(NS, data)
+        monkeypatch.setattr(BulkConnection, "recv", flips)
+        got = client.get_many(NS, keys)
+        assert bytes(got[0]) == data[0][1] and got[1] is None and client.corrupt_blocks == 1
+        del got
+        monkeypatch.setattr(BulkConnection, "recv", real)
+        assert [bytes(b) for b in client.get_many(NS, keys)] == [b for _, b in data]
+        assert counts(client.buffers) == (2, 2)
+
+
+def test_without_a_pool_every_block_gets_fresh_memory(arena_server: ServerThread) -> None:
+    data = blocks(2)
+    with KVCacheClient(arena_server.target, buffer_pool_bytes=0) as client:
+        client.put_many(NS, data)
+        for _ in range(2):
+            assert [bytes(b) for b in client.get_many(NS, [k for k, _ in data])] == [b for _, b in data]
+        assert counts(client.buffers) == (0, 4) and client.buffers.kept_bytes == 0
+    with pytest.raises(ValueError):
+        KVCacheClient(arena_server.target, buffer_pool_bytes=-1)
+
+
+# -- the pool on its own -----------------------------------------------------------------------------
+
+
+def test_the_pool_keeps_at_most_its_capacity_and_lets_free_buffers_of_other_sizes_go() -> None:
+    pool = BufferPool(3 * MiB)
+    held = [pool.take(MiB) for _ in range(4)]
+    assert pool.kept_bytes == 3 * MiB and counts(pool) == (0, 4)  # the fourth is the caller's alone
+    del held
+    two = pool.take(2 * MiB)  # two free 1 MiB buffers go to make room
+    assert pool.kept_bytes == 3 * MiB and counts(pool) == (0, 5)
+    one = pool.take(MiB)
+    assert counts(pool) == (1, 5)
+    assert pool.take(MiB) is not one and counts(pool) == (1, 6)  # the kept one is lent: fresh, not kept
+    assert pool.kept_bytes == 3 * MiB
+    assert pool.take(4 * MiB).nbytes == 4 * MiB and pool.kept_bytes == 3 * MiB  # over the cap: never kept
+    assert pool.take(100).nbytes == 100 and pool.kept_bytes == 3 * MiB  # under the minimum: never kept
+    pool.clear()
+    assert pool.kept_bytes == 0
+    two[:] = 1  # still the caller's
+    assert one.flags.writeable
+
+
+def test_the_pool_scans_a_bounded_number_of_lent_buffers() -> None:
+    """A caller that holds every block costs each take a scan of at most SCAN buffers, and the free
+    ones among many lent ones are found within a few takes."""
+    from kvcache_client.bufpool import SCAN
+
+    pool = BufferPool(256 * MiB)
+    held = [pool.take(MiB) for _ in range(4 * SCAN)]
+    free = held.pop(3 * SCAN)  # one free buffer behind 3 * SCAN lent ones
+    free_id = id(free)
+    del free
+    found = [id(pool.take(MiB)) for _ in range(4)]
+    assert free_id in found and counts(pool) == (1, 4 * SCAN + 3)
+    assert all(pool.take(MiB) is not h for h in held)
