@@ -16,6 +16,10 @@ its own state under its lock, and evicts only a plan that yields all three:
    again and again (tenants without a quota count as over by all they hold), counting what
    steps 1 and 2 freed.
 
+Retained blocks (tiers/retention.py) come last in every step: each tenant's eviction order lists
+them after its unretained blocks, step 3 takes every tenant's unretained blocks before any retained
+one, and a window holding a retained block costs more than any window without one.
+
    offset 0                                                               capacity
    | free | blk a | LEASED | free | blk b | blk c | RES | free | blk d | free |
                            `------ window: evict b, c ---'
@@ -31,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from kvcache_server.arena import align
+from kvcache_server.tiers.retention import RetainingPolicy
 
 if TYPE_CHECKING:
     from kvcache_server.tiers.ram import EntryKey, RamTier, _Partition
@@ -94,21 +99,25 @@ def plan_room(tier: RamTier, part: _Partition, nbytes: int, cost: int, keep: Ent
     # LRU victims chosen first would lie anywhere and free no run).
     if not _contiguous(plan, part, nbytes):
         return None
-    # 3. The byte cap.
+    # 3. The byte cap: unretained blocks of every tenant before any retained one (tiers/retention.py).
     over = tier._used + tier._reserved + tier._orphaned + cost - tier._capacity - sum(plan.freed.values())
-    if over > 0:
-        parts = list(tier._partitions.values())
-        orders = {id(p): p.policy.candidates() for p in parts}
+    parts = list(tier._partitions.values()) if over > 0 else []
+    for order_of in (RetainingPolicy.plain_candidates, RetainingPolicy.kept_candidates):
+        if over <= 0:
+            break
+        orders = {id(p): order_of(p.policy) for p in parts}
         heads: dict[int, EntryKey | None] = {id(p): plan.next_victim(p, orders[id(p)]) for p in parts}  # type: ignore[arg-type]
         while over > 0:
             ready = [p for p in parts if heads[id(p)] is not None]
             if not ready:
-                return None  # leases and reservations pin what is left
+                break
             worst = max(ready, key=plan.overage)
             entry = heads[id(worst)]
             assert entry is not None
             over -= plan.take(worst, entry)
             heads[id(worst)] = plan.next_victim(worst, orders[id(worst)])  # type: ignore[arg-type]
+    if over > 0:
+        return None  # leases and reservations pin what is left
     return plan.victims
 
 
@@ -205,8 +214,10 @@ def _cheapest_window(plan: _Plan, part: _Partition, need: int) -> list[EntryKey]
     """The evictable entries of the cheapest run that spans `need` bytes ([] when the plan's victims
     and the free extents already leave one), or None when no run does."""
     tier = plan.tier
-    # (offset, size, bytes to evict, entry): free extents and the victims so far cost nothing.
+    # (offset, size, bytes to evict, entry): free extents and the victims so far cost nothing; a
+    # retained block costs the whole capacity more, so a window takes one only where none spares it.
     runs: list[list] = [[o, n, 0, None] for o, n in tier._extents.extents()]  # lists: no tuple free-list
+    retained = tier._retention
     allowed = {id(part)} | {id(p) for p in tier._partitions.values() if plan.overage(p) > 0}
     barrier = -1
     for entry, slot in tier._blocks.items():
@@ -214,7 +225,7 @@ def _cheapest_window(plan: _Plan, part: _Partition, need: int) -> list[EntryKey]
         if entry in plan.chosen:
             runs.append([slot.offset, size, 0, None])
         elif plan.evictable(entry) and id(tier._partition(entry[0])) in allowed:
-            runs.append([slot.offset, size, size, entry])
+            runs.append([slot.offset, size, size + (tier._capacity if entry in retained else 0), entry])
         else:
             runs.append([slot.offset, size, barrier, None])
     runs.sort(key=lambda r: r[0])
