@@ -26,6 +26,7 @@ from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import token_digest
 from kvcache_server.tiers.ram import RamTier
+from kvcache_server.tiers.retention import RetentionLimits
 from tests.backends import RedisProcess, wait_for
 from tests.conftest import ServerThread, keyed
 
@@ -396,3 +397,42 @@ def test_a_full_prefetch_queue_drops_and_counts(
         assert pf.waiting_keys == 0
         in_ram = server.stack.ram.contains_many_sync("q", keys)
         assert in_ram == [True] * 16 + [False] * 8
+
+
+# -- the RAM tier's eviction order, on real RamTier objects ------------------------------------------
+
+
+def filled_tier(block_payload: int) -> tuple[RamTier, list[bytes], list[bytes]]:
+    """A RamTier whose byte cap is full: tenant "big" holds 36 retained blocks, more than tenant
+    "small" holds of unretained ones (28), all of one size, allocated in that order."""
+    sample = keyed(b"\0" * block_payload)[1]
+    cost = RamTier.entry_cost(sample)
+    tier = RamTier(64 * cost, prefault=False, retention=RetentionLimits(max_share=0.6, max_total_share=0.6))
+    big, small = blocks(36, block_payload), blocks(28, block_payload)
+    assert all(tier.put_many_sync("big:s", big))
+    assert tier.retain_many("big:s", [k for k, _ in big], 60.0) == 36
+    assert all(tier.put_many_sync("small:s", small))
+    assert tier.used_bytes == tier.capacity_bytes
+    return tier, [k for k, _ in big], [k for k, _ in small]
+
+
+@pytest.mark.timeout(30)
+def test_the_byte_cap_takes_every_tenants_unretained_blocks_before_a_retained_one() -> None:
+    # "big" is the tenant furthest over (it holds the most), but only retained blocks: the put of a
+    # third tenant evicts "small"'s least recently used block instead.
+    tier, big, small = filled_tier(16 * KiB)
+    assert tier.put_many_sync("c:s", blocks(1, 16 * KiB)) == [True]
+    assert tier.contains_many_sync("big:s", big) == [True] * 36
+    assert tier.contains_many_sync("small:s", small) == [False] + [True] * 27
+    assert tier.stats().evictions == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_contiguous_slot_is_made_of_unretained_blocks_first() -> None:
+    # A block larger than any free extent: the victims that free a run come from "small" (unretained)
+    # though "big"'s retained blocks are earlier in the tier's order of tenants.
+    tier, big, small = filled_tier(16 * KiB)
+    assert tier.put_many_sync("c:s", blocks(1, 40 * KiB)) == [True]
+    assert tier.contains_many_sync("big:s", big) == [True] * 36
+    gone = tier.contains_many_sync("small:s", small).count(False)
+    assert gone == 3 and tier.stats().evictions == 3  # three adjacent 16 KiB slots make the 40 KiB one

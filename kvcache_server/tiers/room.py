@@ -17,8 +17,9 @@ its own state under its lock, and evicts only a plan that yields all three:
    steps 1 and 2 freed.
 
 Retained blocks (tiers/retention.py) come last in every step: each tenant's eviction order lists
-them after its unretained blocks, step 3 takes every tenant's unretained blocks before any retained
-one, and a window holding a retained block costs more than any window without one.
+them after its unretained blocks, the LRU searches of steps 2 and 3 take every tenant's unretained
+blocks before any tenant's retained one, and a window holding a retained block costs more than any
+window without one.
 
    offset 0                                                               capacity
    | free | blk a | LEASED | free | blk b | blk c | RES | free | blk d | free |
@@ -40,6 +41,9 @@ from kvcache_server.tiers.retention import RetainingPolicy
 if TYPE_CHECKING:
     from kvcache_server.tiers.ram import EntryKey, RamTier, _Partition
 
+
+_RETAINED_LAST = (RetainingPolicy.plain_candidates, RetainingPolicy.kept_candidates)
+"""The eviction orders a step walks across tenants, in turn: unretained blocks, then retained ones."""
 
 WINDOW_SCAN_MAX_BLOCKS = 100_000
 """Above this many blocks the cheapest-window scan (O(blocks log blocks) under the RAM tier's lock)
@@ -102,7 +106,7 @@ def plan_room(tier: RamTier, part: _Partition, nbytes: int, cost: int, keep: Ent
     # 3. The byte cap: unretained blocks of every tenant before any retained one (tiers/retention.py).
     over = tier._used + tier._reserved + tier._orphaned + cost - tier._capacity - sum(plan.freed.values())
     parts = list(tier._partitions.values()) if over > 0 else []
-    for order_of in (RetainingPolicy.plain_candidates, RetainingPolicy.kept_candidates):
+    for order_of in _RETAINED_LAST:
         if over <= 0:
             break
         orders = {id(p): order_of(p.policy) for p in parts}
@@ -138,8 +142,10 @@ def _contiguous(plan: _Plan, part: _Partition, nbytes: int) -> bool:
     checkpoint = len(plan.victims)
     allowed = [part] + [p for p in tier._partitions.values() if p is not part and plan.overage(p) > 0]
     budget = 4 * need  # bytes this cheap search may evict beyond the share's victims
-    for p in allowed:
-        order = p.policy.candidates()
+    # Every allowed tenant's unretained blocks before any retained one (tiers/retention.py).
+    orders = [(p, order_of) for order_of in _RETAINED_LAST for p in allowed]
+    for p, order_of in orders:
+        order = order_of(p.policy)
         while budget > 0 and (entry := plan.next_victim(p, order)) is not None:  # type: ignore[arg-type]
             slot = tier._blocks[entry]
             budget -= plan.take(p, entry)
@@ -151,8 +157,8 @@ def _contiguous(plan: _Plan, part: _Partition, nbytes: int) -> bool:
     if len(tier._blocks) > WINDOW_SCAN_MAX_BLOCKS:
         # Too many blocks to scan under the lock: go on in LRU order, as long as it takes (each
         # step O(1)); the plan still evicts nothing unless it ends in a run that fits.
-        for p in allowed:
-            order = p.policy.candidates()
+        for p, order_of in orders:
+            order = order_of(p.policy)
             while (entry := plan.next_victim(p, order)) is not None:  # type: ignore[arg-type]
                 slot = tier._blocks[entry]
                 plan.take(p, entry)
