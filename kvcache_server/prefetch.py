@@ -155,6 +155,8 @@ class Prefetcher:
                 log.info("prefetch of %d keys in %s passed prefetch.timeout_s", len(job.keys), job.namespace)
             except Refused as exc:  # no room in the in-flight budget within its wait
                 log.info("prefetch of %d keys in %s: %s", len(job.keys), job.namespace, exc.message)
+            except Exception:  # a bug must not stop the worker: the job's keys count as failed below
+                log.exception("prefetch of %d keys in %s failed", len(job.keys), job.namespace)
             in_ram = sum(self._stack.ram.contains_many_sync(job.namespace, job.keys))
             self.counters.promoted += in_ram
             self.counters.failed += len(job.keys) - in_ram

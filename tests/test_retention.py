@@ -312,6 +312,27 @@ def test_prefetch_promotes_blocks_only_in_redis(
 
 
 @pytest.mark.timeout(120)
+def test_prefetch_promotes_blocks_the_disk_tier_holds(make_server: Callable[..., ServerThread], tmp_path: Path) -> None:
+    server = make_server(
+        ram={"capacity_bytes": 4 * MiB},
+        disk={"enabled": True, "dir": str(tmp_path / "disk"), "capacity_bytes": 16 * MiB, "region_bytes": MiB},
+    )
+    session = blocks(8, 64 * KiB)
+    keys = [k for k, _ in session]
+    with KVCacheClient(server.target, shm=False) as client:
+        client.put_many("d", session)
+        for _ in range(6):  # 6 MiB of other blocks: the session is demoted to the disk tier
+            client.put_many("other", blocks(16, 64 * KiB))
+            server.call(server.stack.wait_idle())
+        assert client.lookup("d", keys).tiers == ("disk",) * 8
+        result = client.prefetch("d", keys)
+        assert (result.in_ram, result.queued, result.unknown, result.dropped) == (0, 8, 0, 0)
+        wait_for(lambda: client.stats().prefetch_promoted == 8, what="the prefetch's promotions")
+        assert client.lookup("d", keys).tiers == ("ram",) * 8
+        assert [bytes(b) for b in client.get_many("d", keys)] == [b for _, b in session]  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(120)
 def test_prefetch_never_promotes_a_corrupt_block(
     make_server: Callable[..., ServerThread], redis_server: RedisProcess
 ) -> None:
