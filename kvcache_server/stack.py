@@ -804,18 +804,16 @@ class TierStack:
         """
         epoch = self._fence.begin()
         try:
-            outcome = await self._put(namespace, items, epoch)
+            return await self._put(namespace, items, epoch, retain_ttl_s=retain_ttl_s)
         finally:
             self._fence.end(epoch)
-        self._retain(namespace, items, retain_ttl_s)
-        return outcome
 
     def _retain(self, namespace: str, items: Sequence[tuple[bytes, object]], retain_ttl_s: float) -> None:
-        """Retains the put's blocks RAM holds now (kvcache_server.tiers.retention): after the put, on
-        the loop, so the put path itself is the same with or without retention. A block a Delete
-        removed meanwhile is not in RAM, and so not retained."""
+        """Retains the put's blocks that RAM has just indexed (kvcache_server.tiers.retention), on the
+        loop right after RAM took them and before the lower tiers are written, so that no wait of the
+        put lets a flood evict them unretained; the RAM path itself is the same with or without it."""
         ttl_s = self._ram.retention_ttl(retain_ttl_s)
-        if ttl_s > 0:
+        if ttl_s > 0 and items:
             self._ram.retain_many(namespace, [key for key, _ in items], ttl_s)
 
     async def reserve_many(self, namespace: str, sizes: Sequence[int]) -> list[Reservation] | None:
@@ -874,11 +872,9 @@ class TierStack:
                 ]
             else:
                 blocks = [(key, bytes(res.buffer) if self._lower else res.buffer) for key, res in items]
-            outcome = await self._put(namespace, blocks, epoch, reserved=items)
+            return await self._put(namespace, blocks, epoch, reserved=items, retain_ttl_s=retain_ttl_s)
         finally:
             self._fence.end(epoch)
-        self._retain(namespace, items, retain_ttl_s)
-        return outcome
 
     async def _put(
         self,
@@ -886,6 +882,7 @@ class TierStack:
         items: Sequence[tuple[bytes, bytes | memoryview]],
         epoch: int,
         reserved: Sequence[tuple[bytes, Reservation]] | None = None,
+        retain_ttl_s: float = 0.0,
     ) -> PutOutcome:
         start = time.perf_counter()
         kept = [False] * len(items)
@@ -900,6 +897,7 @@ class TierStack:
             kept[i] = ok
         self._ram_op("put", start)
         in_ram = [items[i] for i in live if kept[i]]
+        self._retain(namespace, in_ram, retain_ttl_s)
         self._ram_counters.bytes_written += sum(len(b) for _, b in in_ram)
         self.events.publish(EventKind.STORED, TierKind.RAM, namespace, [k for k, _ in in_ram])
         ram = TierPut(self._ram.name, TierKind.RAM, stored=len(in_ram))
