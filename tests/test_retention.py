@@ -371,6 +371,11 @@ def test_prefetch_bounds_and_rights(make_server: Callable[..., ServerThread], tm
             client.prefetch("ns", keys)
         result = client.prefetch("ns", keys[:16])
         assert (result.in_ram, result.queued, result.unknown, result.dropped) == (0, 0, 16, 0)
+        mine = keyed(b"m" * 100)
+        assert client.put_many("ns", [mine]).stored == 1
+        assert client.prefetch("ns", [mine[0]]).in_ram == 1
+    with KVCacheClient(server.target, token=TOKENS["globex"], shm=False) as other:
+        assert other.prefetch("ns", [mine[0]]).unknown == 1  # namespaces are scoped by tenant, as in Get
     with (
         KVCacheClient(server.target, token=TOKENS["writer"], shm=False) as writer,
         pytest.raises(PermissionDenied, match="read"),

@@ -199,9 +199,11 @@ class RamTier(Tier):
          least recently used entry of the tenant furthest over its quota (tenants without a quota
          count as over by all they hold).
     So with quotas that sum to at most the capacity, one tenant's flood only ever evicts its own
-    blocks. Without auth there is one partition and this is plain LRU. An entry whose slot is
-    leased can be evicted from the index, but its slot stays put until the lease ends: when leases
-    pin so much of the arena that no slot fits, the put is refused (a miss later, never wrong bytes).
+    blocks. In every step, blocks retained by retain_many (a put's retain_ttl_s; tiers/retention.py)
+    come after every unretained block. Without auth there is one partition and this is plain LRU. An
+    entry whose slot is leased can be evicted from the index, but its slot stays put until the lease
+    ends: when leases pin so much of the arena that no slot fits, the put is refused (a miss later,
+    never wrong bytes).
     """
 
     name = "ram"
