@@ -9,7 +9,7 @@ from the .proto interoperates, but it copies block bytes once when encoding
 and not at all when decoding a GetResponse (blocks are memoryviews into the
 received message).
 
-    PutRequest  { string namespace = 1; repeated Block blocks = 2; }
+    PutRequest  { string namespace = 1; repeated Block blocks = 2; double retain_ttl_s = 3; }
     Block       { bytes key = 1; bytes data = 2; ShmRange shm = 3; bool more = 4; uint64 total_length = 5; }
     ShmRange    { string segment = 1; uint64 offset = 2; uint64 length = 3; }
     GetResponse { repeated GetItem items = 1; }
@@ -60,6 +60,7 @@ exactly (the docstring lists them); the rules and the code that follows them are
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -275,12 +276,14 @@ def split_block(data: BlockData, part_bytes: int) -> list[BlockPart]:
     return parts
 
 
-def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, PutData]]) -> bytes:
+def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, PutData]], retain_ttl_s: float = 0.0) -> bytes:
     """Serialises a PutRequest; each block's bytes (or parts) are copied once, into the result."""
     parts: list[Buffer] = []
     if namespace:
         ns = namespace.encode("utf-8")
         parts += (b"\x0a", _varint(len(ns)), ns)
+    if retain_ttl_s:
+        parts += (b"\x19", struct.pack("<d", retain_ttl_s))
     for key, data in blocks:
         if isinstance(data, ShmRange):
             ref = data.encode()
@@ -329,6 +332,7 @@ class PutMessage:
     blocks: list[tuple[bytes, Buffer | ShmRange | BlockPart | MixedBlock]] = field(default_factory=list)
     error: str = ""
     over_limit: bool = False  # with `error`: the message holds more blocks than the caller allowed
+    retain_ttl_s: float = 0.0  # PutRequest.retain_ttl_s (a double), unchecked
 
 
 def decode_put_request(data: Buffer, max_blocks: int | None = None) -> PutMessage:
@@ -379,6 +383,11 @@ def parse_put_request(data: Buffer, max_blocks: int | None = None) -> PutMessage
                 n, pos = _read_length(buf, pos, end)
                 msg.namespace = str(buf[pos : pos + n], "utf-8")
                 pos += n
+            elif tag == 0x19:  # retain_ttl_s, a double (fixed 64 bits, little-endian)
+                if pos + 8 > end:
+                    raise WireError("truncated fixed-size field")
+                (msg.retain_ttl_s,) = struct.unpack_from("<d", buf, pos)
+                pos += 8
             else:
                 pos = _skip_field(buf, pos, end, tag, 0)
     except (WireError, UnicodeDecodeError) as exc:

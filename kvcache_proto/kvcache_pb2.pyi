@@ -61,12 +61,14 @@ class ShmRange(_message.Message):
     def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("namespace", "blocks")
+    __slots__ = ("namespace", "blocks", "retain_ttl_s")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RETAIN_TTL_S_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     blocks: _containers.RepeatedCompositeFieldContainer[Block]
-    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ...) -> None: ...
+    retain_ttl_s: float
+    def __init__(self, namespace: _Optional[str] = ..., blocks: _Optional[_Iterable[_Union[Block, _Mapping]]] = ..., retain_ttl_s: _Optional[float] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("stored", "rejected", "bytes_received", "tiers")
@@ -161,7 +163,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "tier", "used_bytes", "capacity_bytes", "blocks", "hits", "misses", "puts", "evictions", "rejected", "checksum_failures", "errors", "healthy", "promotions", "demotions", "write_errors", "queue_depth", "queue_bytes", "queue_dropped", "breaker", "skipped", "bytes_written", "bytes_read", "lookup_late_hits")
+    __slots__ = ("name", "tier", "used_bytes", "capacity_bytes", "blocks", "hits", "misses", "puts", "evictions", "rejected", "checksum_failures", "errors", "healthy", "promotions", "demotions", "write_errors", "queue_depth", "queue_bytes", "queue_dropped", "breaker", "skipped", "bytes_written", "bytes_read", "lookup_late_hits", "retained_blocks", "retained_bytes")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -186,6 +188,8 @@ class TierStats(_message.Message):
     BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
     BYTES_READ_FIELD_NUMBER: _ClassVar[int]
     LOOKUP_LATE_HITS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
     name: str
     tier: Tier
     used_bytes: int
@@ -210,10 +214,12 @@ class TierStats(_message.Message):
     bytes_written: int
     bytes_read: int
     lookup_late_hits: int
-    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., write_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., breaker: _Optional[str] = ..., skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., lookup_late_hits: _Optional[int] = ...) -> None: ...
+    retained_blocks: int
+    retained_bytes: int
+    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., write_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., breaker: _Optional[str] = ..., skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., lookup_late_hits: _Optional[int] = ..., retained_blocks: _Optional[int] = ..., retained_bytes: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent", "inflight_bytes", "inflight_peak_bytes", "inflight_refused", "cut_off_calls", "bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off", "inplace_bytes_received", "inplace_bytes_leased", "arena_leases", "arena_reservations", "arena_leases_expired", "arena_reservations_reclaimed")
+    __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent", "inflight_bytes", "inflight_peak_bytes", "inflight_refused", "cut_off_calls", "bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off", "inplace_bytes_received", "inplace_bytes_leased", "arena_leases", "arena_reservations", "arena_leases_expired", "arena_reservations_reclaimed", "retention_refused", "retention_expired", "prefetch_queued", "prefetch_promoted", "prefetch_dropped", "prefetch_failed")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     UPTIME_S_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +244,12 @@ class StatsResponse(_message.Message):
     ARENA_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     ARENA_LEASES_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     ARENA_RESERVATIONS_RECLAIMED_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_QUEUED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_PROMOTED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_DROPPED_FIELD_NUMBER: _ClassVar[int]
+    PREFETCH_FAILED_FIELD_NUMBER: _ClassVar[int]
     version: str
     uptime_s: float
     tiers: _containers.RepeatedCompositeFieldContainer[TierStats]
@@ -262,7 +274,13 @@ class StatsResponse(_message.Message):
     arena_reservations: int
     arena_leases_expired: int
     arena_reservations_reclaimed: int
-    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., put_checksum_failures: _Optional[int] = ..., failed_requests: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_bytes_received: _Optional[int] = ..., shm_bytes_sent: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., inflight_peak_bytes: _Optional[int] = ..., inflight_refused: _Optional[int] = ..., cut_off_calls: _Optional[int] = ..., bulk_bytes_received: _Optional[int] = ..., bulk_bytes_sent: _Optional[int] = ..., bulk_connections: _Optional[int] = ..., bulk_errors: _Optional[int] = ..., bulk_cut_off: _Optional[int] = ..., inplace_bytes_received: _Optional[int] = ..., inplace_bytes_leased: _Optional[int] = ..., arena_leases: _Optional[int] = ..., arena_reservations: _Optional[int] = ..., arena_leases_expired: _Optional[int] = ..., arena_reservations_reclaimed: _Optional[int] = ...) -> None: ...
+    retention_refused: int
+    retention_expired: int
+    prefetch_queued: int
+    prefetch_promoted: int
+    prefetch_dropped: int
+    prefetch_failed: int
+    def __init__(self, version: _Optional[str] = ..., uptime_s: _Optional[float] = ..., tiers: _Optional[_Iterable[_Union[TierStats, _Mapping]]] = ..., put_checksum_failures: _Optional[int] = ..., failed_requests: _Optional[int] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_bytes_received: _Optional[int] = ..., shm_bytes_sent: _Optional[int] = ..., inflight_bytes: _Optional[int] = ..., inflight_peak_bytes: _Optional[int] = ..., inflight_refused: _Optional[int] = ..., cut_off_calls: _Optional[int] = ..., bulk_bytes_received: _Optional[int] = ..., bulk_bytes_sent: _Optional[int] = ..., bulk_connections: _Optional[int] = ..., bulk_errors: _Optional[int] = ..., bulk_cut_off: _Optional[int] = ..., inplace_bytes_received: _Optional[int] = ..., inplace_bytes_leased: _Optional[int] = ..., arena_leases: _Optional[int] = ..., arena_reservations: _Optional[int] = ..., arena_leases_expired: _Optional[int] = ..., arena_reservations_reclaimed: _Optional[int] = ..., retention_refused: _Optional[int] = ..., retention_expired: _Optional[int] = ..., prefetch_queued: _Optional[int] = ..., prefetch_promoted: _Optional[int] = ..., prefetch_dropped: _Optional[int] = ..., prefetch_failed: _Optional[int] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -373,6 +391,26 @@ class LeaseReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: int
     def __init__(self, released: _Optional[int] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("namespace", "keys")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    KEYS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    keys: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, namespace: _Optional[str] = ..., keys: _Optional[_Iterable[bytes]] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("in_ram", "queued", "unknown", "dropped")
+    IN_RAM_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    in_ram: int
+    queued: int
+    unknown: int
+    dropped: int
+    def __init__(self, in_ram: _Optional[int] = ..., queued: _Optional[int] = ..., unknown: _Optional[int] = ..., dropped: _Optional[int] = ...) -> None: ...
 
 class WatchEventsRequest(_message.Message):
     __slots__ = ("namespace",)

@@ -89,6 +89,11 @@ class KVCacheStub:
                 request_serializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvcache.v1.KVCache/Prefetch',
+                request_serializer=kvcache_dot_v1_dot_kvcache__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
 
 
 class KVCacheServicer:
@@ -203,6 +208,18 @@ class KVCacheServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Asks the server to promote the keys' blocks from its lower tiers (disk,
+        Redis, S3) into RAM in the background, before the next turn of a session
+        needs them (docs/tiers.md, "Prefetch"). Answers at once, with how many
+        keys RAM already holds, how many it queued for promotion, and how many no
+        tier holds; a promotion verifies every block as Get does. Needs the read
+        right; at most prefetch.max_keys keys (more: INVALID_ARGUMENT).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVCacheServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -260,6 +277,11 @@ def add_KVCacheServicer_to_server(servicer, server):
                     servicer.LeaseRelease,
                     request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvcache_dot_v1_dot_kvcache__pb2.PrefetchResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -559,6 +581,33 @@ class KVCache:
             '/kvcache.v1.KVCache/LeaseRelease',
             kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseRequest.SerializeToString,
             kvcache_dot_v1_dot_kvcache__pb2.LeaseReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvcache.v1.KVCache/Prefetch',
+            kvcache_dot_v1_dot_kvcache__pb2.PrefetchRequest.SerializeToString,
+            kvcache_dot_v1_dot_kvcache__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

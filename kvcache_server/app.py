@@ -35,6 +35,7 @@ from kvcache_server.handoff import HandoffListener, HandoffRegistry
 from kvcache_server.interceptor import RequestContextInterceptor
 from kvcache_server.metrics import Metrics
 from kvcache_server.observe import NullObserver, Observer
+from kvcache_server.prefetch import PrefetchLimits
 from kvcache_server.registration import add_to_server
 from kvcache_server.service import SERVICE_NAME, KVCacheService
 from kvcache_server.shm import ShmDirectory
@@ -42,6 +43,7 @@ from kvcache_server.shm import default_dir as shm_default_dir
 from kvcache_server.stack import LowerTierPolicy, PinLimits, QueueFull, TierStack, WriteMode
 from kvcache_server.tiers.base import Tier, TierKind
 from kvcache_server.tiers.codec import CompressionMode
+from kvcache_server.tiers.retention import RetentionLimits
 
 log = logging.getLogger(__name__)
 STARTUP_LOGGER = "kvcache_server.startup"
@@ -89,6 +91,8 @@ class RunningServer:
         if self.bulk is not None:
             await self.bulk.stop()
         await self.server.stop(c.shutdown_grace_s if grace_s is None else grace_s)
+        if self.service is not None:
+            await self.service.prefetcher.close()
         dropped = await self.stack.close(c.drain_deadline_s if drain_deadline_s is None else drain_deadline_s)
         if self.metrics is not None:
             self.metrics.close()
@@ -204,6 +208,8 @@ def build_stack(
     if config.disk.enabled:  # first below RAM: demotions go to it; Redis/S3 behind it unchanged
         lower.insert(0, (_disk_tier(config.disk, events), _policy(config.disk)))
 
+    rt = config.retention
+
     def stack(where: str | None) -> TierStack:
         return TierStack(
             config.ram.capacity_bytes,
@@ -215,6 +221,7 @@ def build_stack(
             arena_dir=where,
             prefault=config.ram.prefault,
             pins=PinLimits(config.ram.pin_share, config.ram.max_leases_per_tenant, config.ram.max_keys_per_lease),
+            retention=RetentionLimits(rt.max_share, rt.max_total_share, rt.max_ttl_s, rt.default_ttl_s),
         )
 
     tenants = sorted({t.principal.tenant for t in tokens.tokens}) if tokens else []
@@ -312,9 +319,17 @@ async def create_server(config: ServerConfig) -> RunningServer:
     shm = _open_shm(config.shm)
     stack = build_stack(config, observer, tokens, arena_dir=str(shm.path) if shm is not None else None)
     await stack.start()
+    pf = config.prefetch
     service = KVCacheService(
-        stack, limits, version=__version__, observer=observer, shm=shm, lease_timeout_s=config.ram.lease_timeout_s
+        stack,
+        limits,
+        version=__version__,
+        observer=observer,
+        shm=shm,
+        lease_timeout_s=config.ram.lease_timeout_s,
+        prefetch=PrefetchLimits(pf.max_keys, pf.queue_max_keys, pf.workers, pf.timeout_s, limits.get_window_bytes),
     )
+    service.prefetcher.start()
     add_to_server(service, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

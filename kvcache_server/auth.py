@@ -5,7 +5,7 @@ The server keeps only SHA-256 hashes of tokens (tokens are long random strings,
 so a fast hash is enough; nothing at rest lets anyone call the server). Each
 token belongs to one tenant and carries rights:
 
-    read   Lookup, Get, WatchEvents (only the tenant's own events), LeaseGet, LeaseRelease
+    read   Lookup, Get, Prefetch, WatchEvents (only the tenant's own events), LeaseGet, LeaseRelease
     write  Put, Delete, ArenaReserve, ArenaCommit
     admin  Stats (server-wide counters, all tenants); per-namespace series on the metrics port
 
@@ -60,6 +60,7 @@ class Right(enum.StrEnum):
 METHOD_RIGHTS: Mapping[str, Right] = {
     "Lookup": Right.READ,
     "Get": Right.READ,
+    "Prefetch": Right.READ,
     "WatchEvents": Right.READ,
     "Put": Right.WRITE,
     "Delete": Right.WRITE,

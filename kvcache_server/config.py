@@ -112,6 +112,50 @@ class RamSection:
             raise ConfigError("ram.max_leases_per_tenant and ram.max_keys_per_lease must be positive")
 
 
+@dataclass(frozen=True, slots=True)
+class RetentionSection:
+    """Sessions that stay: blocks a put asks to retain (PutRequest.retain_ttl_s) are evicted from
+    RAM only after every unretained block (docs/tiers.md, "Sessions that stay")."""
+
+    # What one tenant's retained blocks may hold of ram.capacity_bytes (without auth: the one
+    # partition), and all tenants' together; past either, a put stores its blocks unretained (counted).
+    max_share: float = 0.25
+    max_total_share: float = 0.5
+    # Longer TTLs are cut to this; a retention ends this long after it was granted or renewed at most.
+    max_ttl_s: float = 3600.0
+    # The TTL of puts that ask for none (0: only puts that ask retain anything).
+    default_ttl_s: float = 0.0
+
+    def validate(self) -> None:
+        if not (0 <= self.max_share <= 1 and 0 <= self.max_total_share <= 1):
+            raise ConfigError("retention.max_share and retention.max_total_share must be in [0, 1]")
+        if not 0 < self.max_ttl_s <= 30 * 86400:
+            raise ConfigError("retention.max_ttl_s must be in (0, 2592000]")
+        if not 0 <= self.default_ttl_s <= self.max_ttl_s:
+            raise ConfigError("retention.default_ttl_s must be in [0, retention.max_ttl_s]")
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchSection:
+    """The Prefetch RPC: promotions from the lower tiers into RAM, in the background (docs/tiers.md, "Prefetch")."""
+
+    # Keys one Prefetch may name (more: INVALID_ARGUMENT).
+    max_keys: int = 4096
+    # Keys waiting for promotion, all callers together; a Prefetch finding the queue full drops the rest (counted).
+    queue_max_keys: int = 65536
+    # Promotions running at once, and the deadline of each (one Prefetch's keys, at most max_keys).
+    workers: int = 2
+    timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        if self.max_keys <= 0 or self.queue_max_keys < self.max_keys:
+            raise ConfigError("prefetch.max_keys must be positive and at most prefetch.queue_max_keys")
+        if not 1 <= self.workers <= 64:
+            raise ConfigError("prefetch.workers must be in [1, 64]")
+        if not 0 < self.timeout_s <= 600:
+            raise ConfigError("prefetch.timeout_s must be in (0, 600]")
+
+
 _WRITE_MODES = ("through", "behind")
 _QUEUE_FULL = ("drop", "sync")
 _COMPRESSION = ("none", "lz4", "shuffle-lz4")
@@ -580,6 +624,8 @@ class ServerConfig:
     tls: TlsSection = field(default_factory=TlsSection)
     shm: ShmSection = field(default_factory=ShmSection)
     bulk: BulkSection = field(default_factory=BulkSection)
+    retention: RetentionSection = field(default_factory=RetentionSection)
+    prefetch: PrefetchSection = field(default_factory=PrefetchSection)
 
     def validate(self) -> ServerConfig:
         for f in dataclasses.fields(self):

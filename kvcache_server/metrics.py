@@ -144,6 +144,8 @@ class _StatsCollector(Collector):
                 lambda s: _BREAKER[s.breaker],
             ),
             "kvcache_tier_healthy": ("1 when the tier is usable (breaker closed)", lambda s: int(s.healthy)),
+            "kvcache_tier_retained_blocks": ("Blocks held under retention (RAM)", lambda s: s.retained_blocks),
+            "kvcache_tier_retained_bytes": ("Bytes of blocks held under retention (RAM)", lambda s: s.retained_bytes),
         }
         for metric, (help_text, value) in gauges.items():
             family = GaugeMetricFamily(metric, help_text, labels=["tier"])
@@ -227,6 +229,25 @@ class _StatsCollector(Collector):
             "Put streams gone quiet and Gets whose client stopped reading, ended by the server",
             value=service["cut_off_calls"],
         )
+        # Sessions that stay and Prefetch (docs/tiers.md).
+        yield CounterMetricFamily(
+            "kvcache_retention_refused",
+            "Blocks put with retain_ttl_s but stored unretained: their tenant's (or the tier's) share was full",
+            value=service["retention_refused"],
+        )
+        yield CounterMetricFamily(
+            "kvcache_retention_expired",
+            "Retentions that ran out of time (the block stays, evictable again)",
+            value=service["retention_expired"],
+        )
+        family = CounterMetricFamily(
+            "kvcache_prefetch_keys",
+            "Prefetch keys: queued for promotion, promoted into RAM, dropped (queue full), failed (not brought)",
+            labels=["outcome"],
+        )
+        for outcome in ("queued", "promoted", "dropped", "failed"):
+            family.add_metric([outcome], service[f"prefetch_{outcome}"])
+        yield family
         yield GaugeMetricFamily(
             "kvcache_event_subscribers", "Connected KV-event subscribers", value=self._events.subscribers
         )

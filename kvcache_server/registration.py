@@ -87,6 +87,7 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
         "LeaseRelease": unary(
             _unary(service.LeaseRelease), _parser(pb.LeaseReleaseRequest), pb.LeaseReleaseResponse.SerializeToString
         ),
+        "Prefetch": unary(_unary(service.Prefetch), _parser(pb.PrefetchRequest), pb.PrefetchResponse.SerializeToString),
         "WatchEvents": stream(
             _streaming(service.WatchEvents), _parser(pb.WatchEventsRequest), pb.KVEvent.SerializeToString
         ),

@@ -8,6 +8,7 @@ whose stages a reader can follow (kvcache_server.pipeline):
     Get      pipeline.get      locate -> lease -> send
     Arena*   pipeline.inplace  (same host) reserve -> the client writes -> verify in place -> commit
     Lease*   pipeline.inplace  (same host) lease -> the client verifies and reads in place -> release
+    Prefetch kvcache_server.prefetch  locate -> queue -> (background) get with promotion
 
 Work per call is bounded (docs/limits.md): what a call holds in flight counts against one
 MemoryBudget (kvcache_server.budget) before it is allocated or as soon as it exists; a Put
@@ -46,6 +47,7 @@ from kvcache_server.pipeline import Counters
 from kvcache_server.pipeline.get import BlockSizes, GetStages
 from kvcache_server.pipeline.inplace import InPlaceRPCs
 from kvcache_server.pipeline.put import PutStages
+from kvcache_server.prefetch import Prefetcher, PrefetchLimits
 from kvcache_server.shm import (
     ShmDirectory,
     ShmError,
@@ -80,6 +82,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         observer: Observer | None = None,
         shm: ShmDirectory | None = None,
         lease_timeout_s: float = 30.0,
+        prefetch: PrefetchLimits | None = None,
     ) -> None:
         self._stack = stack
         self.lease_timeout_s = lease_timeout_s
@@ -102,6 +105,8 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         self.cut_off = 0  # Put streams gone quiet and Gets not read, ended by the server
         self.bulk: BulkListener | None = None  # the bulk path, advertised in Info (set by the app)
         self.handoff: HandoffListener | None = None  # the segment socket, advertised in Info (set by the app)
+        # Prefetch's queue and workers (their tasks started by the app: start_prefetch)
+        self.prefetcher = Prefetcher(stack, prefetch or PrefetchLimits(), self.budget, self.block_sizes)
 
     def counters(self) -> dict[str, int]:
         """Service-level counters, for metrics."""
@@ -119,6 +124,17 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             **{f"arena_{name}": n for name, n in self._stack.ram.arena_stats().items()},
             **dict.fromkeys(_BULK_STATS, 0),
             **self._bulk_stats(),
+            **self._retention_prefetch_stats(),
+        }
+
+    def _retention_prefetch_stats(self) -> dict[str, int]:
+        """The server-wide retention and prefetch counters (Stats and metrics)."""
+        retention = self._stack.ram.retention_stats()
+        prefetch = self.prefetcher.counters.snapshot()
+        return {
+            "retention_refused": retention["refused"],
+            "retention_expired": retention["expired"],
+            **{f"prefetch_{name}": n for name, n in prefetch.items()},
         }
 
     # -- validation ---------------------------------------------------------------------------
@@ -254,6 +270,24 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         keys = await self._keys(context, request.keys)
         return pb.DeleteResponse(deleted=await self._stack.delete(namespace, keys))
 
+    async def Prefetch(self, request: pb.PrefetchRequest, context: grpc.aio.ServicerContext) -> pb.PrefetchResponse:
+        """Queues promotions into RAM of the keys a lower tier holds (kvcache_server.prefetch); answers at once."""
+        namespace = await self._namespace(context, request.namespace)
+        cap = self.prefetcher.limits.max_keys
+        if len(request.keys) > cap:
+            await self._abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.keys)} keys exceed prefetch.max_keys={cap}"
+            )
+        keys = await self._keys(context, request.keys)
+        remaining = context.time_remaining()
+        answer_by = None
+        if remaining is not None:  # presence is asked as a Lookup asks it: within a share of the deadline
+            answer_by = asyncio.get_running_loop().time() + remaining * self._limits.lookup_deadline_share
+        answer = await self.prefetcher.submit(namespace, keys, self._tenant(), answer_by)
+        return pb.PrefetchResponse(
+            in_ram=answer.in_ram, queued=answer.queued, unknown=answer.unknown, dropped=answer.dropped
+        )
+
     async def WatchEvents(
         self, request: pb.WatchEventsRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.KVEvent]:
@@ -313,6 +347,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             arena_reservations=arena["reservations"],
             arena_leases_expired=arena["leases_expired"],
             arena_reservations_reclaimed=arena["reservations_reclaimed"],
+            **self._retention_prefetch_stats(),
         )
 
     def _bulk_stats(self) -> dict[str, int]:

@@ -74,6 +74,7 @@ from kvcache_server.tiers.ram import (
     RamTier,
     Reservation,
 )
+from kvcache_server.tiers.retention import RetentionLimits
 from kvcache_server.write_queue import DeleteFence, PendingWrite, WriteKind, WriteQueue
 
 log = logging.getLogger(__name__)
@@ -284,6 +285,7 @@ class TierStack:
         arena_dir: str | None = None,
         prefault: bool = True,
         pins: PinLimits | None = None,
+        retention: RetentionLimits | None = None,
     ) -> None:
         self.events = events or EventHub()
         pins = pins or PinLimits()
@@ -298,6 +300,7 @@ class TierStack:
             pin_share=pins.pin_share,
             max_leases_per_tenant=pins.max_leases_per_tenant,
             max_keys_per_lease=pins.max_keys_per_lease,
+            retention=retention,
         )
         self._ram_counters = _Counters()
         self._lower = [
@@ -605,13 +608,31 @@ class TierStack:
         without a backend call (S3's presence index, which late answers fill too) is used first.
         The last tier may stop asking after its first absent key: the prefix ends there.
         """
+        where = await self._where(namespace, keys, answer_by, prefix=True)
+        prefix: list[TierKind] = []
+        for kind in where:
+            if kind is None:
+                break
+            prefix.append(kind)
+        return prefix
+
+    async def locate(
+        self, namespace: str, keys: Sequence[bytes], *, answer_by: float | None = None
+    ) -> list[TierKind | None]:
+        """The highest tier holding each key (None: no tier answered present), every key asked, as
+        lookup asks (the same deadlines, breakers and late-hit counts), not only a prefix (Prefetch)."""
+        return await self._where(namespace, keys, answer_by, prefix=False)
+
+    async def _where(
+        self, namespace: str, keys: Sequence[bytes], answer_by: float | None, *, prefix: bool
+    ) -> list[TierKind | None]:
         start = time.perf_counter()
         present = self._ram.contains_many_sync(namespace, keys)
         self._ram_op("lookup", start)
         where: list[TierKind | None] = [TierKind.RAM if p else None for p in present]
         loop = asyncio.get_running_loop()
         for depth, lower in enumerate(self._lower):
-            gap = next((i for i, w in enumerate(where) if w is None), len(keys))
+            gap = next((i for i, w in enumerate(where) if w is None), len(keys)) if prefix else 0
             # Keys before the first gap are answered; ask this tier about the unresolved rest.
             ask = [i for i in range(gap, len(keys)) if where[i] is None]
             if not ask:
@@ -624,7 +645,7 @@ class TierStack:
                 ask = [i for i, hit in zip(ask, known, strict=True) if not hit]
                 if not ask:
                     continue
-            last = depth == len(self._lower) - 1
+            last = prefix and depth == len(self._lower) - 1
             contains = lower.tier.contains_prefix if last else lower.tier.contains_many
             wait_s = lower.policy.timeout_s
             if lower.policy.lookup_timeout_s > 0:
@@ -640,12 +661,7 @@ class TierStack:
             for i, hit in zip(ask, found or [False] * len(ask), strict=True):  # type: ignore[call-overload]
                 if hit:
                     where[i] = lower.tier.kind
-        prefix: list[TierKind] = []
-        for kind in where:
-            if kind is None:
-                break
-            prefix.append(kind)
-        return prefix
+        return where
 
     @staticmethod
     def _late_lookup(lower: _Lower, task: asyncio.Task[object]) -> None:
@@ -669,8 +685,9 @@ class TierStack:
         if ids:
             self._ram.release(ids)
 
-    async def get(self, namespace: str, keys: Sequence[bytes]) -> list[Found | None]:
-        """Each key's block from the fastest tier holding a valid copy; lower hits are promoted.
+    async def get(self, namespace: str, keys: Sequence[bytes], *, promote: bool | None = None) -> list[Found | None]:
+        """Each key's block from the fastest tier holding a valid copy; lower hits are promoted
+        (where the tier's `promote` says so; `promote` True or False overrides it: Prefetch).
 
         RAM hits come under read leases: hand them back with release() once their bytes are sent.
 
@@ -679,11 +696,13 @@ class TierStack:
         """
         epoch = self._fence.begin()
         try:
-            return await self._get(namespace, keys, epoch)
+            return await self._get(namespace, keys, epoch, promote)
         finally:
             self._fence.end(epoch)
 
-    async def _get(self, namespace: str, keys: Sequence[bytes], epoch: int) -> list[Found | None]:
+    async def _get(
+        self, namespace: str, keys: Sequence[bytes], epoch: int, promote: bool | None = None
+    ) -> list[Found | None]:
         out: list[Found | None] = [None] * len(keys)
         start = time.perf_counter()
         # The server's own leases, one per position, released as each reply is sent: bounded by the
@@ -695,14 +714,20 @@ class TierStack:
         missing = [i for i, f in enumerate(out) if f is None]
         self._ram_op("get", start)
         try:
-            await self._get_lower(namespace, keys, epoch, out, missing)
+            await self._get_lower(namespace, keys, epoch, out, missing, promote)
         except BaseException:  # cancelled (a deadline, a failover cut) or failed: nobody can release them
             self.release(out)
             raise
         return out
 
     async def _get_lower(
-        self, namespace: str, keys: Sequence[bytes], epoch: int, out: list[Found | None], missing: list[int]
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        epoch: int,
+        out: list[Found | None],
+        missing: list[int],
+        promote: bool | None = None,
     ) -> None:
         """Fills `out` at the `missing` indexes from the lower tiers, fastest first."""
         for depth, lower in enumerate(self._lower):
@@ -743,7 +768,7 @@ class TierStack:
                 and await self._call(lower, "delete_corrupt", lower.tier.delete_many, namespace, corrupt) is not None
             ):
                 self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, corrupt)
-            if hits and lower.policy.promote:
+            if hits and (lower.policy.promote if promote is None else promote):
                 await self._promote(depth, namespace, hits, epoch)
             missing = still
 
@@ -768,17 +793,28 @@ class TierStack:
 
     # -- writes --------------------------------------------------------------------------------
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> PutOutcome:
-        """Stores verified blocks in RAM, then in each lower tier by its write mode.
+    async def put(
+        self, namespace: str, items: Sequence[tuple[bytes, bytes]], *, retain_ttl_s: float = 0.0
+    ) -> PutOutcome:
+        """Stores verified blocks in RAM, then in each lower tier by its write mode; with
+        `retain_ttl_s` (or the configured default TTL) what RAM holds of them is retained (_retain).
 
         Returns, per item, whether some tier stored it or has it queued, and per tier (RAM
         first, then the lower tiers in order) how many of the items it took and how.
         """
         epoch = self._fence.begin()
         try:
-            return await self._put(namespace, items, epoch)
+            return await self._put(namespace, items, epoch, retain_ttl_s=retain_ttl_s)
         finally:
             self._fence.end(epoch)
+
+    def _retain(self, namespace: str, items: Sequence[tuple[bytes, object]], retain_ttl_s: float) -> None:
+        """Retains the put's blocks that RAM has just indexed (kvcache_server.tiers.retention), on the
+        loop right after RAM took them and before the lower tiers are written, so that no wait of the
+        put lets a flood evict them unretained; the RAM path itself is the same with or without it."""
+        ttl_s = self._ram.retention_ttl(retain_ttl_s)
+        if ttl_s > 0 and items:
+            self._ram.retain_many(namespace, [key for key, _ in items], ttl_s)
 
     async def reserve_many(self, namespace: str, sizes: Sequence[int]) -> list[Reservation] | None:
         """Writable arena slots for blocks that a server thread writes in place (an in-place put),
@@ -818,7 +854,9 @@ class TierStack:
         else:
             await in_pool(None, copy)
 
-    async def put_reserved(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> PutOutcome:
+    async def put_reserved(
+        self, namespace: str, items: Sequence[tuple[bytes, Reservation]], *, retain_ttl_s: float = 0.0
+    ) -> PutOutcome:
         """Stores blocks written in place into reserved arena slots (verified by the caller): RAM
         indexes each slot under its key without a copy; lower tiers get a copy of its bytes (the slot
         may be evicted and reused before a write-behind queue drains). Reservations of keys a Delete
@@ -834,7 +872,7 @@ class TierStack:
                 ]
             else:
                 blocks = [(key, bytes(res.buffer) if self._lower else res.buffer) for key, res in items]
-            return await self._put(namespace, blocks, epoch, reserved=items)
+            return await self._put(namespace, blocks, epoch, reserved=items, retain_ttl_s=retain_ttl_s)
         finally:
             self._fence.end(epoch)
 
@@ -844,6 +882,7 @@ class TierStack:
         items: Sequence[tuple[bytes, bytes | memoryview]],
         epoch: int,
         reserved: Sequence[tuple[bytes, Reservation]] | None = None,
+        retain_ttl_s: float = 0.0,
     ) -> PutOutcome:
         start = time.perf_counter()
         kept = [False] * len(items)
@@ -858,6 +897,7 @@ class TierStack:
             kept[i] = ok
         self._ram_op("put", start)
         in_ram = [items[i] for i in live if kept[i]]
+        self._retain(namespace, in_ram, retain_ttl_s)
         self._ram_counters.bytes_written += sum(len(b) for _, b in in_ram)
         self.events.publish(EventKind.STORED, TierKind.RAM, namespace, [k for k, _ in in_ram])
         ram = TierPut(self._ram.name, TierKind.RAM, stored=len(in_ram))

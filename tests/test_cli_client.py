@@ -81,7 +81,11 @@ def test_stats_table(capsys: pytest.CaptureFixture[str], server: ServerThread) -
     assert lines[0].startswith(f"kvcache-server 0.1.0 at {server.target}, up ")
     assert lines[1] == "limits: max block 64.00 MiB, 65,536 keys per request"
     assert lines[2] == "failed requests: 0; blocks refused on put (checksum): 0"
+    assert lines[3] == (
+        "retention: 0 refused (share full), 0 expired; prefetch: 0 queued, 0 promoted, 0 dropped, 0 failed"
+    )
     rows = table_rows(out)
+    assert rows["retained"] == ["0 (0 B)"]
     assert rows["tier"] == ["ram"]
     assert rows["blocks"] == ["1"]
     assert rows["used / capacity"] == [f"{human_bytes(ram.used_bytes)} / 256.00 MiB (0.0%)"]
@@ -97,6 +101,7 @@ def test_stats_table(capsys: pytest.CaptureFixture[str], server: ServerThread) -
         "hit ratio",
         "puts",
         "evictions",
+        "retained",
         "rejected",
         "promotions",
         "demotions",

@@ -20,6 +20,7 @@ from kvcache_client.errors import (
     Unavailable,
     UnknownFormatVersion,
 )
+from kvcache_client.results import PrefetchResult
 from kvcache_client.retry import RetryPolicy
 from kvcache_core.format import DType, Layout, decode_block, encode_block, encode_block_parts
 from kvcache_core.keys import Namespace, chunk_keys
@@ -38,6 +39,7 @@ __all__ = [
     "LookupResult",
     "Namespace",
     "PermissionDenied",
+    "PrefetchResult",
     "PutResult",
     "RPCError",
     "ResourceExhausted",

@@ -28,6 +28,7 @@ from kvcache_client.calls import (
     copy_into,
 )
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, describe
+from kvcache_client.results import PrefetchResult
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.shm import run_to_end
 from kvcache_client.steps import Steps, arun
@@ -178,17 +179,35 @@ class AsyncKVCacheClient:
         return await self._run(self._calls.lookup(namespace, keys, timeout_s))
 
     async def put_many(
-        self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], *, timeout_s: float | None = None
+        self,
+        namespace: NamespaceLike,
+        items: Sequence[tuple[bytes, BlockData]],
+        *,
+        timeout_s: float | None = None,
+        retain_ttl_s: float | None = None,
     ) -> PutResult:
-        """Stores (key, block) pairs: encoded blocks, or (header, payload) parts (as KVCacheClient.put_many).
+        """Stores (key, block) pairs: encoded blocks, or (header, payload) parts (as KVCacheClient.put_many,
+        `retain_ttl_s` included).
 
         Raises:
-            ValueError: `timeout_s` is not positive.
+            ValueError: `timeout_s` is not positive, or `retain_ttl_s` not a positive, finite number.
             RuntimeError: the client is bound to another event loop.
             RPCError: as KVCacheClient.put_many (InvalidRequest, DataCorrupted, ResourceExhausted,
                 Unavailable, DeadlineExceeded, ...).
         """
-        return await self._run(self._calls.put_many(namespace, items, timeout_s))
+        return await self._run(self._calls.put_many(namespace, items, timeout_s, retain_ttl_s))
+
+    async def prefetch(
+        self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> PrefetchResult:
+        """Asks the server to promote the keys' blocks into RAM in the background (as KVCacheClient.prefetch).
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            RuntimeError: the client is bound to another event loop.
+            RPCError: as KVCacheClient.prefetch (InvalidRequest, PermissionDenied, Unavailable, DeadlineExceeded, ...).
+        """
+        return await self._run(self._calls.prefetch(namespace, keys, timeout_s))
 
     async def get_many(
         self,
@@ -302,15 +321,18 @@ class AsyncKVCacheClient:
         *,
         layout: Layout = Layout.CANONICAL,
         timeout_s: float | None = None,
+        retain_ttl_s: float | None = None,
     ) -> PutResult:
         """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message.
+        `retain_ttl_s`: as put_many.
 
         Raises:
-            ValueError: not one tensor per key, a dtype the block format lacks, or `timeout_s` not positive.
+            ValueError: not one tensor per key, a dtype the block format lacks, `timeout_s` not positive,
+                or `retain_ttl_s` not a positive, finite number.
             ModuleNotFoundError: torch is not installed.
             RuntimeError, RPCError: as put_many (InvalidRequest, ResourceExhausted, Unavailable, ...).
         """
-        return await self._run(self._calls.put_tensors(namespace, keys, tensors, layout, timeout_s))
+        return await self._run(self._calls.put_tensors(namespace, keys, tensors, layout, timeout_s, retain_ttl_s))
 
     async def get_tensors(
         self,

@@ -28,7 +28,15 @@ from kvcache_client.arena import Leased
 from kvcache_client.bufpool import BufferPool
 from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, stripes
 from kvcache_client.connection import TOKEN_ENV, TLSConfig
-from kvcache_client.results import TIER_NAMES, Fetched, LookupResult, PutResult, ServerStats, TierPutResult
+from kvcache_client.results import (
+    TIER_NAMES,
+    Fetched,
+    LookupResult,
+    PrefetchResult,
+    PutResult,
+    ServerStats,
+    TierPutResult,
+)
 from kvcache_client.transport import AsyncGrpcTransport, GrpcTransport
 from kvcache_core import bulkwire as bw
 from kvcache_core.blockwire import BlockData, data_len
@@ -251,9 +259,17 @@ class BulkTransport:
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         return self.inner.lookup(namespace, keys, timeout_s)
 
-    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+    def put(
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, *, retain_ttl_s: float = 0.0
+    ) -> PutResult:
+        """Large puts over the bulk port; puts with retain_ttl_s always on gRPC (the bulk PUT frame
+        has no place for it, docs/bulk.md)."""
         nbytes = sum(data_len(d) for _, d in items)
         start = time.monotonic()
+        if retain_ttl_s:
+            result = self.inner.put(namespace, items, timeout_s, retain_ttl_s=retain_ttl_s)
+            self.link.counters.add("grpc_bytes_sent", nbytes)
+            return result
         pool = self._pool(nbytes, timeout_s)
         if pool is not None:
             try:
@@ -294,6 +310,9 @@ class BulkTransport:
     def stats(self, timeout_s: float) -> ServerStats:
         return self.inner.stats(timeout_s)
 
+    def prefetch(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> PrefetchResult:
+        return self.inner.prefetch(namespace, keys, timeout_s)
+
     def close(self) -> None:
         self.link.close()
         self.inner.close()
@@ -319,9 +338,16 @@ class AsyncBulkTransport:
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         return await self.inner.lookup(namespace, keys, timeout_s)
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+    async def put(
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, *, retain_ttl_s: float = 0.0
+    ) -> PutResult:
+        """As BulkTransport.put."""
         nbytes = sum(data_len(d) for _, d in items)
         start = time.monotonic()
+        if retain_ttl_s:
+            result = await self.inner.put(namespace, items, timeout_s, retain_ttl_s=retain_ttl_s)
+            self.link.counters.add("grpc_bytes_sent", nbytes)
+            return result
         pool = await self._pool(nbytes, timeout_s)
         if pool is not None:
             try:
@@ -365,6 +391,9 @@ class AsyncBulkTransport:
 
     async def stats(self, timeout_s: float) -> ServerStats:
         return await self.inner.stats(timeout_s)
+
+    async def prefetch(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> PrefetchResult:
+        return await self.inner.prefetch(namespace, keys, timeout_s)
 
     async def close(self) -> None:
         self.link.close()

@@ -28,7 +28,7 @@ from kvcache_client import keys as _keys
 from kvcache_client.arena import LeasedBlocks, copy_payload_into
 from kvcache_client.errors import BlockFormatError, DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.inplace_core import Leased
-from kvcache_client.results import Fetched, LookupResult, PutResult, ServerStats
+from kvcache_client.results import Fetched, LookupResult, PrefetchResult, PutResult, ServerStats
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.shm import CallEnded
 from kvcache_client.steps import Steps
@@ -57,6 +57,19 @@ def call_timeout_s(timeout_s: float | None, default_s: float) -> float:
     if not timeout_s > 0:  # NaN included
         raise ValueError(f"timeout_s must be positive, or None for the client's default; got {timeout_s!r}")
     return timeout_s
+
+
+def retain_ttl(retain_ttl_s: float | None) -> float:
+    """PutRequest.retain_ttl_s for a put's `retain_ttl_s` keyword: 0.0 for None (no retention).
+
+    Raises:
+        ValueError: `retain_ttl_s` is not a positive, finite number of seconds.
+    """
+    if retain_ttl_s is None:
+        return 0.0
+    if not (math.isfinite(retain_ttl_s) and retain_ttl_s > 0):
+        raise ValueError(f"retain_ttl_s must be a positive, finite number of seconds, or None; got {retain_ttl_s!r}")
+    return float(retain_ttl_s)
 
 
 def namespace_name(namespace: NamespaceLike) -> str:
@@ -240,13 +253,34 @@ class Calls:
         return result
 
     def put_many(
-        self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], timeout_s: float | None
+        self,
+        namespace: NamespaceLike,
+        items: Sequence[tuple[bytes, BlockData]],
+        timeout_s: float | None,
+        retain_ttl_s: float | None = None,
     ) -> Steps[PutResult]:
         timeout_s = call_timeout_s(timeout_s, self.timeout_s)
+        ttl_s = retain_ttl(retain_ttl_s)
         if not items:
             return PutResult(0, 0, 0)
         ns = namespace_name(namespace)
-        result: PutResult = yield from self.retrying(timeout_s, lambda tr, t: tr.put(ns, items, t))
+
+        def put(tr: Any, t: float) -> PutResult:
+            if ttl_s:  # only transports that carry the hint take it (a custom one without it fails loudly)
+                return tr.put(ns, items, t, retain_ttl_s=ttl_s)  # type: ignore[no-any-return]
+            return tr.put(ns, items, t)  # type: ignore[no-any-return]
+
+        result: PutResult = yield from self.retrying(timeout_s, put)
+        return result
+
+    def prefetch(
+        self, namespace: NamespaceLike, keys: Sequence[bytes], timeout_s: float | None
+    ) -> Steps[PrefetchResult]:
+        timeout_s = call_timeout_s(timeout_s, self.timeout_s)
+        if not keys:
+            return PrefetchResult(0, 0, 0)
+        ns = namespace_name(namespace)
+        result: PrefetchResult = yield from self.retrying(timeout_s, lambda tr, t: tr.prefetch(ns, keys, t))
         return result
 
     def get_many(
@@ -327,13 +361,15 @@ class Calls:
         tensors: Sequence[torch.Tensor],
         layout: Layout,
         timeout_s: float | None,
+        retain_ttl_s: float | None = None,
     ) -> Steps[PutResult]:
         from kvcache_client.tensors import tensor_block_parts
 
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
+        retain_ttl(retain_ttl_s)  # checked before any tensor is encoded
         items = [(k, tensor_block_parts(t, k, layout)) for k, t in zip(keys, tensors, strict=True)]
-        return (yield from self.put_many(namespace, items, timeout_s))
+        return (yield from self.put_many(namespace, items, timeout_s, retain_ttl_s))
 
     def get_tensors(
         self, namespace: NamespaceLike, keys: Sequence[bytes], prefix_only: bool, timeout_s: float | None

@@ -44,6 +44,7 @@ from kvcache_client.calls import (
     copy_into,
 )
 from kvcache_client.connection import TLSConfig, auth_metadata, describe, make_channel
+from kvcache_client.results import PrefetchResult
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.steps import Steps, run
 from kvcache_client.transport import (
@@ -209,13 +210,24 @@ class KVCacheClient:
         return self._run(self._calls.lookup(namespace, keys, timeout_s))
 
     def put_many(
-        self, namespace: NamespaceLike, items: Sequence[tuple[bytes, BlockData]], *, timeout_s: float | None = None
+        self,
+        namespace: NamespaceLike,
+        items: Sequence[tuple[bytes, BlockData]],
+        *,
+        timeout_s: float | None = None,
+        retain_ttl_s: float | None = None,
     ) -> PutResult:
         """Stores (key, block) pairs: blocks from format.encode_block, or (header, payload) parts from
         format.encode_block_parts (the payload is then copied once, straight into the message).
 
+        With `retain_ttl_s`, the server keeps the blocks in RAM for that many seconds, evicting them only
+        once no unretained block is left (a session's prefix that must outlive a flood; docs/tiers.md,
+        "Sessions that stay"): bounded by the server's retention share per tenant (past it the blocks are
+        stored unretained, counted in stats().retention_refused) and capped at its retention.max_ttl_s.
+        Such puts travel on gRPC (inline or through shm), never on the bulk port, which has no place for it.
+
         Raises:
-            ValueError: `timeout_s` is not positive.
+            ValueError: `timeout_s` is not positive, or `retain_ttl_s` is not a positive, finite number.
             InvalidRequest: a key is not 16 bytes, or a block is not a valid block (format v2).
             DataCorrupted: a block does not match its checksum under its key.
             ResourceExhausted: a block is over the server's max_block_bytes, or the request over its limits.
@@ -223,7 +235,21 @@ class KVCacheClient:
             DeadlineExceeded: the call did not finish within its deadline.
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
         """
-        return self._run(self._calls.put_many(namespace, items, timeout_s))
+        return self._run(self._calls.put_many(namespace, items, timeout_s, retain_ttl_s))
+
+    def prefetch(
+        self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None
+    ) -> PrefetchResult:
+        """Asks the server to promote the keys' blocks from its lower tiers (disk, Redis, S3) into RAM
+        in the background, before the next turn needs them; answers at once (docs/tiers.md, "Prefetch").
+
+        Raises:
+            ValueError: `timeout_s` is not positive.
+            InvalidRequest: a key is not 16 bytes, or more keys than the server's prefetch.max_keys.
+            PermissionDenied: with auth, the token lacks the read right.
+            Unavailable, DeadlineExceeded, RPCError: as lookup.
+        """
+        return self._run(self._calls.prefetch(namespace, keys, timeout_s))
 
     def get_many(
         self,
@@ -355,15 +381,18 @@ class KVCacheClient:
         *,
         layout: Layout = Layout.CANONICAL,
         timeout_s: float | None = None,
+        retain_ttl_s: float | None = None,
     ) -> PutResult:
         """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message.
+        `retain_ttl_s`: as put_many.
 
         Raises:
-            ValueError: not one tensor per key, a dtype the block format lacks, or `timeout_s` not positive.
+            ValueError: not one tensor per key, a dtype the block format lacks, `timeout_s` not positive,
+                or `retain_ttl_s` not a positive, finite number.
             ModuleNotFoundError: torch is not installed.
             RPCError: as put_many (InvalidRequest, ResourceExhausted, Unavailable, DeadlineExceeded, ...).
         """
-        return self._run(self._calls.put_tensors(namespace, keys, tensors, layout, timeout_s))
+        return self._run(self._calls.put_tensors(namespace, keys, tensors, layout, timeout_s, retain_ttl_s))
 
     def get_tensors(
         self,

@@ -18,6 +18,7 @@ from kvcache_client.results import (
     TIER_NAMES,
     Fetched,
     LookupResult,
+    PrefetchResult,
     PutResult,
     ServerStats,
     TierInfo,
@@ -58,8 +59,9 @@ def put_messages(
     items: Sequence[tuple[bytes, PutData]],
     message_bytes: int = DEFAULT_MESSAGE_BYTES,
     part_bytes: int = 0,
+    retain_ttl_s: float = 0.0,
 ) -> Iterator[bytes]:
-    """Encoded PutRequest messages of about `message_bytes` each (the namespace in the first).
+    """Encoded PutRequest messages of about `message_bytes` each (the namespace and retain_ttl_s in the first).
 
     Encoded with blockwire: each block's bytes are copied once, into the message (blocks given as
     ShmRange travel as their few bytes of reference). With `part_bytes`, a block larger than
@@ -74,23 +76,29 @@ def put_messages(
         n = _SHM_REF_BYTES if isinstance(data, ShmRange) else data_len(data)
         if part_bytes and n > max(part_bytes, PARTS_ABOVE_BYTES) and not isinstance(data, ShmRange | BlockPart):
             if batch:
-                yield encode_put_request(namespace if first else "", batch)
+                yield encode_put_request(namespace if first else "", batch, retain_ttl_s if first else 0.0)
                 first, batch, size = False, [], 0
             for i, part in enumerate(split_block(data, part_bytes)):
-                yield encode_put_request(namespace if first else "", [(key if i == 0 else b"", part)])
+                yield encode_put_request(
+                    namespace if first else "", [(key if i == 0 else b"", part)], retain_ttl_s if first else 0.0
+                )
                 first = False
             continue
         if batch and size + n > message_bytes:
-            yield encode_put_request(namespace if first else "", batch)
+            yield encode_put_request(namespace if first else "", batch, retain_ttl_s if first else 0.0)
             first, batch, size = False, [], 0
         batch.append((key, data))
         size += n
     if batch or first:
-        yield encode_put_request(namespace if first else "", batch)
+        yield encode_put_request(namespace if first else "", batch, retain_ttl_s if first else 0.0)
 
 
 def lookup_result(response: pb.LookupResponse) -> LookupResult:
     return LookupResult(response.prefix_length, tuple(TIER_NAMES.get(t, "unknown") for t in response.tiers))
+
+
+def prefetch_result(response: pb.PrefetchResponse) -> PrefetchResult:
+    return PrefetchResult(response.in_ram, response.queued, response.unknown, response.dropped)
 
 
 def put_result(response: pb.PutResponse) -> PutResult:
@@ -253,6 +261,12 @@ def server_stats(r: pb.StatsResponse) -> ServerStats:
         arena_reservations=r.arena_reservations,
         arena_leases_expired=r.arena_leases_expired,
         arena_reservations_reclaimed=r.arena_reservations_reclaimed,
+        retention_refused=r.retention_refused,
+        retention_expired=r.retention_expired,
+        prefetch_queued=r.prefetch_queued,
+        prefetch_promoted=r.prefetch_promoted,
+        prefetch_dropped=r.prefetch_dropped,
+        prefetch_failed=r.prefetch_failed,
         tiers=tuple(TierInfo(**{name: getattr(t, name) for name in _TIER_INFO_FIELDS}) for t in r.tiers),
     )
 

@@ -26,6 +26,24 @@ class LookupResult:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefetchResult:
+    """What a prefetch did with its keys (kvcache.v1.PrefetchResponse): in_ram + queued + unknown +
+    dropped = keys asked.
+
+    Attributes:
+        in_ram: keys the server's RAM held already.
+        queued: keys a lower tier holds, queued for promotion into RAM in the background.
+        unknown: keys no tier answered present.
+        dropped: keys a lower tier holds that the server's full promotion queue did not take.
+    """
+
+    in_ram: int
+    queued: int
+    unknown: int
+    dropped: int = 0
+
+
+@dataclass(frozen=True, slots=True)
 class TierPutResult:
     """What one tier took of a put_many's blocks (kvcache.v1.TierPutResult).
 
@@ -103,6 +121,8 @@ class TierInfo:
     bytes_written: int = 0
     bytes_read: int = 0
     lookup_late_hits: int = 0
+    retained_blocks: int = 0  # RAM: blocks held under retention now (put_many's retain_ttl_s)
+    retained_bytes: int = 0
 
 
 _TIER_INFO_FIELDS = [f.name for f in fields(TierInfo)]
@@ -136,6 +156,12 @@ class ServerStats:
     arena_reservations: int = 0
     arena_leases_expired: int = 0
     arena_reservations_reclaimed: int = 0
+    retention_refused: int = 0  # retained puts stored unretained (a full share); retentions that ran out
+    retention_expired: int = 0
+    prefetch_queued: int = 0  # prefetch keys queued, promoted into RAM, dropped (queue full), not brought
+    prefetch_promoted: int = 0
+    prefetch_dropped: int = 0
+    prefetch_failed: int = 0
 
     def tier(self, name: str) -> TierInfo:
         for t in self.tiers:

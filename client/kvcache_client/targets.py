@@ -48,7 +48,7 @@ from kvcache_client.bulk import AsyncBulkTransport, BulkLink, BulkTransport, bea
 from kvcache_client.client import DEFAULT_MAX_MESSAGE_BYTES, KVCacheClient
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, make_channel
 from kvcache_client.errors import RPCError
-from kvcache_client.results import Fetched, LookupResult, PutResult, ServerStats
+from kvcache_client.results import Fetched, LookupResult, PrefetchResult, PutResult, ServerStats
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.transport import AsyncGrpcTransport, AsyncTransport, GrpcTransport, Transport
 from kvcache_core.blockwire import BlockData
@@ -190,7 +190,11 @@ class FailoverTransport:
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         return self._each(timeout_s, lambda t, s: t.lookup(namespace, keys, s))
 
-    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+    def put(
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, *, retain_ttl_s: float = 0.0
+    ) -> PutResult:
+        if retain_ttl_s:
+            return self._each(timeout_s, lambda t, s: t.put(namespace, items, s, retain_ttl_s=retain_ttl_s))  # type: ignore[call-arg]
         return self._each(timeout_s, lambda t, s: t.put(namespace, items, s))
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
@@ -228,6 +232,9 @@ class FailoverTransport:
 
     def stats(self, timeout_s: float) -> ServerStats:
         return self._each(timeout_s, lambda t, s: t.stats(s))
+
+    def prefetch(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> PrefetchResult:
+        return self._each(timeout_s, lambda t, s: t.prefetch(namespace, keys, s))  # type: ignore[attr-defined]
 
     def close(self) -> None:
         for t in self._transports:
@@ -278,7 +285,11 @@ class AsyncFailoverTransport:
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         return await self._each(timeout_s, lambda t, s: t.lookup(namespace, keys, s))
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+    async def put(
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, *, retain_ttl_s: float = 0.0
+    ) -> PutResult:
+        if retain_ttl_s:
+            return await self._each(timeout_s, lambda t, s: t.put(namespace, items, s, retain_ttl_s=retain_ttl_s))  # type: ignore[call-arg]
         return await self._each(timeout_s, lambda t, s: t.put(namespace, items, s))
 
     async def get(
@@ -291,6 +302,9 @@ class AsyncFailoverTransport:
 
     async def stats(self, timeout_s: float) -> ServerStats:
         return await self._each(timeout_s, lambda t, s: t.stats(s))
+
+    async def prefetch(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> PrefetchResult:
+        return await self._each(timeout_s, lambda t, s: t.prefetch(namespace, keys, s))  # type: ignore[attr-defined]
 
     async def close(self) -> None:
         made = [t for t in self._transports if t is not None]

@@ -30,13 +30,14 @@ from kvcache_client.messages import (
     GetCollector,
     apply_info,
     lookup_result,
+    prefetch_result,
     put_messages,
     put_result,
     server_stats,
     shm_get_request,
     through_segment,
 )
-from kvcache_client.results import Fetched, LookupResult, PutResult, ServerStats
+from kvcache_client.results import Fetched, LookupResult, PrefetchResult, PutResult, ServerStats
 from kvcache_client.shm import Segment, ShmLink, env_allows_shm, run_to_end
 from kvcache_client.steps import arun, run
 from kvcache_core.blockwire import BlockData, PutData, ShmRange, data_len, decode_get_response, encode_put_request
@@ -52,7 +53,9 @@ class Transport(Protocol):
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult: ...
 
-    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult: ...
+    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+        """Transports that carry PutRequest.retain_ttl_s take it as a keyword `retain_ttl_s`."""
+        ...
 
     def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
@@ -70,7 +73,9 @@ class AsyncTransport(Protocol):
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult: ...
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult: ...
+    async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+        """Transports that carry PutRequest.retain_ttl_s take it as a keyword `retain_ttl_s`."""
+        ...
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
@@ -173,32 +178,49 @@ class GrpcTransport(_Channel):
             self._stub.Lookup(pb.LookupRequest(namespace=namespace, keys=keys), timeout=timeout_s, metadata=self._md)
         )
 
-    def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+    def put(
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, *, retain_ttl_s: float = 0.0
+    ) -> PutResult:
         """Through a segment of this client's own on the server's host (the server reads it straight
         into arena slots), inline elsewhere: a client never writes into the server's arena."""
         self._check_info(timeout_s)
-        return self._put_through_segment(namespace, items, timeout_s)
+        return self._put_through_segment(namespace, items, timeout_s, retain_ttl_s)
 
     def _put_through_segment(
-        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, retain_ttl_s: float = 0.0
     ) -> PutResult:
         segment = self.shm.put_segment(sum(data_len(d) for _, d in items))
-        return run(through_segment(self.shm, segment, lambda seg: self._put_via(namespace, items, timeout_s, seg)))
+        return run(
+            through_segment(
+                self.shm, segment, lambda seg: self._put_via(namespace, items, timeout_s, seg, retain_ttl_s)
+            )
+        )
 
     def _put_via(
-        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, segment: Segment | None
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, BlockData]],
+        timeout_s: float,
+        segment: Segment | None,
+        retain_ttl_s: float = 0.0,
     ) -> PutResult:
         if segment is None:
-            return self._send_put(namespace, items, timeout_s)
+            return self._send_put(namespace, items, timeout_s, retain_ttl_s)
         groups = segment.writer(items, PIPELINE_GROUP_BYTES)  # OSError: no room in the tmpfs
-        return self._send_staged(namespace, groups, timeout_s)
+        return self._send_staged(namespace, groups, timeout_s, retain_ttl_s)
 
-    def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
-        messages = put_messages(namespace, items, self._message_bytes, self.part_bytes)
+    def _send_put(
+        self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float, retain_ttl_s: float = 0.0
+    ) -> PutResult:
+        messages = put_messages(namespace, items, self._message_bytes, self.part_bytes, retain_ttl_s)
         return put_result(self._put(messages, timeout=timeout_s, metadata=self._md))
 
     def _send_staged(
-        self, namespace: str, groups: Iterator[list[tuple[bytes, ShmRange]]], timeout_s: float
+        self,
+        namespace: str,
+        groups: Iterator[list[tuple[bytes, ShmRange]]],
+        timeout_s: float,
+        retain_ttl_s: float = 0.0,
     ) -> PutResult:
         """One Put whose messages name the segment's blocks group by group, each copied in as gRPC
         asks for its message (in gRPC's sending thread): the server reads one group into its slots
@@ -210,7 +232,7 @@ class GrpcTransport(_Channel):
             first = True
             try:
                 for group in groups:
-                    yield encode_put_request(namespace if first else "", group)
+                    yield encode_put_request(namespace if first else "", group, retain_ttl_s if first else 0.0)
                     first = False
             except BaseException as exc:
                 failed.append(exc)
@@ -263,6 +285,10 @@ class GrpcTransport(_Channel):
 
     def stats(self, timeout_s: float) -> ServerStats:
         return server_stats(self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md))
+
+    def prefetch(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> PrefetchResult:
+        request = pb.PrefetchRequest(namespace=namespace, keys=keys)
+        return prefetch_result(self._stub.Prefetch(request, timeout=timeout_s, metadata=self._md))
 
     def close(self) -> None:
         self._inplace.drain()  # abandoned LeaseGets and their hand-backs, each with its own deadline
@@ -322,18 +348,22 @@ class AsyncGrpcTransport(_Channel):
         request = pb.LookupRequest(namespace=namespace, keys=keys)
         return lookup_result(await self._stub.Lookup(request, timeout=timeout_s, metadata=self._md))
 
-    async def put(self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float) -> PutResult:
+    async def put(
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, *, retain_ttl_s: float = 0.0
+    ) -> PutResult:
         """As GrpcTransport.put."""
         await self._check_info(timeout_s)
-        return await self._put_through_segment(namespace, items, timeout_s)
+        return await self._put_through_segment(namespace, items, timeout_s, retain_ttl_s)
 
     async def _put_through_segment(
-        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float
+        self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, retain_ttl_s: float = 0.0
     ) -> PutResult:
         nbytes = sum(data_len(d) for _, d in items)
         segment = self.shm.put_segment(nbytes)
         return await arun(
-            through_segment(self.shm, segment, lambda seg: self._put_via(namespace, items, nbytes, timeout_s, seg))
+            through_segment(
+                self.shm, segment, lambda seg: self._put_via(namespace, items, nbytes, timeout_s, seg, retain_ttl_s)
+            )
         )
 
     async def _put_via(
@@ -343,19 +373,22 @@ class AsyncGrpcTransport(_Channel):
         nbytes: int,
         timeout_s: float,
         segment: Segment | None,
+        retain_ttl_s: float = 0.0,
     ) -> PutResult:
         if segment is None:
-            return await self._send_put(namespace, items, timeout_s)
+            return await self._send_put(namespace, items, timeout_s, retain_ttl_s)
         # Copying into the segment, off the event loop when it is large. A cancelled call stops the
         # copy at its next block and waits for it before the segment is retired.
         if nbytes >= OFFLOAD_BYTES:
             refs = await run_to_end(lambda stop: segment.write_blocks(items, stop))
         else:
             refs = segment.write_blocks(items)  # OSError: no room in the tmpfs
-        return await self._send_put(namespace, refs, timeout_s)
+        return await self._send_put(namespace, refs, timeout_s, retain_ttl_s)
 
-    async def _send_put(self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float) -> PutResult:
-        messages = _aiter(put_messages(namespace, items, self._message_bytes, self.part_bytes))
+    async def _send_put(
+        self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float, retain_ttl_s: float = 0.0
+    ) -> PutResult:
+        messages = _aiter(put_messages(namespace, items, self._message_bytes, self.part_bytes, retain_ttl_s))
         deadline = time.monotonic() + timeout_s
         try:
             return put_result(await self._put(messages, timeout=timeout_s, metadata=self._md))
@@ -417,6 +450,10 @@ class AsyncGrpcTransport(_Channel):
 
     async def stats(self, timeout_s: float) -> ServerStats:
         return server_stats(await self._stub.Stats(pb.StatsRequest(), timeout=timeout_s, metadata=self._md))
+
+    async def prefetch(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> PrefetchResult:
+        request = pb.PrefetchRequest(namespace=namespace, keys=keys)
+        return prefetch_result(await self._stub.Prefetch(request, timeout=timeout_s, metadata=self._md))
 
     async def close(self) -> None:
         await self._inplace.drain()  # abandons and releases still under way, each with its own deadline

@@ -13,6 +13,7 @@ Mixed into KVCacheService, which provides validation (_namespace, _abort), the s
 from __future__ import annotations
 
 import asyncio
+import math
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, NoReturn
 
@@ -136,6 +137,7 @@ class PutStages:
     ) -> pb.PutResponse:
         namespace: str | None = None  # scoped
         first_namespace = ""  # as the client sent it
+        retain_ttl_s = 0.0  # the first message's PutRequest.retain_ttl_s
         index = received = entries = 0
         totals = _Totals()  # what each message's commit kept, summed over the stream
         assembler = BlockAssembler(self._limits.max_block_bytes, held)  # blocks sent in parts
@@ -174,12 +176,17 @@ class PutStages:
             if namespace is None:
                 namespace = await self._namespace(context, message.namespace)
                 first_namespace = message.namespace
+                retain_ttl_s = await self._retain_ttl(context, message.retain_ttl_s)
             elif message.namespace and message.namespace != first_namespace:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
+            elif message.retain_ttl_s and message.retain_ttl_s != retain_ttl_s:
+                await self._abort(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, "retain_ttl_s changed within one Put stream"
+                )
             blocks = message.blocks
             if blocks and not assembler.assembling and all(isinstance(d, ShmRange) for _, d in blocks):
                 # Same host: straight from the client's segment into arena slots the server reserves.
-                outcome = await self._shm_into_slots(context, index, namespace, blocks, segments)  # type: ignore[arg-type]
+                outcome = await self._shm_into_slots(context, index, namespace, blocks, segments, retain_ttl_s)  # type: ignore[arg-type]
                 if outcome is not None:
                     index += len(blocks)
                     totals.add(outcome)
@@ -213,7 +220,7 @@ class PutStages:
             # Commit this message's complete blocks (all verified) before reading the next message.
             if complete:
                 self.block_sizes.saw(namespace, max(len(d) for _, d in complete))
-                totals.add(await self._stack.put(namespace, complete))
+                totals.add(await self._stack.put(namespace, complete, retain_ttl_s=retain_ttl_s))
             # Nothing may keep the message alive past its release (a part is a view into it): the
             # loop's last `data` did, so a stream stopped after one part held it uncounted.
             del message, blocks, complete
@@ -235,6 +242,7 @@ class PutStages:
         namespace: str,
         blocks: list[tuple[bytes, ShmRange]],
         segments: dict[str, tuple[int, int]],
+        retain_ttl_s: float = 0.0,
     ) -> PutOutcome | None:
         """receive + verify + commit for a message of segment ranges, without a copy of the server's
         heap: each block is read (pread, by the kernel) from the client's segment straight into an
@@ -281,7 +289,7 @@ class PutStages:
             self._counters.shm_bytes_received += sum(landed)
             self.block_sizes.saw(namespace, max(r.length for r in made))
             outcome = await self._stack.put_reserved(
-                namespace, [(key, res) for (key, _), res in zip(blocks, made, strict=True)]
+                namespace, [(key, res) for (key, _), res in zip(blocks, made, strict=True)], retain_ttl_s=retain_ttl_s
             )
             # Committed from the server's reservations: what RAM kept (refused blocks are not counted).
             self.inplace_bytes_received += sum(  # type: ignore[attr-defined]
@@ -290,6 +298,16 @@ class PutStages:
             return outcome
         finally:
             ram.abandon([r.id for r in made])  # what was not committed: refused, cancelled, no room
+
+    async def _retain_ttl(self, context: grpc.aio.ServicerContext, asked_s: float) -> float:
+        """PutRequest.retain_ttl_s, checked: 0 or a positive, finite number of seconds (the stack caps it)."""
+        if not (asked_s == 0 or (math.isfinite(asked_s) and asked_s > 0)):
+            await self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"retain_ttl_s must be 0 (no retention) or a positive, finite number of seconds; got {asked_s!r}",
+            )
+        return asked_s
 
     async def _segment_of(
         self, context: grpc.aio.ServicerContext, where: int, ref: ShmRange, segments: dict[str, tuple[int, int]]

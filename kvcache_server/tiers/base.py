@@ -77,6 +77,8 @@ class TierStats:
     bytes_written: int = 0  # as stored, after compression
     bytes_read: int = 0
     lookup_late_hits: int = 0  # keys found by Lookup calls that answered after their Lookup stopped waiting
+    retained_blocks: int = 0  # gauge, RAM only: blocks held under retention (docs/tiers.md, "Sessions that stay")
+    retained_bytes: int = 0  # gauge, RAM only: their entry costs
 
 
 class Tier(ABC):

@@ -49,6 +49,7 @@ import numpy as np
 
 from kvcache_server.arena import Extents, Lease, Region, Reservation, Slot, align, new_id
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
+from kvcache_server.tiers.retention import RetainingPolicy, Retention, RetentionLimits
 from kvcache_server.tiers.room import plan_room
 
 ENTRY_OVERHEAD_BYTES = 384
@@ -151,8 +152,8 @@ class _Partition:
 
     __slots__ = ("leased", "leases", "orphaned", "pin_cap", "policy", "quota", "reserved", "used")
 
-    def __init__(self, policy: EvictionPolicy, quota: int, pin_cap: int) -> None:
-        self.policy = policy
+    def __init__(self, policy: RetainingPolicy, quota: int, pin_cap: int) -> None:
+        self.policy = policy  # the plain eviction order, then the retained entries (tiers/retention.py)
         self.quota = quota  # 0: no share of its own
         self.pin_cap = pin_cap  # bytes its leases and reservations may pin at once
         self.used = 0
@@ -198,9 +199,11 @@ class RamTier(Tier):
          least recently used entry of the tenant furthest over its quota (tenants without a quota
          count as over by all they hold).
     So with quotas that sum to at most the capacity, one tenant's flood only ever evicts its own
-    blocks. Without auth there is one partition and this is plain LRU. An entry whose slot is
-    leased can be evicted from the index, but its slot stays put until the lease ends: when leases
-    pin so much of the arena that no slot fits, the put is refused (a miss later, never wrong bytes).
+    blocks. In every step, blocks retained by retain_many (a put's retain_ttl_s; tiers/retention.py)
+    come after every unretained block. Without auth there is one partition and this is plain LRU. An
+    entry whose slot is leased can be evicted from the index, but its slot stays put until the lease
+    ends: when leases pin so much of the arena that no slot fits, the put is refused (a miss later,
+    never wrong bytes).
     """
 
     name = "ram"
@@ -220,6 +223,7 @@ class RamTier(Tier):
         pin_share: float = DEFAULT_PIN_SHARE,
         max_leases_per_tenant: int = DEFAULT_MAX_LEASES,
         max_keys_per_lease: int = DEFAULT_MAX_LEASE_KEYS,
+        retention: RetentionLimits | None = None,
     ) -> None:
         """Maps the arena (see kvcache_server.arena.Region; `arena_dir` shares it through a file there).
 
@@ -229,6 +233,7 @@ class RamTier(Tier):
                 pin at once when it has no quota (with a quota: its quota).
             max_leases_per_tenant: open leases one tenant may hold.
             max_keys_per_lease: keys one lease_many call leases; the rest are answered unleased.
+            retention: what retain_many may retain, and for how long (tiers/retention.py).
 
         Raises:
             ValueError: capacity_bytes is not positive.
@@ -261,6 +266,7 @@ class RamTier(Tier):
         self._expiries: list[tuple[float, int]] = []  # (expires, lease or reservation id), a heap
         self.leases_expired = 0
         self.reservations_reclaimed = 0
+        self._retention = Retention(retention or RetentionLimits(), capacity_bytes)
 
     @staticmethod
     def entry_cost(block: bytes | memoryview) -> int:
@@ -286,7 +292,7 @@ class RamTier(Tier):
             quota = self._quota_of(tenant)
             # Without auth there is one partition: its pins are bounded by the arena itself.
             cap = quota or (int(self._capacity * self._pin_share) if tenant else self._capacity)
-            part = self._partitions[tenant] = _Partition(self._policy_factory(), quota, cap)
+            part = self._partitions[tenant] = _Partition(RetainingPolicy(self._policy_factory()), quota, cap)
         return part
 
     def _bytes(self, slot: Slot) -> memoryview:
@@ -299,6 +305,7 @@ class RamTier(Tier):
         out: list[bytes | None] = []
         with self._lock:
             part = self._partition(namespace)
+            now = self._clock()
             for key in keys:
                 entry = (namespace, key)
                 slot = self._blocks.get(entry)
@@ -308,6 +315,7 @@ class RamTier(Tier):
                 else:
                     self._stats.hits += 1
                     part.policy.accessed(entry)
+                    self._retention.touched(entry, now)
                     out.append(bytes(self._bytes(slot)))
         return out
 
@@ -351,6 +359,7 @@ class RamTier(Tier):
                     continue
                 self._stats.hits += 1
                 part.policy.accessed(entry)
+                self._retention.touched(entry, now)
                 self._pin(slot)
                 part.leases += 1
                 part.leased += cost
@@ -461,6 +470,46 @@ class RamTier(Tier):
                 self._index(part, entry, res._slot)
                 stored.append(True)
         return stored
+
+    def retain_many(self, namespace: str, keys: Sequence[bytes], ttl_s: float) -> int:
+        """Retains the indexed blocks of `keys` for ttl_s seconds (or renews their retention): they
+        are evicted only after every unretained block (tiers/retention.py). Returns how many are
+        retained; a key not indexed is skipped, and one past its tenant's (or the tier's) share stays
+        unretained, counted in retention_stats()["refused"]."""
+        if ttl_s <= 0:
+            return 0
+        retained = 0
+        with self._lock:
+            now = self._clock()
+            self._reap_locked(now)
+            part = self._partition(namespace)
+            tenant = tenant_of(namespace)
+            for key in keys:
+                entry = (namespace, key)
+                slot = self._blocks.get(entry)
+                if slot is None:
+                    continue
+                fresh = entry not in self._retention
+                if self._retention.grant(entry, tenant, self.entry_cost_of(slot.length), ttl_s, now):
+                    retained += 1
+                    if fresh:
+                        part.policy.keep(entry)
+        return retained
+
+    def retention_ttl(self, asked_s: float) -> float:
+        """The TTL a put's retain_ttl_s comes to (the configured default for 0, capped at max_ttl_s)."""
+        return self._retention.ttl_for(asked_s)
+
+    def retained(self, namespace: str, key: bytes) -> bool:
+        with self._lock:
+            return (namespace, key) in self._retention
+
+    def retention_stats(self) -> dict[str, int]:
+        """Retained blocks and bytes now; grants refused for a full share; retentions that ran out."""
+        with self._lock:
+            self._reap_locked(self._clock())
+            r = self._retention
+            return {"blocks": len(r), "bytes": r.retained_bytes, "refused": r.refused, "expired": r.expired}
 
     def settle(self, evicted: Evicted) -> None:
         """Phase two of making room, once evicted.copy() has ended (or will never run): gives the
@@ -615,6 +664,8 @@ class RamTier(Tier):
             return self._reap_locked(self._clock())
 
     def _reap_locked(self, now: float) -> int:
+        for entry in self._retention.due(now):  # back to the plain order, evictable as any other
+            self._partition(entry[0]).policy.unkeep(entry)
         reaped = 0
         while self._expiries and self._expiries[0][0] <= now:
             _, item_id = heapq.heappop(self._expiries)
@@ -666,6 +717,7 @@ class RamTier(Tier):
         if slot is None:
             return None
         part.policy.removed(entry)
+        self._retention.drop(entry)
         cost = self.entry_cost_of(slot.length)
         part.used -= cost
         self._used -= cost
@@ -795,4 +847,6 @@ class RamTier(Tier):
                 checksum_failures=s.checksum_failures,
                 errors=s.errors,
                 healthy=True,
+                retained_blocks=len(self._retention),
+                retained_bytes=self._retention.retained_bytes,
             )

@@ -16,6 +16,11 @@ its own state under its lock, and evicts only a plan that yields all three:
    again and again (tenants without a quota count as over by all they hold), counting what
    steps 1 and 2 freed.
 
+Retained blocks (tiers/retention.py) come last in every step: each tenant's eviction order lists
+them after its unretained blocks, the LRU searches of steps 2 and 3 take every tenant's unretained
+blocks before any tenant's retained one, and a window holding a retained block costs more than any
+window without one.
+
    offset 0                                                               capacity
    | free | blk a | LEASED | free | blk b | blk c | RES | free | blk d | free |
                            `------ window: evict b, c ---'
@@ -31,10 +36,14 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from kvcache_server.arena import align
+from kvcache_server.tiers.retention import RetainingPolicy
 
 if TYPE_CHECKING:
     from kvcache_server.tiers.ram import EntryKey, RamTier, _Partition
 
+
+_RETAINED_LAST = (RetainingPolicy.plain_candidates, RetainingPolicy.kept_candidates)
+"""The eviction orders a step walks across tenants, in turn: unretained blocks, then retained ones."""
 
 WINDOW_SCAN_MAX_BLOCKS = 100_000
 """Above this many blocks the cheapest-window scan (O(blocks log blocks) under the RAM tier's lock)
@@ -94,21 +103,25 @@ def plan_room(tier: RamTier, part: _Partition, nbytes: int, cost: int, keep: Ent
     # LRU victims chosen first would lie anywhere and free no run).
     if not _contiguous(plan, part, nbytes):
         return None
-    # 3. The byte cap.
+    # 3. The byte cap: unretained blocks of every tenant before any retained one (tiers/retention.py).
     over = tier._used + tier._reserved + tier._orphaned + cost - tier._capacity - sum(plan.freed.values())
-    if over > 0:
-        parts = list(tier._partitions.values())
-        orders = {id(p): p.policy.candidates() for p in parts}
+    parts = list(tier._partitions.values()) if over > 0 else []
+    for order_of in _RETAINED_LAST:
+        if over <= 0:
+            break
+        orders = {id(p): order_of(p.policy) for p in parts}
         heads: dict[int, EntryKey | None] = {id(p): plan.next_victim(p, orders[id(p)]) for p in parts}  # type: ignore[arg-type]
         while over > 0:
             ready = [p for p in parts if heads[id(p)] is not None]
             if not ready:
-                return None  # leases and reservations pin what is left
+                break
             worst = max(ready, key=plan.overage)
             entry = heads[id(worst)]
             assert entry is not None
             over -= plan.take(worst, entry)
             heads[id(worst)] = plan.next_victim(worst, orders[id(worst)])  # type: ignore[arg-type]
+    if over > 0:
+        return None  # leases and reservations pin what is left
     return plan.victims
 
 
@@ -129,8 +142,10 @@ def _contiguous(plan: _Plan, part: _Partition, nbytes: int) -> bool:
     checkpoint = len(plan.victims)
     allowed = [part] + [p for p in tier._partitions.values() if p is not part and plan.overage(p) > 0]
     budget = 4 * need  # bytes this cheap search may evict beyond the share's victims
-    for p in allowed:
-        order = p.policy.candidates()
+    # Every allowed tenant's unretained blocks before any retained one (tiers/retention.py).
+    orders = [(p, order_of) for order_of in _RETAINED_LAST for p in allowed]
+    for p, order_of in orders:
+        order = order_of(p.policy)
         while budget > 0 and (entry := plan.next_victim(p, order)) is not None:  # type: ignore[arg-type]
             slot = tier._blocks[entry]
             budget -= plan.take(p, entry)
@@ -142,8 +157,8 @@ def _contiguous(plan: _Plan, part: _Partition, nbytes: int) -> bool:
     if len(tier._blocks) > WINDOW_SCAN_MAX_BLOCKS:
         # Too many blocks to scan under the lock: go on in LRU order, as long as it takes (each
         # step O(1)); the plan still evicts nothing unless it ends in a run that fits.
-        for p in allowed:
-            order = p.policy.candidates()
+        for p, order_of in orders:
+            order = order_of(p.policy)
             while (entry := plan.next_victim(p, order)) is not None:  # type: ignore[arg-type]
                 slot = tier._blocks[entry]
                 plan.take(p, entry)
@@ -205,8 +220,10 @@ def _cheapest_window(plan: _Plan, part: _Partition, need: int) -> list[EntryKey]
     """The evictable entries of the cheapest run that spans `need` bytes ([] when the plan's victims
     and the free extents already leave one), or None when no run does."""
     tier = plan.tier
-    # (offset, size, bytes to evict, entry): free extents and the victims so far cost nothing.
+    # (offset, size, bytes to evict, entry): free extents and the victims so far cost nothing; a
+    # retained block costs the whole capacity more, so a window takes one only where none spares it.
     runs: list[list] = [[o, n, 0, None] for o, n in tier._extents.extents()]  # lists: no tuple free-list
+    retained = tier._retention
     allowed = {id(part)} | {id(p) for p in tier._partitions.values() if plan.overage(p) > 0}
     barrier = -1
     for entry, slot in tier._blocks.items():
@@ -214,7 +231,7 @@ def _cheapest_window(plan: _Plan, part: _Partition, need: int) -> list[EntryKey]
         if entry in plan.chosen:
             runs.append([slot.offset, size, 0, None])
         elif plan.evictable(entry) and id(tier._partition(entry[0])) in allowed:
-            runs.append([slot.offset, size, size, entry])
+            runs.append([slot.offset, size, size + (tier._capacity if entry in retained else 0), entry])
         else:
             runs.append([slot.offset, size, barrier, None])
     runs.sort(key=lambda r: r[0])

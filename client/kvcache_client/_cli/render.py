@@ -62,6 +62,7 @@ _ROWS: list[tuple[str, Callable[[TierInfo], str]]] = [
     ("hit ratio", _ratio),
     ("puts", lambda t: f"{t.puts:,}"),
     ("evictions", lambda t: f"{t.evictions:,}"),
+    ("retained", lambda t: f"{t.retained_blocks:,} ({human_bytes(t.retained_bytes)})"),
     ("rejected", lambda t: f"{t.rejected:,}"),
     ("promotions", lambda t: f"{t.promotions:,}"),
     ("demotions", lambda t: f"{t.demotions:,}"),
@@ -95,6 +96,9 @@ def stats_text(stats: ServerStats, target: str) -> str:
         f"limits: max block {human_bytes(stats.max_block_bytes)}, {stats.max_keys_per_request:,} keys per request",
         f"failed requests: {stats.failed_requests:,}; blocks refused on put (checksum): "
         f"{stats.put_checksum_failures:,}",
+        f"retention: {stats.retention_refused:,} refused (share full), {stats.retention_expired:,} expired; "
+        f"prefetch: {stats.prefetch_queued:,} queued, {stats.prefetch_promoted:,} promoted, "
+        f"{stats.prefetch_dropped:,} dropped, {stats.prefetch_failed:,} failed",
         "",
     ]
     header = ["tier", *(t.name for t in stats.tiers)]
