@@ -47,7 +47,7 @@ Reported, for one run:
 
 Phases (all on one file system, --dir, default a temporary directory):
     RAM 10%                   ram.capacity_bytes for 10% (--ram-share) of the working set.
-    RAM 10% + disk 100%       and a disk tier for 100% of it (write-behind, the default).
+    RAM 10% + disk 100%       and a disk tier for 100% of it (write-behind, the default; --disk-write-mode).
     RAM 10% + Redis 100%      and a redis-server started here (write-through, the default).
     RAM 10% + disk X%         with --extra-disk X[:REGION_MIB] (repeatable), a disk for X of the working set
                               (regions of REGION_MIB, default --region-mib): where eviction by region shows.
@@ -383,8 +383,9 @@ def tier_notes(p: Phase) -> str:
         t = p.server.get(name)
         if t is None:
             continue
+        held = f"{t['blocks']:,}" if name == "disk" else f"{p.redis_keys:,} keys (redis-server's DBSIZE)"
         parts.append(
-            f"{name} holds {t['blocks']:,} (sized {p.lower_blocks:,}), puts {t['puts']:,}, "
+            f"{name} holds {held} (sized {p.lower_blocks:,}), puts {t['puts']:,}, "
             f"evicted {t['evictions']:,}, demotions {t['demotions']:,}, queue dropped {t['queue_dropped']:,}, "
             f"rejected {t['rejected']:,}, errors {t['errors']:,}, write errors {t['write_errors']:,}, "
             f"checksum failures {t['checksum_failures']:,}, promotions {t['promotions']:,}"
@@ -396,7 +397,7 @@ def tier_notes(p: Phase) -> str:
             f"holds {len(m.where):,}"
         )
     if p.lower == "redis":
-        parts.append(f"redis-server holds {p.redis_keys:,} keys, evicted_keys {p.redis_evicted:,}")
+        parts.append(f"redis-server evicted_keys {p.redis_evicted:,}")
     parts.append(
         f"Put blocks dropped by a queue {sum(p.put_dropped.values()):,}, Puts not stored {p.put_failed:,}, "
         f"Lookups failed {p.lookup_failed:,}, Gets short of their Lookup {p.get_short:,}, corrupt {p.corrupt:,}"
@@ -424,6 +425,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="also RAM + a disk for SHARE of the working set (e.g. 0.25, or 0.25:1 with 1 MiB regions); repeatable",
     )
     p.add_argument("--no-redis", action="store_true", help="skip the Redis phase")
+    p.add_argument(
+        "--disk-write-mode",
+        choices=("behind", "through"),
+        default="behind",
+        help="disk.write_mode (default behind, the tier's default; through: Puts wait for the disk)",
+    )
     p.add_argument("--dir", help="where the disk tier's files go (default: a temporary directory)")
     p.add_argument("--redis-server", default="redis-server", help="redis-server executable")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
@@ -491,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
                 lower_blocks = regions * per_region
                 directory = base / f"disk{len(phases)}"
                 sets += ["disk.enabled=true", f"disk.dir={directory}", f"disk.capacity_bytes={disk_bytes}"]
-                sets.append(f"disk.region_bytes={region_mib * MiB}")
+                sets += [f"disk.region_bytes={region_mib * MiB}", f"disk.write_mode={args.disk_write_mode}"]
                 capacity["disk"] = disk_bytes
             elif lower == "redis":
                 assert rclient is not None

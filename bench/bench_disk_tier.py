@@ -27,7 +27,8 @@ Zipf(1.1) popularity over prefixes; each request looks up its chunk keys, gets t
 and puts the rest. Reported: blocks served from cache / blocks asked, and from which tier.
 
 Part 3, streams of 1 MiB and 4 MiB blocks (--stream-mib, 128 MiB each) against dd and fio on the same
-file system (the same directory), in the same run, GB/s (10^9 bytes/s) of the median of --stream-iters:
+file system (the same directory), in the same run, GB/s (10^9 bytes/s) of the median of --stream-iters
+rounds in which dd, fio and the tier take turns (the machine is shared: its load changes):
     write       into the page cache (what the tier does: no fsync). dd if=/dev/zero of=F bs=B (into a
                 new file); fio --rw=write --ioengine=psync (buffered, one job); the tier: put_many in
                 batches of 64 blocks, one after the other (as the stack's write-behind drains them),
@@ -62,6 +63,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -341,14 +343,17 @@ def fio_gb_s(path: Path, rw: str, block: int, nbytes: int, invalidate: bool) -> 
     return job["io_bytes"] / (job["lat_ns"]["mean"] * job["total_ios"])
 
 
-def median_of(fn, iters: int, before=None) -> float:
-    """The median of fn()'s GB/s over iters calls; before(), if given, runs untimed before each."""
-    out = []
+def interleaved(fns: dict[str, Callable[[], float] | None], iters: int) -> dict[str, float | None]:
+    """Each fn's median GB/s over `iters` rounds in which the fns take turns, so that a change in the
+    shared machine's load falls on all of them alike; a None fn gives None. Each fn times itself (what
+    it does before its timed part, such as dropping the page cache, is not counted)."""
+    runs: dict[str, list[float]] = {k: [] for k, fn in fns.items() if fn is not None}
     for _ in range(iters):
-        if before is not None:
-            before()
-        out.append(fn())
-    return median(out)
+        for k, xs in runs.items():
+            fn = fns[k]
+            assert fn is not None
+            xs.append(fn())
+    return {k: median(runs[k]) if k in runs else None for k in fns}
 
 
 class TierStream:
@@ -435,34 +440,34 @@ def measure_stream(d: Path, block: int, nbytes: int, iters: int, fio: bool, thre
     def fio_read(invalidate: bool) -> float:
         return fio_gb_s(f, "read", block, count * block, invalidate)
 
+    def dd_cold() -> float:
+        drop_cache([f])
+        return dd_read()
+
+    def tier_cold() -> float:
+        drop_cache(stream.files())
+        return stream.read()
+
     try:
         measured = {
-            "write": {
-                "dd": median_of(dd_write, iters),
-                "fio": median_of(fio_write, iters) if fio else None,
-                "tier": median_of(lambda: stream.write(False), iters),
-            },
-            "write+fsync": {
-                "dd": median_of(lambda: dd_write("conv=fsync"), iters),
-                "fio": None,
-                "tier": median_of(lambda: stream.write(True), iters),
-            },
+            "write": interleaved(
+                {"dd": dd_write, "fio": fio_write if fio else None, "tier": lambda: stream.write(False)}, iters
+            ),
+            "write+fsync": interleaved(
+                {"dd": lambda: dd_write("conv=fsync"), "fio": None, "tier": lambda: stream.write(True)}, iters
+            ),
         }
         dd_write("conv=fsync")  # the file the reads read, on the device
         dd_read()
         stream.read()
         stream.faults.clear()
-        measured["read warm"] = {
-            "dd": median_of(dd_read, iters),
-            "fio": median_of(lambda: fio_read(False), iters) if fio else None,
-            "tier": median_of(stream.read, iters),
-            "tier_faults_per_mib": median(stream.faults) * MiB / stream.nbytes,
-        }
-        measured["read cold"] = {
-            "dd": median_of(dd_read, iters, lambda: drop_cache([f])),
-            "fio": median_of(lambda: fio_read(True), iters) if fio else None,
-            "tier": median_of(stream.read, iters, lambda: drop_cache(stream.files())),
-        }
+        measured["read warm"] = interleaved(
+            {"dd": dd_read, "fio": (lambda: fio_read(False)) if fio else None, "tier": stream.read}, iters
+        )
+        measured["read warm"]["tier_faults_per_mib"] = median(stream.faults) * MiB / stream.nbytes
+        measured["read cold"] = interleaved(
+            {"dd": dd_cold, "fio": (lambda: fio_read(True)) if fio else None, "tier": tier_cold}, iters
+        )
     finally:
         stream.close()
     return measured
@@ -501,13 +506,10 @@ def part3(base: Path, sizes: list[int], nbytes: int, iters: int, threads: tuple[
             f"{r['ratio']:.2f}x",
         ]
         print("| " + " | ".join(cells) + " | |")
-    for r in rows:
-        if "tier_faults_per_mib" in r:
-            print(
-                f"(the tier's warm reads of {r['block'] // MiB} MiB blocks took {r['tier_faults_per_mib']:.0f} minor "
-                "page faults per MiB: each block is a new bytes object, whose pages the kernel maps as they are "
-                "filled; dd and fio read into one buffer they reuse)"
-            )
+    faults = ", ".join(
+        f"{r['tier_faults_per_mib']:.0f} ({r['block'] // MiB} MiB blocks)" for r in rows if "tier_faults_per_mib" in r
+    )
+    print(f"(minor page faults per MiB of the tier's warm reads: {faults}; dd and fio read into one buffer they reuse)")
     print(f"(load average at the end {os.getloadavg()[0]:.1f})")
     return rows
 
