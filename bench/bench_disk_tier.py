@@ -343,17 +343,20 @@ def fio_gb_s(path: Path, rw: str, block: int, nbytes: int, invalidate: bool) -> 
     return job["io_bytes"] / (job["lat_ns"]["mean"] * job["total_ios"])
 
 
-def interleaved(fns: dict[str, Callable[[], float] | None], iters: int) -> dict[str, float | None]:
-    """Each fn's median GB/s over `iters` rounds in which the fns take turns, so that a change in the
-    shared machine's load falls on all of them alike; a None fn gives None. Each fn times itself (what
-    it does before its timed part, such as dropping the page cache, is not counted)."""
+def interleaved(fns: dict[str, Callable[[], float] | None], iters: int) -> dict[str, object]:
+    """Each fn's median GB/s (and, under "<name>_range", its min and max) over `iters` rounds in which
+    the fns take turns, so that a change in the shared machine's load falls on all of them alike; a
+    None fn gives None. Each fn times itself (what it does before its timed part, such as dropping
+    the page cache, is not counted)."""
     runs: dict[str, list[float]] = {k: [] for k, fn in fns.items() if fn is not None}
     for _ in range(iters):
         for k, xs in runs.items():
             fn = fns[k]
             assert fn is not None
             xs.append(fn())
-    return {k: median(runs[k]) if k in runs else None for k in fns}
+    out: dict[str, object] = {k: median(runs[k]) if k in runs else None for k in fns}
+    out.update({f"{k}_range": [min(xs), max(xs)] for k, xs in runs.items()})
+    return out
 
 
 class TierStream:
@@ -493,16 +496,22 @@ def part3(base: Path, sizes: list[int], nbytes: int, iters: int, threads: tuple[
         for op, m in measured.items():
             best = max(m[k] for k in ("dd", "fio") if m.get(k) is not None)
             rows.append({"block": block, "op": op, **m, "ratio": m["tier"] / best})
-    print(f"| block | op | dd GB/s | fio GB/s | disk tier GB/s | tier / best of dd, fio | load {load:.1f} |")
+    print(f"| block | op | dd GB/s (min-max) | fio GB/s | disk tier GB/s | tier / best of dd, fio | load {load:.1f} |")
     print("|---:|---|---:|---:|---:|---:|---|")
+
+    def cell(r: dict, k: str) -> str:
+        if r[k] is None:
+            return "-"
+        lo, hi = r[f"{k}_range"]
+        return f"{r[k]:.2f} ({lo:.2f}-{hi:.2f})"
+
     for r in rows:
-        fio_cell = f"{r['fio']:.2f}" if r["fio"] is not None else "-"
         cells = [
             f"{r['block'] // MiB} MiB",
             r["op"],
-            f"{r['dd']:.2f}",
-            fio_cell,
-            f"{r['tier']:.2f}",
+            cell(r, "dd"),
+            cell(r, "fio"),
+            cell(r, "tier"),
             f"{r['ratio']:.2f}x",
         ]
         print("| " + " | ".join(cells) + " | |")
