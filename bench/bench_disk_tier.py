@@ -5,7 +5,7 @@ Run from the repository root with the project's virtualenv:
     python bench/bench_disk_tier.py                  # full run (~1-2 minutes)
     python bench/bench_disk_tier.py --quick          # smoke run (< 30 s)
     python bench/bench_disk_tier.py --dir /nvme/tmp  # on the disk you mean to use (default: a temp dir)
-    python bench/bench_disk_tier.py --only-stream    # Part 3 alone: the tier against dd and fio (~1 minute)
+    python bench/bench_disk_tier.py --only-stream    # Part 3 alone: the tier against dd and fio (~30 s)
 
 Part 1, batches of 64 blocks (16 KiB, 256 KiB, 2 MiB), in this process (no RPC: the tier itself):
     raw pwrite/pread  the same bytes appended to / read from one file in the same directory with
