@@ -5,6 +5,7 @@ Run from the repository root with the project's virtualenv:
     python bench/bench_disk_tier.py                  # full run (~1-2 minutes)
     python bench/bench_disk_tier.py --quick          # smoke run (< 30 s)
     python bench/bench_disk_tier.py --dir /nvme/tmp  # on the disk you mean to use (default: a temp dir)
+    python bench/bench_disk_tier.py --only-stream    # Part 3 alone: the tier against dd and fio (~30 s)
 
 Part 1, batches of 64 blocks (16 KiB, 256 KiB, 2 MiB), in this process (no RPC: the tier itself):
     raw pwrite/pread  the same bytes appended to / read from one file in the same directory with
@@ -24,14 +25,37 @@ Part 2, hit rate (trace-like): a TierStack with a small RAM tier, alone and with
 larger (write-behind, demotion on eviction), replaying sessions that share prompt prefixes with a
 Zipf(1.1) popularity over prefixes; each request looks up its chunk keys, gets the prefix found
 and puts the rest. Reported: blocks served from cache / blocks asked, and from which tier.
+
+Part 3, streams of 1 MiB and 4 MiB blocks (--stream-mib, 128 MiB each) against dd and fio on the same
+file system (the same directory), in the same run, GB/s (10^9 bytes/s) of the median of --stream-iters
+rounds in which dd, fio and the tier take turns (the machine is shared: its load changes):
+    write       into the page cache (what the tier does: no fsync). dd if=/dev/zero of=F bs=B (into a
+                new file); fio --rw=write --ioengine=psync (buffered, one job); the tier: put_many in
+                batches of 64 blocks, one after the other (as the stack's write-behind drains them),
+                into a new tier (every record a new page).
+    write+fsync to the device: dd conv=fsync (its time includes the fsync); the tier's puts, then an
+                fsync of each region file, timed together. (No fio here: its bandwidth leaves the
+                final fsync out.)
+    read warm   from the page cache: dd of=/dev/null; fio --rw=read --invalidate=0; the tier: get_many
+                of batches of 64 keys (its reader threads share each batch), every block a new bytes.
+    read cold   from the device: the files' pages dropped first (fsync, POSIX_FADV_DONTNEED), untimed;
+                dd; fio --invalidate=1 (fio drops them itself); the tier the same way.
+    The ratio is the tier's GB/s over the faster of dd and fio (1.00x: as fast; the issue's target
+    is >= 0.5x). dd and fio times are their own reports (no process start-up; fio's from the time
+    its calls took, lat_ns); fio is skipped when it is not installed (apt-get install fio). Also
+    printed: the minor page faults per MiB of the tier's warm reads (getrusage), what separates them
+    from dd's, which reuses one buffer.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import random
+import re
+import resource
 import shutil
 import statistics
 import subprocess
@@ -39,6 +63,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -291,6 +316,213 @@ async def part2(base: Path, requests: int, block: int) -> None:
     )
 
 
+# -- Part 3: streams of large blocks against dd and fio ------------------------------------------
+
+DD_COPIED = re.compile(r"(\d+) bytes .* copied, ([0-9.e+-]+) s")
+
+
+def dd_gb_s(*args: str) -> float:
+    """GB/s of one dd run, from its own report (bytes and seconds: no process start-up)."""
+    out = subprocess.run(
+        ["dd", *args], capture_output=True, text=True, timeout=300, env={**os.environ, "LC_ALL": "C"}, check=True
+    )
+    m = DD_COPIED.search(out.stderr)
+    if m is None:
+        raise RuntimeError(f"dd printed no timing: {out.stderr!r}")
+    return int(m.group(1)) / float(m.group(2)) / 1e9
+
+
+def fio_gb_s(path: Path, rw: str, block: int, nbytes: int, invalidate: bool) -> float:
+    """GB/s of one fio job (buffered psync, one job), from its JSON report: its bytes over the time its
+    calls took (lat_ns, nanoseconds; its bw_bytes divides by a runtime in whole milliseconds, too coarse
+    for a 20 ms read from the page cache, and this leaves fio's own loop out: a baseline no slower)."""
+    argv = ["fio", "--name=kvcache", f"--filename={path}", f"--rw={rw}", f"--bs={block}", f"--size={nbytes}"]
+    argv += ["--ioengine=psync", "--numjobs=1", f"--invalidate={int(invalidate)}", "--output-format=json"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+    job = json.loads(out.stdout)["jobs"][0][rw]
+    return job["io_bytes"] / (job["lat_ns"]["mean"] * job["total_ios"])
+
+
+def interleaved(fns: dict[str, Callable[[], float] | None], iters: int) -> dict[str, object]:
+    """Each fn's median GB/s (and, under "<name>_range", its min and max) over `iters` rounds in which
+    the fns take turns, so that a change in the shared machine's load falls on all of them alike; a
+    None fn gives None. Each fn times itself (what it does before its timed part, such as dropping
+    the page cache, is not counted)."""
+    runs: dict[str, list[float]] = {k: [] for k, fn in fns.items() if fn is not None}
+    for _ in range(iters):
+        for k, xs in runs.items():
+            fn = fns[k]
+            assert fn is not None
+            xs.append(fn())
+    out: dict[str, object] = {k: median(runs[k]) if k in runs else None for k in fns}
+    out.update({f"{k}_range": [min(xs), max(xs)] for k, xs in runs.items()})
+    return out
+
+
+class TierStream:
+    """A stream of equal blocks through DiskTier.put_many / get_many in batches of BATCH, one batch at a time."""
+
+    def __init__(self, base: Path, block: int, nbytes: int, io_threads: int, write_threads: int) -> None:
+        self.base = base
+        self.items = [block_of(block) for _ in range(max(1, nbytes // block))]
+        self.nbytes = sum(len(b) for _, b in self.items)
+        self.region = 64 * MiB
+        self.capacity = (-(-self.nbytes * 11 // 10 // self.region) + write_threads + 1) * self.region
+        self.threads = (io_threads, write_threads)
+        self.tier: DiskTier | None = None
+        self.made = 0
+        self.faults: list[int] = []  # minor page faults of each read()
+
+    def files(self) -> list[Path]:
+        assert self.tier is not None
+        return sorted(Path(self.tier._dir).glob("r*.kvd"))
+
+    def write(self, fsync: bool) -> float:
+        """GB/s of writing the stream into a new tier (made and the old one removed untimed)."""
+        self.close()
+        self.made += 1
+        self.tier = DiskTier(
+            str(self.base / f"stream{self.made}"),
+            capacity_bytes=self.capacity,
+            region_bytes=self.region,
+            io_threads=self.threads[0],
+            write_threads=self.threads[1],
+        )
+        t0 = time.perf_counter()
+        for i in range(0, len(self.items), BATCH):
+            stored = call(self.tier.put_many(NS, self.items[i : i + BATCH]))
+            assert all(stored), "the stream does not fit in the tier"
+        if fsync:
+            for path in self.files():
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        return self.nbytes / (time.perf_counter() - t0) / 1e9
+
+    def read(self) -> float:
+        """GB/s of reading the stream back; the minor page faults it took go into self.faults."""
+        assert self.tier is not None
+        keys = [k for k, _ in self.items]
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), BATCH):
+            got = call(self.tier.get_many(NS, keys[i : i + BATCH]))
+            assert all(g is not None for g in got)
+            del got
+        gb_s = self.nbytes / (time.perf_counter() - t0) / 1e9
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        return gb_s
+
+    def close(self) -> None:
+        if self.tier is not None:
+            directory = Path(self.tier._dir)
+            call(self.tier.close())
+            shutil.rmtree(directory, ignore_errors=True)
+            self.tier = None
+
+
+def measure_stream(d: Path, block: int, nbytes: int, iters: int, fio: bool, threads: tuple[int, int]) -> dict:
+    """{op: {"dd", "fio", "tier": GB/s}} for one block size, every file in `d`."""
+    f = d / "dd.bin"
+    count = max(1, nbytes // block)
+    stream = TierStream(d, block, nbytes, *threads)
+
+    def dd_write(*extra: str) -> float:
+        f.unlink(missing_ok=True)
+        return dd_gb_s("if=/dev/zero", f"of={f}", f"bs={block}", f"count={count}", *extra)
+
+    def fio_write() -> float:
+        (d / "fio.bin").unlink(missing_ok=True)
+        return fio_gb_s(d / "fio.bin", "write", block, count * block, invalidate=False)
+
+    def dd_read() -> float:
+        return dd_gb_s(f"if={f}", "of=/dev/null", f"bs={block}")
+
+    def fio_read(invalidate: bool) -> float:
+        return fio_gb_s(f, "read", block, count * block, invalidate)
+
+    def dd_cold() -> float:
+        drop_cache([f])
+        return dd_read()
+
+    def tier_cold() -> float:
+        drop_cache(stream.files())
+        return stream.read()
+
+    try:
+        measured = {
+            "write": interleaved(
+                {"dd": dd_write, "fio": fio_write if fio else None, "tier": lambda: stream.write(False)}, iters
+            ),
+            "write+fsync": interleaved(
+                {"dd": lambda: dd_write("conv=fsync"), "fio": None, "tier": lambda: stream.write(True)}, iters
+            ),
+        }
+        dd_write("conv=fsync")  # the file the reads read, on the device
+        dd_read()
+        stream.read()
+        stream.faults.clear()
+        measured["read warm"] = interleaved(
+            {"dd": dd_read, "fio": (lambda: fio_read(False)) if fio else None, "tier": stream.read}, iters
+        )
+        measured["read warm"]["tier_faults_per_mib"] = median(stream.faults) * MiB / stream.nbytes
+        measured["read cold"] = interleaved(
+            {"dd": dd_cold, "fio": (lambda: fio_read(True)) if fio else None, "tier": tier_cold}, iters
+        )
+    finally:
+        stream.close()
+    return measured
+
+
+def part3(base: Path, sizes: list[int], nbytes: int, iters: int, threads: tuple[int, int]) -> list[dict]:
+    """The tier against dd and fio on one file system; returns the rows (also printed as a markdown table)."""
+    fio = shutil.which("fio") is not None
+    load = os.getloadavg()[0]
+    print(
+        f"\nPart 3: streams of {nbytes // MiB} MiB, the disk tier against dd"
+        + (" and fio" if fio else " (fio not installed)")
+        + f" in {base}; median of {iters}; load average {load:.1f}"
+    )
+    rows = []
+    for block in sizes:
+        d = base / f"stream-{block}"
+        d.mkdir()
+        try:
+            measured = measure_stream(d, block, nbytes, iters, fio, threads)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+        for op, m in measured.items():
+            best = max(m[k] for k in ("dd", "fio") if m.get(k) is not None)
+            rows.append({"block": block, "op": op, **m, "ratio": m["tier"] / best})
+    print(f"| block | op | dd GB/s (min-max) | fio GB/s | disk tier GB/s | tier / best of dd, fio | load {load:.1f} |")
+    print("|---:|---|---:|---:|---:|---:|---|")
+
+    def cell(r: dict, k: str) -> str:
+        if r[k] is None:
+            return "-"
+        lo, hi = r[f"{k}_range"]
+        return f"{r[k]:.2f} ({lo:.2f}-{hi:.2f})"
+
+    for r in rows:
+        cells = [
+            f"{r['block'] // MiB} MiB",
+            r["op"],
+            cell(r, "dd"),
+            cell(r, "fio"),
+            cell(r, "tier"),
+            f"{r['ratio']:.2f}x",
+        ]
+        print("| " + " | ".join(cells) + " | |")
+    faults = ", ".join(
+        f"{r['tier_faults_per_mib']:.0f} ({r['block'] // MiB} MiB blocks)" for r in rows if "tier_faults_per_mib" in r
+    )
+    print(f"(minor page faults per MiB of the tier's warm reads: {faults}; dd and fio read into one buffer they reuse)")
+    print(f"(load average at the end {os.getloadavg()[0]:.1f})")
+    return rows
+
+
 loop = asyncio.new_event_loop()  # the tiers' event loop, in a thread of its own; the timing loop calls into it
 
 
@@ -304,15 +536,24 @@ def main() -> None:
     parser.add_argument("--dir", default="")
     parser.add_argument("--io-threads", type=int, default=8)
     parser.add_argument("--write-threads", type=int, default=2)
+    parser.add_argument("--only-stream", action="store_true", help="run Part 3 alone (the tier against dd and fio)")
+    parser.add_argument("--stream-mib", type=int, default=128, help="bytes of each Part 3 stream, MiB (default 128)")
+    parser.add_argument("--stream-iters", type=int, default=3, help="Part 3 measurements per figure (default 3)")
+    parser.add_argument("--json", metavar="PATH", help="write Part 3's rows as JSON to PATH")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="kvcache-bench-disk-", dir=args.dir or None))
     sizes = [16 * KiB, 256 * KiB] if args.quick else [16 * KiB, 256 * KiB, 2 * MiB]
     iters = 5 if args.quick else 15
     threading.Thread(target=loop.run_forever, daemon=True).start()
     try:
-        part1(base, sizes, iters, args.io_threads, args.write_threads)
-        requests = 1500 if args.quick else 6000
-        call(part2(base, requests, 16 * KiB))
+        if not args.only_stream:
+            part1(base, sizes, iters, args.io_threads, args.write_threads)
+            requests = 1500 if args.quick else 6000
+            call(part2(base, requests, 16 * KiB))
+        threads = (args.io_threads, args.write_threads)
+        rows = part3(base, [MiB, 4 * MiB], args.stream_mib * MiB, args.stream_iters, threads)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=2))
     finally:
         loop.call_soon_threadsafe(loop.stop)
         shutil.rmtree(base, ignore_errors=True)

@@ -9,7 +9,7 @@ Run from the repository root with the project's virtualenv:
     python bench/bench_trace_replay.py --quick                    # smoke run (~10 s)
     python bench/bench_trace_replay.py --compare-fixed-timeout    # and first with the old fixed 0.15 s (x2)
     python bench/bench_trace_replay.py --compare-fixed-timeout --clients 16 --block-kib 128 --ram-mib 256
-    python bench/bench_trace_replay.py --trace conversation_trace.jsonl --requests 2000 --json out.json
+    python bench/bench_trace_replay.py --trace bench/traces/conversation_trace.jsonl.xz --requests 2000 --json out.json
 
 The fourth line is the loaded case (~1 minute on 2 CPUs): 16 clients moving 128 KiB blocks keep
 the server and Redis busy enough that a Redis Lookup sometimes takes more than 0.15 s.
@@ -19,7 +19,8 @@ cache holds, so that the engine loads it instead of recomputing it, while Lookup
 
 Trace: Mooncake's FAST'25 JSONL (`{"timestamp": ms, "input_length", "output_length", "hash_ids"}`,
 hash_ids naming the 512-token blocks of the prompt, a block's id standing for its whole prefix) with
---trace, else a synthetic one built here from a fixed seed: multi-turn sessions that share a few
+--trace (the conversation trace is committed as bench/traces/conversation_trace.jsonl.xz, origin in
+docs/disk-benchmarks.md), else a synthetic one built here from a fixed seed: multi-turn sessions that share a few
 system prompts (1 to 8 blocks), whose first turn brings 200-4,000 tokens (a fifth of them a document
 of 8k-60k tokens) and each later turn the previous answer plus a new message, so that each turn's
 prompt extends the previous turn's history (its full blocks; the partial last block changes); a
@@ -79,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import lzma
 import os
 import random
 import sys
@@ -123,9 +125,9 @@ class Request:
 
 
 def load_trace(path: str, limit: int | None) -> list[Request]:
-    """The first `limit` requests (all with None) of a Mooncake JSONL trace, in timestamp order."""
+    """The first `limit` requests (all with None) of a Mooncake JSONL trace (.xz: compressed), in timestamp order."""
     out: list[Request] = []
-    with open(path) as f:
+    with lzma.open(path, "rt") if path.endswith(".xz") else open(path) as f:
         for line in f:
             if not line.strip():
                 continue
