@@ -45,6 +45,9 @@ rounds in which dd, fio and the tier take turns (the machine is shared: its load
     its calls took, lat_ns); fio is skipped when it is not installed (apt-get install fio). Also
     printed: the minor page faults per MiB of the tier's warm reads (getrusage), what separates them
     from dd's, which reuses one buffer.
+
+Longer than the project's ~500-line module guideline on purpose: one self-contained benchmark whose
+three parts (raw I/O floor, the Zipf replay, the stream against dd and fio) share its servers and tables.
 """
 
 from __future__ import annotations

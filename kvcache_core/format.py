@@ -302,14 +302,18 @@ def verify_block(data: bytes | memoryview, key: bytes) -> BlockHeader:
             are damaged, or it is another key's block.
     """
     header = parse_header(data)
+    return _check_payload(header, key, memoryview(data)[header.header_len :], "the block is damaged")
+
+
+def _check_payload(header: BlockHeader, key: bytes, payload: memoryview, damaged: str) -> BlockHeader:
+    """verify_block's and verify_copy's check of `payload` against `header`'s checksum under `key`."""
     if header.compression is not Compression.NONE:
         raise BlockFormatError(f"block is compressed ({header.compression.name}); decompress before verifying")
-    payload = memoryview(data)[header.header_len :]
     actual = compute_checksum(key, header.dtype, header.layout, header.shape, payload)
     if actual != header.checksum:
         raise ChecksumMismatch(
             f"checksum mismatch under key {bytes(key).hex()}: header {header.checksum:016x}, computed {actual:016x} "
-            "(the block is damaged or belongs to another key)"
+            f"({damaged} or belongs to another key)"
         )
     return header
 
@@ -326,18 +330,10 @@ def verify_copy(block: bytes | memoryview, key: bytes, payload: bytes | bytearra
             another key's block.
     """
     header = parse_header(block)
-    if header.compression is not Compression.NONE:
-        raise BlockFormatError(f"block is compressed ({header.compression.name}); decompress before verifying")
     view = memoryview(payload).cast("B")
     if len(view) != header.payload_len:
         raise BlockFormatError(f"a copy of {len(view)} bytes of a {header.payload_len}-byte payload")
-    actual = compute_checksum(key, header.dtype, header.layout, header.shape, view)
-    if actual != header.checksum:
-        raise ChecksumMismatch(
-            f"checksum mismatch under key {bytes(key).hex()}: header {header.checksum:016x}, computed {actual:016x} "
-            "(the copy is damaged or the block belongs to another key)"
-        )
-    return header
+    return _check_payload(header, key, view, "the copy is damaged, or the block is,")
 
 
 def payload_view(data: bytes | memoryview, header: BlockHeader | None = None) -> memoryview:

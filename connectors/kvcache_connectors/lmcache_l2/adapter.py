@@ -27,6 +27,9 @@ succeeds eventually, as LMCache requires.
 Failures degrade: a failed or timed-out call makes a lookup's or load's keys misses and a store
 fail, counted in `counters`; after one, a breaker stops calling the server for breaker_cooldown_s
 (tasks then complete at once), so a hung server costs one deadline per cooldown.
+
+Just past the project's ~500-line module guideline: one class per LMCache interface, whose methods
+share the lanes, the lock table and the breaker; keys, locks, lanes and counters are modules of their own.
 """
 
 from __future__ import annotations
