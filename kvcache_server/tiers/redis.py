@@ -1,4 +1,4 @@
-"""The Redis tier: one value per block, via redis-py (asyncio client; blocking client for block bytes).
+"""The Redis tier: one value per block, via redis-py's blocking clients in this tier's own threads.
 
 Layout in Redis: the key `<key_prefix>/<namespace>/<chunk key hex>` holds the
 whole block (header and payload, possibly compressed by the stack) as one
@@ -14,13 +14,16 @@ gets as pipelines of GET_PIPELINE GETs (for MiB-sized values about twice as
 fast as the asyncio client's single pipeline, whose reply buffer grows by the
 whole batch); puts as one pipeline whose large values go to the socket as
 they are (the asyncio client joins a whole pipeline into one buffer first:
-64 MiB copied on the event loop). Presence checks and deletes, small, stay on
-the asyncio client.
+64 MiB copied on the event loop). Presence checks and deletes, small, run on
+a client and two threads of their own (SMALL_THREADS), so that they never
+queue behind a batch of block bytes, nor parse replies on the event loop: a
+demotion check per write-behind batch on the asyncio client took about 5% of
+the loop's time under same-host puts (bench/bench_lookup_inplace.py).
 
 Redis may drop any value at any time (maxmemory eviction, TTL expiry, a
 FLUSHALL by an operator): that is a miss, nothing else.
 
-Sentinel: given a master's name and sentinels, both clients ask the sentinels
+Sentinel: given a master's name and sentinels, the clients ask the sentinels
 where that master is and follow it when they fail over (redis-py's Sentinel);
 `url` then gives only the scheme (TLS), user, password and database. A Redis
 Cluster is kvcache_server.tiers.redis_cluster.
@@ -29,6 +32,7 @@ Cluster is kvcache_server.tiers.redis_cluster.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +43,6 @@ from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
 
 try:
     import redis
-    import redis.asyncio as aioredis
     from redis.connection import Encoder, PythonRespSerializer
     from redis.exceptions import RedisError
 except ImportError as exc:  # pragma: no cover - depends on the install
@@ -48,6 +51,9 @@ except ImportError as exc:  # pragma: no cover - depends on the install
 
 GET_PIPELINE = 4
 """GETs per round trip of a batch get."""
+
+SMALL_THREADS = 2
+"""Threads (and connections) for presence checks and deletes."""
 
 T = TypeVar("T")
 
@@ -80,7 +86,7 @@ class RedisTier(Tier):
             timeout_s: Socket connect and read timeout of each command.
             password: Overrides the URL's password when set.
             tls_ca_file: CA bundle to verify the server with, for rediss:// URLs.
-            max_connections: Connection pool size (of each client), and threads for gets and puts.
+            max_connections: Connection pool size of the client for gets and puts, and its threads.
             sentinel_master: The master's name at the sentinels; with `sentinels`, the master is found
                 (and followed on failover) through them instead of `url`'s host.
             sentinels: The sentinels' (host, port).
@@ -101,13 +107,16 @@ class RedisTier(Tier):
         # hands large values to the socket as they are; hiredis's copies each one into a new buffer,
         # holding the GIL (so stalling the event loop) for ~20-50 ms per 32 MiB.
         packer = PythonRespSerializer(6000, Encoder("utf-8", "strict", False).encode)
+        small = {**kwargs, "max_connections": SMALL_THREADS}
         if sentinel_master:
-            self._client, self._blocking = _sentinel_clients(url, sentinel_master, sentinels, kwargs, packer)
+            self._blocking = _sentinel_client(url, sentinel_master, sentinels, kwargs, packer)
+            self._small = _sentinel_client(url, sentinel_master, sentinels, small, packer)
             url = f"master {sentinel_master!r} of sentinels " + ",".join(f"{h}:{p}" for h, p in sentinels)
         else:
-            self._client = aioredis.Redis.from_url(url, **kwargs)
             self._blocking = redis.Redis.from_url(url, command_packer=packer, **kwargs)
+            self._small = redis.Redis.from_url(url, command_packer=packer, **small)
         self._pool = ThreadPoolExecutor(max_workers=max_connections, thread_name_prefix="kvcache-redis")
+        self._small_pool = ThreadPoolExecutor(max_workers=SMALL_THREADS, thread_name_prefix="kvcache-redis-small")
         self._prefix = key_prefix
         self._ttl_s = ttl_s
         self._url_for_logs = url.split("@")[-1]
@@ -142,14 +151,21 @@ class RedisTier(Tier):
         return values
 
     async def contains_many(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
+        names = [self._key(namespace, k) for k in keys]
         try:
-            async with self._client.pipeline(transaction=False) as pipe:
-                for k in keys:
-                    pipe.exists(self._key(namespace, k))
-                counts = await pipe.execute()
+            # Not waited for when cancelled (a Lookup's deadline): a presence check changes nothing, and
+            # one still queued is dropped by the executor.
+            counts = await asyncio.get_running_loop().run_in_executor(self._small_pool, self._each, "EXISTS", names)
         except RedisError as exc:
             raise TierError(f"redis EXISTS pipeline on {self._url_for_logs}: {exc}") from exc
         return [bool(c) for c in counts]
+
+    def _each(self, command: str, names: list[str]) -> list[Any]:
+        """One `command` per name, pipelined in one round trip; the replies in order."""
+        with self._small.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.execute_command(command, name)
+            return pipe.execute()
 
     async def put_many(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
         named = [(self._key(namespace, k), block) for k, block in items]
@@ -172,11 +188,9 @@ class RedisTier(Tier):
         return sum(await self.delete_present(namespace, keys))
 
     async def delete_present(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
-        try:  # one DEL per key, pipelined: each reply says whether that key was there
-            async with self._client.pipeline(transaction=False) as pipe:
-                for k in keys:
-                    pipe.delete(self._key(namespace, k))
-                counts = await pipe.execute()
+        names = [self._key(namespace, k) for k in keys]
+        try:  # one DEL per key, pipelined: each reply says whether that key was there; waited for to its end
+            counts = await in_pool(self._small_pool, self._each, "DEL", names)
         except RedisError as exc:
             raise TierError(f"redis DEL pipeline on {self._url_for_logs}: {exc}") from exc
         return [bool(c) for c in counts]
@@ -186,19 +200,20 @@ class RedisTier(Tier):
         return TierStats(name=s.name, kind=s.kind, hits=s.hits, misses=s.misses, puts=s.puts)
 
     async def close(self) -> None:
-        await self._client.aclose()
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        self._blocking.close()
+        for pool in (self._pool, self._small_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+        for client in (self._blocking, self._small):
+            with contextlib.suppress(RedisError):
+                client.close()
 
 
-def _sentinel_clients(
+def _sentinel_client(
     url: str, master: str, sentinels: Sequence[tuple[str, int]], kwargs: dict[str, Any], packer: Any
-) -> tuple[Any, Any]:
-    """The asyncio and blocking clients of the master the sentinels name `master`, with `url`'s
-    credentials, database and TLS."""
+) -> Any:
+    """A blocking client of the master the sentinels name `master`, with `url`'s credentials, database
+    and TLS, and kwargs' max_connections."""
     from urllib.parse import unquote, urlsplit
 
-    from redis.asyncio.sentinel import Sentinel as AsyncSentinel
     from redis.sentinel import Sentinel
 
     if not sentinels:
@@ -214,8 +229,6 @@ def _sentinel_clients(
         conn["ssl"] = True
     at_sentinels = {"socket_timeout": kwargs["socket_timeout"], "socket_connect_timeout": kwargs["socket_timeout"]}
     pool = {"max_connections": kwargs["max_connections"]}
-    aio = AsyncSentinel(list(sentinels), sentinel_kwargs=at_sentinels, **conn).master_for(master, **pool)
-    blocking = Sentinel(list(sentinels), sentinel_kwargs=at_sentinels, **conn).master_for(
+    return Sentinel(list(sentinels), sentinel_kwargs=at_sentinels, **conn).master_for(
         master, command_packer=packer, **pool
     )
-    return aio, blocking
