@@ -1004,6 +1004,7 @@ class TierStack:
             lower.queue.dropped += 1
 
     async def _drain_forever(self, lower: _Lower) -> None:
+        loop = asyncio.get_running_loop()
         while True:
             await lower.queue.wait_ready()
             batch = lower.queue.take(_BATCH_ITEMS, _BATCH_BYTES)
@@ -1016,6 +1017,11 @@ class TierStack:
             finally:
                 self._fence.end(epoch)
                 lower.queue.done()
+            # The batch holds the last references to its blocks (copies of up to MiB each): freed here,
+            # glibc hands each back to the kernel (madvise, munmap) on the event loop, about 4% of its
+            # time under same-host puts with write-behind. Freed in a worker thread, and waited for, so
+            # that the bytes freed are still bounded by the queue's cap and one batch.
+            await loop.run_in_executor(lower.codec, batch.clear)
 
     async def _write_batch(self, lower: _Lower, batch: list[PendingWrite], epoch: int) -> None:
         by_ns: dict[str, list[PendingWrite]] = {}
