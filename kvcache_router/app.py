@@ -9,6 +9,10 @@ Per /v1/completions or /v1/chat/completions request (docs/router.md):
     else: a prefill worker, max_tokens 1 (prefill.py)   -> retried on another one; none left: decode only
     the original request (+ the prefill's kv_transfer_params) to a decode worker, its answer streamed
     back byte for byte, with X-KVCache-* headers saying what was done
+    a client's retention hint (sessions.py)              -> 400 when malformed; else in both calls'
+                                                            kv_transfer_params
+    the answer written whole: a Prefetch of the prompt's blocks in the background (sessions.py), when
+    kvcache.prefetch_after_turn is on
 
 vLLM's small endpoints (/tokenize, /detokenize, /version, /ping) go through the same intake to a
 decode worker, their answers relayed the same way.
@@ -17,17 +21,19 @@ Every upstream call has a deadline ([workers] *_timeout_s); a worker that cannot
 ejected (workers.py). Errors are OpenAI-style bodies, {"error": {"message", "type", "param", "code"}};
 a worker's error answer keeps its status, its body rebuilt without the worker's internals (errors.py).
 
-At the project's ~500-line module guideline: this is the one request path above, kept in one reading
+Past the project's ~500-line module guideline: this is the one request path above, kept in one reading
 order; the pieces with a job of their own live beside it (intake.py, prefix.py, prefill.py,
-workers.py, tokens.py, errors.py, logs.py, metrics.py).
+sessions.py, workers.py, tokens.py, errors.py, logs.py, metrics.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import aiohttp
@@ -41,6 +47,7 @@ from kvcache_router.logs import request_extra
 from kvcache_router.metrics import RequestReport, RouterMetrics
 from kvcache_router.prefill import LOGGED_ERROR_CHARS, PrefillStage, read_capped
 from kvcache_router.prefix import PrefixOracle
+from kvcache_router.sessions import TurnPrefetcher, retention_hint, with_retention
 from kvcache_router.tokens import given_tokens, needs_tokenizer, tokenize
 from kvcache_router.workers import Worker, WorkerPool, failure_reason, note_stale, second_chance
 
@@ -86,6 +93,18 @@ class Router:
         self.prefill_stage = PrefillStage(
             self.prefill, self.metrics, attempts=w.prefill_attempts, timeout=prefill_timeout
         )
+        k = config.kvcache
+        self.prefetcher = (
+            TurnPrefetcher(
+                oracle,
+                self.metrics,
+                timeout_s=k.prefetch_timeout_s,
+                max_keys=k.prefetch_max_keys,
+                max_in_flight=k.max_concurrent_prefetches,
+            )
+            if oracle is not None and k.prefetch_after_turn
+            else None
+        )
         self._session: aiohttp.ClientSession | None = None
         self._health_task: asyncio.Task[None] | None = None
         self._namespace_missing_logged = False
@@ -129,6 +148,8 @@ class Router:
             await asyncio.gather(self._health_task, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        if self.prefetcher is not None:
+            await self.prefetcher.close()
         if self.oracle is not None:
             await self.oracle.client.close()
 
@@ -288,17 +309,24 @@ class Router:
         chat = report.endpoint == "chat"
         upstream = self._upstream_headers(request, report)
         try:
-            kv_params = await self._prepare(body, report, upstream, chat=chat)
+            body, retain_ttl_s = retention_hint(body, max_ttl_s=self.config.kvcache.max_retain_ttl_s)
+            if retain_ttl_s is not None:  # the prefill's call carries it too
+                body = {**body, "kv_transfer_params": with_retention(body.get("kv_transfer_params"), retain_ttl_s)}
+            kv_params, tokens = await self._prepare(body, report, upstream, chat=chat)
         except RouterError as exc:
             return self._done(report, start, exc)
         if kv_params is not None:
-            body = {**body, "kv_transfer_params": kv_params}
+            body = {**body, "kv_transfer_params": with_retention(kv_params, retain_ttl_s)}
+        turn_done = None
+        if self.prefetcher is not None and tokens:
+            salt = body.get("cache_salt")
+            turn_done = functools.partial(self.prefetcher.after_turn, tokens, salt if isinstance(salt, str) else "")
         w = self.config.workers
         timeout = aiohttp.ClientTimeout(
             total=w.decode_timeout_s, sock_connect=w.connect_timeout_s, sock_read=w.decode_read_timeout_s
         )
         path = "/v1/chat/completions" if chat else "/v1/completions"
-        return await self._on_decode_worker(request, "POST", path, body, report, upstream, start, timeout)
+        return await self._on_decode_worker(request, "POST", path, body, report, upstream, start, timeout, turn_done)
 
     async def _proxy(
         self, request: web.Request, body: dict[str, Any] | None, report: RequestReport, start: float
@@ -312,26 +340,28 @@ class Router:
 
     async def _prepare(
         self, body: dict[str, Any], report: RequestReport, upstream: dict[str, str], *, chat: bool
-    ) -> dict[str, Any] | None:
-        """Everything before decode: tokenize, look up, prefill. Returns the kv_transfer_params to pass on."""
-        await self._tokens_and_coverage(body, report, upstream, chat=chat)
+    ) -> tuple[dict[str, Any] | None, list[int] | None]:
+        """Everything before decode: tokenize, look up, prefill. Returns the kv_transfer_params to pass
+        on, and the prompt's token ids when the tokenizer gave them."""
+        tokens = await self._tokens_and_coverage(body, report, upstream, chat=chat)
         if report.route in ("skip", "short"):
-            return None
-        return await self.prefill_stage.run(self.session, body, report, upstream)
+            return None, tokens
+        return await self.prefill_stage.run(self.session, body, report, upstream), tokens
 
     async def _tokens_and_coverage(
         self, body: dict[str, Any], report: RequestReport, upstream: dict[str, str], *, chat: bool
-    ) -> None:
-        """Tokenizes the prompt and looks it up; sets the report's tokens, cached tokens and route."""
+    ) -> list[int] | None:
+        """Tokenizes the prompt and looks it up; sets the report's tokens, cached tokens and route.
+        Returns the prompt's token ids (None without a kvcache server or a tokenizer's answer)."""
         report.route = "prefill"
         if self.oracle is None:
-            return
+            return None
         started = time.monotonic()
         report.lookup = "failed"
         answer = await self._tokenize(body, upstream, chat=chat)
         if answer is None:
             self.metrics.lookup_failures.labels("tokenize").inc()
-            return
+            return None
         tokens, max_model_len = answer
         report.prompt_tokens = len(tokens)
         requested = body.get("max_completion_tokens") if chat else None
@@ -351,11 +381,12 @@ class Router:
         self.metrics.lookup_seconds.observe(time.monotonic() - started)
         if coverage is None:
             self.metrics.lookup_failures.labels("lookup").inc()
-            return
+            return tokens
         report.lookup = "ok"
         report.cached_tokens = coverage.cached_tokens
         if coverage.skip_prefill:
             report.route = "short" if coverage.too_short else "skip"
+        return tokens
 
     async def _tokenize(
         self, body: dict[str, Any], upstream: dict[str, str], *, chat: bool
@@ -386,8 +417,10 @@ class Router:
         upstream: dict[str, str],
         start: float,
         timeout: aiohttp.ClientTimeout,
+        turn_done: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
-        """The call on a decode worker; its answer streamed back (an error rebuilt), the report in the headers."""
+        """The call on a decode worker; its answer streamed back (an error rebuilt), the report in the headers;
+        `turn_done` called once a successful answer was written whole."""
         rid, extra = report.request_id, request_extra(report.request_id)
         tried: list[Worker] = []
         stale: list[Worker] = []
@@ -404,7 +437,7 @@ class Router:
                         report.decode_worker = worker.url
                         if resp.status >= 400:
                             return await self._decode_refused(resp, worker, report, start)
-                        return await self._relay(request, resp, worker, report, start)
+                        return await self._relay(request, resp, worker, report, start, turn_done)
             except aiohttp.ClientConnectionError as exc:
                 # Nothing reached the client: the same worker (a stale connection) or another may take it.
                 log.warning("%s: decode on %s failed: %s", rid, worker.url, exc, extra=extra)
@@ -441,7 +474,13 @@ class Router:
         return self._done(report, start, worker_error("decode", resp.status, data))
 
     async def _relay(
-        self, request: web.Request, resp: aiohttp.ClientResponse, worker: Worker, report: RequestReport, start: float
+        self,
+        request: web.Request,
+        resp: aiohttp.ClientResponse,
+        worker: Worker,
+        report: RequestReport,
+        start: float,
+        turn_done: Callable[[], None] | None = None,
     ) -> web.StreamResponse:
         """The worker's answer as it comes. A worker that breaks it off is the worker's failure ("cut"); a
         client that goes away is the client's (client_disconnects), and leaving the upstream call closes it."""
@@ -464,6 +503,8 @@ class Router:
                     event = {"error": {"message": report.error, "type": error.kind, "param": None, "code": error.code}}
                     await out.write(f"data: {json.dumps(event)}\n\n".encode())
             await out.write_eof()
+            if broke is None and turn_done is not None:
+                turn_done()  # after the answer's last byte: nothing of it waits for this
         except ConnectionError:  # a write to the client failed: it went away
             report.error = "client_disconnected"
             self.metrics.client_disconnects.labels(report.endpoint, "answer").inc()

@@ -143,10 +143,24 @@ class KVCacheSection:
     token_env: str = "KVCACHE_TOKEN"  # environment variable with the API token of a server with auth
     tls: bool = False
     tls_ca_file: str = ""
+    # Sessions (docs/router.md): the longest retention a client's hint may ask for (a longer one is cut).
+    max_retain_ttl_s: float = 3600.0
+    # After a turn's answer went out whole: a Prefetch of the prompt's blocks into the server's RAM.
+    # Off by default: one more call per turn, which pays only where a lower tier (disk, Redis, S3)
+    # holds what RAM let go and the session's next turn comes back.
+    prefetch_after_turn: bool = False
+    prefetch_timeout_s: float = 2.0  # one prefetch's deadline
+    prefetch_max_keys: int = 4096  # blocks one prefetch names (the prompt's first); the server's [prefetch] max_keys
+    max_concurrent_prefetches: int = 64  # prefetches running at once; one more is dropped (counted)
 
     def validate(self) -> None:
         if self.lookup_timeout_s <= 0:
             raise ConfigError("kvcache.lookup_timeout_s must be positive")
+        for name in ("max_retain_ttl_s", "prefetch_timeout_s", "prefetch_max_keys", "max_concurrent_prefetches"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"kvcache.{name} must be positive")
+        if self.max_retain_ttl_s == float("inf"):
+            raise ConfigError("kvcache.max_retain_ttl_s must be finite")
         if self.namespace_source not in _NAMESPACE_SOURCES:
             raise ConfigError(
                 f"kvcache.namespace_source must be one of {_NAMESPACE_SOURCES}, got {self.namespace_source!r}"

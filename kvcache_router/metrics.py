@@ -128,6 +128,19 @@ class RouterMetrics:
             "Requests whose own kv_transfer_params were dropped (http.allow_client_kv_transfer_params)",
             registry=r,
         )
+        self.prefetches = Counter(
+            "kvcache_router_prefetches",
+            "Prefetches after a turn, by outcome: sent, failed (kvcache down, late or refused), dropped "
+            "(kvcache.max_concurrent_prefetches running), skipped (no namespace known yet)",
+            ["outcome"],
+            registry=r,
+        )
+        self.prefetch_keys = Counter(
+            "kvcache_router_prefetch_keys",
+            "Blocks named by the prefetches sent, by the server's answer: in_ram, queued, unknown, dropped",
+            ["answer"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("kvcache_router_prompt_tokens", "Prompt tokens of routed requests", registry=r)
         self.cached_tokens = Counter(
             "kvcache_router_cached_tokens", "Prompt tokens kvcache held when their request arrived", registry=r

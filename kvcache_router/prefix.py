@@ -71,11 +71,9 @@ class PrefixOracle:
         Raises:
             ValueError: a token id outside [0, 2**32) (the tokenizer's answer is wrong).
         """
-        namespace = self.namespace
+        namespace = self._namespace(cache_salt)
         if namespace is None or not tokens:
             return None
-        if cache_salt != namespace.cache_salt:
-            namespace = dataclasses.replace(namespace, cache_salt=cache_salt)
         keys = chunk_keys(tokens, namespace)
         stored_keys = keys
         if self.head_block is not None:
@@ -88,3 +86,27 @@ class PrefixOracle:
             return None
         stored = found.prefix_length
         return Coverage(len(keys), stored, min(stored * namespace.chunk_tokens, len(tokens)))
+
+    def prefix_blocks(self, tokens: Sequence[int], *, cache_salt: str = "") -> tuple[Namespace, list[bytes]] | None:
+        """The namespace and the keys of every stored block of the prompt's chunks, chunk by chunk (each
+        head block of a head-sharded chunk); None without a namespace or tokens.
+
+        Raises:
+            ValueError: a token id outside [0, 2**32).
+        """
+        namespace = self._namespace(cache_salt)
+        if namespace is None or not tokens:
+            return None
+        keys = chunk_keys(tokens, namespace)
+        if self.head_block is None:
+            return namespace, keys
+        per_block, total = self.head_block
+        return namespace, [
+            head_block_key(k, first, per_block, total) for k in keys for first in range(0, total, per_block)
+        ]
+
+    def _namespace(self, cache_salt: str) -> Namespace | None:
+        namespace = self.namespace
+        if namespace is not None and cache_salt != namespace.cache_salt:
+            namespace = dataclasses.replace(namespace, cache_salt=cache_salt)
+        return namespace

@@ -74,6 +74,10 @@ class KVCacheConnectorConfig:
             heads in one block, the cheapest for instances of equal TP size. A deployment mixing TP
             sizes sets it to the head count of its largest TP size's rank on the instances that save,
             so every rank of every instance loads exactly its own heads.
+        retain_ttl_s: Ask the server to retain every request's saved chunks in RAM for this long
+            (PutRequest.retain_ttl_s, docs/tiers.md "Sessions that stay"); None: only requests whose
+            kv_transfer_params carry a hint (kvcache_retain_ttl_s or cache_control) are retained.
+        max_retain_ttl_s: The longest retention a request's hint may ask for; a longer one is cut to it.
     """
 
     target: str = DEFAULT_TARGET
@@ -97,6 +101,8 @@ class KVCacheConnectorConfig:
     write_back: bool | None = None
     handoff_timeout_s: float = 5.0
     kv_heads_per_block: int | None = None
+    retain_ttl_s: float | None = None
+    max_retain_ttl_s: float = 3600.0
 
     def tls_config(self) -> TLSConfig | bool:
         if not self.tls:
@@ -127,6 +133,12 @@ class KVCacheConnectorConfig:
                 f"kv_connector_extra_config['chunk_tokens'] = {chunk_tokens} must be a multiple of "
                 f"vLLM's block size {block_size}"
             )
+        max_retain_ttl_s = _positive_float(extra, "max_retain_ttl_s", 3600.0)
+        retain_ttl_s = None if extra.get("retain_ttl_s") is None else _positive_float(extra, "retain_ttl_s", 1.0)
+        if retain_ttl_s is not None and retain_ttl_s > max_retain_ttl_s:
+            raise ValueError(
+                f"{_where('retain_ttl_s')} = {retain_ttl_s} exceeds {_where('max_retain_ttl_s')} = {max_retain_ttl_s}"
+            )
         return cls(
             target=_string(extra, "target", DEFAULT_TARGET, allow_empty=False),
             lookup_timeout_s=_positive_float(extra, "lookup_timeout_s", 0.5),
@@ -151,6 +163,8 @@ class KVCacheConnectorConfig:
             kv_heads_per_block=(
                 None if extra.get("kv_heads_per_block") is None else _positive_int(extra, "kv_heads_per_block", 1)
             ),
+            retain_ttl_s=retain_ttl_s,
+            max_retain_ttl_s=max_retain_ttl_s,
         )
 
 

@@ -156,6 +156,8 @@ class KVCacheConnector(KVConnectorBase_V1, SupportsHMA):
                 write_back=config.write_back if config.write_back is not None else transfer.is_kv_producer,
                 handoff_timeout_s=config.handoff_timeout_s,
                 events=self.kv_events,
+                retain_ttl_s=config.retain_ttl_s,
+                max_retain_ttl_s=config.max_retain_ttl_s,
             )
         else:
             tp_rank = vllm_config.parallel_config.rank % facts.tp_size

@@ -67,6 +67,8 @@ class RequestTransfer:
             hand-off whose producer is still writing them); 0 fails a missing chunk at once.
         group: The KV-cache group (vLLM's kv_cache_group_id) whose layers the chunks fill.
         heads_per_block: KV heads per stored block; None: a shard's heads in one block (ignored for MLA).
+        retain_ttl_s: For a save: the retention its puts ask of the server (PutRequest.retain_ttl_s), from
+            the request's hint or the connector's retain_ttl_s setting; 0 asks for none.
     """
 
     request_id: str
@@ -76,6 +78,7 @@ class RequestTransfer:
     wait_s: float = 0.0
     group: int = 0
     heads_per_block: int | None = None
+    retain_ttl_s: float = 0.0
 
     def namespace_for(self, shard: int) -> str:
         """The namespace a shard's blocks are in."""

@@ -5,7 +5,8 @@ Runs in vLLM's EngineCore process, on the scheduler's thread, once per engine.
     get_num_new_matched_tokens   key the prompt (every group's namespaces), one Lookup per
                                  namespace (remembered while the request waits), answer with
                                  the tokens beyond vLLM's local hit that can be loaded, asynchronously
-    update_state_after_alloc     turn that answer and the allocated blocks into a load
+    update_state_after_alloc     turn that answer and the allocated blocks into a load; read the
+                                 request's retention hint (kv_transfer_params), which its saves carry
     build_connector_meta         add the saves: chunks whose last token is computed by this step,
                                  generated tokens' included (write-back), and the final partial
                                  chunk of each request that finished in the last step
@@ -69,6 +70,7 @@ from kvcache_connectors.vllm.namespaces import Extra, KVFacts, lora_fact, mm_fac
 from kvcache_connectors.vllm.stats import Counters
 from kvcache_core.breaker import CircuitBreaker
 from kvcache_core.errors import KVCacheError
+from kvcache_core.hints import transfer_params_ttl_s
 from kvcache_core.keys import chunk_key, chunk_keys
 
 log = logging.getLogger(__name__)
@@ -215,6 +217,7 @@ class _Tracked:
     tail_due: bool  # the prompt's partial tail is still to save
     loaded_blocks: dict[int, int] = field(default_factory=dict)  # block id -> chunk index loaded into it
     generated_keys: list[GroupKeys] = field(default_factory=list)  # full chunks past the prompt's
+    retain_ttl_s: float = 0.0  # the retention its saves ask for (0: none)
 
 
 @dataclass(slots=True)
@@ -241,6 +244,8 @@ class SchedulerSide:
         write_back: bool = False,
         handoff_timeout_s: float = 0.0,
         events: StoredBlockEvents | None = None,
+        retain_ttl_s: float | None = None,
+        max_retain_ttl_s: float = 3600.0,
     ) -> None:
         """
         Args:
@@ -256,6 +261,9 @@ class SchedulerSide:
             handoff_timeout_s: How long a load may wait for chunks a producer's hand-off names
                 that are not stored yet.
             events: Where BlockStored events of confirmed chunks go (None or disabled: nowhere).
+            retain_ttl_s: The retention every request's saves ask for when its kv_transfer_params
+                carry no hint (None: none).
+            max_retain_ttl_s: The longest retention a hint may ask for; a longer one is cut to it.
         """
         self._groups = tuple(groups)
         self._facts = self._groups[0]  # the facts all groups share: block size, chunk tokens, shards
@@ -269,6 +277,8 @@ class SchedulerSide:
         self._save_partial = save_partial_chunks
         self._write_back = write_back
         self._handoff_timeout_s = handoff_timeout_s
+        self._retain_ttl_s = retain_ttl_s
+        self._max_retain_ttl_s = max_retain_ttl_s
         self._finishing: list[RequestTransfer] = []  # final partial chunks of finished requests
         self._plans: dict[str, PromptPlan] = {}
         self._lookups: dict[str, _Lookup] = {}
@@ -349,7 +359,7 @@ class SchedulerSide:
         tail_due = (
             self._save and self._save_partial and plan.num_tokens % c > 0 and lookup.stored_chunks < len(plan.keys)
         )
-        tracked = _Tracked(request, plan, next_save=next_save, tail_due=tail_due)
+        tracked = _Tracked(request, plan, next_save=next_save, tail_due=tail_due, retain_ttl_s=self._retention(request))
         self._tracked[request.request_id] = tracked
         self.counters.lookup_tokens += max(0, plan.num_tokens - lookup.local_tokens)
         self.counters.hit_tokens += num_external_tokens
@@ -490,11 +500,28 @@ class SchedulerSide:
             block_ids,
             [ChunkRef(index=index, keys=(), num_tokens=length, start=index * c, end=num_computed)],
             [keys],
+            tracked.retain_ttl_s,
         )
         self._finishing.extend(transfers)
         return bool(transfers)
 
     # -- internals -----------------------------------------------------------------------------
+
+    def _retention(self, request: Request) -> float:
+        """The retention a request's saves ask for: its kv_transfer_params' hint (kvcache_retain_ttl_s, or
+        a cache_control object), capped at max_retain_ttl_s; else the connector's retain_ttl_s; 0 for none.
+
+        A malformed hint never fails the request (the engine serves it as if it had none): it is
+        logged and counted in retain_hints_ignored.
+        """
+        try:
+            hint = transfer_params_ttl_s(request.kv_transfer_params)
+        except ValueError as exc:
+            self.counters.retain_hints_ignored += 1
+            log.warning("kvcache: request %s: retention hint ignored: %s", request.request_id, exc)
+            hint = None
+        ttl = hint if hint is not None else self._retain_ttl_s
+        return 0.0 if ttl is None else min(ttl, self._max_retain_ttl_s)
 
     def _expect_event(self, request: Request, chunk: ChunkRef) -> None:
         """Builds the event of a chunk about to be saved: its full blocks, which vLLM has hashed."""
@@ -650,7 +677,7 @@ class SchedulerSide:
             block_ids = block_state.get_block_ids(request_id) if block_state is not None else None
             if block_ids is None:
                 raise RuntimeError(f"vLLM gave no block ids for scheduled request {request_id}")
-            yield from self._group_transfers(tracked.request, plan, block_ids, chunks, keys)
+            yield from self._group_transfers(tracked.request, plan, block_ids, chunks, keys, tracked.retain_ttl_s)
 
     def _group_transfers(
         self,
@@ -659,8 +686,10 @@ class SchedulerSide:
         block_ids: Sequence[Sequence[int]],
         chunks: Sequence[ChunkRef],
         keys: Sequence[GroupKeys],
+        retain_ttl_s: float = 0.0,
     ) -> list[RequestTransfer]:
-        """The saves of these chunks (keys[j] is chunks[j]'s, [group][shard]): one transfer per group.
+        """The saves of these chunks (keys[j] is chunks[j]'s, [group][shard]): one transfer per group,
+        each asking for the request's retention.
 
         A sliding-window group's table holds the null block where vLLM already freed a block that
         fell out of the window: such a chunk is saved from its first block vLLM still holds on
@@ -698,6 +727,7 @@ class SchedulerSide:
                         tuple(refs),
                         group=facts.group,
                         heads_per_block=facts.heads_per_block,
+                        retain_ttl_s=retain_ttl_s,
                     )
                 )
         for chunk, groups in zip(chunks, saved_in, strict=True):

@@ -37,6 +37,9 @@ class Counters:
             (the oldest queued save is dropped; also counted in save_failures).
         save_s: Time spent saving (gather and copy to host on the model runner's thread; put on
             the save thread).
+        save_retained_chunks: Chunks stored with a retention (of save_chunks; docs/vllm.md, "Sessions").
+        retain_hints_ignored: Requests whose retention hint in kv_transfer_params was malformed
+            (scheduler): logged, ignored, the request served as if it had none.
     """
 
     lookups: int = 0
@@ -53,6 +56,8 @@ class Counters:
     save_bytes: int = 0
     save_dropped: int = 0
     save_s: float = 0.0
+    save_retained_chunks: int = 0
+    retain_hints_ignored: int = 0
 
     def add(self, other: Counters) -> None:
         """Adds another record's counts to this one."""

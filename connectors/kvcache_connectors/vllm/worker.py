@@ -544,21 +544,23 @@ class WorkerSide:
         buffer: torch.Tensor,
         ready: torch.cuda.Event | None,
     ) -> None:
-        """On the save thread: one Put per namespace of the staged chunks."""
+        """On the save thread: one Put per namespace and retention (requests may ask for different ones)."""
         counters = Counters()
         started = time.perf_counter()
         try:
             if ready is not None:
                 ready.synchronize()
-            items: dict[str, list[tuple[bytes, BlockData]]] = {}
-            ids: dict[str, list[ChunkId]] = {}  # the chunks of each namespace's put, for the scheduler's events
+            # One put per (namespace, retain_ttl_s): the chunks of each put, for the scheduler's events.
+            items: dict[tuple[str, float], list[tuple[bytes, BlockData]]] = {}
+            ids: dict[tuple[str, float], list[ChunkId]] = {}
             position = 0
             group = saves[0].group  # a save job holds one group's chunks
             token_dim, block_layout = self._token_dim(group), self._block_layout(group)
             facts = self._groups[group]
             for transfer in saves:
-                namespace = items.setdefault(transfer.namespace_for(self._shard), [])
-                namespace_ids = ids.setdefault(transfer.namespace_for(self._shard), [])
+                put = (transfer.namespace_for(self._shard), transfer.retain_ttl_s)
+                namespace = items.setdefault(put, [])
+                namespace_ids = ids.setdefault(put, [])
                 g = transfer.heads_per_block or facts.num_kv_heads
                 units = facts.units(self._shard, g)
                 for chunk in transfer.chunks:
@@ -568,17 +570,20 @@ class WorkerSide:
                         namespace.append((chunk.keys[u], tensor_block_parts(part, chunk.keys[u], block_layout)))
                     namespace_ids.append((transfer.request_id, chunk.index, chunk.num_tokens))
                     position += chunk.end - chunk.start
-            for namespace, blocks in items.items():
-                num_chunks = len(ids[namespace])  # counted in chunks: each is len(blocks) // num_chunks blocks
+            for put, blocks in items.items():
+                namespace, retain_ttl_s = put
+                num_chunks = len(ids[put])  # counted in chunks: each is len(blocks) // num_chunks blocks
                 if not self._breaker.allow():  # a put of this job failed already
                     counters.save_failures += num_chunks
-                    self._report(failed=ids[namespace])
+                    self._report(failed=ids[put])
                     continue
                 try:
-                    result = self._client.put_many(namespace, blocks, timeout_s=self._timeout_s)
+                    result = self._client.put_many(
+                        namespace, blocks, timeout_s=self._timeout_s, retain_ttl_s=retain_ttl_s or None
+                    )
                 except KVCacheError as exc:
                     counters.save_failures += num_chunks
-                    self._report(failed=ids[namespace])
+                    self._report(failed=ids[put])
                     if self._breaker.failure():
                         log.warning(
                             "kvcache put failed (%s); saves are dropped for %.1f s", exc, self._breaker.cooldown_s
@@ -586,13 +591,15 @@ class WorkerSide:
                     continue
                 self._breaker.success()
                 if put_confirmed(result, len(blocks)):
-                    self._report(stored=ids[namespace], group=group)
+                    self._report(stored=ids[put], group=group)
                 else:
-                    self._report(failed=ids[namespace])
+                    self._report(failed=ids[put])
                 stored_chunks = (
                     num_chunks if result.stored == len(blocks) else result.stored * num_chunks // len(blocks)
                 )
                 counters.save_chunks += stored_chunks
+                if retain_ttl_s:
+                    counters.save_retained_chunks += stored_chunks
                 counters.save_failures += num_chunks - stored_chunks
                 counters.save_bytes += result.bytes_sent
         finally:
