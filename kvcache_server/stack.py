@@ -114,10 +114,11 @@ def _decode_one(read: tuple[bytes, bytes]) -> bytes | BlockFormatError:
         return exc
 
 
-def _verify_slot(item: tuple[memoryview, bytes]) -> BlockFormatError | None:
-    """Why the block read into an arena slot is not the valid block of its key, or None."""
+def _verify_slot(view: memoryview, key: bytes) -> BlockFormatError | None:
+    """Why the block read into an arena slot is not the valid block of `key`, or None (run by the disk
+    tier's reader thread right after the read: DiskTier.read_into_many's check)."""
     try:
-        verify_block(item[0], item[1])
+        verify_block(view, key)
     except BlockFormatError as exc:
         return exc
     return None
@@ -812,7 +813,7 @@ class TierStack:
         """Promotion by reading into place: for the `missing` keys the disk tier holds, RAM slots are
         reserved first (what that evicts copied out for demotion, as a put's), the tier preads each
         block straight into its slot (one copy, disk -> slot, no fresh memory), the block is verified
-        there (checksum under its key, off the loop when large), and the slots are indexed and leased
+        there (checksum under its key, in the reader thread right after its read), and the slots are indexed and leased
         to this get (Found with tier DISK and a lease: release() hands it back). Returns (the indexes
         left for the tier's plain path: no room in RAM, at most a quarter of it reserved at once; the
         indexes this path missed, for the next tier: not held, evicted or rewritten while read, torn,
@@ -881,7 +882,7 @@ class TierStack:
             return rest + absent, []
         # The absent keys go along with an empty buffer: counted as the tier's misses, never read.
         asked = [(keys[i], res.buffer) for i, res in slots] + [(keys[i], memoryview(bytearray())) for i in absent]
-        call = self._start(lower, "get", tier.read_into_many, namespace, asked)
+        call = self._start(lower, "get", tier.read_into_many, namespace, asked, _verify_slot)
         if call is None:
             self._ram.abandon(ids)
             return rest, absent + [i for i, _ in slots]
@@ -892,25 +893,19 @@ class TierStack:
             call.task.add_done_callback(lambda _: self._ram.abandon(ids))  # its threads write into them until then
             raise
         try:
-            landed = [(i, res) for (i, res), ok in zip(slots, read or [], strict=False) if ok]
-            lower.counters.bytes_read += sum(res.length for _, res in landed)
-            checked = await self._offload(
-                lower,
-                _verify_slot,
-                [(res.buffer, keys[i]) for i, res in landed],
-                [res.length // 16 for _, res in landed],
-            )
+            landed = [(i, res, ok) for (i, res), ok in zip(slots, read or [], strict=False) if ok is not False]
+            lower.counters.bytes_read += sum(res.length for _, res, _ in landed)
             good: list[tuple[int, Reservation]] = []
             corrupt: list[bytes] = []
-            for (i, res), error in zip(landed, checked, strict=True):
-                if error is not None:
+            for i, res, ok in landed:
+                if ok is not True:
                     lower.counters.checksum_failures += 1
                     log.error(
                         "tier %s returned a corrupt block %s/%s, deleting it: %s",
                         tier.name,
                         namespace,
                         keys[i].hex(),
-                        error,
+                        ok,
                     )
                     corrupt.append(keys[i])
                 elif self._fence.blocked(epoch, namespace, keys[i]):

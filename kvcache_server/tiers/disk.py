@@ -72,6 +72,9 @@ FULL_BACKOFF_S = 30.0
 _RUN_RECORDS = 256
 """Records one pwritev appends at most (well within IOV_MAX, 1024: a record takes up to 3 buffers)."""
 
+Check = Callable[[memoryview, bytes], Exception | None]
+"""read_into_many's check of a block where it landed, (buffer, key) -> why it is not valid, or None."""
+
 _LAYOUT_FILE = "layout"
 _LOCK_FILE = "lock"
 
@@ -454,7 +457,7 @@ class DiskTier(Tier):
             return exc
         return block if self._checked(entry, where, region, epoch, head, len(head) + len(block)) else None
 
-    def _read_into_one(self, entry: bytes | None, dest: memoryview) -> bool | OSError:
+    def _read_into_one(self, entry: bytes | None, dest: memoryview, check: Check | None) -> bool | Exception:
         """Reads the record of `entry` with one preadv: its header into a small buffer, its block
         straight into `dest` (which must be exactly the block's length). False: not held, evicted,
         deleted or overwritten meanwhile, or torn; `dest` then holds bytes of no use."""
@@ -473,7 +476,13 @@ class DiskTier(Tier):
                 return False
             self._forget(entry, where, region)
             return exc
-        return self._checked(entry, where, region, epoch, head, got)
+        if not self._checked(entry, where, region, epoch, head, got):
+            return False
+        if check is not None:  # here, while the block is in this core's cache, not in a second pass
+            failed = check(dest, entry[4:])
+            if failed is not None:
+                return failed
+        return True
 
     def _forget(self, entry: bytes, where: int, region: _Region) -> None:
         with self._lock:
@@ -524,18 +533,24 @@ class DiskTier(Tier):
             out.append(None if where is None else where & 0xFFFFFFFF)
         return out
 
-    def _read_into_blocking(self, items: list[tuple[bytes | None, memoryview]]) -> list[bool | OSError]:
-        return [self._read_into_one(entry, dest) for entry, dest in items]
+    def _read_into_blocking(
+        self, items: list[tuple[bytes | None, memoryview]], check: Check | None
+    ) -> list[bool | Exception]:
+        return [self._read_into_one(entry, dest, check) for entry, dest in items]
 
-    async def read_into_many(self, namespace: str, items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+    async def read_into_many(
+        self, namespace: str, items: Sequence[tuple[bytes, memoryview]], check: Check | None = None
+    ) -> list[bool | Exception]:
         """Reads each key's block straight into the writable buffer given with it (sized by lengths()),
         in the reader threads: no memory of the tier's own per block (the stack passes the RAM arena
         slots its promotions go into, so a disk hit costs one copy, disk -> slot).
 
         True where the buffer now holds the block the index names, its record header, key binding and
         region epoch (the seqlock) checked after the read; False: a miss (not held, evicted, deleted
-        or rewritten while read, torn), and the buffer's bytes are of no use. The block's own checksum
-        is the caller's to verify where it landed, before it serves or indexes it.
+        or rewritten while read, torn), and the buffer's bytes are of no use. With `check`, called as
+        check(buffer, key) in the reader thread right after each read that passed those checks (the
+        block still in that core's cache): what it returns instead of None (the stack: why the block
+        fails its checksum) is that key's result, counted as a miss here.
 
         Awaited to its end even when the caller is cancelled (a timeout): no thread writes into a
         buffer after this returns or raises, so the caller may free it then.
@@ -545,13 +560,13 @@ class DiskTier(Tier):
         """
         entries = [(self._entry(namespace, k), dest) for k, dest in items]
         wanted = sum(e is not None and e in self._index for e, _ in entries)
-        read: list[bool | OSError] = [False] * len(items)
+        read: list[bool | Exception] = [False] * len(items)
         if wanted:
             step = max(1, -(-len(entries) // self._io_threads))
             parts = await _all_to_end(
                 [
                     asyncio.get_running_loop().run_in_executor(
-                        self._readers, self._read_into_blocking, entries[i : i + step]
+                        self._readers, self._read_into_blocking, entries[i : i + step], check
                     )
                     for i in range(0, len(entries), step)
                 ]
@@ -567,7 +582,7 @@ class DiskTier(Tier):
                 self._io_failed = True
         if failures and len(failures) == wanted:
             raise TierError(f"disk tier {self._dir}: {failures[0]}")
-        return [r is True for r in read]
+        return [False if isinstance(r, OSError) else r for r in read]
 
     def known(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         ns = self._ns_ids.get(namespace)
@@ -667,7 +682,7 @@ class DiskTier(Tier):
         os.close(self._lock_fd)
 
 
-async def _all_to_end(futures: list[asyncio.Future[list[bool | OSError]]]) -> list[list[bool | OSError]]:
+async def _all_to_end(futures: list[asyncio.Future[list[bool | Exception]]]) -> list[list[bool | Exception]]:
     """The results of executor futures, in order; if the awaiting task is cancelled, waits for every one
     of them to end first (their threads write into the caller's buffers), then lets it propagate."""
     try:
