@@ -19,6 +19,16 @@ whole: its blocks leave the index, it gets a new epoch and is written again from
 by region, not by block: a region that holds one hot block keeps its cold ones with it; blocks hit
 here are also promoted to RAM, so what is hot lives there.
 
+Page-cache writes: a new region file is preallocated whole (posix_fallocate) while the file system
+has room to spare, so appends do not allocate blocks page by page (_preallocate: measured on ext4,
++36% and no more 0.3 GB/s stalls for 1 MiB appends).
+
+Reads into place: read_into_many preads a record's header and block with one preadv, the block
+straight into a buffer the caller gives (the stack: the RAM arena slot a promotion goes into), and
+runs the caller's check (the block's checksum) in the reader thread while the block is in cache:
+no fresh memory per block, one copy disk -> slot. get_many (a new bytes per block) stays for gets
+that do not promote and for compressed tiers.
+
 Reads race evictions safely without a lock around the I/O (a seqlock): a reader notes the
 region's epoch with the index entry, preads, then checks the epoch again; an eviction bumps it
 (under the lock) before anything is written into the region, so a changed epoch means the bytes
@@ -68,6 +78,9 @@ INDEX_BYTES_PER_BLOCK = 200
 
 FULL_BACKOFF_S = 30.0
 """After ENOSPC, how long the tier evicts regions instead of creating files it has not made yet."""
+
+PREALLOCATE_ROOM = 4
+"""A new region file is preallocated only while the file system has room for this many of them."""
 
 _RUN_RECORDS = 256
 """Records one pwritev appends at most (well within IOV_MAX, 1024: a record takes up to 3 buffers)."""
@@ -264,6 +277,7 @@ class DiskTier(Tier):
                         os.close(region.fd)
                     region.fd = -1
                     region.fd = os.open(region.path, os.O_RDWR | os.O_CREAT, 0o600)
+                    _preallocate(region.fd, region.limit)
                 _pwrite_all(region.fd, layout.pack_region_header(region.epoch, self._region_bytes), 0)
             except OSError as exc:
                 self._write_failed(region, exc)
@@ -695,6 +709,23 @@ async def _all_to_end(futures: list[asyncio.Future[list[bool | Exception]]]) -> 
             if not f.cancelled():
                 f.exception()  # retrieved: the caller is cancelled whatever the threads ended with
         raise
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Allocates a new region file's blocks up front (posix_fallocate), so that its appends into the
+    page cache do not allocate blocks page by page (ext4's delayed allocation): measured, a pwritev of
+    256 blocks of 1 MiB into a new file ran at 3.34 GB/s (0.31-3.96 over 7 rounds), into a
+    preallocated one at 4.55 GB/s (4.04-5.24) (docs/disk-benchmarks.md). Only while the file system
+    has room for PREALLOCATE_ROOM such files: near full, or where it cannot, the file is left empty
+    and written as before, so a disk that fills is met by the writes themselves (ENOSPC), as the
+    tier's full-disk rules expect (regions reused within the bytes their files hold)."""
+    try:
+        room = os.fstatvfs(fd)
+        if room.f_bavail * room.f_frsize < PREALLOCATE_ROOM * nbytes:
+            return
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        os.ftruncate(fd, 0)  # a new file: nothing of it to keep; what a failed fallocate took goes back
 
 
 def _pwritev_all(fd: int, buffers: list[bytes | memoryview], offset: int) -> None:
