@@ -28,23 +28,29 @@ and puts the rest. Reported: blocks served from cache / blocks asked, and from w
 
 Part 3, streams of 1 MiB and 4 MiB blocks (--stream-mib, 128 MiB each) against dd and fio on the same
 file system (the same directory), in the same run, GB/s (10^9 bytes/s) of the median of --stream-iters
-rounds in which dd, fio and the tier take turns (the machine is shared: its load changes):
+rounds in which dd, fio and the tier take turns (the machine is shared: its load changes). Each tier
+row measures the path the server uses for it (TierStream):
     write       into the page cache (what the tier does: no fsync). dd if=/dev/zero of=F bs=B (into a
                 new file); fio --rw=write --ioengine=psync (buffered, one job); the tier: put_many in
-                batches of 64 blocks, one after the other (as the stack's write-behind drains them),
-                into a new tier (every record a new page).
+                the batches the stack's write-behind worker takes (at most 64 blocks and 32 MiB), one
+                after the other, into a new tier: the disk's side of a write-behind put and of a
+                demotion (RAM eviction -> disk).
     write+fsync to the device: dd conv=fsync (its time includes the fsync); the tier's puts, then an
                 fsync of each region file, timed together. (No fio here: its bandwidth leaves the
                 final fsync out.)
-    read warm   from the page cache: dd of=/dev/null; fio --rw=read --invalidate=0; the tier: get_many
-                of batches of 64 keys (its reader threads share each batch), every block a new bytes.
+    read warm   from the page cache: dd of=/dev/null; fio --rw=read --invalidate=0; the tier:
+                TierStack.get of batches of 64 keys held by the disk and not by RAM (emptied before
+                each round, untimed): the promotion path of a Get, each block read into its RAM
+                arena slot, verified there, indexed and leased.
+    read warm, no promotion: the same baselines; the tier: DiskTier.get_many, a new bytes per block
+                (gets that do not promote, a compressed disk tier).
     read cold   from the device: the files' pages dropped first (fsync, POSIX_FADV_DONTNEED), untimed;
-                dd; fio --invalidate=1 (fio drops them itself); the tier the same way.
+                dd; fio --invalidate=1 (fio drops them itself); the tier as in read warm.
     The ratio is the tier's GB/s over the faster of dd and fio (1.00x: as fast; the issue's target
     is >= 0.5x). dd and fio times are their own reports (no process start-up; fio's from the time
     its calls took, lat_ns); fio is skipped when it is not installed (apt-get install fio). Also
-    printed: the minor page faults per MiB of the tier's warm reads (getrusage), what separates them
-    from dd's, which reuses one buffer.
+    printed: the minor page faults per MiB of the tier's warm reads (getrusage): none into the arena,
+    which is mapped once; one per 4 KiB page into new bytes.
 
 Longer than the project's ~500-line module guideline on purpose: one self-contained benchmark whose
 three parts (raw I/O floor, the Zipf replay, the stream against dd and fio) share its servers and tables.
@@ -80,6 +86,8 @@ from kvcache_server.tiers.disk import DiskTier
 
 NS = "bench"
 BATCH = 64
+WB_ITEMS = 64  # the stack's write-behind batches (kvcache_server.stack._BATCH_ITEMS, _BATCH_BYTES)
+WB_BYTES = 32 << 20
 
 
 def block_of(size: int) -> tuple[bytes, bytes]:
@@ -363,7 +371,17 @@ def interleaved(fns: dict[str, Callable[[], float] | None], iters: int) -> dict[
 
 
 class TierStream:
-    """A stream of equal blocks through DiskTier.put_many / get_many in batches of BATCH, one batch at a time."""
+    """A stream of equal blocks through the disk tier on the paths the server uses for them.
+
+    write: DiskTier.put_many in the batches the stack's write-behind worker takes from its queue (at
+    most WB_ITEMS blocks and WB_BYTES bytes each, one batch at a time): what a write-behind put and a
+    demotion (RAM eviction -> disk) cost the disk. read: TierStack.get of batches of BATCH keys that
+    RAM does not hold and the disk does, through a stack whose RAM tier has room for the stream
+    (pre-faulted, as a server's): a disk hit is read straight into its RAM arena slot, verified
+    there (checksum), indexed and leased (the promotion path of every Get). read_plain: DiskTier.
+    get_many, every block a new bytes: the path of gets that do not promote (and of a compressed
+    disk tier). Before each read RAM forgets the stream (untimed), so every block comes from disk.
+    """
 
     def __init__(self, base: Path, block: int, nbytes: int, io_threads: int, write_threads: int) -> None:
         self.base = base
@@ -373,8 +391,10 @@ class TierStream:
         self.capacity = (-(-self.nbytes * 11 // 10 // self.region) + write_threads + 1) * self.region
         self.threads = (io_threads, write_threads)
         self.tier: DiskTier | None = None
+        self.stack: TierStack | None = None
         self.made = 0
         self.faults: list[int] = []  # minor page faults of each read()
+        self.plain_faults: list[int] = []  # and of each read_plain()
 
     def files(self) -> list[Path]:
         assert self.tier is not None
@@ -391,9 +411,17 @@ class TierStream:
             io_threads=self.threads[0],
             write_threads=self.threads[1],
         )
+        batches, batch, size = [], [], 0
+        for item in self.items:  # the write-behind worker's batches (WriteQueue.take)
+            if batch and (len(batch) >= WB_ITEMS or size + len(item[1]) > WB_BYTES):
+                batches.append(batch)
+                batch, size = [], 0
+            batch.append(item)
+            size += len(item[1])
+        batches.append(batch)
         t0 = time.perf_counter()
-        for i in range(0, len(self.items), BATCH):
-            stored = call(self.tier.put_many(NS, self.items[i : i + BATCH]))
+        for batch in batches:
+            stored = call(self.tier.put_many(NS, batch))
             assert all(stored), "the stream does not fit in the tier"
         if fsync:
             for path in self.files():
@@ -404,8 +432,31 @@ class TierStream:
                     os.close(fd)
         return self.nbytes / (time.perf_counter() - t0) / 1e9
 
+    def _stack(self) -> TierStack:
+        if self.stack is None:
+            assert self.tier is not None
+            ram = self.nbytes + len(self.items) * 4096 + 16 * MiB
+            self.stack = TierStack(ram, [(self.tier, LowerTierPolicy(write_mode=WriteMode.BEHIND))], prefault=True)
+            call(self.stack.start())
+        self.stack.ram.delete_many_sync(NS, [k for k, _ in self.items])  # every block from disk
+        return self.stack
+
     def read(self) -> float:
-        """GB/s of reading the stream back; the minor page faults it took go into self.faults."""
+        """GB/s of the stream's Gets through the stack (disk hit -> RAM slot); faults into self.faults."""
+        stack = self._stack()
+        keys = [k for k, _ in self.items]
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        for i in range(0, len(keys), BATCH):
+            found = call(stack.get(NS, keys[i : i + BATCH]))
+            assert all(f is not None and f.tier is TierKind.DISK and f.lease is not None for f in found)
+            stack.release(found)
+        gb_s = self.nbytes / (time.perf_counter() - t0) / 1e9
+        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        return gb_s
+
+    def read_plain(self) -> float:
+        """GB/s of DiskTier.get_many of the stream (a new bytes per block); faults into self.plain_faults."""
         assert self.tier is not None
         keys = [k for k, _ in self.items]
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -415,15 +466,15 @@ class TierStream:
             assert all(g is not None for g in got)
             del got
         gb_s = self.nbytes / (time.perf_counter() - t0) / 1e9
-        self.faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+        self.plain_faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         return gb_s
 
     def close(self) -> None:
         if self.tier is not None:
             directory = Path(self.tier._dir)
-            call(self.tier.close())
+            call(self.stack.close() if self.stack is not None else self.tier.close())
             shutil.rmtree(directory, ignore_errors=True)
-            self.tier = None
+            self.tier = self.stack = None
 
 
 def measure_stream(d: Path, block: int, nbytes: int, iters: int, fio: bool, threads: tuple[int, int]) -> dict:
@@ -466,11 +517,17 @@ def measure_stream(d: Path, block: int, nbytes: int, iters: int, fio: bool, thre
         dd_write("conv=fsync")  # the file the reads read, on the device
         dd_read()
         stream.read()
+        stream.read_plain()
         stream.faults.clear()
+        stream.plain_faults.clear()
         measured["read warm"] = interleaved(
             {"dd": dd_read, "fio": (lambda: fio_read(False)) if fio else None, "tier": stream.read}, iters
         )
         measured["read warm"]["tier_faults_per_mib"] = median(stream.faults) * MiB / stream.nbytes
+        measured["read warm, no promotion"] = interleaved(
+            {"dd": dd_read, "fio": (lambda: fio_read(False)) if fio else None, "tier": stream.read_plain}, iters
+        )
+        measured["read warm, no promotion"]["tier_faults_per_mib"] = median(stream.plain_faults) * MiB / stream.nbytes
         measured["read cold"] = interleaved(
             {"dd": dd_cold, "fio": (lambda: fio_read(True)) if fio else None, "tier": tier_cold}, iters
         )
@@ -519,7 +576,9 @@ def part3(base: Path, sizes: list[int], nbytes: int, iters: int, threads: tuple[
         ]
         print("| " + " | ".join(cells) + " | |")
     faults = ", ".join(
-        f"{r['tier_faults_per_mib']:.0f} ({r['block'] // MiB} MiB blocks)" for r in rows if "tier_faults_per_mib" in r
+        f"{r['tier_faults_per_mib']:.0f} ({r['block'] // MiB} MiB blocks, {r['op']})"
+        for r in rows
+        if "tier_faults_per_mib" in r
     )
     print(f"(minor page faults per MiB of the tier's warm reads: {faults}; dd and fio read into one buffer they reuse)")
     print(f"(load average at the end {os.getloadavg()[0]:.1f})")

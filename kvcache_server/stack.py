@@ -59,12 +59,13 @@ from dataclasses import dataclass, field
 from typing import TypeVar
 
 from kvcache_core.breaker import BreakerState, CircuitBreaker
-from kvcache_core.format import BlockFormatError, Compression, parse_header
+from kvcache_core.format import BlockFormatError, Compression, parse_header, verify_block
 from kvcache_core.threads import in_pool
 from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
+from kvcache_server.tiers.disk import DiskTier
 from kvcache_server.tiers.ram import (
     DEFAULT_MAX_LEASE_KEYS,
     DEFAULT_MAX_LEASES,
@@ -111,6 +112,16 @@ def _decode_one(read: tuple[bytes, bytes]) -> bytes | BlockFormatError:
         return codec.decode(stored, key)
     except BlockFormatError as exc:
         return exc
+
+
+def _verify_slot(view: memoryview, key: bytes) -> BlockFormatError | None:
+    """Why the block read into an arena slot is not the valid block of `key`, or None (run by the disk
+    tier's reader thread right after the read: DiskTier.read_into_many's check)."""
+    try:
+        verify_block(view, key)
+    except BlockFormatError as exc:
+        return exc
+    return None
 
 
 def _decode_cost(stored: bytes) -> int:
@@ -733,8 +744,15 @@ class TierStack:
         for depth, lower in enumerate(self._lower):
             if not missing:
                 break
+            passed: list[int] = []  # missed by the read into RAM: on to the next tier
+            if depth == 0 and self._reads_into_ram(lower, promote):
+                missing, passed = await self._get_into_ram(lower, namespace, keys, epoch, out, missing)
+                if not missing:
+                    missing = passed
+                    continue
             stored = await self._call(lower, "get", lower.tier.get_many, namespace, [keys[i] for i in missing])
             if stored is None:
+                missing = sorted(missing + passed)
                 continue
             read = [(i, data) for i, data in zip(missing, stored, strict=True) if data is not None]
             lower.counters.bytes_read += sum(len(data) for _, data in read)
@@ -770,7 +788,145 @@ class TierStack:
                 self.events.publish(EventKind.REMOVED, lower.tier.kind, namespace, corrupt)
             if hits and (lower.policy.promote if promote is None else promote):
                 await self._promote(depth, namespace, hits, epoch)
-            missing = still
+            missing = sorted(still + passed)
+
+    def _reads_into_ram(self, lower: _Lower, promote: bool | None) -> bool:
+        """Whether this get's hits in `lower` are read straight into RAM arena slots (_get_into_ram):
+        a tier that can (the disk tier), storing blocks as they are (no compression), whose hits are
+        promoted, with the stack started (the loop runs the copies off it)."""
+        return (
+            isinstance(lower.tier, DiskTier)
+            and lower.policy.compression is codec.CompressionMode.NONE
+            and (lower.policy.promote if promote is None else promote)
+            and self._loop is not None
+        )
+
+    async def _get_into_ram(
+        self,
+        lower: _Lower,
+        namespace: str,
+        keys: Sequence[bytes],
+        epoch: int,
+        out: list[Found | None],
+        missing: list[int],
+    ) -> tuple[list[int], list[int]]:
+        """Promotion by reading into place: for the `missing` keys the disk tier holds, RAM slots are
+        reserved first (what that evicts copied out for demotion, as a put's), the tier preads each
+        block straight into its slot (one copy, disk -> slot, no fresh memory), the block is verified
+        there (checksum under its key, in the reader thread right after its read), and the slots are indexed and leased
+        to this get (Found with tier DISK and a lease: release() hands it back). Returns (the indexes
+        left for the tier's plain path: no room in RAM, at most a quarter of it reserved at once; the
+        indexes this path missed, for the next tier: not held, evicted or rewritten while read, torn,
+        failed checksum (counted, and the block deleted there), or the call failed).
+
+        Keys a Delete fenced off meanwhile are served from the copy read (as the plain path does),
+        not promoted. No slot is freed while a reader thread may still write into it: the tier call
+        is awaited to its end, and if this caller is cancelled first the slots are freed when it ends.
+        """
+        tier = lower.tier
+        assert isinstance(tier, DiskTier)
+        quarter = self._ram.capacity_bytes // 4  # staged slots are pinned until adopted, as _to_ram's
+        chunks: list[list[tuple[int, int]]] = [[]]
+        absent: list[int] = []  # not held there
+        rest: list[int] = []
+        size = 0
+        for i, n in zip(missing, tier.lengths(namespace, [keys[i] for i in missing]), strict=True):
+            if n is None:
+                absent.append(i)
+            elif n > quarter:
+                rest.append(i)
+            else:
+                if chunks[-1] and size + n > quarter:
+                    chunks.append([])
+                    size = 0
+                chunks[-1].append((i, n))
+                size += n
+        if not chunks[0]:
+            return missing, []
+        passed: list[int] = []
+        for n, chunk in enumerate(chunks):
+            left, missed = await self._read_into_slots(
+                lower, namespace, keys, epoch, out, chunk, absent if n == 0 else []
+            )
+            rest += left
+            passed += missed
+        return sorted(rest), sorted(passed)
+
+    async def _read_into_slots(
+        self,
+        lower: _Lower,
+        namespace: str,
+        keys: Sequence[bytes],
+        epoch: int,
+        out: list[Found | None],
+        want: list[tuple[int, int]],
+        absent: list[int],
+    ) -> tuple[list[int], list[int]]:
+        """_get_into_ram for one batch of (index, length) that fits in a quarter of RAM; `absent`
+        (keys the tier does not hold) go along to be counted as its misses. Returns (indexes for
+        the plain path, indexes missed)."""
+        tier = lower.tier
+        assert isinstance(tier, DiskTier)
+        staged, evicted = self._ram.reserve_slots(namespace, [(keys[i], n) for i, n in want])
+        ids = [r.id for r in staged if r is not None]
+        try:
+            await self._copy_out(evicted)
+        except BaseException:  # cancelled (its thread has ended) or failed: nobody will write them
+            self._ram.abandon(ids)
+            raise
+        finally:
+            self._ram.settle(evicted)
+        slots = [(i, res) for (i, _), res in zip(want, staged, strict=True) if res is not None]
+        rest = [i for (i, _), res in zip(want, staged, strict=True) if res is None]
+        if not slots:
+            return rest + absent, []
+        # The absent keys go along with an empty buffer: counted as the tier's misses, never read.
+        asked = [(keys[i], res.buffer) for i, res in slots] + [(keys[i], memoryview(bytearray())) for i in absent]
+        call = self._start(lower, "get", tier.read_into_many, namespace, asked, _verify_slot)
+        if call is None:
+            self._ram.abandon(ids)
+            return rest, absent + [i for i, _ in slots]
+        assert call.task is not None
+        try:
+            read = await self._wait(lower, call)
+        except BaseException:
+            call.task.add_done_callback(lambda _: self._ram.abandon(ids))  # its threads write into them until then
+            raise
+        try:
+            landed = [(i, res, ok) for (i, res), ok in zip(slots, read or [], strict=False) if ok is not False]
+            lower.counters.bytes_read += sum(res.length for _, res, _ in landed)
+            good: list[tuple[int, Reservation]] = []
+            corrupt: list[bytes] = []
+            for i, res, ok in landed:
+                if ok is not True:
+                    lower.counters.checksum_failures += 1
+                    log.error(
+                        "tier %s returned a corrupt block %s/%s, deleting it: %s",
+                        tier.name,
+                        namespace,
+                        keys[i].hex(),
+                        ok,
+                    )
+                    corrupt.append(keys[i])
+                elif self._fence.blocked(epoch, namespace, keys[i]):
+                    out[i] = Found(bytes(res.buffer), tier.kind)  # what it read; a Delete stops the promotion
+                else:
+                    good.append((i, res))
+            leases = self._ram.adopt_leased(namespace, [(keys[i], res) for i, res in good], SERVE_LEASE_S)
+            promoted = []
+            for (i, res), lease in zip(good, leases, strict=True):
+                if lease is None:
+                    out[i] = Found(bytes(res.buffer), tier.kind)
+                else:
+                    out[i] = Found(lease.view, tier.kind, lease)
+                    promoted.append(keys[i])
+            self._ram_counters.promotions += len(promoted)
+            self.events.publish(EventKind.STORED, TierKind.RAM, namespace, promoted)
+            if corrupt and await self._call(lower, "delete_corrupt", tier.delete_many, namespace, corrupt) is not None:
+                self.events.publish(EventKind.REMOVED, tier.kind, namespace, corrupt)
+        finally:
+            self._ram.abandon(ids)  # those not adopted (adopted ones are no longer open reservations)
+        return rest, absent + [i for i, _ in slots if out[i] is None]
 
     async def _promote(self, depth: int, namespace: str, hits: list[tuple[bytes, bytes]], epoch: int) -> None:
         """Copies blocks found at lower tier `depth` into RAM and into the lower tiers above it,

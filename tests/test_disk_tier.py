@@ -107,6 +107,24 @@ def test_the_byte_cap_holds_and_eviction_goes_by_region_lru(tmp_path: Path) -> N
     run(go())
 
 
+def test_a_new_region_file_is_preallocated_whole_where_the_file_system_has_room(tmp_path: Path) -> None:
+    async def go() -> None:
+        t = tier(tmp_path)
+        await t.put_many(NS, blocks(1))  # 20 KB into a region of 1 MiB
+        (path,) = region_files(tmp_path)
+        st = path.stat()
+        if os.statvfs(tmp_path).f_bavail * os.statvfs(tmp_path).f_frsize < 8 * MiB:
+            pytest.skip("the file system has no room to spare here")
+        # Its blocks are allocated up front (posix_fallocate), not page by page as the appends come.
+        assert st.st_size == MiB and st.st_blocks * 512 >= MiB
+        await t.close()
+        t = tier(tmp_path)  # the zeros past the last record are no record: the restart finds the one block
+        assert t.stats().blocks == 1
+        await t.close()
+
+    run(go())
+
+
 def test_a_block_larger_than_a_region_is_refused_not_an_error(tmp_path: Path) -> None:
     async def go() -> None:
         t = tier(tmp_path)

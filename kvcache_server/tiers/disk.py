@@ -19,6 +19,16 @@ whole: its blocks leave the index, it gets a new epoch and is written again from
 by region, not by block: a region that holds one hot block keeps its cold ones with it; blocks hit
 here are also promoted to RAM, so what is hot lives there.
 
+Page-cache writes: a new region file is preallocated whole (posix_fallocate) while the file system
+has room to spare, so appends do not allocate blocks page by page (_preallocate: measured on ext4,
++36% and no more 0.3 GB/s stalls for 1 MiB appends).
+
+Reads into place: read_into_many preads a record's header and block with one preadv, the block
+straight into a buffer the caller gives (the stack: the RAM arena slot a promotion goes into), and
+runs the caller's check (the block's checksum) in the reader thread while the block is in cache:
+no fresh memory per block, one copy disk -> slot. get_many (a new bytes per block) stays for gets
+that do not promote and for compressed tiers.
+
 Reads race evictions safely without a lock around the I/O (a seqlock): a reader notes the
 region's epoch with the index entry, preads, then checks the epoch again; an eviction bumps it
 (under the lock) before anything is written into the region, so a changed epoch means the bytes
@@ -69,8 +79,14 @@ INDEX_BYTES_PER_BLOCK = 200
 FULL_BACKOFF_S = 30.0
 """After ENOSPC, how long the tier evicts regions instead of creating files it has not made yet."""
 
+PREALLOCATE_ROOM = 4
+"""A new region file is preallocated only while the file system has room for this many of them."""
+
 _RUN_RECORDS = 256
 """Records one pwritev appends at most (well within IOV_MAX, 1024: a record takes up to 3 buffers)."""
+
+Check = Callable[[memoryview, bytes], Exception | None]
+"""read_into_many's check of a block where it landed, (buffer, key) -> why it is not valid, or None."""
 
 _LAYOUT_FILE = "layout"
 _LOCK_FILE = "lock"
@@ -261,6 +277,7 @@ class DiskTier(Tier):
                         os.close(region.fd)
                     region.fd = -1
                     region.fd = os.open(region.path, os.O_RDWR | os.O_CREAT, 0o600)
+                    _preallocate(region.fd, region.limit)
                 _pwrite_all(region.fd, layout.pack_region_header(region.epoch, self._region_bytes), 0)
             except OSError as exc:
                 self._write_failed(region, exc)
@@ -404,39 +421,82 @@ class DiskTier(Tier):
 
     # -- reading (reader threads) ---------------------------------------------------------------
 
-    def _read_one(self, entry: bytes | None) -> bytes | OSError | None:
-        if entry is None:
-            return None
+    def _locate(self, entry: bytes) -> tuple[int, _Region, int, int] | None:
+        """(where, its region, the region's epoch now, the record header's length) of an index entry,
+        or None; marks the region used (LRU). The seqlock's first half: the caller reads, then checks
+        that region.epoch is still the epoch returned here."""
         with self._lock:
             where = self._index.get(entry)
             if where is None:
                 return None
             region = self._regions[where >> 64]
-            epoch, fd = region.epoch, region.fd
+            epoch = region.epoch
             if region.id in self._lru:
                 self._lru.move_to_end(region.id)
-        offset, length = (where >> 32) & 0xFFFFFFFF, where & 0xFFFFFFFF
         nslen = len(self._ns_names[int.from_bytes(entry[:4], "little")].encode())
-        hlen = layout.header_len(nslen)
+        return where, region, epoch, layout.header_len(nslen)
+
+    def _checked(
+        self, entry: bytes, where: int, region: _Region, epoch: int, head: bytes | bytearray, got: int
+    ) -> bool:
+        """The seqlock's second half and the record's own checks, after a read of `got` bytes (header
+        and block) of the record at `where`: True when they are the record the index names."""
+        if region.epoch != epoch:
+            return False  # evicted while read: the bytes may be of its new records
+        header = layout.parse_record_header(head)
+        if header is not None and not header.live and header.key == entry[4:]:
+            return False  # deleted while read
+        length = where & 0xFFFFFFFF
+        if header is None or header.key != entry[4:] or header.length != length or got != len(head) + length:
+            self._forget(entry, where, region)  # truncated, overwritten or vanished behind our back
+            with self._lock:
+                self._stats.errors += 1
+            return False
+        return True
+
+    def _read_one(self, entry: bytes | None) -> bytes | OSError | None:
+        found = None if entry is None else self._locate(entry)
+        if found is None:
+            return None
+        assert entry is not None
+        where, region, epoch, hlen = found
+        offset, length = (where >> 32) & 0xFFFFFFFF, where & 0xFFFFFFFF
         try:
-            head = os.pread(fd, hlen, offset)
-            block = os.pread(fd, length, offset + hlen)
+            head = os.pread(region.fd, hlen, offset)
+            block = os.pread(region.fd, length, offset + hlen)
         except OSError as exc:
             if region.epoch != epoch:
                 return None
             self._forget(entry, where, region)
             return exc
-        if region.epoch != epoch:
-            return None  # evicted while read: the bytes may be of its new records
-        header = layout.parse_record_header(head)
-        if header is not None and not header.live and header.key == entry[4:]:
-            return None  # deleted while read
-        if header is None or header.key != entry[4:] or len(block) != length:
-            self._forget(entry, where, region)  # truncated, overwritten or vanished behind our back
-            with self._lock:
-                self._stats.errors += 1
-            return None
-        return block
+        return block if self._checked(entry, where, region, epoch, head, len(head) + len(block)) else None
+
+    def _read_into_one(self, entry: bytes | None, dest: memoryview, check: Check | None) -> bool | Exception:
+        """Reads the record of `entry` with one preadv: its header into a small buffer, its block
+        straight into `dest` (which must be exactly the block's length). False: not held, evicted,
+        deleted or overwritten meanwhile, or torn; `dest` then holds bytes of no use."""
+        found = None if entry is None else self._locate(entry)
+        if found is None:
+            return False
+        assert entry is not None
+        where, region, epoch, hlen = found
+        if len(dest) != where & 0xFFFFFFFF:
+            return False  # the key was written again (another length) since the caller sized `dest`
+        head = bytearray(hlen)
+        try:
+            got = os.preadv(region.fd, [head, dest], (where >> 32) & 0xFFFFFFFF)
+        except OSError as exc:
+            if region.epoch != epoch:
+                return False
+            self._forget(entry, where, region)
+            return exc
+        if not self._checked(entry, where, region, epoch, head, got):
+            return False
+        if check is not None:  # here, while the block is in this core's cache, not in a second pass
+            failed = check(dest, entry[4:])
+            if failed is not None:
+                return failed
+        return True
 
     def _forget(self, entry: bytes, where: int, region: _Region) -> None:
         with self._lock:
@@ -473,6 +533,70 @@ class DiskTier(Tier):
             self._stats.hits += hits
             self._stats.misses += len(keys) - hits
         return out
+
+    def lengths(self, namespace: str, keys: Sequence[bytes]) -> list[int | None]:
+        """Each key's block length from the index (no I/O: call it on the event loop), None where the
+        tier does not hold it: what a caller sizes the destinations of read_into_many by."""
+        ns = self._ns_ids.get(namespace)
+        if ns is None:
+            return [None] * len(keys)
+        index = self._index
+        out: list[int | None] = []
+        for key in keys:
+            where = index.get(ns + key)
+            out.append(None if where is None else where & 0xFFFFFFFF)
+        return out
+
+    def _read_into_blocking(
+        self, items: list[tuple[bytes | None, memoryview]], check: Check | None
+    ) -> list[bool | Exception]:
+        return [self._read_into_one(entry, dest, check) for entry, dest in items]
+
+    async def read_into_many(
+        self, namespace: str, items: Sequence[tuple[bytes, memoryview]], check: Check | None = None
+    ) -> list[bool | Exception]:
+        """Reads each key's block straight into the writable buffer given with it (sized by lengths()),
+        in the reader threads: no memory of the tier's own per block (the stack passes the RAM arena
+        slots its promotions go into, so a disk hit costs one copy, disk -> slot).
+
+        True where the buffer now holds the block the index names, its record header, key binding and
+        region epoch (the seqlock) checked after the read; False: a miss (not held, evicted, deleted
+        or rewritten while read, torn), and the buffer's bytes are of no use. With `check`, called as
+        check(buffer, key) in the reader thread right after each read that passed those checks (the
+        block still in that core's cache): what it returns instead of None (the stack: why the block
+        fails its checksum) is that key's result, counted as a miss here.
+
+        Awaited to its end even when the caller is cancelled (a timeout): no thread writes into a
+        buffer after this returns or raises, so the caller may free it then.
+
+        Raises:
+            TierError: every block held failed on an I/O error.
+        """
+        entries = [(self._entry(namespace, k), dest) for k, dest in items]
+        wanted = sum(e is not None and e in self._index for e, _ in entries)
+        read: list[bool | Exception] = [False] * len(items)
+        if wanted:
+            step = max(1, -(-len(entries) // self._io_threads))
+            parts = await _all_to_end(
+                [
+                    asyncio.get_running_loop().run_in_executor(
+                        self._readers, self._read_into_blocking, entries[i : i + step], check
+                    )
+                    for i in range(0, len(entries), step)
+                ]
+            )
+            read = [r for part in parts for r in part]
+        failures = [r for r in read if isinstance(r, OSError)]
+        with self._lock:
+            hits = sum(r is True for r in read)
+            self._stats.hits += hits
+            self._stats.misses += len(items) - hits
+            if failures:
+                self._stats.errors += len(failures)
+                self._io_failed = True
+        if failures and len(failures) == wanted:
+            raise TierError(f"disk tier {self._dir}: {failures[0]}")
+        return [False if isinstance(r, OSError) else r for r in read]
 
     def known(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         ns = self._ns_ids.get(namespace)
@@ -570,6 +694,38 @@ class DiskTier(Tier):
                 os.close(region.fd)
                 region.fd = -1
         os.close(self._lock_fd)
+
+
+async def _all_to_end(futures: list[asyncio.Future[list[bool | Exception]]]) -> list[list[bool | Exception]]:
+    """The results of executor futures, in order; if the awaiting task is cancelled, waits for every one
+    of them to end first (their threads write into the caller's buffers), then lets it propagate."""
+    try:
+        return await asyncio.shield(asyncio.gather(*futures))
+    except asyncio.CancelledError:
+        while not all(f.done() for f in futures):
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.wait(futures)
+        for f in futures:
+            if not f.cancelled():
+                f.exception()  # retrieved: the caller is cancelled whatever the threads ended with
+        raise
+
+
+def _preallocate(fd: int, nbytes: int) -> None:
+    """Allocates a new region file's blocks up front (posix_fallocate), so that its appends into the
+    page cache do not allocate blocks page by page (ext4's delayed allocation): measured, a pwritev of
+    256 blocks of 1 MiB into a new file ran at 3.34 GB/s (0.31-3.96 over 7 rounds), into a
+    preallocated one at 4.55 GB/s (4.04-5.24) (docs/disk-benchmarks.md). Only while the file system
+    has room for PREALLOCATE_ROOM such files: near full, or where it cannot, the file is left empty
+    and written as before, so a disk that fills is met by the writes themselves (ENOSPC), as the
+    tier's full-disk rules expect (regions reused within the bytes their files hold)."""
+    try:
+        room = os.fstatvfs(fd)
+        if room.f_bavail * room.f_frsize < PREALLOCATE_ROOM * nbytes:
+            return
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError:
+        os.ftruncate(fd, 0)  # a new file: nothing of it to keep; what a failed fallocate took goes back
 
 
 def _pwritev_all(fd: int, buffers: list[bytes | memoryview], offset: int) -> None:

@@ -360,23 +360,28 @@ class RamTier(Tier):
                 self._stats.hits += 1
                 part.policy.accessed(entry)
                 self._retention.touched(entry, now)
-                self._pin(slot)
-                part.leases += 1
-                part.leased += cost
-                lease = Lease(
-                    new_id(self._leases, self._reservations),
-                    namespace,
-                    slot.offset,
-                    slot.length,
-                    self._readonly[slot.offset : slot.offset + slot.length],
-                    now + ttl_s,
-                    slot,
-                )
-                self._leases[lease.id] = lease
-                heapq.heappush(self._expiries, (lease.expires, lease.id))
+                lease = self._lease_locked(part, namespace, slot, now + ttl_s)
                 given[key] = lease
                 out.append(lease)
         return out
+
+    def _lease_locked(self, part: _Partition, namespace: str, slot: Slot, expires: float) -> Lease:
+        """A new read lease on `slot` (under the lock): pinned until released or expired."""
+        self._pin(slot)
+        part.leases += 1
+        part.leased += self.entry_cost_of(slot.length)
+        lease = Lease(
+            new_id(self._leases, self._reservations),
+            namespace,
+            slot.offset,
+            slot.length,
+            self._readonly[slot.offset : slot.offset + slot.length],
+            expires,
+            slot,
+        )
+        self._leases[lease.id] = lease
+        heapq.heappush(self._expiries, (lease.expires, lease.id))
+        return lease
 
     def release(self, lease_ids: Sequence[int], tenant: str | None = None) -> int:
         """Ends the leases (unknown or expired ids are ignored; with `tenant`, so are other
@@ -448,28 +453,49 @@ class RamTier(Tier):
 
         A reservation that expired, was abandoned, is already committed or was made for another
         namespace is not stored (False)."""
-        stored: list[bool] = []
         with self._lock:
             self._reap_locked(self._clock())
-            part = self._partition(namespace)
-            for key, given in items:
-                entry = (namespace, key)
-                res = self._reservations.get(given.id)
-                if res is None or res.namespace != namespace:
-                    self._stats.rejected += 1
-                    stored.append(False)
-                    continue
-                # The reservation already counts against the share and the cap: it becomes the
-                # entry (nothing is evicted), and the entry it replaces (if any) leaves the index.
-                cost = self.entry_cost_of(res.length)
-                del self._reservations[res.id]
-                self._reserved -= cost
-                part.reserved -= cost
-                res._slot.pins -= 1
-                self._drop_entry(part, entry)
-                self._index(part, entry, res._slot)
-                stored.append(True)
+            return self._adopt_locked(namespace, items)
+
+    def _adopt_locked(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> list[bool]:
+        stored: list[bool] = []
+        part = self._partition(namespace)
+        for key, given in items:
+            entry = (namespace, key)
+            res = self._reservations.get(given.id)
+            if res is None or res.namespace != namespace:
+                self._stats.rejected += 1
+                stored.append(False)
+                continue
+            # The reservation already counts against the share and the cap: it becomes the
+            # entry (nothing is evicted), and the entry it replaces (if any) leaves the index.
+            cost = self.entry_cost_of(res.length)
+            del self._reservations[res.id]
+            self._reserved -= cost
+            part.reserved -= cost
+            res._slot.pins -= 1
+            self._drop_entry(part, entry)
+            self._index(part, entry, res._slot)
+            stored.append(True)
         return stored
+
+    def adopt_leased(
+        self, namespace: str, items: Sequence[tuple[bytes, Reservation]], ttl_s: float
+    ) -> list[Lease | None]:
+        """adopt_many, and a read lease on each slot it indexed, under one hold of the lock (so no
+        eviction in another thread comes between): a promotion's blocks, read straight into their
+        slots, are indexed and served from them. None where adopt_many would give False (the
+        reservation is not open: the caller still owns its bytes until it abandons it). The leases are
+        the server's own (not capped), released with release()."""
+        out: list[Lease | None] = []
+        with self._lock:
+            now = self._clock()
+            self._reap_locked(now)
+            part = self._partition(namespace)
+            for (key, _), ok in zip(items, self._adopt_locked(namespace, items), strict=True):
+                slot = self._blocks.get((namespace, key)) if ok else None
+                out.append(None if slot is None else self._lease_locked(part, namespace, slot, now + ttl_s))
+        return out
 
     def retain_many(self, namespace: str, keys: Sequence[bytes], ttl_s: float) -> int:
         """Retains the indexed blocks of `keys` for ttl_s seconds (or renews their retention): they
