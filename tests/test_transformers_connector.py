@@ -205,6 +205,36 @@ def test_save_after_generate_serves_the_next_turn(client: KVCacheClient, model: 
     assert_continues_exactly(model, follow_up, loaded)
 
 
+def test_saves_ask_for_retention_by_the_connector_or_by_the_call(
+    client: KVCacheClient, model: LlamaForCausalLM
+) -> None:
+    """A session that stays (issue #26): the connector's retain_ttl_s makes every save a retained put,
+    a save's own retain_ttl_s overrides it (None: not retained); the server's RAM counts them."""
+
+    def retained() -> int:
+        return client.stats().tier("ram").retained_blocks
+
+    plain = connect(client, model)
+    prompt = random_prompt(40, VOCAB, seed=30)
+    assert plain.save(prompt, prefill(model, prompt)) == 3
+    assert retained() == 0
+    session = TransformersKVConnector(client, plain.namespace, retain_ttl_s=600)
+    turn = random_prompt(40, VOCAB, seed=31)
+    assert session.save(turn, prefill(model, turn)) == 3
+    assert retained() == 3
+    other = random_prompt(20, VOCAB, seed=32)
+    assert session.save(other, prefill(model, other), retain_ttl_s=None) == 2  # this call: not retained
+    assert retained() == 3
+    longer = [*other, 1, 2]
+    assert plain.save(longer, prefill(model, longer), retain_ttl_s=60) == 1
+    assert retained() == 4
+    for bad in (0, -1.0, float("inf"), float("nan"), True, "600"):
+        with pytest.raises(ValueError, match="retain_ttl_s"):
+            TransformersKVConnector(client, plain.namespace, retain_ttl_s=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="retain_ttl_s"):
+            plain.save(prompt, prefill(model, prompt), retain_ttl_s=bad)  # type: ignore[arg-type]
+
+
 def test_cache_salt_isolates(client: KVCacheClient, model: LlamaForCausalLM) -> None:
     prompt = random_prompt(40, VOCAB, seed=8)
     assert connect(client, model, cache_salt="tenant-a").save(prompt, prefill(model, prompt)) == 3

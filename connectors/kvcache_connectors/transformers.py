@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import TYPE_CHECKING
@@ -252,6 +253,20 @@ class ConnectorStats:
     bytes_saved: int = 0
 
 
+class _Default:
+    """The type of _DEFAULT: an argument not given (None means "not retained")."""
+
+
+_DEFAULT = _Default()
+
+
+def _checked_ttl(ttl_s: float | None) -> float | None:
+    number = isinstance(ttl_s, int | float) and not isinstance(ttl_s, bool)
+    if ttl_s is not None and not (number and math.isfinite(ttl_s) and ttl_s > 0):
+        raise ValueError(f"retain_ttl_s must be None or a positive, finite number of seconds; got {ttl_s!r}")
+    return ttl_s
+
+
 class TransformersKVConnector:
     """Saves and loads one model's KV for prompts of batch size 1.
 
@@ -261,15 +276,19 @@ class TransformersKVConnector:
     Args:
         client: The kvcache client; its deadline and retry policy apply to every call.
         namespace: From `namespace_for_model`; canonical layout, no tensor parallelism.
+        retain_ttl_s: Every save asks the server to retain what it stores for this many seconds (a
+            session that stays: docs/tiers.md, "Sessions that stay"); None (the default) retains
+            nothing. A save may ask otherwise.
     """
 
-    def __init__(self, client: KVCacheClient, namespace: Namespace) -> None:
+    def __init__(self, client: KVCacheClient, namespace: Namespace, *, retain_ttl_s: float | None = None) -> None:
         if namespace.layout != CANONICAL_LAYOUT:
             raise ValueError(f"the transformers connector stores {CANONICAL_LAYOUT!r}, not {namespace.layout!r}")
         if namespace.tp_size != 1:
             raise ValueError("the transformers connector runs one unsharded model: tp_size must be 1")
         self.client = client
         self.namespace = namespace
+        self.retain_ttl_s = _checked_ttl(retain_ttl_s)
         self.stats = ConnectorStats()
 
     def take_stats(self) -> ConnectorStats:
@@ -279,22 +298,31 @@ class TransformersKVConnector:
             setattr(self.stats, f.name, 0)
         return taken
 
-    def save(self, input_ids: TokenIds, cache: Cache) -> int:
+    def save(self, input_ids: TokenIds, cache: Cache, *, retain_ttl_s: float | _Default | None = _DEFAULT) -> int:
         """Stores the KV of `input_ids` (the first len(input_ids) tokens of `cache`) in chunks.
 
         One lookup finds the longest prefix the server already holds; only the chunks after it are
         built and sent. The final partial chunk is stored too, so the exact same prompt is found whole.
         The cache may hold more tokens than `input_ids` (after generation, say); the rest is ignored.
 
+        Args:
+            input_ids: The prompt (and what was generated, if the cache holds it).
+            cache: The model's cache after running `input_ids`.
+            retain_ttl_s: Retain the chunks this call stores for this many seconds (None: not
+                retained); the connector's `retain_ttl_s` when not given. The chunks the server
+                held already keep their own retention (a load's hit renews it).
+
         Returns:
             The number of chunks stored by this call (0 when all were stored already).
 
         Raises:
-            ValueError: A batch larger than 1, a cache shorter than the prompt, or a cache whose
-                layers, heads, head size or dtype do not match the namespace.
+            ValueError: A batch larger than 1, a cache shorter than the prompt, a cache whose
+                layers, heads, head size or dtype do not match the namespace, or a `retain_ttl_s`
+                that is not a positive, finite number of seconds.
             KVCacheError: The server could not be reached or refused the blocks; nothing is
                 guaranteed stored, and the cache is unchanged.
         """
+        ttl = self.retain_ttl_s if isinstance(retain_ttl_s, _Default) else _checked_ttl(retain_ttl_s)
         tokens = _token_array(input_ids)
         self._check_cache(cache, len(tokens))
         self.stats.saves += 1
@@ -307,7 +335,7 @@ class TransformersKVConnector:
             return 0
         size = self.namespace.chunk_tokens
         chunks = chunks_from_cache(cache, stored * size, len(tokens), size)
-        result = self.client.put_tensors(self.namespace, keys[stored:], chunks)
+        result = self.client.put_tensors(self.namespace, keys[stored:], chunks, retain_ttl_s=ttl)
         self.stats.chunks_saved += result.stored
         self.stats.chunks_rejected += result.rejected
         self.stats.bytes_saved += result.bytes_sent
