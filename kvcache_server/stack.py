@@ -301,10 +301,15 @@ class TierStack:
         self.events = events or EventHub()
         pins = pins or PinLimits()
         self._observer = observer or NullObserver()
+        first = lower[0][0] if lower else None
         self._ram = RamTier(
             ram_capacity_bytes,
             on_evict=self._on_ram_evict,
             copy_evicted=demote_on_evict and bool(lower),  # only demotions need an evicted block's bytes
+            # A victim the disk holds already (promoted from it, or demoted before) would be dropped by
+            # the demotion check of _write_batch: it is not copied out at all (1 MiB memcpy per victim
+            # saved; promotions into a full RAM ran 0.9 GB/s with the copies, docs/disk-benchmarks.md).
+            held_below=first.holds if isinstance(first, DiskTier) else None,
             quota_of=ram_quota_of,
             arena_dir=arena_dir,
             prefault=prefault,

@@ -257,3 +257,88 @@ def test_concurrent_promotions_keep_ram_within_its_byte_cap(tmp_path: Path) -> N
         await stack.close()
 
     asyncio.run(go())
+
+
+def test_promotions_into_a_full_ram_copy_out_no_victim_the_disk_holds(tmp_path: Path) -> None:
+    """A block promoted from disk and then evicted from RAM is still on disk: its demotion copy is not
+    made (RamTier held_below), nothing is written to the disk again, and what is served is right."""
+
+    async def go() -> None:
+        disk = tier(tmp_path, capacity=16 * MiB)
+        stack = stack_over(disk, ram=2 * MiB)
+        await stack.start()
+        batch = blocks(60)  # 3.6 MB: more than RAM holds, so later promotions evict earlier ones
+        assert all(await disk.put_many(NS, batch))
+        puts = disk.stats().puts
+        demoted: list[bytes] = []
+        real = stack._on_ram_evict
+        stack.ram._on_evict = lambda ns, key, block: (demoted.append(block), real(ns, key, block))
+        for i in range(0, 60, 10):
+            found = await stack.get(NS, [k for k, _ in batch[i : i + 10]])
+            assert [bytes(f.data) for f in found if f is not None] == [b for _, b in batch[i : i + 10]]
+            stack.release(found)
+        await stack.wait_idle()
+        assert stack.ram.stats().evictions > 0 and len(demoted) == stack.ram.stats().evictions
+        assert demoted == [b""] * len(demoted)  # none copied out of the arena
+        assert stack.ram.evictions_uncopied == len(demoted)
+        assert disk.stats().puts == puts  # and none written again
+        arena = stack.ram.arena_stats()
+        assert arena["reservations"] == 0 and arena["leases"] == 0
+        await stack.close()
+
+    asyncio.run(go())
+
+
+def test_a_victim_the_disk_does_not_hold_is_still_copied_and_demoted(tmp_path: Path) -> None:
+    async def go() -> None:
+        disk = tier(tmp_path, capacity=16 * MiB)
+        stack = stack_over(disk, ram=2 * MiB)
+        await stack.start()
+        on_disk = blocks(20)
+        assert all(await disk.put_many(NS, on_disk))
+        ram_only = blocks(20)
+        stack.ram.put_many_sync(NS, ram_only)  # in RAM alone (no write to the disk)
+        assert disk.known(NS, [k for k, _ in ram_only]) == [False] * 20
+        found = await stack.get(NS, [k for k, _ in on_disk])  # promotions evict the RAM-only blocks
+        stack.release(found)
+        await stack.wait_idle()
+        evicted = [k for k, _ in ram_only if not stack.ram.contains_many_sync(NS, [k])[0]]
+        assert evicted and stack.ram.evictions_uncopied == 0
+        assert disk.known(NS, evicted) == [True] * len(evicted)  # demoted: copied out, then written
+        got = await disk.get_many(NS, evicted)
+        assert got == [b for k, b in ram_only if k in set(evicted)]
+        await stack.close()
+
+    asyncio.run(go())
+
+
+def test_read_into_many_locates_a_part_under_one_hold_of_the_lock(tmp_path: Path) -> None:
+    """A reader thread's part of a batch is looked up in the index under one hold of the tier's lock
+    (not one per block), and a header buffer is reused across its reads."""
+
+    async def go() -> None:
+        disk = tier(tmp_path)
+        batch = blocks(16)
+        await disk.put_many(NS, batch)
+        holds = 0
+        real = disk._lock
+
+        class Counting:
+            def __enter__(self) -> None:
+                nonlocal holds
+                if threading.current_thread().name.startswith("kvcache-disk-read"):
+                    holds += 1
+                real.__enter__()
+
+            def __exit__(self, *exc: object) -> None:
+                real.__exit__(*exc)
+
+        disk._lock = Counting()  # type: ignore[assignment]
+        dests = [bytearray(len(b)) for _, b in batch]
+        got = await disk.read_into_many(NS, [(k, memoryview(d)) for (k, _), d in zip(batch, dests, strict=True)])
+        disk._lock = real
+        assert got == [True] * 16 and [bytes(d) for d in dests] == [b for _, b in batch]
+        assert holds <= 2  # one per reader thread's part (io_threads=2); was one per block
+        await disk.close()
+
+    asyncio.run(go())

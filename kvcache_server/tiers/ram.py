@@ -59,7 +59,8 @@ EntryKey = tuple[str, bytes]
 EvictCallback = Callable[[str, bytes, bytes], None]
 """Called as on_evict(namespace, key, block) for each block evicted to make room (not for deletes),
 outside the lock, by settle(); `block` is b"" unless the tier was made with copy_evicted (and b""
-too where the copy was never made: the caller failed before Evicted.copy ran)."""
+too where the copy was never made: the caller failed before Evicted.copy ran, or held_below said
+the tier below holds the block already)."""
 
 
 @dataclass(slots=True, eq=False)
@@ -79,6 +80,7 @@ class Evicted:
     """
 
     victims: list[tuple[str, bytes, int, int]] = field(default_factory=list)  # (namespace, key, offset, length)
+    uncopied: list[tuple[str, bytes]] = field(default_factory=list)  # victims the tier below holds: no copy
     held: list[tuple[int, int]] = field(default_factory=list)  # extents allocated to nobody until settle()
     region: Region | None = None  # where the bytes are copied from (None: nobody wants them)
     blocks: list[bytes] | None = None  # the victims' bytes, once copy() has run
@@ -220,6 +222,7 @@ class RamTier(Tier):
         prefault: bool = True,
         clock: Callable[[], float] = time.monotonic,
         copy_evicted: bool = True,
+        held_below: Callable[[str, bytes], bool] | None = None,
         pin_share: float = DEFAULT_PIN_SHARE,
         max_leases_per_tenant: int = DEFAULT_MAX_LEASES,
         max_keys_per_lease: int = DEFAULT_MAX_LEASE_KEYS,
@@ -229,6 +232,11 @@ class RamTier(Tier):
 
         Args:
             copy_evicted: hand on_evict a copy of each evicted block (for demotion); False: b"".
+            held_below: with copy_evicted, called under the lock as held_below(namespace, key) for
+                each victim (it must not block or take this tier's lock): True when the tier it
+                would be demoted to holds it already; that victim is not copied (on_evict gets b"",
+                as with copy_evicted False) and its bytes are free at once. Counted in
+                evictions_uncopied.
             pin_share: the share of the capacity that one tenant's open leases and reservations may
                 pin at once when it has no quota (with a quota: its quota).
             max_leases_per_tenant: open leases one tenant may hold.
@@ -253,6 +261,8 @@ class RamTier(Tier):
         self._clock = clock
         self._pin_share = pin_share
         self._copy_evicted = copy_evicted
+        self._held_below = held_below
+        self.evictions_uncopied = 0  # victims not copied out: held_below said the tier below has them
         self._max_leases = max_leases_per_tenant
         self._max_lease_keys = max_keys_per_lease
         self._orphaned = 0  # entry costs of slots out of the index that leases still pin
@@ -547,11 +557,14 @@ class RamTier(Tier):
                     self._extents.free(offset, length)
             evicted.held = []
         victims, evicted.victims = evicted.victims, []
-        if self._on_evict is None or not victims:
+        uncopied, evicted.uncopied = evicted.uncopied, []
+        if self._on_evict is None or not (victims or uncopied):
             return
         blocks = evicted.blocks if evicted.blocks is not None else [b""] * len(victims)
         for (ns, key, _, _), block in zip(victims, blocks, strict=True):
             self._on_evict(ns, key, block)
+        for ns, key in uncopied:
+            self._on_evict(ns, key, b"")
 
     def _copy_then_settle(
         self, made: Sequence[Reservation | None], evicted: Evicted, then: Callable[[], None] | None = None
@@ -757,9 +770,15 @@ class RamTier(Tier):
         return slot
 
     def _evict(self, entry: EntryKey, evicted: Evicted) -> None:
-        if self._on_evict is not None:  # its bytes are copied out later, outside the lock (Evicted)
-            slot = self._blocks[entry]
-            evicted.victims.append((entry[0], entry[1], slot.offset, slot.length))
+        if self._on_evict is not None:
+            if evicted.region is not None and self._held_below is not None and self._held_below(*entry):
+                # The tier below holds these bytes already (a block promoted from disk is still on
+                # disk): the demotion would be skipped, so they are neither copied nor held.
+                evicted.uncopied.append(entry)
+                self.evictions_uncopied += 1
+            else:  # its bytes are copied out later, outside the lock (Evicted)
+                slot = self._blocks[entry]
+                evicted.victims.append((entry[0], entry[1], slot.offset, slot.length))
         self._drop_entry(self._partition(entry[0]), entry)
         self._stats.evictions += 1
 
