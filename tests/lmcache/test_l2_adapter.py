@@ -119,6 +119,19 @@ def test_store_lookup_lock_load_unlock_delete_usage(server, make_adapter, buffer
     }
 
 
+def test_retain_ttl_s_makes_every_store_a_retained_put(server, make_adapter, buffers) -> None:
+    """A session that stays (issue #26), beneath LMCache: `retain_ttl_s` in the adapter's params
+    retains every chunk it stores; without it none is."""
+    with KVCacheClient(server.target) as probe:
+        plain = make_adapter(target=server.target)
+        assert store(plain, object_keys(2, salt="p"), buffers.filled([1, 2])).is_successful()
+        assert probe.stats().tier("ram").retained_blocks == 0
+        kept = make_adapter(target=server.target, retain_ttl_s="1h")
+        assert kept.config.retain_ttl_s == 3600.0
+        assert store(kept, object_keys(3, salt="k"), buffers.filled([3, 4, 5])).is_successful()
+        assert probe.stats().tier("ram").retained_blocks == 3
+
+
 def test_a_miss_is_a_miss(server, make_adapter, buffers) -> None:
     """Keys never stored: the lookup's bitmap is all zeros, a load of them sets no bit and leaves
     LMCache's buffers untouched, nothing is locked, and nothing counts as a failure."""
@@ -288,6 +301,8 @@ def test_lmcache_builds_it_from_the_plugin_spec(server) -> None:
         ({"target": "h:1", "shm": "yes"}, "shm"),
         ({"target": "h:1", "namespace_extra": {"a": 1}}, "namespace_extra"),
         ({"target": "h:1", "max_capacity_bytes": -1}, "max_capacity_bytes"),
+        ({"target": "h:1", "retain_ttl_s": 0}, "retain_ttl_s"),
+        ({"target": "h:1", "retain_ttl_s": "a week"}, "retain_ttl_s"),
     ],
 )
 def test_bad_params_fail_at_start_up(params: dict, message: str) -> None:

@@ -148,6 +148,25 @@ def ram_puts(client: KVCacheClient) -> int:
     return next(t.puts for t in client.stats().tiers if t.name == "ram")
 
 
+def test_retain_ttl_s_makes_every_store_a_retained_put(backends, server: ServerThread) -> None:
+    """A session that stays (issue #26), beneath SGLang: `retain_ttl_s` in the extra config retains
+    every page the backend stores; without it none is; a bad value is refused when the backend loads."""
+    with KVCacheClient(server.target) as client:
+
+        def retained() -> int:
+            return client.stats().tier("ram").retained_blocks
+
+        assert backends("mha", seed=6).batch_set_v1(page_keys("plain", 3), indices(0, 3)) == [True] * 3
+        assert retained() == 0
+        kept = backends("mha", seed=7, retain_ttl_s="10m")
+        assert kept.config.retain_ttl_s == 600.0
+        assert kept.batch_set_v1(page_keys("kept", 3), indices(0, 3)) == [True] * 3
+        assert retained() == 3 * kept._pages.segments  # every segment's block of every page
+    for bad in (0, -5, "forever", True, float("nan")):
+        with pytest.raises(ValueError, match="retain_ttl_s"):
+            backends("mha", retain_ttl_s=bad)
+
+
 def test_mla_two_ranks_write_once(backends, server: ServerThread) -> None:
     writer = backends("mla", seed=4, tp_rank=0, tp_size=2)
     replica = backends("mla", seed=5, tp_rank=1, tp_size=2)

@@ -139,6 +139,24 @@ def test_store_lookup_load_round_trip_through_the_interface(model_dir, server, t
 
 
 @pytest.mark.timeout(60)
+def test_retain_ttl_s_makes_every_store_a_retained_put(model_dir, server, tiers) -> None:
+    """A session that stays (issue #26), beneath vLLM's offloading manager: `retain_ttl_s` in the
+    tier's entry retains every chunk it stores; without it none is; a bad value is refused at start-up."""
+    plain = Tier(model_dir, tier_entry(server.target))
+    kept = Tier(model_dir, tier_entry(server.target, retain_ttl_s=900))
+    tiers += [plain, kept]
+    with KVCacheClient(server.target) as probe:
+        plain.tier.submit_store(plain.job(offload_keys(2, prompt=20), [0, 1], load=False))
+        assert finished(plain.tier, 1, timeout_s=10)[0].success
+        assert probe.stats().tier("ram").retained_blocks == 0
+        kept.tier.submit_store(kept.job(offload_keys(3, prompt=21), [0, 1, 2], load=False))
+        assert finished(kept.tier, 1, timeout_s=10)[0].success
+        assert probe.stats().tier("ram").retained_blocks == 3
+    with pytest.raises(ValueError, match="retain_ttl_s"):
+        Tier(model_dir, tier_entry(server.target, retain_ttl_s=-1))
+
+
+@pytest.mark.timeout(60)
 def test_layouts_and_models_never_share_bytes(model_dir, tmp_path, server, tiers) -> None:
     """Another chunk size, another model directory or another namespace_extra: other namespaces, misses."""
     from tests.vllm.harness import write_model_dir

@@ -182,7 +182,11 @@ class KVCacheL2Adapter(L2AdapterInterface):
                         (k, encode_block_parts(objects[i].byte_array, key=k, dtype=DType.UINT8, shape=(sizes[i],)))
                         for k, i in zip(kv_keys, positions, strict=True)
                     ]
-                    result = self._guarded(lambda ns=ns, items=items: self._client.put_many(ns, items))
+                    result = self._guarded(
+                        lambda ns=ns, items=items, ttl=self.config.retain_ttl_s: self._client.put_many(
+                            ns, items, retain_ttl_s=ttl
+                        )
+                    )
                     if result.stored == len(items):
                         stored.extend(positions)
                     else:

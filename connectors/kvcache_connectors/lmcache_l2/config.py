@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvcache_core.hints import parse_ttl_s
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheL2Config:
@@ -37,6 +39,10 @@ class KVCacheL2Config:
         max_capacity_bytes: Capacity LMCache may evict against (0: none; kvcache evicts on its own).
         namespace_extra: More facts that make KV incompatible (dtype, chunk size, a quantization
             recipe) that LMCache's ObjectKey does not carry; part of every namespace.
+        retain_ttl_s: Every store asks the server to retain its chunks for this many seconds (a
+            number, or "300s", "5m", "1h"): evicted from the server's RAM after every unretained
+            block, within its [retention] shares (docs/tiers.md, "Sessions that stay"); None (the
+            default) retains nothing.
     """
 
     target: str
@@ -51,10 +57,13 @@ class KVCacheL2Config:
     bulk: bool = True
     max_capacity_bytes: int = 0
     namespace_extra: Mapping[str, str] = field(default_factory=dict)
+    retain_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
             raise ValueError("the kvcache L2 adapter needs 'target' (host:port of a kvcache server)")
+        if self.retain_ttl_s is not None:
+            object.__setattr__(self, "retain_ttl_s", parse_ttl_s(self.retain_ttl_s, what="retain_ttl_s"))
         if self.token is not None and not isinstance(self.token, str):
             raise ValueError("token must be a string or null")
         for name in ("timeout_s", "lookup_timeout_s", "breaker_cooldown_s"):

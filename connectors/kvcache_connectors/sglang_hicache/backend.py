@@ -373,7 +373,9 @@ class KVCacheHiCacheStorage(HiCacheStorage):
                 (k, encode_block_parts(memoryview(v.numpy()), key=k, dtype=DType.UINT8, shape=(v.numel(),)))
                 for k, v in zip(self._keys(keys), views, strict=True)
             ]
-            result = self._client.put_many(self._ns, items, timeout_s=self.config.timeout_s)
+            result = self._client.put_many(
+                self._ns, items, timeout_s=self.config.timeout_s, retain_ttl_s=self.config.retain_ttl_s
+            )
         except CALL_ERRORS as exc:
             self._failed(Counters.STORE_FAILURES, {Counters.PAGES_NOT_STORED: len(keys)})
             self._log.warning(

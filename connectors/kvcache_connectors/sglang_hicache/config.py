@@ -16,6 +16,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvcache_core.hints import parse_ttl_s
+
 # Keys of the extra config that SGLang itself reads: the factory's three, the controller's switch
 # to the zero-copy v1 path, and what HiCacheController / its parser pop before building the
 # backend (listed too, for a backend built from the raw JSON).
@@ -56,6 +58,10 @@ class HiCacheBackendConfig:
             are counted, and the count is in the next warning).
         interface_v1: Whether SGLang's extra config switched its controller to the zero-copy v1
             path ("interface_v1": 1); only logged, the controller reads it itself.
+        retain_ttl_s: Every store asks the server to retain its chunks for this many seconds (a
+            number, or "300s", "5m", "1h"): evicted from the server's RAM after every unretained
+            block, within its [retention] shares (docs/tiers.md, "Sessions that stay"); None (the
+            default) retains nothing.
     """
 
     target: str
@@ -69,10 +75,13 @@ class HiCacheBackendConfig:
     namespace_extra: Mapping[str, str] = field(default_factory=dict)
     log_interval_s: float = 10.0
     interface_v1: bool = False
+    retain_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
             raise ValueError("the kvcache HiCache backend needs 'target' (host:port of a kvcache server)")
+        if self.retain_ttl_s is not None:
+            object.__setattr__(self, "retain_ttl_s", parse_ttl_s(self.retain_ttl_s, what="retain_ttl_s"))
         for name in ("timeout_s", "lookup_timeout_s", "breaker_cooldown_s", "log_interval_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvcache_core.hints import parse_ttl_s
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheTierConfig:
@@ -38,6 +40,10 @@ class KVCacheTierConfig:
         enable_kv_events: Report the chunks this tier stored through take_events (needs vLLM's
             KV cache events on, --kv-events-config).
         locality: "LOCAL" or "REMOTE" (vLLM's Locality), for tier filters and events; None for unknown.
+        retain_ttl_s: Every store asks the server to retain its chunks for this many seconds (a
+            number, or "300s", "5m", "1h"): evicted from the server's RAM after every unretained
+            block, within its [retention] shares (docs/tiers.md, "Sessions that stay"); None (the
+            default) retains nothing.
     """
 
     target: str
@@ -53,10 +59,13 @@ class KVCacheTierConfig:
     namespace_extra: Mapping[str, str] = field(default_factory=dict)
     enable_kv_events: bool = False
     locality: str | None = "REMOTE"
+    retain_ttl_s: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
             raise ValueError("the kvcache tier needs 'target' (host:port of a kvcache server)")
+        if self.retain_ttl_s is not None:
+            object.__setattr__(self, "retain_ttl_s", parse_ttl_s(self.retain_ttl_s, what="retain_ttl_s"))
         for name in ("timeout_s", "lookup_timeout_s", "breaker_cooldown_s", "min_rate_bytes_s"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:

@@ -270,7 +270,10 @@ class KVCacheTier(SecondaryTierManager):
                 ]
                 try:
                     result = self._client.put_many(
-                        self._ns, items, timeout_s=self._job_timeout_s(len(items) * self.block_size_bytes)
+                        self._ns,
+                        items,
+                        timeout_s=self._job_timeout_s(len(items) * self.block_size_bytes),
+                        retain_ttl_s=self.config.retain_ttl_s,
                     )
                 except CALL_ERRORS:
                     self._failed()
