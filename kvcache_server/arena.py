@@ -25,6 +25,8 @@ from __future__ import annotations
 import bisect
 import contextlib
 import fcntl
+import hashlib
+import itertools
 import logging
 import mmap
 import os
@@ -372,9 +374,20 @@ class Reservation:
     _slot: Slot = field(repr=False)
 
 
+_ID_KEY = secrets.token_bytes(32)
+_ID_COUNTER = itertools.count(1)
+
+
 def new_id(*tables: dict[int, object]) -> int:
-    """A fresh random 63-bit id (a client cannot guess another's lease or reservation)."""
+    """A fresh 63-bit id that a client cannot guess (another's lease or reservation).
+
+    A keyed BLAKE2b of a counter, under a key drawn once per process: unpredictable without the key,
+    as a random draw is, but without a `getrandom` call per id. That syscall let go of the GIL, and
+    on a busy server the event loop then waited for it back behind worker threads (42% of the loop's
+    samples in a promotion-heavy Get were there; bench/bench_disk_tier.py, docs/disk-benchmarks.md).
+    """
     while True:
-        new = secrets.randbits(63) or 1
+        digest = hashlib.blake2b(next(_ID_COUNTER).to_bytes(8, "little"), key=_ID_KEY, digest_size=8).digest()
+        new = (int.from_bytes(digest, "little") >> 1) or 1
         if all(new not in t for t in tables):
             return new
