@@ -94,8 +94,11 @@ def test_every_key_is_parsed() -> None:
         "write_back": True,
         "handoff_timeout_s": 2.5,
         "kv_heads_per_block": 2,
+        "retain_ttl_s": 600,
+        "max_retain_ttl_s": 1800,
     }
     config = KVCacheConnectorConfig.from_extra_config(extra, block_size=16)
+    assert (config.retain_ttl_s, config.max_retain_ttl_s) == (600, 1800)
     assert "kvc_inline" not in repr(config) and config.shm is False
     assert config.namespace_extra == (("a", "b"), ("deployment", "blue"))
     assert (config.transfer_timeout_s, config.chunk_tokens, config.model_revision) == (10.0, 64, "")
