@@ -17,7 +17,9 @@ byte cap holds for the files whatever is written. When a writer needs a new regi
 unused, the least recently used sealed region (read or written last the longest ago) is evicted
 whole: its blocks leave the index, it gets a new epoch and is written again from its start. LRU
 by region, not by block: a region that holds one hot block keeps its cold ones with it; blocks hit
-here are also promoted to RAM, so what is hot lives there.
+here are also promoted to RAM, so what is hot lives there. Retained records (a put's retain_ttl_s,
+within the tenant's share; tiers/disk_retention.py) are copied forward into the region that reuses
+theirs, by the writer thread that takes it, before its plain blocks are dropped (_region_for).
 
 Page-cache writes: a new region file is preallocated whole (posix_fallocate) while the file system
 has room to spare, so appends do not allocate blocks page by page (_preallocate: measured on ext4,
@@ -42,9 +44,11 @@ bytes their files already have. The tier never raises for one bad block;
 it raises TierError only when a whole batch failed on I/O errors, so the stack's breaker opens
 for a dead disk.
 
-Longer than the project's ~500-line module guideline: the index, the regions' LRU, the writers' runs and
-the readers' seqlock share one lock and one set of invariants (an entry names a live record of its
-region's current epoch); the byte layout and the scan, which need none of that, are disk_layout.py.
+Longer than the project's ~500-line module guideline: the index, the regions' LRU, the writers' runs,
+the readers' seqlock and the copying forward of retained records share one lock and one set of
+invariants (an entry names a live record of its region's current epoch, or is in _moving while copied
+forward); the byte layout and the scan, which need none of that, are disk_layout.py, the retention
+accounts disk_retention.py.
 
 Memory: the index holds, per block, one 20-byte bytes key (namespace id + key) and one int
 (region, offset, length) in a dict, plus one reference in its region's key list:

@@ -36,7 +36,7 @@ class Moved:
 
     entry: bytes  # the disk index key (namespace id + key)
     namespace: bytes  # as stored in the record header
-    block: bytes  # read and verified under its key
+    block: bytearray  # read and verified under its key
 
 
 class DiskRetention:
