@@ -163,7 +163,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStats(_message.Message):
-    __slots__ = ("name", "tier", "used_bytes", "capacity_bytes", "blocks", "hits", "misses", "puts", "evictions", "rejected", "checksum_failures", "errors", "healthy", "promotions", "demotions", "write_errors", "queue_depth", "queue_bytes", "queue_dropped", "breaker", "skipped", "bytes_written", "bytes_read", "lookup_late_hits", "retained_blocks", "retained_bytes")
+    __slots__ = ("name", "tier", "used_bytes", "capacity_bytes", "blocks", "hits", "misses", "puts", "evictions", "rejected", "checksum_failures", "errors", "healthy", "promotions", "demotions", "write_errors", "queue_depth", "queue_bytes", "queue_dropped", "breaker", "skipped", "bytes_written", "bytes_read", "lookup_late_hits", "retained_blocks", "retained_bytes", "retention_refused", "retention_expired", "retention_copied", "retention_dropped")
     NAME_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -190,6 +190,10 @@ class TierStats(_message.Message):
     LOOKUP_LATE_HITS_FIELD_NUMBER: _ClassVar[int]
     RETAINED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     RETAINED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_COPIED_FIELD_NUMBER: _ClassVar[int]
+    RETENTION_DROPPED_FIELD_NUMBER: _ClassVar[int]
     name: str
     tier: Tier
     used_bytes: int
@@ -216,7 +220,11 @@ class TierStats(_message.Message):
     lookup_late_hits: int
     retained_blocks: int
     retained_bytes: int
-    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., write_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., breaker: _Optional[str] = ..., skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., lookup_late_hits: _Optional[int] = ..., retained_blocks: _Optional[int] = ..., retained_bytes: _Optional[int] = ...) -> None: ...
+    retention_refused: int
+    retention_expired: int
+    retention_copied: int
+    retention_dropped: int
+    def __init__(self, name: _Optional[str] = ..., tier: _Optional[_Union[Tier, str]] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., hits: _Optional[int] = ..., misses: _Optional[int] = ..., puts: _Optional[int] = ..., evictions: _Optional[int] = ..., rejected: _Optional[int] = ..., checksum_failures: _Optional[int] = ..., errors: _Optional[int] = ..., healthy: _Optional[bool] = ..., promotions: _Optional[int] = ..., demotions: _Optional[int] = ..., write_errors: _Optional[int] = ..., queue_depth: _Optional[int] = ..., queue_bytes: _Optional[int] = ..., queue_dropped: _Optional[int] = ..., breaker: _Optional[str] = ..., skipped: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., lookup_late_hits: _Optional[int] = ..., retained_blocks: _Optional[int] = ..., retained_bytes: _Optional[int] = ..., retention_refused: _Optional[int] = ..., retention_expired: _Optional[int] = ..., retention_copied: _Optional[int] = ..., retention_dropped: _Optional[int] = ...) -> None: ...
 
 class StatsResponse(_message.Message):
     __slots__ = ("version", "uptime_s", "tiers", "put_checksum_failures", "failed_requests", "max_block_bytes", "max_keys_per_request", "shm_bytes_received", "shm_bytes_sent", "inflight_bytes", "inflight_peak_bytes", "inflight_refused", "cut_off_calls", "bulk_bytes_received", "bulk_bytes_sent", "bulk_connections", "bulk_errors", "bulk_cut_off", "inplace_bytes_received", "inplace_bytes_leased", "arena_leases", "arena_reservations", "arena_leases_expired", "arena_reservations_reclaimed", "retention_refused", "retention_expired", "prefetch_queued", "prefetch_promoted", "prefetch_dropped", "prefetch_failed")

@@ -79,6 +79,10 @@ _TIER_COUNTERS = {
     "write_errors": "Queued writes to the tier that failed",
     "queue_dropped": "Writes refused because the write-behind queue was full, or dropped at shutdown",
     "lookup_late_hits": "Keys a Lookup's call to the tier found after that Lookup had answered without them",
+    "retention_refused": "Blocks stored unretained: their tenant's or the tier's retained share was full (disk)",
+    "retention_expired": "Retentions that ran out, the block plain again (disk)",
+    "retention_copied": "Retained records copied forward out of an evicted region (disk)",
+    "retention_dropped": "Retained records lost with their evicted region: unreadable, invalid or no room (disk)",
 }
 # TierStats byte counters, exported as kvcache_tier_<name>_bytes_total{tier} (metric name, help text).
 _TIER_BYTES = {
@@ -144,8 +148,11 @@ class _StatsCollector(Collector):
                 lambda s: _BREAKER[s.breaker],
             ),
             "kvcache_tier_healthy": ("1 when the tier is usable (breaker closed)", lambda s: int(s.healthy)),
-            "kvcache_tier_retained_blocks": ("Blocks held under retention (RAM)", lambda s: s.retained_blocks),
-            "kvcache_tier_retained_bytes": ("Bytes of blocks held under retention (RAM)", lambda s: s.retained_bytes),
+            "kvcache_tier_retained_blocks": ("Blocks held under retention (RAM, disk)", lambda s: s.retained_blocks),
+            "kvcache_tier_retained_bytes": (
+                "Bytes of blocks held under retention (RAM, disk)",
+                lambda s: s.retained_bytes,
+            ),
         }
         for metric, (help_text, value) in gauges.items():
             family = GaugeMetricFamily(metric, help_text, labels=["tier"])

@@ -513,7 +513,13 @@ class TierStack:
     # -- writing to a lower tier --------------------------------------------------------------
 
     async def _write(
-        self, lower: _Lower, namespace: str, items: Sequence[tuple[bytes, bytes]], what: str, epoch: int
+        self,
+        lower: _Lower,
+        namespace: str,
+        items: Sequence[tuple[bytes, bytes]],
+        what: str,
+        epoch: int,
+        until: Sequence[float] | None = None,
     ) -> list[bool | None]:
         """Writes the items that no Delete fenced off since the caller's fence `epoch`.
 
@@ -521,7 +527,8 @@ class TierStack:
         skipped by its breaker, or refused the item); None fenced off by a Delete (not sent).
         Compression comes first (off the event loop when large); then, with no await in between,
         the fence check, the start of the tier call and its registration as a landing, which
-        Deletes wait for until the call ends, even if this caller is cancelled meanwhile.
+        Deletes wait for until the call ends, even if this caller is cancelled meanwhile. `until`: per
+        item, the deadline it is retained to in the tier (Tier.put_retained; 0.0: plain).
         """
         out: list[bool | None] = [None] * len(items)
         if all(self._fence.blocked(epoch, namespace, key) for key, _ in items):
@@ -531,7 +538,8 @@ class TierStack:
         if not live:
             return out
         batch = [(items[i][0], encoded[i]) for i in live]
-        call = self._start(lower, what, self._land, lower, namespace, batch)
+        deadlines = [until[i] for i in live] if until is not None and any(until) else None
+        call = self._start(lower, what, self._land, lower, namespace, batch, deadlines)
         if call is None:
             for i in live:
                 out[i] = False
@@ -547,9 +555,15 @@ class TierStack:
             out[i] = ok
         return out
 
-    async def _land(self, lower: _Lower, namespace: str, batch: list[tuple[bytes, bytes]]) -> list[bool]:
-        """The tier call of a write (run by _run): stores the batch, then counts and publishes what it stored."""
-        written = await lower.tier.put_many(namespace, batch)
+    async def _land(
+        self, lower: _Lower, namespace: str, batch: list[tuple[bytes, bytes]], until: list[float] | None
+    ) -> list[bool]:
+        """The tier call of a write (run by _run): stores the batch (retained until `until` where given),
+        then counts and publishes what it stored."""
+        if until is None:
+            written = await lower.tier.put_many(namespace, batch)
+        else:
+            written = await lower.tier.put_retained(namespace, batch, until)
         stored = [(k, b) for (k, b), ok in zip(batch, written, strict=True) if ok]
         lower.counters.bytes_written += sum(len(b) for _, b in stored)
         self.events.publish(EventKind.STORED, lower.tier.kind, namespace, [k for k, _ in stored])
@@ -969,13 +983,18 @@ class TierStack:
         finally:
             self._fence.end(epoch)
 
-    def _retain(self, namespace: str, items: Sequence[tuple[bytes, object]], retain_ttl_s: float) -> None:
+    def _retain(self, namespace: str, items: Sequence[tuple[bytes, object]], retain_ttl_s: float) -> float:
         """Retains the put's blocks that RAM has just indexed (kvcache_server.tiers.retention), on the
         loop right after RAM took them and before the lower tiers are written, so that no wait of the
-        put lets a flood evict them unretained; the RAM path itself is the same with or without it."""
+        put lets a flood evict them unretained; the RAM path itself is the same with or without it.
+        Returns the deadline (time.monotonic) the lower tiers retain the put's blocks to, 0.0 for none:
+        the same TTL, capped as for RAM (tiers/disk_retention.py)."""
         ttl_s = self._ram.retention_ttl(retain_ttl_s)
-        if ttl_s > 0 and items:
+        if ttl_s <= 0:
+            return 0.0
+        if items:
             self._ram.retain_many(namespace, [key for key, _ in items], ttl_s)
+        return time.monotonic() + ttl_s
 
     async def reserve_many(self, namespace: str, sizes: Sequence[int]) -> list[Reservation] | None:
         """Writable arena slots for blocks that a server thread writes in place (an in-place put),
@@ -1058,7 +1077,7 @@ class TierStack:
             kept[i] = ok
         self._ram_op("put", start)
         in_ram = [items[i] for i in live if kept[i]]
-        self._retain(namespace, in_ram, retain_ttl_s)
+        until = self._retain(namespace, in_ram, retain_ttl_s)
         self._ram_counters.bytes_written += sum(len(b) for _, b in in_ram)
         self.events.publish(EventKind.STORED, TierKind.RAM, namespace, [k for k, _ in in_ram])
         ram = TierPut(self._ram.name, TierKind.RAM, stored=len(in_ram))
@@ -1068,7 +1087,7 @@ class TierStack:
             took = TierPut(lower.tier.name, lower.tier.kind)
             tiers.append(took)
             if lower.policy.write_mode is WriteMode.THROUGH:
-                written = await self._write(lower, namespace, items, "put", epoch)
+                written = await self._write(lower, namespace, items, "put", epoch, [until] * len(items))
                 took.count(written)
                 kept = [k or bool(w) for k, w in zip(kept, written, strict=True)]
                 continue
@@ -1076,13 +1095,15 @@ class TierStack:
             for i, (key, block) in enumerate(items):
                 if self._fence.blocked(epoch, namespace, key):
                     took.deleted += 1
-                elif lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.PUT)):
+                elif lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.PUT, until)):
                     took.queued += 1
                     kept[i] = True
                 else:
                     overflow.append(i)
             if overflow and lower.policy.queue_full is QueueFull.SYNC:
-                written = await self._write(lower, namespace, [items[i] for i in overflow], "put_overflow", epoch)
+                written = await self._write(
+                    lower, namespace, [items[i] for i in overflow], "put_overflow", epoch, [until] * len(overflow)
+                )
                 took.count(written)
                 for i, ok in zip(overflow, written, strict=True):
                     kept[i] = kept[i] or bool(ok)
@@ -1152,16 +1173,22 @@ class TierStack:
             out[i] = ok
         return out
 
-    def _on_ram_evict(self, namespace: str, key: bytes, block: bytes) -> None:
+    def _on_ram_evict(self, namespace: str, key: bytes, block: bytes, retained_until: float = 0.0) -> None:
+        """A RAM victim: published, and demoted to the first lower tier (if configured), retained there
+        for what was left of its RAM retention (`retained_until`, the RAM tier's clock)."""
         if self._loop is not None and threading.get_ident() != self._loop_thread:
             # An eviction in a worker thread (a large put): events and write queues live on the loop.
-            self._loop.call_soon_threadsafe(self._on_ram_evict, namespace, key, block)
+            self._loop.call_soon_threadsafe(self._on_ram_evict, namespace, key, block, retained_until)
             return
         self.events.publish(EventKind.REMOVED, TierKind.RAM, namespace, [key])
-        if not block or not self._demote or self._closing or self._fence.running(namespace, key):
+        if not self._demote or self._closing or self._fence.running(namespace, key):
             return
         lower = self._lower[0]
-        if not lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.DEMOTION)):
+        if not block:  # not copied: the disk holds it already (held_below); it keeps the retention
+            if retained_until > 0 and isinstance(lower.tier, DiskTier):
+                lower.tier.retain(namespace, [key], retained_until)
+            return
+        if not lower.queue.offer(PendingWrite(namespace, key, block, WriteKind.DEMOTION, retained_until)):
             lower.queue.dropped += 1
 
     async def _drain_forever(self, lower: _Lower) -> None:
@@ -1195,9 +1222,16 @@ class TierStack:
                 held = await self._call(lower, "demotion_check", lower.tier.contains_many, namespace, keys)
                 skip = {w.key for w, h in zip(demotions, held or [], strict=False) if h}
                 writes = [w for w in writes if w.key not in skip]
+                kept = [w for w in demotions if w.key in skip and w.retain_until > 0]
+                if kept and isinstance(lower.tier, DiskTier):  # held already: the record keeps the retention
+                    for w in kept:
+                        lower.tier.retain(namespace, [w.key], w.retain_until)
             if not writes:
                 continue
-            written = await self._write(lower, namespace, [(w.key, w.block) for w in writes], "write_behind", epoch)
+            until = [w.retain_until for w in writes]
+            written = await self._write(
+                lower, namespace, [(w.key, w.block) for w in writes], "write_behind", epoch, until
+            )
             demoted = [w.kind is WriteKind.DEMOTION and ok is True for w, ok in zip(writes, written, strict=True)]
             lower.counters.demotions += sum(demoted)
             lower.counters.write_errors += sum(ok is False for ok in written)

@@ -16,6 +16,7 @@ from kvcache_server.config import DiskSection, LowerTierSection, RedisSection, S
 from kvcache_server.events import EventHub, EventKind
 from kvcache_server.observe import Observer
 from kvcache_server.stack import LowerTierPolicy, PinLimits, QueueFull, TierStack, WriteMode
+from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierKind
 from kvcache_server.tiers.codec import CompressionMode
 from kvcache_server.tiers.retention import RetentionLimits
@@ -55,7 +56,7 @@ def _cluster_tier(r: RedisSection) -> Tier:
     )
 
 
-def _disk_tier(d: DiskSection, events: EventHub) -> Tier:
+def _disk_tier(d: DiskSection, events: EventHub, retention: RetentionLimits) -> Tier:
     from kvcache_server.tiers.disk import DiskTier
 
     return DiskTier(
@@ -65,6 +66,8 @@ def _disk_tier(d: DiskSection, events: EventHub) -> Tier:
         io_threads=d.io_threads,
         write_threads=d.write_threads,
         on_evict=lambda namespace, keys: events.publish(EventKind.REMOVED, TierKind.DISK, namespace, keys),
+        retention=retention,  # the [retention] shares, of the disk's capacity (tiers/disk_retention.py)
+        verify=codec.check_stored,
     )
 
 
@@ -125,10 +128,10 @@ def build_stack(
         tenant_max_subscribers=tenant_max,
         server_id=e.server_id or f"{socket.gethostname()}:{config.server.port}",  # create_server: the bound port
     )
-    if config.disk.enabled:  # first below RAM: demotions go to it; Redis/S3 behind it unchanged
-        lower.insert(0, (_disk_tier(config.disk, events), _policy(config.disk)))
-
     rt = config.retention
+    retention = RetentionLimits(rt.max_share, rt.max_total_share, rt.max_ttl_s, rt.default_ttl_s)
+    if config.disk.enabled:  # first below RAM: demotions go to it; Redis/S3 behind it unchanged
+        lower.insert(0, (_disk_tier(config.disk, events, retention), _policy(config.disk)))
 
     def stack(where: str | None) -> TierStack:
         return TierStack(
@@ -141,7 +144,7 @@ def build_stack(
             arena_dir=where,
             prefault=config.ram.prefault,
             pins=PinLimits(config.ram.pin_share, config.ram.max_leases_per_tenant, config.ram.max_keys_per_lease),
-            retention=RetentionLimits(rt.max_share, rt.max_total_share, rt.max_ttl_s, rt.default_ttl_s),
+            retention=retention,
         )
 
     tenants = sorted({t.principal.tenant for t in tokens.tokens}) if tokens else []

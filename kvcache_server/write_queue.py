@@ -33,6 +33,9 @@ class PendingWrite:
     key: bytes
     block: bytes  # the verified, uncompressed block
     kind: WriteKind
+    # Retained until (time.monotonic; 0.0: plain): a put's retain_ttl_s, or what was left of a RAM
+    # block's retention when it was demoted. Tiers that cannot retain (Redis, S3) ignore it.
+    retain_until: float = 0.0
 
 
 class WriteQueue:
@@ -63,6 +66,7 @@ class WriteQueue:
         old = self._items.pop(entry, None)
         if old is not None:
             self._bytes -= len(old.block)
+            write.retain_until = max(write.retain_until, old.retain_until)  # the same bytes: keep the longer
         if self._bytes + len(write.block) > self.max_bytes:
             if old is not None:  # keep the write that was already accepted
                 self._items[entry] = old

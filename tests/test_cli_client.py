@@ -102,6 +102,7 @@ def test_stats_table(capsys: pytest.CaptureFixture[str], server: ServerThread) -
         "puts",
         "evictions",
         "retained",
+        "retained refused / copied / dropped",
         "rejected",
         "promotions",
         "demotions",

@@ -272,7 +272,7 @@ def test_promotions_into_a_full_ram_copy_out_no_victim_the_disk_holds(tmp_path: 
         puts = disk.stats().puts
         demoted: list[bytes] = []
         real = stack._on_ram_evict
-        stack.ram._on_evict = lambda ns, key, block: (demoted.append(block), real(ns, key, block))
+        stack.ram._on_evict = lambda ns, key, block, until: (demoted.append(block), real(ns, key, block, until))
         for i in range(0, 60, 10):
             found = await stack.get(NS, [k for k, _ in batch[i : i + 10]])
             assert [bytes(f.data) for f in found if f is not None] == [b for _, b in batch[i : i + 10]]

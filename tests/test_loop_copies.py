@@ -207,7 +207,7 @@ def test_a_victims_bytes_stay_unchanged_until_settled_and_its_extent_goes_to_nob
     copy() reads the victim's bytes as they were. Then on_evict gets that copy and the extent is free."""
     demoted: list[tuple[bytes, bytes]] = []
     cost = RamTier.entry_cost_of(MiB)
-    tier = RamTier(2 * cost, on_evict=lambda ns, k, b: demoted.append((k, b)), prefault=False)
+    tier = RamTier(2 * cost, on_evict=lambda ns, k, b, _until: demoted.append((k, b)), prefault=False)
     old = [(bytes([i]) * 16, os.urandom(MiB)) for i in range(2)]
     assert tier.put_many_sync(NS, old) == [True, True]
     (lease,) = tier.lease_many(NS, [old[1][0]])
@@ -229,7 +229,7 @@ def test_a_victims_bytes_stay_unchanged_until_settled_and_its_extent_goes_to_nob
 
 def test_without_demotion_nothing_is_held_nor_copied() -> None:
     cost = RamTier.entry_cost_of(MiB)
-    tier = RamTier(2 * cost, on_evict=lambda ns, k, b: None, copy_evicted=False, prefault=False)
+    tier = RamTier(2 * cost, on_evict=lambda ns, k, b, _until: None, copy_evicted=False, prefault=False)
     assert tier.put_many_sync(NS, [(bytes([i]) * 16, os.urandom(MiB)) for i in range(2)]) == [True, True]
     made, evicted = tier.reserve_many(NS, [MiB // 2])
     assert made[0] is not None

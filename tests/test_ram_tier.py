@@ -25,7 +25,7 @@ def test_lru_eviction_order_and_cap() -> None:
     block = bytes(1000)
     cost = RamTier.entry_cost(block)
     evicted: list[bytes] = []
-    tier = RamTier(capacity_bytes=3 * cost, on_evict=lambda ns, k, b: evicted.append(k))
+    tier = RamTier(capacity_bytes=3 * cost, on_evict=lambda ns, k, b, _until: evicted.append(k))
     assert tier.put_many_sync(NS, [(key(i), block) for i in range(3)]) == [True] * 3
     assert tier.get_many_sync(NS, [key(0)]) == [block]  # 0 is now most recent
     tier.put_many_sync(NS, [(key(3), block)])

@@ -121,8 +121,12 @@ class TierInfo:
     bytes_written: int = 0
     bytes_read: int = 0
     lookup_late_hits: int = 0
-    retained_blocks: int = 0  # RAM: blocks held under retention now (put_many's retain_ttl_s)
+    retained_blocks: int = 0  # RAM, disk: blocks held under retention now (put_many's retain_ttl_s)
     retained_bytes: int = 0
+    retention_refused: int = 0  # disk: blocks stored unretained (a full share); RAM's: StatsResult.retention_refused
+    retention_expired: int = 0  # disk: retentions that ran out
+    retention_copied: int = 0  # disk: retained records copied forward out of an evicted region
+    retention_dropped: int = 0  # disk: retained records lost with their region (unreadable, invalid, no room)
 
 
 _TIER_INFO_FIELDS = [f.name for f in fields(TierInfo)]

@@ -77,8 +77,13 @@ class TierStats:
     bytes_written: int = 0  # as stored, after compression
     bytes_read: int = 0
     lookup_late_hits: int = 0  # keys found by Lookup calls that answered after their Lookup stopped waiting
-    retained_blocks: int = 0  # gauge, RAM only: blocks held under retention (docs/tiers.md, "Sessions that stay")
-    retained_bytes: int = 0  # gauge, RAM only: their entry costs
+    retained_blocks: int = 0  # gauge, RAM and disk: blocks held under retention (docs/tiers.md, "Sessions that stay")
+    retained_bytes: int = 0  # gauge, RAM: their entry costs; disk: their record spans
+    # Disk only (RAM's are the server-wide retention_refused / retention_expired):
+    retention_refused: int = 0  # blocks stored unretained, their tenant's or the tier's retained share full
+    retention_expired: int = 0  # retentions that ran out (the record plain again)
+    retention_copied: int = 0  # retained records copied forward out of an evicted region
+    retention_dropped: int = 0  # retained records lost with their region (unreadable, invalid, no room)
 
 
 class Tier(ABC):
@@ -98,6 +103,14 @@ class Tier(ABC):
         An item may be refused (False) when it can never fit; that is not an error.
         Storing a key that exists replaces it (content addressing makes the bytes equal).
         """
+
+    async def put_retained(
+        self, namespace: str, items: Sequence[tuple[bytes, bytes]], until: Sequence[float]
+    ) -> list[bool]:
+        """put_many, each block retained until its deadline in `until` (time.monotonic; 0.0: plain).
+        Tiers that can retain (disk) override it; the default, for those that cannot (Redis, S3),
+        ignores the deadlines."""
+        return await self.put_many(namespace, items)
 
     @abstractmethod
     async def delete_many(self, namespace: str, keys: Sequence[bytes]) -> int:

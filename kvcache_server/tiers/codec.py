@@ -111,3 +111,16 @@ def decode(stored: bytes, key: bytes) -> bytes:
     block = b"".join((plain.pack(), payload))  # one copy; bytes.join releases the GIL for large ones
     verify_block(block, key)
     return block
+
+
+def check_stored(stored: memoryview, key: bytes) -> BlockFormatError | None:
+    """Why a tier's stored bytes are not the valid block of `key` (compressed or not), or None: the
+    disk tier's check of a retained block it copies forward (DiskTier verify)."""
+    try:
+        if parse_header(stored).compression is Compression.NONE:
+            verify_block(stored, key)
+        else:
+            decode(bytes(stored), key)
+    except BlockFormatError as exc:
+        return exc
+    return None

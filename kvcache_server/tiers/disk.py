@@ -17,7 +17,9 @@ byte cap holds for the files whatever is written. When a writer needs a new regi
 unused, the least recently used sealed region (read or written last the longest ago) is evicted
 whole: its blocks leave the index, it gets a new epoch and is written again from its start. LRU
 by region, not by block: a region that holds one hot block keeps its cold ones with it; blocks hit
-here are also promoted to RAM, so what is hot lives there.
+here are also promoted to RAM, so what is hot lives there. Retained records (a put's retain_ttl_s,
+within the tenant's share; tiers/disk_retention.py) are copied forward into the region that reuses
+theirs, by the writer thread that takes it, before its plain blocks are dropped (_region_for).
 
 Page-cache writes: a new region file is preallocated whole (posix_fallocate) while the file system
 has room to spare, so appends do not allocate blocks page by page (_preallocate: measured on ext4,
@@ -42,9 +44,11 @@ bytes their files already have. The tier never raises for one bad block;
 it raises TierError only when a whole batch failed on I/O errors, so the stack's breaker opens
 for a dead disk.
 
-Longer than the project's ~500-line module guideline: the index, the regions' LRU, the writers' runs and
-the readers' seqlock share one lock and one set of invariants (an entry names a live record of its
-region's current epoch); the byte layout and the scan, which need none of that, are disk_layout.py.
+Longer than the project's ~500-line module guideline: the index, the regions' LRU, the writers' runs,
+the readers' seqlock and the copying forward of retained records share one lock and one set of
+invariants (an entry names a live record of its region's current epoch, or is in _moving while copied
+forward); the byte layout and the scan, which need none of that, are disk_layout.py, the retention
+accounts disk_retention.py.
 
 Memory: the index holds, per block, one 20-byte bytes key (namespace id + key) and one int
 (region, offset, length) in a dict, plus one reference in its region's key list:
@@ -70,6 +74,8 @@ from pathlib import Path
 from kvcache_core.threads import in_pool
 from kvcache_server.tiers import disk_layout as layout
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
+from kvcache_server.tiers.disk_retention import DiskRetention, Moved
+from kvcache_server.tiers.retention import RetentionLimits
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +127,9 @@ class DiskTier(Tier):
         io_threads: int = 8,
         write_threads: int = 2,
         on_evict: Callable[[str, list[bytes]], None] | None = None,
+        retention: RetentionLimits | None = None,
+        verify: Check | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """Opens (creating it if needed) the tier in `directory` and rebuilds the index from its regions.
 
@@ -132,6 +141,11 @@ class DiskTier(Tier):
             io_threads: Reader threads (and deletes).
             write_threads: Writer threads, each appending to a region of its own.
             on_evict: Called on the event loop with (namespace, keys) the tier evicted.
+            retention: The shares of capacity_bytes that retained records may take, per tenant and in
+                all (the [retention] section; tiers/disk_retention.py). Default: RetentionLimits().
+            verify: Checks a retained block read for copying forward, as verify(block, key) -> why it
+                is not valid or None (the stack's check of a stored block); None: its header only.
+            clock: The monotonic clock retention deadlines are read against.
 
         Raises:
             ValueError: capacity_bytes holds fewer than write_threads + 1 regions.
@@ -170,6 +184,10 @@ class DiskTier(Tier):
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="kvcache-disk-write")
         self._io_threads = io_threads
         self._stats = TierStats(name=self.name, kind=self.kind, capacity_bytes=self._capacity)
+        self._retention = DiskRetention(retention or RetentionLimits(), self._capacity)
+        self._moving: set[bytes] = set()  # retained entries out of the index while copied forward
+        self._verify = verify
+        self._clock = clock
         self.rebuild_s = 0.0
         self._rebuild()
 
@@ -188,9 +206,10 @@ class DiskTier(Tier):
         return None if ns is None else ns + key
 
     def _drop(self, entry: bytes, span: int, region: _Region) -> None:
-        """Removes an index entry of `region` (under the lock)."""
+        """Removes an index entry of `region` (under the lock); its retention, if any, ends."""
         del self._index[entry]
         region.live_bytes -= span
+        self._retention.drop(entry)
 
     def _span_of(self, entry: bytes, length: int) -> int:
         return layout.record_span(len(self._ns_names[int.from_bytes(entry[:4], "little")].encode()), length)
@@ -267,11 +286,16 @@ class DiskTier(Tier):
                     region.active = False
                     self._lru[region.id] = None
                     self._local.region = None
-                region, evicted = self._take_region()
-            if evicted:
-                self._evicted(evicted)
+                region, retained = self._pick_region()
             if region is None:
                 return None
+            moved: list[Moved] = []
+            if retained is not None:  # an evicted region: its live retained records are read first
+                read = self._read_retained(region, retained)
+                with self._lock:
+                    evicted, moved = self._reuse(region, read)
+                if evicted:
+                    self._evicted(evicted)
             try:
                 if region.fd < 0 or os.fstat(region.fd).st_nlink == 0:  # never made, or removed behind our back
                     if region.fd >= 0:
@@ -282,27 +306,89 @@ class DiskTier(Tier):
                 _pwrite_all(region.fd, layout.pack_region_header(region.epoch, self._region_bytes), 0)
             except OSError as exc:
                 self._write_failed(region, exc)
+                self._lose_moved(moved)
                 return None
             self._local.region = region
+            if moved:
+                self._copy_forward(region, moved)
             if region.frontier + span <= region.limit:
                 return region
         return None
 
-    def _take_region(self) -> tuple[_Region | None, list[tuple[str, bytes]]]:
-        """A region to write, fresh or evicted (under the lock), and the (namespace, key) it evicted."""
-        evicted: list[tuple[str, bytes]] = []
+    def _pick_region(self) -> tuple[_Region | None, list[tuple[bytes, int]] | None]:
+        """A region to write (under the lock): a never-used one, made ready (None second), or the least
+        recently used sealed one, out of the LRU (so no other writer takes it) but not yet evicted,
+        with the (entry, where) of its live retained records (maybe none), for _reuse to evict."""
         if self._unused and time.monotonic() >= self._full_until:
             region = self._regions[self._unused.pop()]
-        elif self._lru:
-            region = self._regions[self._lru.popitem(last=False)[0]]
+            self._reset(region)
+            return region, None
+        if not self._lru:
+            return None, None
+        region = self._regions[self._lru.popitem(last=False)[0]]
+        region.active = True
+        self._retention.decay(self._clock())  # expired retention: plain, evicted with its region
+        retained = []
+        if len(self._retention):
             for entry in region.keys:
                 where = self._index.get(entry)
-                if where is not None and where >> 64 == region.id:
-                    del self._index[entry]
-                    evicted.append((self._ns_names[int.from_bytes(entry[:4], "little")], entry[4:]))
-            self._stats.evictions += len(evicted)
-        else:
-            return None, evicted
+                if where is not None and where >> 64 == region.id and entry in self._retention:
+                    retained.append((entry, where))
+        return region, retained
+
+    def _read_retained(self, region: _Region, retained: list[tuple[bytes, int]]) -> list[tuple[Moved, int]]:
+        """Reads and verifies the retained records of a region about to be evicted (in this writer
+        thread, without the lock: the region is out of the LRU, so nobody else reuses it meanwhile).
+        Bounded by the retained bytes of that one region; what fails is left out (dropped, counted)."""
+        out: list[tuple[Moved, int]] = []
+        for entry, where in retained:
+            ns = self._ns_names[int.from_bytes(entry[:4], "little")].encode()
+            length = where & 0xFFFFFFFF
+            head, block = bytearray(layout.header_len(len(ns))), bytearray(length)
+            try:
+                got = os.preadv(region.fd, [head, block], (where >> 32) & 0xFFFFFFFF)
+            except OSError:
+                continue
+            header = layout.parse_record_header(head)
+            if (
+                header is None
+                or not header.live  # deleted since it was located
+                or header.epoch != region.epoch
+                or header.key != entry[4:]
+                or header.length != length
+                or got != len(head) + length
+            ):
+                continue
+            if self._verify is not None and self._verify(memoryview(block), entry[4:]) is not None:
+                continue
+            out.append((Moved(entry, ns, block), where))
+        return out
+
+    def _reuse(self, region: _Region, read: list[tuple[Moved, int]]) -> tuple[list[tuple[str, bytes]], list[Moved]]:
+        """Evicts a region taken by _pick_region (under the lock): its blocks leave the index, except
+        the retained records read from it that are still where they were read (not deleted or written
+        again meanwhile), which wait in self._moving to be appended to it again. Returns the
+        (namespace, key) evicted and the records to copy forward."""
+        keep = {m.entry: where for m, where in read}
+        evicted: list[tuple[str, bytes]] = []
+        for entry in region.keys:
+            where = self._index.get(entry)
+            if where is None or where >> 64 != region.id:
+                continue
+            del self._index[entry]
+            if keep.get(entry) == where and entry in self._retention:
+                self._moving.add(entry)
+                continue
+            if self._retention.drop(entry):
+                self._retention.dropped += 1  # retained, but unreadable or failing verification
+            evicted.append((self._ns_names[int.from_bytes(entry[:4], "little")], entry[4:]))
+        self._stats.evictions += len(evicted)
+        moved = [m for m, _ in read if m.entry in self._moving]
+        self._reset(region)
+        return evicted, moved
+
+    def _reset(self, region: _Region) -> None:
+        """Starts a region's new epoch (under the lock), empty, as this writer's to append to."""
         region.epoch = self._next_epoch  # first: readers of its old records now miss
         self._next_epoch += 1
         region.keys = []
@@ -313,7 +399,62 @@ class DiskTier(Tier):
             # The disk is full: write this region within the bytes its file has (in place, no new space).
             region.limit = max(layout.REGION_HEADER_BYTES, min(self._region_bytes, os.fstat(region.fd).st_size & ~7))
         region.active = True
-        return region, evicted
+
+    def _copy_forward(self, region: _Region, moved: list[Moved]) -> None:
+        """Appends the retained records of the region's last epoch to its new one (this writer's
+        active region) and indexes them again; what does not fit or fails to write is dropped, counted."""
+        done = 0
+        while done < len(moved):
+            run: list[Moved] = []
+            end = region.frontier
+            for m in moved[done : done + _RUN_RECORDS]:
+                span = layout.record_span(len(m.namespace), len(m.block))
+                if end + span > region.limit:
+                    break
+                run.append(m)
+                end += span
+            if not run:
+                break
+            offset = region.frontier
+            spans = self._write_run(region, [(m.namespace, m.entry[4:], m.block) for m in run])
+            if spans is None:
+                break
+            done += len(run)
+            deleted = []
+            with self._lock:
+                at = offset
+                for m, span in zip(run, spans, strict=True):
+                    if m.entry not in self._moving:
+                        deleted.append(at)  # deleted while it moved: marked so, for a restart
+                    elif m.entry in self._index:  # written again by a put meanwhile: that record stays
+                        self._moving.discard(m.entry)
+                    else:
+                        self._moving.discard(m.entry)
+                        self._index[m.entry] = region.id << 64 | at << 32 | len(m.block)
+                        region.keys.append(m.entry)
+                        region.live_bytes += span
+                        self._retention.copied += 1
+                    at += span
+                region.frontier = at
+            for at in deleted:  # the region is this thread's active one: nobody reuses it meanwhile
+                with contextlib.suppress(OSError):
+                    os.pwrite(region.fd, layout.DELETED_MAGIC, at)
+        self._lose_moved(moved[done:])
+
+    def _lose_moved(self, moved: list[Moved]) -> None:
+        """Retained records that could not be copied forward: gone with their region, counted."""
+        if not moved:
+            return
+        lost: list[tuple[str, bytes]] = []
+        with self._lock:
+            for m in moved:
+                if m.entry in self._moving:
+                    self._moving.discard(m.entry)
+                    self._retention.drop(m.entry)
+                    self._retention.dropped += 1
+                    lost.append((self._ns_names[int.from_bytes(m.entry[:4], "little")], m.entry[4:]))
+            self._stats.evictions += len(lost)
+        self._evicted(lost)
 
     def _evicted(self, evicted: list[tuple[str, bytes]]) -> None:
         if self._on_evict is None or self._loop is None:
@@ -340,7 +481,12 @@ class DiskTier(Tier):
                 self._local.region = None
         log.warning("disk tier: write to %s failed (%s); region sealed at %d bytes", region.path, exc, region.frontier)
 
-    def _put_blocking(self, namespace: str, items: Sequence[tuple[bytes, bytes | memoryview]]) -> list[bool]:
+    def _put_blocking(
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, bytes | memoryview]],
+        until: Sequence[float] | None = None,
+    ) -> list[bool]:
         ns = namespace.encode()
         out = [False] * len(items)
         with self._lock:
@@ -349,6 +495,8 @@ class DiskTier(Tier):
         for i, (key, block) in enumerate(items):
             if prefix + key in self._index:
                 out[i] = True  # content-addressed: the same bytes are there
+                if until is not None and until[i] > 0:
+                    self.retain(namespace, [key], until[i])
             elif layout.record_span(len(ns), len(block)) > self._region_bytes - layout.REGION_HEADER_BYTES:
                 with self._lock:
                     self._stats.rejected += 1
@@ -368,7 +516,8 @@ class DiskTier(Tier):
                 run.append(i)
                 end += span
             todo = todo[len(run) :]
-            if not self._append(region, ns, prefix, [items[i] for i in run]):
+            deadlines = [until[i] for i in run] if until else None
+            if not self._append(region, ns, prefix, [items[i] for i in run], deadlines):
                 with self._lock:
                     self._stats.rejected += len(run)
                 continue
@@ -376,8 +525,46 @@ class DiskTier(Tier):
                 out[i] = True
         return out
 
-    def _append(self, region: _Region, ns: bytes, prefix: bytes, run: list[tuple[bytes, bytes | memoryview]]) -> bool:
-        """Appends records to this writer thread's region; False when the write failed (the region is sealed).
+    def _append(
+        self,
+        region: _Region,
+        ns: bytes,
+        prefix: bytes,
+        run: list[tuple[bytes, bytes | memoryview]],
+        until: list[float] | None = None,
+    ) -> bool:
+        """Appends records of one namespace to this writer thread's region and indexes them, retained
+        until `until` (per record, 0.0: plain) where given; False when the write failed (the region is
+        sealed)."""
+        offset = region.frontier
+        spans = self._write_run(region, [(ns, key, block) for key, block in run])
+        if spans is None:
+            return False
+        with self._lock:
+            now = self._clock() if until else 0.0
+            if until:
+                self._retention.decay(now)
+            at = offset
+            for i, ((key, block), span) in enumerate(zip(run, spans, strict=True)):
+                entry = prefix + key
+                old = self._index.get(entry)  # another thread's put of the same key, meanwhile
+                if old is not None:
+                    self._regions[old >> 64].live_bytes -= span
+                self._index[entry] = region.id << 64 | at << 32 | len(block)
+                region.keys.append(entry)
+                if until and until[i] > 0:
+                    self._retention.grant(entry, self._ns_names[int.from_bytes(prefix, "little")], span, until[i], now)
+                at += span
+            region.live_bytes += at - offset
+            region.frontier = at
+            self._stats.puts += len(run)
+        return True
+
+    def _write_run(
+        self, region: _Region, run: list[tuple[bytes, bytes, bytes | memoryview | bytearray]]
+    ) -> list[int] | None:
+        """Writes (namespace, key, block) records at the region's frontier; their spans, or None when
+        the write failed (the region is sealed). Does not index them.
 
         Group commit: one pwritev of all the records with the first one's magic zeroed, then one 4-byte
         pwrite of that magic. Until it lands, the scan stops at the first record and sees none of them;
@@ -385,9 +572,9 @@ class DiskTier(Tier):
         implies its block).
         """
         offset = region.frontier
-        buffers: list[bytes | memoryview] = []
+        buffers: list[bytes | memoryview | bytearray] = []
         spans = []
-        for key, block in run:
+        for ns, key, block in run:
             header = layout.pack_record_header(region.epoch, ns, key, len(block))
             buffers += [header if buffers else bytes(4) + header[4:], block]
             pad = layout.aligned(len(block)) - len(block)
@@ -399,26 +586,53 @@ class DiskTier(Tier):
             _pwrite_all(region.fd, layout.RECORD_MAGIC, offset)
         except OSError as exc:
             self._write_failed(region, exc)
-            return False
-        with self._lock:
-            at = offset
-            for (key, block), span in zip(run, spans, strict=True):
-                entry = prefix + key
-                old = self._index.get(entry)  # another thread's put of the same key, meanwhile
-                if old is not None:
-                    self._regions[old >> 64].live_bytes -= span
-                self._index[entry] = region.id << 64 | at << 32 | len(block)
-                region.keys.append(entry)
-                at += span
-            region.live_bytes += at - offset
-            region.frontier = at
-            self._stats.puts += len(run)
-        return True
+            return None
+        return spans
 
     async def put_many(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:
         self._loop = asyncio.get_running_loop()
         # Waited to its end even when the stack's timeout cancels the call (RedisTier.put_many).
         return await in_pool(self._writers, self._put_blocking, namespace, items)
+
+    async def put_retained(
+        self, namespace: str, items: Sequence[tuple[bytes, bytes]], until: Sequence[float]
+    ) -> list[bool]:
+        """put_many, each block retained until its deadline in `until` (monotonic; 0.0: plain), within
+        the tenant's and the tier's retained share (past it: stored plain, counted in refused)."""
+        self._loop = asyncio.get_running_loop()
+        return await in_pool(self._writers, self._put_blocking, namespace, items, until)
+
+    def retain(self, namespace: str, keys: Sequence[bytes], until: float) -> int:
+        """Retains the records of `keys` the index holds until `until` (or renews them to then), with no
+        I/O (from any thread): the stack calls it for a retained RAM victim the disk holds already.
+        Returns how many are retained; one past its share stays plain (counted in refused)."""
+        ns = self._ns_ids.get(namespace)
+        if ns is None:
+            return 0
+        retained = 0
+        with self._lock:
+            now = self._clock()
+            self._retention.decay(now)
+            for key in keys:
+                where = self._index.get(ns + key)
+                if where is not None and self._retention.grant(
+                    ns + key, namespace, self._span_of(ns + key, where & 0xFFFFFFFF), until, now
+                ):
+                    retained += 1
+        return retained
+
+    def retained(self, namespace: str, key: bytes) -> bool:
+        """Whether the record of `key` is retained now."""
+        entry = self._entry(namespace, key)
+        with self._lock:
+            return entry is not None and entry in self._retention
+
+    def retention_stats(self) -> dict[str, int]:
+        """Retained records and their bytes now; grants refused for a full share; retentions that ran
+        out; retained records copied forward out of an evicted region, and dropped with it."""
+        with self._lock:
+            self._retention.decay(self._clock())
+            return self._retention.stats()
 
     # -- reading (reader threads) ---------------------------------------------------------------
 
@@ -434,6 +648,8 @@ class DiskTier(Tier):
             epoch = region.epoch
             if region.id in self._lru:
                 self._lru.move_to_end(region.id)
+            if len(self._retention):
+                self._retention.touched(entry, self._clock())  # a hit renews its retention
         nslen = len(self._ns_names[int.from_bytes(entry[:4], "little")].encode())
         return where, region, epoch, layout.header_len(nslen)
 
@@ -476,8 +692,9 @@ class DiskTier(Tier):
         """_locate for a reader thread's whole part of a batch under one hold of the lock, (where,
         region, epoch) each: a lock round per block cost ~3% of a promotion of 1 MiB blocks."""
         out: list[tuple[int, _Region, int] | None] = []
-        index, regions, lru = self._index, self._regions, self._lru
+        index, regions, lru, retention = self._index, self._regions, self._lru, self._retention
         with self._lock:
+            now = self._clock() if len(retention) else 0.0
             for entry in entries:
                 where = None if entry is None else index.get(entry)
                 if where is None:
@@ -487,6 +704,8 @@ class DiskTier(Tier):
                 out.append((where, region, region.epoch))
                 if region.id in lru:
                     lru.move_to_end(region.id)
+                if now:
+                    retention.touched(entry, now)  # a hit renews its retention (one dict lookup)
         return out
 
     def _read_into_one(
@@ -664,12 +883,17 @@ class DiskTier(Tier):
     # -- deleting -------------------------------------------------------------------------------
 
     def _delete_blocking(self, entries: list[bytes | None]) -> list[bool]:
-        out = []
+        out: list[bool] = []
         for entry in entries:
             with self._lock:  # held across the mark: no eviction can reuse the region meanwhile
                 where = self._index.get(entry) if entry is not None else None
                 if where is None:
-                    out.append(False)
+                    moving = entry is not None and entry in self._moving
+                    if moving:  # being copied forward: not indexed again when its copy lands
+                        assert entry is not None
+                        self._moving.discard(entry)
+                        self._retention.drop(entry)
+                    out.append(moving)
                     continue
                 assert entry is not None
                 region = self._regions[where >> 64]
@@ -684,7 +908,7 @@ class DiskTier(Tier):
 
     async def delete_present(self, namespace: str, keys: Sequence[bytes]) -> list[bool]:
         entries = [self._entry(namespace, k) for k in keys]
-        if not any(e is not None and e in self._index for e in entries):
+        if not any(e is not None and (e in self._index or e in self._moving) for e in entries):
             return [False] * len(keys)
         return await in_pool(self._readers, self._delete_blocking, entries)
 
@@ -696,6 +920,8 @@ class DiskTier(Tier):
     def stats(self) -> TierStats:
         with self._lock:
             s = self._stats
+            r = self._retention
+            r.decay(self._clock())
             return TierStats(
                 name=s.name,
                 kind=s.kind,
@@ -708,6 +934,12 @@ class DiskTier(Tier):
                 evictions=s.evictions,
                 rejected=s.rejected,
                 errors=s.errors,
+                retained_blocks=len(r),
+                retained_bytes=r.retained_bytes,
+                retention_refused=r.refused,
+                retention_expired=r.expired,
+                retention_copied=r.copied,
+                retention_dropped=r.dropped,
             )
 
     def disk_bytes(self) -> int:

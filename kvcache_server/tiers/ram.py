@@ -56,11 +56,12 @@ ENTRY_OVERHEAD_BYTES = 384
 """Bytes charged per entry on top of its slot (index, key objects, policy node; outside the arena)."""
 
 EntryKey = tuple[str, bytes]
-EvictCallback = Callable[[str, bytes, bytes], None]
-"""Called as on_evict(namespace, key, block) for each block evicted to make room (not for deletes),
-outside the lock, by settle(); `block` is b"" unless the tier was made with copy_evicted (and b""
-too where the copy was never made: the caller failed before Evicted.copy ran, or held_below said
-the tier below holds the block already)."""
+EvictCallback = Callable[[str, bytes, bytes, float], None]
+"""Called as on_evict(namespace, key, block, retained_until) for each block evicted to make room
+(not for deletes), outside the lock, by settle(); `block` is b"" unless the tier was made with
+copy_evicted (and b"" too where the copy was never made: the caller failed before Evicted.copy ran,
+or held_below said the tier below holds the block already); `retained_until` is when the victim's
+retention would have ended (the tier's clock), 0.0 for a plain one: its demotion keeps the rest."""
 
 
 @dataclass(slots=True, eq=False)
@@ -81,6 +82,7 @@ class Evicted:
 
     victims: list[tuple[str, bytes, int, int]] = field(default_factory=list)  # (namespace, key, offset, length)
     uncopied: list[tuple[str, bytes]] = field(default_factory=list)  # victims the tier below holds: no copy
+    kept: dict[tuple[str, bytes], float] = field(default_factory=dict)  # retained victims: when retention ends
     held: list[tuple[int, int]] = field(default_factory=list)  # extents allocated to nobody until settle()
     region: Region | None = None  # where the bytes are copied from (None: nobody wants them)
     blocks: list[bytes] | None = None  # the victims' bytes, once copy() has run
@@ -561,10 +563,11 @@ class RamTier(Tier):
         if self._on_evict is None or not (victims or uncopied):
             return
         blocks = evicted.blocks if evicted.blocks is not None else [b""] * len(victims)
+        kept, evicted.kept = evicted.kept, {}
         for (ns, key, _, _), block in zip(victims, blocks, strict=True):
-            self._on_evict(ns, key, block)
+            self._on_evict(ns, key, block, kept.get((ns, key), 0.0))
         for ns, key in uncopied:
-            self._on_evict(ns, key, b"")
+            self._on_evict(ns, key, b"", kept.get((ns, key), 0.0))
 
     def _copy_then_settle(
         self, made: Sequence[Reservation | None], evicted: Evicted, then: Callable[[], None] | None = None
@@ -779,6 +782,8 @@ class RamTier(Tier):
             else:  # its bytes are copied out later, outside the lock (Evicted)
                 slot = self._blocks[entry]
                 evicted.victims.append((entry[0], entry[1], slot.offset, slot.length))
+        if self._on_evict is not None and entry in self._retention:  # its demotion keeps what is left
+            evicted.kept[entry] = self._retention.expires(entry)
         self._drop_entry(self._partition(entry[0]), entry)
         self._stats.evictions += 1
 

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from kvcache_server.tiers.ram import EntryKey, EvictionPolicy
+    from kvcache_server.tiers.ram import EvictionPolicy
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,16 +104,17 @@ class _Kept:
 
 
 class Retention:
-    """Which entries are retained, until when, and the per-tenant accounts; the RAM tier calls
-    every method under its lock."""
+    """Which entries are retained, until when, and the per-tenant accounts; the tier that owns it
+    (RAM: (namespace, key) entries; disk: its index keys, tiers/disk_retention.py) calls every
+    method under its lock."""
 
     def __init__(self, limits: RetentionLimits, capacity_bytes: int) -> None:
         self.limits = limits
         self._tenant_cap = int(capacity_bytes * limits.max_share)
         self._total_cap = int(capacity_bytes * limits.max_total_share)
-        self._kept: dict[EntryKey, _Kept] = {}
+        self._kept: dict[Hashable, _Kept] = {}
         self._by_tenant: dict[str, int] = {}
-        self._heap: list[tuple[float, EntryKey]] = []
+        self._heap: list[tuple[float, Hashable]] = []
         self.retained_bytes = 0
         self.refused = 0  # grants refused for a full share (the block stored unretained)
         self.expired = 0  # retentions that ran out of time
@@ -131,7 +132,7 @@ class Retention:
     def tenant_bytes(self, tenant: str) -> int:
         return self._by_tenant.get(tenant, 0)
 
-    def grant(self, entry: EntryKey, tenant: str, cost: int, ttl_s: float, now: float) -> bool:
+    def grant(self, entry: Hashable, tenant: str, cost: int, ttl_s: float, now: float) -> bool:
         """Retains an indexed entry for ttl_s (or renews its retention, to at least now + ttl_s);
         False, counted, when its tenant's or the tier's share has no room (nothing changes then)."""
         kept = self._kept.get(entry)
@@ -149,19 +150,24 @@ class Retention:
         heapq.heappush(self._heap, (kept.expires, entry))
         return True
 
-    def touched(self, entry: EntryKey, now: float) -> None:
+    def expires(self, entry: Hashable) -> float:
+        """When the entry's retention ends (the tier's clock), or 0.0 when it has none."""
+        kept = self._kept.get(entry)
+        return 0.0 if kept is None else kept.expires
+
+    def touched(self, entry: Hashable, now: float) -> None:
         """A hit on the entry: its retention, if any, renewed for its TTL."""
         kept = self._kept.get(entry)
         if kept is not None:
             self._renew(entry, kept, now)
 
-    def _renew(self, entry: EntryKey, kept: _Kept, now: float) -> None:
+    def _renew(self, entry: Hashable, kept: _Kept, now: float) -> None:
         kept.expires = max(kept.expires, now + kept.ttl_s)
         if kept.expires - kept.queued > kept.ttl_s / 8:  # else the live item's pass re-queues it
             kept.queued = kept.expires
             heapq.heappush(self._heap, (kept.expires, entry))
 
-    def drop(self, entry: EntryKey) -> bool:
+    def drop(self, entry: Hashable) -> bool:
         """The entry left the index (evicted, deleted, replaced): its retention ends; True if it had one."""
         kept = self._kept.pop(entry, None)
         if kept is None:
@@ -170,10 +176,10 @@ class Retention:
         self.retained_bytes -= kept.cost
         return True
 
-    def due(self, now: float) -> list[EntryKey]:
+    def due(self, now: float) -> list[Hashable]:
         """The entries whose retention ran out by `now`, removed from the accounts (the tier moves
         them back to their plain order)."""
-        out: list[EntryKey] = []
+        out: list[Hashable] = []
         heap = self._heap
         while heap and heap[0][0] <= now:
             at, entry = heapq.heappop(heap)

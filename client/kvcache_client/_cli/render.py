@@ -63,6 +63,11 @@ _ROWS: list[tuple[str, Callable[[TierInfo], str]]] = [
     ("puts", lambda t: f"{t.puts:,}"),
     ("evictions", lambda t: f"{t.evictions:,}"),
     ("retained", lambda t: f"{t.retained_blocks:,} ({human_bytes(t.retained_bytes)})"),
+    # The disk's retention (RAM's refused and expired are the server-wide line above the table).
+    (
+        "retained refused / copied / dropped",
+        lambda t: f"{t.retention_refused:,} / {t.retention_copied:,} / {t.retention_dropped:,}",
+    ),
     ("rejected", lambda t: f"{t.rejected:,}"),
     ("promotions", lambda t: f"{t.promotions:,}"),
     ("demotions", lambda t: f"{t.demotions:,}"),
