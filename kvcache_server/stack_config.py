@@ -131,7 +131,7 @@ def build_stack(
     rt = config.retention
 
     def stack(where: str | None) -> TierStack:
-        return TierStack(
+        built = TierStack(
             config.ram.capacity_bytes,
             lower,
             demote_on_evict=config.ram.demote_on_evict,
@@ -143,6 +143,10 @@ def build_stack(
             pins=PinLimits(config.ram.pin_share, config.ram.max_leases_per_tenant, config.ram.max_keys_per_lease),
             retention=RetentionLimits(rt.max_share, rt.max_total_share, rt.max_ttl_s, rt.default_ttl_s),
         )
+        # Same-host Lookups without an RPC, where the arena is shared (docs/presence.md).
+        block_bytes = config.ram.presence_block_bytes if config.ram.presence_index else 0
+        built.ram.enable_presence(block_bytes, lower_tiers=bool(lower))
+        return built
 
     tenants = sorted({t.principal.tenant for t in tokens.tokens}) if tokens else []
     if arena_dir is not None and config.shm.share_arena and len(tenants) > 1:
