@@ -99,7 +99,10 @@ class PresenceTable:
         self._words[W_FLAGS] = flags | FLAG_LOWER_TIERS if lower_tiers else flags & ~FLAG_LOWER_TIERS
 
     def _fp(self, namespace: str, key: bytes) -> int:
-        return fingerprint(self._seed, namespace.encode(), key)
+        """The fingerprint under the namespace as the client names it: the table is its tenant's own, so
+        the server's tenant scope ("tenant:ns" with auth; namespaces never hold ":") is dropped."""
+        _, scoped, name = namespace.partition(":")
+        return fingerprint(self._seed, (name if scoped else namespace).encode(), key)
 
     def add(self, namespace: str, key: bytes) -> None:
         """(namespace, key) is indexed now."""

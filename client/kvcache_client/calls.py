@@ -255,13 +255,13 @@ class Calls:
         deadline = time.monotonic() + timeout_s
         link: PresenceLink | None = getattr((yield GetTransport()), "presence", None)
         start = 0
-        if link is not None and link.state != "off":
+        if link is not None:
             if link.wants_info:  # first use, or its server restarted: one Info maps its index
                 try:
                     yield Request(lambda tr, t: tr.info(t, refresh=link.state == "stale"), timeout_s)
                 except grpc.RpcError as exc:  # the Lookup below meets the same status and reports it
                     log.debug("presence index: Info failed (%s); looking up by RPC", exc.code())
-            local = link.prefix(ns, keys)
+            local = link.prefix(ns, keys)  # None while off or not to be trusted
             if local is not None:
                 found, whole = local
                 if whole:

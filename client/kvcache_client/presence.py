@@ -59,13 +59,13 @@ _SCALAR_KEYS = 4
 
 @dataclass(slots=True)
 class PresenceCounters:
-    """How lookups were answered while the index was on (a plain object: read, never reset).
+    """How this client's lookups were answered (a plain object: read, never reset).
 
     Attributes:
         local: answered from the index alone, without an RPC.
         partial: a prefix from the index, one RPC for the keys after it.
-        rpc: by RPC only (the index in doubt: the first key absent with lower tiers, an overflowed
-            bucket, a stale or unmapped index).
+        rpc: by RPC only (the index off or in doubt: the first key absent with lower tiers, an
+            overflowed bucket, a stale or unmapped index).
     """
 
     local: int = 0
