@@ -19,6 +19,8 @@ Backends, each driven the way HiCacheController drives it:
     kvcache (same host)  KVCacheHiCacheStorage on a `python -m kvcache_server` subprocess, the
                          zero-copy v1 path ("interface_v1": 1): batch_set_v1 / batch_exists /
                          batch_get_v1; bytes through the server's block arena (docs/arena.md)
+    kvcache (same host, RPC)  the same with "presence_index": false: batch_exists as a Lookup RPC
+                         (the row above reads the server's presence index: docs/presence.md)
     kvcache (bulk port)  the same with "shm": false: the bytes over the bulk port (a remote server)
     sglang file          SGLang's HiCacheFile (`--hicache-storage-backend file`) on a temp dir
                          (ext4 here, page cache warm: nothing is synced). It has no v1 methods,
@@ -175,10 +177,11 @@ def main() -> None:
             copy_pool = POOL_BUILDERS[kind](page_size=size, tokens=pages * size, **GEOMETRY[kind])
             nbytes = region(copy_pool, kind, 0, pages * size).numel()
             print(f"\n{kind}: {nbytes / (1 << 20):.1f} MiB ({nbytes // pages // 1024} KiB per page)")
-            print(f"{'backend':<22}{'store GB/s':>12}{'exists ms':>12}{'load GB/s':>12}")
+            print(f"{'backend':<26}{'store GB/s':>12}{'exists ms':>12}{'load GB/s':>12}")
             kv_config = {**json.loads(harness.extra_config_json(server.target)), "timeout_s": 60.0}
             specs: list[tuple[str, dict[str, Any], str | None, bool]] = [
                 ("kvcache (same host)", kv_config, None, True),
+                ("kvcache (same host, RPC)", {**kv_config, "presence_index": False}, None, True),
                 ("kvcache (bulk port)", {**kv_config, "shm": False}, None, True),
                 ("sglang file", {"file_storage_path": f"{tmp}/{kind}"}, "file", False),
                 ("sglang file (tmpfs)", {"file_storage_path": f"{tmpfs}/{kind}"}, "file", False),
@@ -208,10 +211,10 @@ def main() -> None:
                 name: [statistics.median(phase) for phase in zip(*ts, strict=True)] for name, ts in times.items()
             }
             for name, (store_s, exists_s, load_s) in results.items():
-                print(f"{name:<22}{nbytes / store_s / 1e9:>12.2f}{exists_s * 1e3:>12.2f}{nbytes / load_s / 1e9:>12.2f}")
+                print(f"{name:<26}{nbytes / store_s / 1e9:>12.2f}{exists_s * 1e3:>12.2f}{nbytes / load_s / 1e9:>12.2f}")
             copy_s = statistics.median(copies)
-            print(f"{'memcpy':<22}{nbytes / copy_s / 1e9:>12.2f}{'':>12}{nbytes / copy_s / 1e9:>12.2f}")
-            for name in ("kvcache (same host)", "kvcache (bulk port)"):
+            print(f"{'memcpy':<26}{nbytes / copy_s / 1e9:>12.2f}{'':>12}{nbytes / copy_s / 1e9:>12.2f}")
+            for name in ("kvcache (same host)", "kvcache (same host, RPC)", "kvcache (bulk port)"):
                 for other in ("sglang file", "sglang file (tmpfs)"):
                     # Each ratio is the file backend's median time over kvcache's: above 1, kvcache is faster.
                     store, exists, load = (f / k for f, k in zip(results[other], results[name], strict=True))

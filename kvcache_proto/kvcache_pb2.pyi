@@ -295,7 +295,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls", "arena_path", "arena_bytes", "shm_socket", "server_uid")
+    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls", "arena_path", "arena_bytes", "shm_socket", "server_uid", "presence_path", "instance_id")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -308,6 +308,8 @@ class InfoResponse(_message.Message):
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
     SERVER_UID_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PATH_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_block_bytes: int
     max_keys_per_request: int
@@ -320,7 +322,9 @@ class InfoResponse(_message.Message):
     arena_bytes: int
     shm_socket: str
     server_uid: int
-    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., shm_socket: _Optional[str] = ..., server_uid: _Optional[int] = ...) -> None: ...
+    presence_path: str
+    instance_id: int
+    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., shm_socket: _Optional[str] = ..., server_uid: _Optional[int] = ..., presence_path: _Optional[str] = ..., instance_id: _Optional[int] = ...) -> None: ...
 
 class ArenaReserveRequest(_message.Message):
     __slots__ = ("namespace", "lengths")

@@ -208,15 +208,17 @@ def _memfd(size: int) -> int:
     return fd
 
 
-def remove_dead_arenas(directory: str) -> int:
+def remove_dead_arenas(directory: str, prefix: str = ARENA_PREFIX) -> int:
     """Removes arena files whose server died without removing them (a killed server's tmpfs pages).
 
     A live server holds an exclusive flock on its arena file for its lifetime, so a file whose lock
-    can be taken belongs to no live server, whatever its age; clients never lock it.
+    can be taken belongs to no live server, whatever its age; clients never hold it (a presence
+    reader tries a shared lock to learn whether its server lives, and lets it go at once).
+    `prefix`: the files' names (kvcache_core.presence.PRESENCE_PREFIX: the presence tables).
     """
     removed = 0
     try:
-        names = [n for n in os.listdir(directory) if n.startswith(ARENA_PREFIX)]
+        names = [n for n in os.listdir(directory) if n.startswith(prefix)]
     except OSError:
         return 0
     for name in names:
@@ -236,7 +238,7 @@ def remove_dead_arenas(directory: str) -> int:
         finally:
             os.close(fd)
     if removed:
-        log.info("removed %d arena file(s) of servers that died in %s", removed, directory)
+        log.info("removed %d %s* file(s) of servers that died in %s", removed, prefix, directory)
     return removed
 
 

@@ -57,6 +57,11 @@ class Right(enum.StrEnum):
     ADMIN = "admin"
 
 
+RATE_FREE_METHODS = frozenset({"Info"})
+"""Not charged to the tenant's request rate: the SDK asks Info once per connection (and once more
+after a server restart) to learn the shm directory, the arena and its presence index (docs/presence.md),
+so a tenant's budget stays its own calls'; Info is a constant answer and already outside admission."""
+
 METHOD_RIGHTS: Mapping[str, Right] = {
     "Lookup": Right.READ,
     "Get": Right.READ,
@@ -244,7 +249,7 @@ class Authenticator:
             raise AuthError(
                 "PERMISSION_DENIED", f"token {principal.name!r} lacks the {needed.value!r} right for {method}"
             )
-        if not self._limiter.allow(principal.tenant):
+        if method not in RATE_FREE_METHODS and not self._limiter.allow(principal.tenant):
             rate = self.store.limits(principal.tenant).requests_per_s
             raise AuthError("RESOURCE_EXHAUSTED", f"tenant {principal.tenant!r} exceeds its rate limit ({rate:g}/s)")
         return principal

@@ -100,10 +100,17 @@ class RamSection:
     # and the SDK fetches them with Get).
     max_leases_per_tenant: int = 16384
     max_keys_per_lease: int = 16384
+    # A per-tenant presence index of the blocks RAM holds, beside the shared arena, that same-host
+    # clients read to answer Lookups without an RPC (docs/presence.md); sized for blocks of
+    # presence_block_bytes filling the tenant's quota or the capacity: 16 bytes per such block.
+    presence_index: bool = True
+    presence_block_bytes: int = 64 << 10
 
     def validate(self) -> None:
         if self.capacity_bytes <= 0:
             raise ConfigError("ram.capacity_bytes must be positive")
+        if self.presence_block_bytes < 64:
+            raise ConfigError("ram.presence_block_bytes must be at least 64")
         if not 0 < self.lease_timeout_s <= 3600:
             raise ConfigError("ram.lease_timeout_s must be in (0, 3600]")
         if not 0 < self.pin_share <= 1:

@@ -363,6 +363,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         }
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
+        principal = current_principal.get()  # the caller's tenant: only its own presence index is named
         return pb.InfoResponse(
             version=self._version,
             max_block_bytes=self._limits.max_block_bytes,
@@ -376,4 +377,6 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             arena_bytes=self._stack.ram.region.size if self._stack.ram.region.path else 0,
             shm_socket=self.handoff.path if self.handoff is not None else "",
             server_uid=os.geteuid(),
+            presence_path=self._stack.ram.presence_path(principal.tenant if principal is not None else ""),
+            instance_id=self._stack.ram.instance_id,
         )

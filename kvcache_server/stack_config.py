@@ -134,7 +134,7 @@ def build_stack(
         lower.insert(0, (_disk_tier(config.disk, events, retention), _policy(config.disk)))
 
     def stack(where: str | None) -> TierStack:
-        return TierStack(
+        built = TierStack(
             config.ram.capacity_bytes,
             lower,
             demote_on_evict=config.ram.demote_on_evict,
@@ -146,6 +146,10 @@ def build_stack(
             pins=PinLimits(config.ram.pin_share, config.ram.max_leases_per_tenant, config.ram.max_keys_per_lease),
             retention=retention,
         )
+        # Same-host Lookups without an RPC, where the arena is shared (docs/presence.md).
+        block_bytes = config.ram.presence_block_bytes if config.ram.presence_index else 0
+        built.ram.enable_presence(block_bytes, lower_tiers=bool(lower))
+        return built
 
     tenants = sorted({t.principal.tenant for t in tokens.tokens}) if tokens else []
     if arena_dir is not None and config.shm.share_arena and len(tenants) > 1:

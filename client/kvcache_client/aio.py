@@ -28,6 +28,7 @@ from kvcache_client.calls import (
     copy_into,
 )
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, describe
+from kvcache_client.presence import PresenceLink
 from kvcache_client.results import PrefetchResult
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.shm import run_to_end
@@ -89,6 +90,7 @@ class AsyncKVCacheClient:
         bulk_connections: int = DEFAULT_CONNECTIONS,
         buffer_pool_bytes: int = DEFAULT_POOL_BYTES,
         transport: AsyncTransport | None = None,
+        presence_index: bool = True,
     ) -> None:
         """See KVCacheClient.__init__. Needs no event loop: the grpc.aio channel is made on first use.
 
@@ -114,7 +116,8 @@ class AsyncKVCacheClient:
                 target, token=bearer_token(token), tls=tls, enabled=bulk, connections=bulk_connections, buffers=buffers
             )
             self._make_transport: Callable[[], AsyncTransport] = lambda: AsyncBulkTransport(
-                AsyncGrpcTransport(channel(), metadata=metadata, shm=shm, buffers=buffers), link
+                AsyncGrpcTransport(channel(), metadata=metadata, shm=shm, buffers=buffers, presence=presence_index),
+                link,
             )
         self._io = _AsyncIO(self._bound)
 
@@ -148,6 +151,11 @@ class AsyncKVCacheClient:
 
     async def _run(self, steps: Steps[T]) -> T:
         return await arun(steps, self._io)
+
+    @property
+    def presence(self) -> PresenceLink | None:
+        """As KVCacheClient.presence (None until the first call made the transport)."""
+        return getattr(self._transport, "presence", None)
 
     @property
     def corrupt_blocks(self) -> int:

@@ -248,6 +248,7 @@ class BulkTransport:
         self.link = link
         self.shm = grpc_transport.shm
         self.arena = grpc_transport.arena  # same host: the server's block arena (docs/arena.md)
+        self.presence = grpc_transport.presence  # same host: Lookups without an RPC (docs/presence.md)
 
     def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
         self.link.reconsider(self.inner.shm.on)
@@ -258,6 +259,9 @@ class BulkTransport:
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         return self.inner.lookup(namespace, keys, timeout_s)
+
+    def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
+        return self.inner.info(timeout_s, refresh=refresh)
 
     def put(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, *, retain_ttl_s: float = 0.0
@@ -327,6 +331,7 @@ class AsyncBulkTransport:
         self.link = link
         self.shm = grpc_transport.shm
         self.arena = grpc_transport.arena  # same host: the server's block arena (docs/arena.md)
+        self.presence = grpc_transport.presence  # same host: Lookups without an RPC (docs/presence.md)
 
     async def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
         self.link.reconsider(self.inner.shm.on)
@@ -337,6 +342,9 @@ class AsyncBulkTransport:
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
         return await self.inner.lookup(namespace, keys, timeout_s)
+
+    async def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
+        return await self.inner.info(timeout_s, refresh=refresh)
 
     async def put(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, *, retain_ttl_s: float = 0.0

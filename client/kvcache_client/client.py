@@ -44,6 +44,7 @@ from kvcache_client.calls import (
     copy_into,
 )
 from kvcache_client.connection import TLSConfig, auth_metadata, describe, make_channel
+from kvcache_client.presence import PresenceLink
 from kvcache_client.results import PrefetchResult
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.steps import Steps, run
@@ -107,6 +108,7 @@ class KVCacheClient:
         bulk_connections: int = DEFAULT_CONNECTIONS,
         buffer_pool_bytes: int = DEFAULT_POOL_BYTES,
         transport: Transport | None = None,
+        presence_index: bool = True,
     ) -> None:
         """Connects lazily to `target` ("host:port").
 
@@ -127,6 +129,9 @@ class KVCacheClient:
                 the server's arena or received from its bulk port, reused once the caller dropped them
                 (kvcache_client.bufpool); 0 gives each block fresh memory.
             transport: Replaces the gRPC transport (tests, other data paths).
+            presence_index: Answer lookups of blocks the server's RAM holds from its presence index
+                when it shares one with this process (same host and user; docs/presence.md), without
+                an RPC; False sends every lookup. `client.presence` says how lookups were answered.
 
         Raises:
             ValueError: `timeout_s` is not positive, `buffer_pool_bytes` is negative, or `tls` names
@@ -154,6 +159,7 @@ class KVCacheClient:
                 metadata=auth_metadata(token),
                 shm=shm,
                 buffers=self.buffers,
+                presence=presence_index,
             )
             transport = BulkTransport(grpc_transport, self.bulk)
         self._transport: Transport = transport
@@ -175,6 +181,12 @@ class KVCacheClient:
 
     def _run(self, steps: Steps[T]) -> T:
         return run(steps, self._io)
+
+    @property
+    def presence(self) -> PresenceLink | None:
+        """The presence index's state and counters (`.state`, `.counters.local` ...); None with a
+        custom transport that has none."""
+        return getattr(self._transport, "presence", None)
 
     @property
     def corrupt_blocks(self) -> int:

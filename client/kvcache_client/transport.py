@@ -37,6 +37,7 @@ from kvcache_client.messages import (
     shm_get_request,
     through_segment,
 )
+from kvcache_client.presence import PresenceLink
 from kvcache_client.results import Fetched, LookupResult, PrefetchResult, PutResult, ServerStats
 from kvcache_client.shm import Segment, ShmLink, env_allows_shm, run_to_end
 from kvcache_client.steps import arun, run
@@ -104,7 +105,13 @@ class _Channel:
     calls, blocking or awaited) and of the server's Info answer."""
 
     def __init__(
-        self, channel: Any, message_bytes: int, metadata: Metadata, shm: bool, buffers: BufferPool | None
+        self,
+        channel: Any,
+        message_bytes: int,
+        metadata: Metadata,
+        shm: bool,
+        buffers: BufferPool | None,
+        presence: bool = True,
     ) -> None:
         self._channel = channel
         self.buffers = BufferPool() if buffers is None else buffers  # where blocks leased out of the arena land
@@ -116,6 +123,8 @@ class _Channel:
         self._message_bytes = message_bytes
         self.shm = ShmLink(shm)
         self.arena = ArenaLink(shm and env_allows_shm())
+        # Lookups of blocks the server's RAM holds without an RPC (kvcache_client.presence).
+        self.presence = PresenceLink(presence and shm and env_allows_shm())
         self.part_bytes = 0  # set from the server's Info
         self.info_response: pb.InfoResponse | None = None
         self._info_done = False
@@ -128,9 +137,11 @@ class _Channel:
         self.info_response = info
         if info is None:
             self.arena.off("the server has no Info call")
+            self.presence.configure("", 0)
         else:
             self.shm.handoff_from(info.shm_socket, info.server_uid, self._md)  # another Unix user's path
             self.arena.configure(info.arena_path, info.arena_bytes, info.max_keys_per_request, info.max_block_bytes)
+            self.presence.configure(info.presence_path, info.instance_id)
         self._info_done = True
 
 
@@ -151,8 +162,9 @@ class GrpcTransport(_Channel):
         metadata: Metadata = (),
         shm: bool = True,
         buffers: BufferPool | None = None,
+        presence: bool = True,
     ) -> None:
-        super().__init__(channel, message_bytes, metadata, shm, buffers)
+        super().__init__(channel, message_bytes, metadata, shm, buffers, presence)
         self._inplace = InPlaceCalls(self._stub, self._md, self.arena, self._get_through_segment, self.buffers)
 
     def _check_info(self, timeout_s: float) -> None:
@@ -320,8 +332,9 @@ class AsyncGrpcTransport(_Channel):
         metadata: Metadata = (),
         shm: bool = True,
         buffers: BufferPool | None = None,
+        presence: bool = True,
     ) -> None:
-        super().__init__(channel, message_bytes, metadata, shm, buffers)
+        super().__init__(channel, message_bytes, metadata, shm, buffers, presence)
         self._inplace = AsyncInPlaceCalls(
             self._stub, self._md, self.arena, self._get_through_segment, OFFLOAD_BYTES, self.buffers
         )

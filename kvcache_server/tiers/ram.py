@@ -37,7 +37,10 @@ need the others' internals. The region and the extent allocator are in kvcache_s
 from __future__ import annotations
 
 import heapq
+import logging
 import math
+import os
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -47,10 +50,14 @@ from typing import Protocol
 
 import numpy as np
 
-from kvcache_server.arena import Extents, Lease, Region, Reservation, Slot, align, new_id
+from kvcache_core.presence import PRESENCE_PREFIX
+from kvcache_server.arena import Extents, Lease, Region, Reservation, Slot, align, new_id, remove_dead_arenas
+from kvcache_server.presence import PresenceTable
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
 from kvcache_server.tiers.retention import RetainingPolicy, Retention, RetentionLimits
 from kvcache_server.tiers.room import plan_room
+
+log = logging.getLogger(__name__)
 
 ENTRY_OVERHEAD_BYTES = 384
 """Bytes charged per entry on top of its slot (index, key objects, policy node; outside the arena)."""
@@ -154,7 +161,7 @@ class _Partition:
     entry was deleted or evicted (`orphaned`). `leased` and `leases` bound what its readers pin.
     """
 
-    __slots__ = ("leased", "leases", "orphaned", "pin_cap", "policy", "quota", "reserved", "used")
+    __slots__ = ("leased", "leases", "orphaned", "pin_cap", "policy", "presence", "quota", "reserved", "used")
 
     def __init__(self, policy: RetainingPolicy, quota: int, pin_cap: int) -> None:
         self.policy = policy  # the plain eviction order, then the retained entries (tiers/retention.py)
@@ -165,6 +172,7 @@ class _Partition:
         self.orphaned = 0  # entry costs of its slots out of the index that leases still pin
         self.leased = 0  # entry costs of the blocks its open leases pin (each lease counted)
         self.leases = 0  # its open leases
+        self.presence: PresenceTable | None = None  # its presence index (docs/presence.md), if shared
 
     def held(self) -> int:
         """Every byte on its account: indexed, reserved, and pinned out of the index."""
@@ -279,6 +287,9 @@ class RamTier(Tier):
         self.leases_expired = 0
         self.reservations_reclaimed = 0
         self._retention = Retention(retention or RetentionLimits(), capacity_bytes)
+        self.instance_id = secrets.randbits(63) or 1  # names this server's presence tables (a restart: another)
+        self._presence_block_bytes = 0  # 0: no presence tables (enable_presence)
+        self._presence_lower = False
 
     @staticmethod
     def entry_cost(block: bytes | memoryview) -> int:
@@ -305,7 +316,52 @@ class RamTier(Tier):
             # Without auth there is one partition: its pins are bounded by the arena itself.
             cap = quota or (int(self._capacity * self._pin_share) if tenant else self._capacity)
             part = self._partitions[tenant] = _Partition(RetainingPolicy(self._policy_factory()), quota, cap)
+            if self._presence_block_bytes:
+                self._open_presence(tenant, part)
         return part
+
+    # -- the presence index (docs/presence.md) ------------------------------------------------------
+
+    def enable_presence(self, block_bytes: int, *, lower_tiers: bool) -> None:
+        """Keeps a presence table per tenant partition beside the shared arena, sized for blocks of
+        `block_bytes` filling the tenant's quota (or the capacity), so same-host clients that map the
+        arena answer Lookups of blocks RAM holds without an RPC. A no-op where the arena is not
+        shared (kvcache_server.stack_config decides that, with the trust rules of docs/arena.md).
+
+        Args:
+            block_bytes: the block size a table is sized for (ram.presence_block_bytes).
+            lower_tiers: tiers below RAM exist (a RAM miss is then not a definite miss).
+        """
+        if not self.region.path or block_bytes <= 0:
+            return
+        remove_dead_arenas(os.path.dirname(self.region.path), PRESENCE_PREFIX)
+        with self._lock:
+            self._presence_block_bytes, self._presence_lower = block_bytes, lower_tiers
+            for tenant, part in self._partitions.items():
+                if part.presence is None and self._open_presence(tenant, part):
+                    for entry in self._blocks:
+                        if tenant_of(entry[0]) == tenant:
+                            part.presence.add(*entry)  # type: ignore[union-attr]
+
+    def _open_presence(self, tenant: str, part: _Partition) -> bool:
+        """Creates the partition's table (under the lock); False (logged) when the tmpfs has no room."""
+        blocks = (part.quota or self._capacity) // self._presence_block_bytes
+        try:
+            where = os.path.dirname(self.region.path)
+            part.presence = PresenceTable(where, blocks, instance_id=self.instance_id, lower_tiers=self._presence_lower)
+        except OSError as exc:
+            log.warning("presence index of tenant %r not created (Lookups stay RPCs): %s", tenant, exc)
+            return False
+        return True
+
+    def presence_path(self, tenant: str) -> str:
+        """The file of `tenant`'s presence table ("" tenant: auth off), created on first use; "" when
+        there is none (the arena is not shared, presence is off, or the table could not be made)."""
+        if not self._presence_block_bytes:
+            return ""
+        with self._lock:
+            part = self._partition(f"{tenant}:" if tenant else "")
+            return part.presence.path if part.presence is not None else ""
 
     def _bytes(self, slot: Slot) -> memoryview:
         return self.region.view[slot.offset : slot.offset + slot.length]
@@ -746,6 +802,8 @@ class RamTier(Tier):
     def _index(self, part: _Partition, entry: EntryKey, slot: Slot) -> None:
         slot.indexed = True
         self._blocks[entry] = slot
+        if part.presence is not None:
+            part.presence.add(*entry)
         part.policy.inserted(entry)
         cost = self.entry_cost_of(slot.length)
         part.used += cost
@@ -760,6 +818,8 @@ class RamTier(Tier):
             return None
         part.policy.removed(entry)
         self._retention.drop(entry)
+        if part.presence is not None:
+            part.presence.remove(*entry)
         cost = self.entry_cost_of(slot.length)
         part.used -= cost
         self._used -= cost
@@ -878,6 +938,10 @@ class RamTier(Tier):
             self._reservations.clear()
             self._readonly.release()
             self.region.close()
+            for part in self._partitions.values():
+                if part.presence is not None:
+                    part.presence.close()
+                    part.presence = None
 
     def stats(self) -> TierStats:
         with self._lock:

@@ -116,6 +116,8 @@ def test_store_lookup_lock_load_unlock_delete_usage(server, make_adapter, buffer
         "loaded_chunks": 4,
         "unlocks": 4,
         "deleted_chunks": 4,
+        # Same host: the last lookup's first key is gone from the presence index, no LeaseGet.
+        **({"lookups_local": 1} if shm else {}),
     }
 
 
@@ -146,6 +148,23 @@ def test_a_miss_is_a_miss(server, make_adapter, buffers) -> None:
     counters = adapter.counters.snapshot()
     assert (counters["lookup_misses"], counters["load_missing_chunks"], counters["load_failed_tasks"]) == (3, 3, 1)
     assert counters["lookup_failures"] == counters["unlocks"] == 0
+
+
+def test_a_first_key_the_presence_index_lacks_sends_no_lease_get(server, make_adapter, buffers) -> None:
+    """Same host, no tier below RAM: a lookup whose first key the server's presence index lacks
+    (docs/presence.md) is all misses without a LeaseGet: with the server's loop busy for 1 s it
+    answers at once (before: it waited for the loop)."""
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(2, first=40)
+    assert store(adapter, keys, buffers.filled([4, 5])).is_successful()
+    assert lookup(adapter, keys) == [1, 1]
+    adapter.submit_unlock(keys)
+    server.loop.call_soon_threadsafe(time.sleep, 1.0)
+    time.sleep(0.05)
+    start = time.monotonic()
+    assert lookup(adapter, object_keys(3, first=90)) == [0, 0, 0]
+    assert time.monotonic() - start < 0.3
+    assert adapter.counters.snapshot()["lookups_local"] == 1
 
 
 def test_empty_tasks_complete(server, make_adapter) -> None:

@@ -8,6 +8,7 @@ HiCacheController.attach_storage_backend does; then drives the calls the control
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -124,6 +125,21 @@ def test_a_miss_is_false_and_zero(backends, kind: str) -> None:
     counts = backend.counters()
     assert counts[Counters.PAGES_MISSING] == 3 + 2 + 1
     assert counts[Counters.LOOKUP_FAILURES] == counts[Counters.LOAD_FAILURES] == 0
+
+
+def test_batch_exists_is_answered_from_the_presence_index(backends, server: ServerThread) -> None:
+    """Same host: batch_exists reads the server's presence index (docs/presence.md), no RPC; with the
+    server's loop busy for 1 s it still answers at once (before: each call waited for the loop)."""
+    backend = backends("mha", seed=3)
+    stored, never = page_keys("stored-idx", 4), page_keys("never-idx", 2)
+    assert backend.batch_set_v1(stored[:3], indices(0, 3)) == [True, True, True]
+    assert backend.batch_exists(stored) == 3  # the index is mapped (Info) by now
+    server.loop.call_soon_threadsafe(time.sleep, 1.0)
+    time.sleep(0.05)
+    start = time.monotonic()
+    assert (backend.batch_exists(stored), backend.batch_exists(never), backend.batch_exists(stored[:1])) == (3, 0, 1)
+    assert time.monotonic() - start < 0.3
+    assert backend._client.presence.counters.local >= 4
 
 
 @pytest.mark.parametrize("kind", ["mha", "mla"])

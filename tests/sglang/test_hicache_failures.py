@@ -42,10 +42,17 @@ def child_server() -> Iterator[LocalKVCacheServer]:
 
 
 def make_backend(target: str) -> KVCacheHiCacheStorage:
+    """A backend whose every call goes to the server: with the presence index (docs/presence.md) a
+    stopped server's pages would be found without asking it, and these tests time the server's calls."""
     pool = mha_host_pool()
     fill_random(pool, 11)
     cli = extra_config_json(
-        target, timeout_s=TIMEOUT_S, lookup_timeout_s=LOOKUP_TIMEOUT_S, breaker_cooldown_s=600, log_interval_s=600
+        target,
+        timeout_s=TIMEOUT_S,
+        lookup_timeout_s=LOOKUP_TIMEOUT_S,
+        breaker_cooldown_s=600,
+        log_interval_s=600,
+        presence_index=False,
     )
     return load_backend(storage_config(cli, is_mla=False), pool)
 

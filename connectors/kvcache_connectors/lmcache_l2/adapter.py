@@ -243,7 +243,13 @@ class KVCacheL2Adapter(L2AdapterInterface):
     def _lock_group(
         self, ns: str, keys: list[ObjectKey], positions: list[int], kv_keys: list[bytes], bitmap: Bitmap
     ) -> None:
-        """Leases one namespace's keys and takes a lock on each hit (lookup lane)."""
+        """Leases one namespace's keys and takes a lock on each hit (lookup lane). Where the server's
+        presence index (docs/presence.md) says the first key is in no tier, nothing is asked: LMCache
+        takes the hits up to the first miss, and that group's would end at once."""
+        presence = getattr(self._client, "presence", None)
+        if presence is not None and presence.prefix(ns, kv_keys[:1]) == (0, True):
+            self.counters.add("lookups_local")
+            return
         timeout_s = self.config.lookup_timeout_s
         stack = contextlib.ExitStack()
         try:

@@ -15,6 +15,7 @@ class Counters:
         "lookup_misses",  # keys a lookup did not find, failures included
         "lookup_failures",  # lookup calls that failed or were skipped (their keys missed)
         "locks_not_held",  # hits answered without holding their blocks (max_locked_bytes reached)
+        "lookups_local",  # lookup groups the presence index answered "none" without a LeaseGet
         "loaded_chunks",  # chunks copied into LMCache's buffers
         "load_missing_chunks",  # chunks a load did not copy (gone, failed, wrong size)
         "load_failed_tasks",  # load tasks that did not load every chunk

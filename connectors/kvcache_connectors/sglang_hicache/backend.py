@@ -135,6 +135,7 @@ class KVCacheHiCacheStorage(HiCacheStorage):
             shm=self.config.shm,
             bulk=self.config.bulk,
             token=self.config.token,
+            presence_index=self.config.presence_index,
         )
 
     # -- set-up (the controller's thread, before any data call) ------------------------------------

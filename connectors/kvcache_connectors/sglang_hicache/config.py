@@ -50,6 +50,8 @@ class HiCacheBackendConfig:
             costs one timeout per cooldown, not one per page batch.
         shm: Same-host transfers through the server's block arena and shared memory (docs/arena.md).
         bulk: Remote transfers over the server's bulk port (docs/bulk.md).
+        presence_index: batch_exists reads the server's presence index where it shares one
+            (same host; docs/presence.md), without an RPC; false asks the server every time.
         token: API token; None reads KVCACHE_TOKEN.
         model_revision: The checkpoint revision, part of the namespace ("" when unknown).
         namespace_extra: More facts that make KV incompatible (a fine-tune, a quantization recipe),
@@ -70,6 +72,7 @@ class HiCacheBackendConfig:
     breaker_cooldown_s: float = 5.0
     shm: bool = True
     bulk: bool = True
+    presence_index: bool = True
     token: str | None = field(default=None, repr=False)
     model_revision: str = ""
     namespace_extra: Mapping[str, str] = field(default_factory=dict)
@@ -86,7 +89,7 @@ class HiCacheBackendConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
-        for name in ("shm", "bulk", "interface_v1"):
+        for name in ("shm", "bulk", "presence_index", "interface_v1"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.token is not None and not isinstance(self.token, str):

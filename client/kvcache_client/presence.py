@@ -1,0 +1,215 @@
+"""The client's side of the presence index: Lookups of blocks the server's RAM holds, without an RPC.
+
+A server that shares its block arena with this process (same host, same user, its tenant: the trust
+rules of docs/arena.md) also names, in its Info answer, its presence index for the caller's tenant:
+a read-only file of fingerprints of the (namespace, key)s its RAM tier indexes (layout:
+kvcache_core.presence; docs/presence.md). KVCacheClient.lookup and AsyncKVCacheClient.lookup
+(kvcache_client.calls, written once) read it first: the longest prefix of the keys whose
+fingerprints it holds; when that is every key, or the first absent key is certainly absent (no
+tier below RAM, its bucket never overflowed), the answer needs no RPC (tiers "ram"); otherwise one
+Lookup RPC for the keys from the first absent one on, combined with the prefix.
+
+The index is a hint, as a Lookup answer always is: a key evicted right after it was read is a miss
+of the Get that follows, never wrong bytes (blocks are verified under their key). What is not
+trusted at all (the lookup then goes by RPC): an index not mapped (another host or user, an older
+server, `presence_index=False`, `shm=False`), one whose header does not name the instance id Info
+named or whose server closed it (stopped) or no longer holds its lock (killed; a restarted server
+has a new index, which the next Info maps: asked at most once a second while the old one is stale).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import mmap
+import os
+import stat
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import xxhash
+
+from kvcache_core.presence import (
+    BUCKET_SLOTS,
+    FLAG_CLOSED,
+    FLAG_LOWER_TIERS,
+    HEADER_BYTES,
+    MAGIC,
+    VERSION,
+    W_BUCKETS,
+    W_FLAGS,
+    W_INSTANCE,
+    W_MAGIC,
+    W_SEED,
+    W_VERSION,
+    table_bytes,
+)
+
+log = logging.getLogger(__name__)
+
+REFRESH_INTERVAL_S = 1.0
+"""A stale index (its server gone) is looked for again in Info at most this often."""
+
+_SCALAR_KEYS = 4
+"""Up to this many keys are looked up one by one; more go through numpy at once."""
+
+
+@dataclass(slots=True)
+class PresenceCounters:
+    """How this client's lookups were answered (a plain object: read, never reset).
+
+    Attributes:
+        local: answered from the index alone, without an RPC.
+        partial: a prefix from the index, one RPC for the keys after it.
+        rpc: by RPC only (the index off or in doubt: the first key absent with lower tiers, an
+            overflowed bucket, a stale or unmapped index).
+    """
+
+    local: int = 0
+    partial: int = 0
+    rpc: int = 0
+
+
+class PresenceLink:
+    """This client's mapping of its tenant's presence index, and the counters. Thread-safe.
+
+    States: "unknown" until the first Info, then "on", "stale" (its server stopped or restarted:
+    the next Info maps the new one) or "off".
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.state = "unknown" if enabled else "off"
+        self.reason = "" if enabled else "disabled by the client"
+        self.path = ""
+        self.counters = PresenceCounters()
+        self._instance = 0
+        self._fd = -1
+        self._words: memoryview | None = None  # the file as uint64 words (header, buckets)
+        self._table: np.ndarray | None = None  # the buckets, (n, 8) uint64
+        self._overflow: np.ndarray | None = None  # n x uint8
+        self._mask = 0
+        self._seed = 0
+        self._stale_since = 0.0
+        self._lock = threading.Lock()
+
+    @property
+    def wants_info(self) -> bool:
+        """Whether an Info answer would help: never asked yet, or stale for REFRESH_INTERVAL_S."""
+        if self.state == "unknown":
+            return True
+        return self.state == "stale" and time.monotonic() - self._stale_since >= REFRESH_INTERVAL_S
+
+    def configure(self, path: str, instance_id: int) -> None:
+        """Takes the server's Info answer: maps the index it names, if it is this process's to map."""
+        with self._lock:
+            if self.state == "off":
+                return
+            if path == self.path and instance_id == self._instance and self.state == "on":
+                return
+            self._unmap()
+            if not path:
+                self._set("off", "the server names no presence index (not sharing its arena with this client)")
+                return
+            self._map(path, instance_id)
+
+    def _set(self, state: str, reason: str) -> None:
+        if state != self.state:
+            log.debug("presence index %s: %s", state, reason)
+        self.state, self.reason = state, reason
+
+    def _map(self, path: str, instance_id: int) -> None:
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as exc:
+            self._set("off", f"cannot open the presence index {path} ({exc.strerror}): another host or user")
+            return
+        try:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid() or st.st_size < HEADER_BYTES:
+                raise ValueError(f"{path} is not a presence index of this user")
+            mapped = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            words = memoryview(mapped).cast("Q")
+            buckets = words[W_BUCKETS]
+            if (
+                words[W_MAGIC] != MAGIC
+                or words[W_VERSION] != VERSION
+                or words[W_INSTANCE] != instance_id
+                or not buckets
+                or buckets & (buckets - 1)
+                or st.st_size < table_bytes(buckets)
+            ):
+                raise ValueError(f"{path} is not the presence index of server instance {instance_id}")
+        except (OSError, ValueError) as exc:
+            os.close(fd)
+            self._set("off", str(exc))
+            return
+        self._fd, self._words, self.path, self._instance = fd, words, path, instance_id
+        self._table = np.frombuffer(mapped, np.uint64, buckets * BUCKET_SLOTS, HEADER_BYTES).reshape(buckets, -1)
+        self._overflow = np.frombuffer(mapped, np.uint8, buckets, HEADER_BYTES + buckets * BUCKET_SLOTS * 8)
+        self._mask, self._seed = buckets - 1, words[W_SEED]
+        self._set("on", "")
+
+    def _unmap(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd, self._words, self._table, self._overflow, self.path = -1, None, None, None, ""
+
+    def _trusted(self) -> bool:
+        """The header names the instance Info named, is not closed, and its server holds its lock."""
+        words = self._words
+        if words is None:
+            return False
+        if words[W_FLAGS] & FLAG_CLOSED or words[W_INSTANCE] != self._instance:
+            return self._stale("the server closed its presence index")
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True  # the server holds its exclusive lock: it lives
+        except OSError:
+            return self._stale("cannot check the presence index's lock")
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return self._stale("the server of the presence index is gone")
+
+    def _stale(self, reason: str) -> bool:
+        with self._lock:
+            self._unmap()
+            self._set("stale", reason)
+            self._stale_since = time.monotonic()
+        return False
+
+    def prefix(self, namespace: str, keys: Sequence[bytes]) -> tuple[int, bool] | None:
+        """The longest prefix of `keys` the index holds, and whether that is the whole answer (every
+        key, or the first absent one certainly in no tier); None when the index is not to be trusted.
+
+        Args:
+            namespace: the namespace as the client names it (the index is its tenant's own).
+            keys: the keys, in order.
+        """
+        if self.state != "on" or not self._trusted():
+            return None
+        table, overflow, words = self._table, self._overflow, self._words
+        if table is None or overflow is None or words is None:  # unmapped by another thread meanwhile
+            return None
+        ns, seed, mask = namespace.encode() + b"\x00", self._seed, self._mask
+        n = len(keys)
+        if n <= _SCALAR_KEYS:
+            found, absent = n, 0
+            for i, key in enumerate(keys):
+                fp = xxhash.xxh3_64_intdigest(ns + key, seed=seed) or 1
+                base = HEADER_BYTES // 8 + (fp & mask) * BUCKET_SLOTS
+                if fp not in words[base : base + BUCKET_SLOTS].tolist():
+                    found, absent = i, fp & mask
+                    break
+        else:
+            fps = np.fromiter((xxhash.xxh3_64_intdigest(ns + k, seed=seed) or 1 for k in keys), np.uint64, n)
+            buckets = fps & np.uint64(mask)
+            hit = (table[buckets] == fps[:, None]).any(axis=1)
+            found = n if hit.all() else int(hit.argmin())
+            absent = int(buckets[found]) if found < n else 0
+        if found == n:
+            return n, True
+        certain = not words[W_FLAGS] & FLAG_LOWER_TIERS and not overflow[absent]
+        return found, certain

@@ -1,0 +1,165 @@
+"""The writer of a tenant's presence index: which (namespace, key)s the RAM tier indexes, in shared memory.
+
+Same-host clients to whom the server shares its block arena map their own tenant's table read-only
+and answer Lookups of blocks RAM holds without an RPC (docs/presence.md; the layout is
+kvcache_core.presence's). The RAM tier calls add() and remove() under its lock on every index change
+(an entry indexed, evicted, deleted or replaced), so the table holds exactly the fingerprints of the
+entries the tier indexes, with three exceptions a reader knows how to treat:
+
+- a full bucket: the fingerprint is kept here (`_spilled`) and the bucket's overflow flag set, so a
+  reader takes "not in this bucket" as unknown and asks the server; a removal from the bucket moves a
+  spilled fingerprint into the freed slot (the slot first, then the flag cleared once none is left);
+- two keys of one fingerprint (2^-64 per pair): counted (`_counts`), stored once, removed with the last;
+- a 64-bit fingerprint that another key shares: a false "present" for that key, a hint that a Get
+  then answers as a miss (never wrong bytes: blocks are verified under their own key).
+
+Every store into the table is one aligned 8-byte store (a memoryview cast to "Q": CPython packs one
+unsigned long long), the fingerprint before the overflow flag changes, so a reader racing a change
+sees the table before or after it. The file is created 0600, made 0400 at once (as the arena: the
+server's descriptor stays writable, every other open is read-only) and flock'd while the server
+lives: a reader that can take the lock knows the server is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import mmap
+import os
+import secrets
+
+from kvcache_core.presence import (
+    BUCKET_SLOTS,
+    FLAG_CLOSED,
+    FLAG_LOWER_TIERS,
+    HEADER_BYTES,
+    MAGIC,
+    PRESENCE_PREFIX,
+    VERSION,
+    W_BUCKETS,
+    W_COUNT,
+    W_FLAGS,
+    W_INSTANCE,
+    W_MAGIC,
+    W_SEED,
+    W_VERSION,
+    buckets_for,
+    fingerprint,
+    table_bytes,
+)
+
+DEFAULT_BLOCK_BYTES = 64 << 10
+"""ram.presence_block_bytes: the block size a table is sized for (smaller blocks fill buckets sooner)."""
+
+
+class PresenceTable:
+    """One tenant's presence table in a file of the shared-memory directory. Not thread-safe: the RAM
+    tier's lock guards every call.
+
+    Attributes:
+        path: the file a client of this tenant maps.
+        buckets: buckets in the table (a power of two).
+        nbytes: bytes of the file.
+    """
+
+    def __init__(self, directory: str, blocks: int, *, instance_id: int, lower_tiers: bool) -> None:
+        """Creates the file, sized for `blocks` fingerprints (kvcache_core.presence.buckets_for).
+
+        Raises:
+            OSError: the file cannot be created or its space reserved (a full tmpfs).
+        """
+        self.buckets = buckets_for(blocks)
+        self.nbytes = table_bytes(self.buckets)
+        self._seed = secrets.randbits(64)
+        self._counts: dict[int, int] = {}
+        self._spilled: dict[int, set[int]] = {}
+        path = os.path.join(directory, PRESENCE_PREFIX + secrets.token_hex(16))
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this server lives
+            os.fchmod(fd, 0o400)
+            os.posix_fallocate(fd, 0, self.nbytes)
+            self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        self._fd, self.path = fd, path
+        self._words = memoryview(self._map).cast("Q")
+        self._slots = HEADER_BYTES // 8  # the word index of bucket 0's first slot
+        self._overflow = HEADER_BYTES + self.buckets * BUCKET_SLOTS * 8  # byte offset of the flags
+        w = self._words
+        w[W_VERSION], w[W_INSTANCE], w[W_BUCKETS], w[W_SEED] = VERSION, instance_id, self.buckets, self._seed
+        w[W_FLAGS] = FLAG_LOWER_TIERS if lower_tiers else 0
+        w[W_MAGIC] = MAGIC  # last: a reader that sees it sees the rest of the header
+
+    def set_lower_tiers(self, lower_tiers: bool) -> None:
+        """Whether a key absent from RAM may be stored below it (readers then ask the server)."""
+        flags = self._words[W_FLAGS]
+        self._words[W_FLAGS] = flags | FLAG_LOWER_TIERS if lower_tiers else flags & ~FLAG_LOWER_TIERS
+
+    def _fp(self, namespace: str, key: bytes) -> int:
+        """The fingerprint under the namespace as the client names it: the table is its tenant's own, so
+        the server's tenant scope ("tenant:ns" with auth; namespaces never hold ":") is dropped."""
+        _, scoped, name = namespace.partition(":")
+        return fingerprint(self._seed, (name if scoped else namespace).encode(), key)
+
+    def add(self, namespace: str, key: bytes) -> None:
+        """(namespace, key) is indexed now."""
+        fp = self._fp(namespace, key)
+        n = self._counts.get(fp, 0)
+        self._counts[fp] = n + 1
+        if n:
+            return
+        w = self._words
+        bucket = fp & (self.buckets - 1)
+        base = self._slots + bucket * BUCKET_SLOTS
+        for i in range(base, base + BUCKET_SLOTS):
+            if w[i] == 0:
+                w[i] = fp
+                w[W_COUNT] += 1
+                return
+        self._spilled.setdefault(bucket, set()).add(fp)
+        self._map[self._overflow + bucket] = 1
+
+    def remove(self, namespace: str, key: bytes) -> None:
+        """(namespace, key) left the index (evicted, deleted, replaced)."""
+        fp = self._fp(namespace, key)
+        n = self._counts.get(fp, 0)
+        if n > 1:
+            self._counts[fp] = n - 1
+            return
+        if n == 0:
+            return
+        del self._counts[fp]
+        bucket = fp & (self.buckets - 1)
+        spilled = self._spilled.get(bucket)
+        if spilled is not None and fp in spilled:
+            spilled.discard(fp)
+        else:
+            w = self._words
+            base = self._slots + bucket * BUCKET_SLOTS
+            for i in range(base, base + BUCKET_SLOTS):
+                if w[i] == fp:
+                    if spilled:
+                        w[i] = spilled.pop()  # the freed slot takes a spilled one: still flagged meanwhile
+                    else:
+                        w[i] = 0
+                        w[W_COUNT] -= 1
+                    break
+        if spilled is not None and not spilled:
+            del self._spilled[bucket]
+            self._map[self._overflow + bucket] = 0  # every fingerprint of the bucket is in it again
+
+    def close(self) -> None:
+        """Marks the table closed (readers stop trusting it at once), removes the file and unmaps it."""
+        if self._fd < 0:
+            return
+        self._words[W_FLAGS] = self._words[W_FLAGS] | FLAG_CLOSED
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self._fd)
+        self._fd = -1
+        self._words.release()
+        with contextlib.suppress(BufferError):
+            self._map.close()
