@@ -96,22 +96,7 @@ class Region:
         self._closed = False
         if directory is not None:
             remove_dead_arenas(directory)
-            name = ARENA_PREFIX + secrets.token_hex(16)
-            path = os.path.join(directory, name)
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this server lives
-                # Read-only from now on for every other opener (this descriptor stays writable):
-                # clients map it to read leased blocks, and an open for writing fails (EACCES).
-                os.fchmod(fd, 0o400)
-                # Every page allocated now: a full tmpfs is an error here, never a SIGBUS later.
-                os.posix_fallocate(fd, 0, self.size)
-                self._map = mmap.mmap(fd, self.size, flags=mmap.MAP_SHARED)
-            except BaseException:
-                os.close(fd)
-                os.unlink(path)
-                raise
-            self._fd, self.path = fd, path
+            self._fd, self.path, self._map = create_shared_file(directory, ARENA_PREFIX, self.size)
         else:
             # A memfd is not charged against the kernel's overcommit limit when mapped (its pages are
             # allocated as they are touched: a cap the machine cannot hold would SIGBUS later), an
@@ -374,6 +359,25 @@ class Reservation:
     buffer: memoryview
     expires: float
     _slot: Slot = field(repr=False)
+
+
+def create_shared_file(directory: str, prefix: str, size: int) -> tuple[int, str, mmap.mmap]:
+    """A new file `prefix` + 32 random hex digits in `directory`, `size` bytes, mapped shared:
+    (its descriptor, its path, the mapping). flock'd while the descriptor lives (a client tells a
+    live server's file from a dead one's by the lock), mode 0400 for every other opener (clients map
+    it read-only; an open for writing fails with EACCES), every page allocated now (a full tmpfs is
+    an OSError here, never a SIGBUS later). On an error nothing is left behind."""
+    path = os.path.join(directory, prefix + secrets.token_hex(16))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this server lives
+        os.fchmod(fd, 0o400)  # this descriptor stays writable
+        os.posix_fallocate(fd, 0, size)
+        return fd, path, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
 
 
 _ID_KEY = secrets.token_bytes(32)

@@ -23,8 +23,6 @@ lives: a reader that can take the lock knows the server is gone.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import mmap
 import os
 import secrets
 
@@ -47,6 +45,7 @@ from kvcache_core.presence import (
     fingerprint,
     table_bytes,
 )
+from kvcache_server.arena import create_shared_file
 
 DEFAULT_BLOCK_BYTES = 64 << 10
 """ram.presence_block_bytes: the block size a table is sized for (smaller blocks fill buckets sooner)."""
@@ -73,18 +72,7 @@ class PresenceTable:
         self._seed = secrets.randbits(64)
         self._counts: dict[int, int] = {}
         self._spilled: dict[int, set[int]] = {}
-        path = os.path.join(directory, PRESENCE_PREFIX + secrets.token_hex(16))
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this server lives
-            os.fchmod(fd, 0o400)
-            os.posix_fallocate(fd, 0, self.nbytes)
-            self._map = mmap.mmap(fd, self.nbytes, flags=mmap.MAP_SHARED)
-        except BaseException:
-            os.close(fd)
-            os.unlink(path)
-            raise
-        self._fd, self.path = fd, path
+        self._fd, self.path, self._map = create_shared_file(directory, PRESENCE_PREFIX, self.nbytes)
         self._words = memoryview(self._map).cast("Q")
         self._slots = HEADER_BYTES // 8  # the word index of bucket 0's first slot
         self._overflow = HEADER_BYTES + self.buckets * BUCKET_SLOTS * 8  # byte offset of the flags
