@@ -73,6 +73,24 @@ class PresenceCounters:
     rpc: int = 0
 
 
+KEY_BYTES = 16
+MAX_NAMESPACE_BYTES = 128  # the server's rule (kvcache_server/service.py)
+
+
+def well_formed(namespace: str, keys: Sequence[bytes], max_keys: int) -> bool:
+    """Whether the server would take this Lookup: a namespace of 1..128 printable ASCII characters
+    without spaces or ':', 16-byte keys, at most its max_keys_per_request of them (when known).
+    Anything else is asked of the server, so that bad input gets its INVALID_ARGUMENT, never a
+    local answer."""
+    if max_keys and len(keys) > max_keys:
+        return False
+    if not (0 < len(namespace) <= MAX_NAMESPACE_BYTES and namespace.isascii() and namespace.isprintable()):
+        return False
+    if " " in namespace or ":" in namespace:
+        return False
+    return all(type(k) is bytes and len(k) == KEY_BYTES for k in keys)
+
+
 class PresenceLink:
     """This client's mapping of its tenant's presence index, and the counters. Thread-safe.
 
@@ -94,6 +112,7 @@ class PresenceLink:
         self._seed = 0
         self._stale_since = 0.0
         self._lock = threading.Lock()
+        self.max_keys = 0  # the server's max_keys_per_request (0: not known yet)
 
     @property
     def wants_info(self) -> bool:
@@ -102,8 +121,9 @@ class PresenceLink:
             return True
         return self.state == "stale" and time.monotonic() - self._stale_since >= REFRESH_INTERVAL_S
 
-    def configure(self, path: str, instance_id: int) -> None:
+    def configure(self, path: str, instance_id: int, max_keys_per_request: int = 0) -> None:
         """Takes the server's Info answer: maps the index it names, if it is this process's to map."""
+        self.max_keys = max_keys_per_request
         with self._lock:
             if self.state == "off":
                 return
@@ -188,8 +208,8 @@ class PresenceLink:
             namespace: the namespace as the client names it (the index is its tenant's own).
             keys: the keys, in order.
         """
-        if self.state != "on" or not self._trusted():
-            return None
+        if self.state != "on" or not well_formed(namespace, keys, self.max_keys) or not self._trusted():
+            return None  # a request the server would refuse goes to it, for its precise error
         table, overflow, words = self._table, self._overflow, self._words
         if table is None or overflow is None or words is None:  # unmapped by another thread meanwhile
             return None

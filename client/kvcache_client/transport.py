@@ -141,7 +141,7 @@ class _Channel:
         else:
             self.shm.handoff_from(info.shm_socket, info.server_uid, self._md)  # another Unix user's path
             self.arena.configure(info.arena_path, info.arena_bytes, info.max_keys_per_request, info.max_block_bytes)
-            self.presence.configure(info.presence_path, info.instance_id)
+            self.presence.configure(info.presence_path, info.instance_id, info.max_keys_per_request)
         self._info_done = True
 
 
