@@ -11,11 +11,13 @@ each "put" or "get" took; "quit" ends it.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Sequence
 
 GiB = 1 << 30
 
@@ -46,6 +48,38 @@ def store(http: int, rpc: int, segment: int, buffer: int):
     return s
 
 
+@contextlib.contextmanager
+def cluster(segment: int, master_flags: Sequence[str] = ()) -> Iterator[tuple[int, int]]:
+    """Brings `lo` up, starts mooncake_master and a storage process contributing `segment` bytes;
+    yields the master's (http metadata port, rpc port) for clients, and stops both after."""
+    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+    http, rpc, metrics = free_port(), free_port(), free_port()
+    master_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
+    master = subprocess.Popen(
+        [master_bin, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
+         "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
+         "--metrics_host=127.0.0.1", f"--metrics_port={metrics}", *master_flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    storage = None
+    try:
+        wait_port(rpc)
+        wait_port(http)
+        storage = subprocess.Popen(
+            [sys.executable, __file__, "--storage", str(http), str(rpc), str(segment)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+        )  # fmt: skip
+        if storage.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+            raise RuntimeError("the storage process did not start")
+        yield http, rpc
+    finally:
+        if storage is not None:
+            storage.stdin.close()  # type: ignore[union-attr]
+            storage.wait(30)
+        master.terminate()
+        master.wait(30)
+
+
 def main() -> None:
     os.environ["MC_TCP_BIND_ADDRESS"] = "127.0.0.1"
     if sys.argv[1] == "--storage":
@@ -56,26 +90,7 @@ def main() -> None:
         return
     chunks, chunk_mib = int(sys.argv[1]), int(sys.argv[2])
     n = chunk_mib << 20
-    subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    http, rpc, metrics = free_port(), free_port(), free_port()
-    master_bin = os.path.join(os.path.dirname(sys.executable), "mooncake_master")
-    master = subprocess.Popen(
-        [master_bin, "--rpc_address=127.0.0.1", f"--rpc_port={rpc}", "--enable_http_metadata_server=true",
-         "--http_metadata_server_host=127.0.0.1", f"--http_metadata_server_port={http}",
-         "--metrics_host=127.0.0.1", f"--metrics_port={metrics}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    storage = None
-    try:
-        wait_port(rpc)
-        wait_port(http)
-        segment = max(4 * GiB, 40 * chunks * n)
-        storage = subprocess.Popen(
-            [sys.executable, __file__, "--storage", str(http), str(rpc), str(segment)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-        )  # fmt: skip
-        if storage.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
-            raise RuntimeError("the storage process did not start")
+    with cluster(max(4 * GiB, 40 * chunks * n)) as (http, rpc):
         client = store(http, rpc, 0, 2 * chunks * n + (64 << 20))
         values = [os.urandom(n) for _ in range(chunks)]
         round_ = 0
@@ -98,12 +113,6 @@ def main() -> None:
                     raise RuntimeError("get_batch missed")
             print(time.perf_counter() - t0, flush=True)
         client.close()
-    finally:
-        if storage is not None:
-            storage.stdin.close()  # type: ignore[union-attr]
-            storage.wait(30)
-        master.terminate()
-        master.wait(30)
 
 
 if __name__ == "__main__":
