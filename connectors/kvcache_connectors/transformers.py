@@ -44,6 +44,9 @@ the model's own prefill.
 Limits: batch size 1; full-attention (`DynamicLayer`) and sliding-window (`DynamicSlidingWindowLayer`)
 layers only. Linear-attention or recurrent-state layers, quantized, offloaded and static caches are
 refused with ValueError rather than stored in a form nobody can read.
+
+Just past the project's ~500-line module guideline: the connector, its stats and the tensor <-> chunk
+conversions of one cache layout are read together (save and load are each other's inverse).
 """
 
 from __future__ import annotations
