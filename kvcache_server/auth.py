@@ -60,7 +60,8 @@ class Right(enum.StrEnum):
 RATE_FREE_METHODS = frozenset({"Info"})
 """Not charged to the tenant's request rate: the SDK asks Info once per connection (and once more
 after a server restart) to learn the shm directory, the arena and its presence index (docs/presence.md),
-so a tenant's budget stays its own calls'; Info is a constant answer and already outside admission."""
+so a tenant's budget stays its own calls'. Info still has a bucket of its own per tenant, at the same
+rate, so that a flood of Info calls is bounded too."""
 
 METHOD_RIGHTS: Mapping[str, Right] = {
     "Lookup": Right.READ,
@@ -229,6 +230,7 @@ class Authenticator:
     def __init__(self, store: TokenStore) -> None:
         self.store = store
         self._limiter = RateLimiter(store)
+        self._info_limiter = RateLimiter(store)  # RATE_FREE_METHODS: a bucket of their own
 
     def check(self, method: str, metadata: Mapping[str, str]) -> Principal:
         """The caller's principal for `method`.
@@ -249,7 +251,8 @@ class Authenticator:
             raise AuthError(
                 "PERMISSION_DENIED", f"token {principal.name!r} lacks the {needed.value!r} right for {method}"
             )
-        if method not in RATE_FREE_METHODS and not self._limiter.allow(principal.tenant):
+        limiter = self._info_limiter if method in RATE_FREE_METHODS else self._limiter
+        if not limiter.allow(principal.tenant):
             rate = self.store.limits(principal.tenant).requests_per_s
             raise AuthError("RESOURCE_EXHAUSTED", f"tenant {principal.tenant!r} exceeds its rate limit ({rate:g}/s)")
         return principal

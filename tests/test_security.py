@@ -191,6 +191,26 @@ def test_rate_limit_answers_resource_exhausted(secured: ServerThread) -> None:
             other.lookup("n", keys)
 
 
+def test_info_has_a_rate_bucket_of_its_own(secured: ServerThread) -> None:
+    """Info is not charged to a tenant's calls (the SDK asks it to map the presence index), but a
+    flood of Info calls is bounded all the same, per tenant, at the tenant's rate."""
+    channel = grpc.insecure_channel(secured.target)
+    stub = pb_grpc.KVCacheStub(channel)
+    md = (("authorization", f"Bearer {TOKENS['slow']}"),)
+    codes = []
+    for _ in range(20):
+        try:
+            stub.Info(pb.InfoRequest(), metadata=md, timeout=5)
+            codes.append(grpc.StatusCode.OK)
+        except grpc.RpcError as exc:
+            codes.append(exc.code())
+    channel.close()
+    assert codes[:5] == [grpc.StatusCode.OK] * 5  # the burst
+    assert grpc.StatusCode.RESOURCE_EXHAUSTED in codes
+    with KVCacheClient(secured.target, token=TOKENS["slow"]) as client:  # the calls' own bucket is whole
+        client.lookup("n", [os.urandom(16)])
+
+
 def test_tenants_never_meet_in_any_tier(
     make_server, tmp_path: Path, redis_server: RedisProcess, s3_server: S3Process
 ) -> None:
