@@ -55,6 +55,10 @@ class FrameType(enum.IntEnum):
     GET = 0x20  # client -> server: namespace, flags, keys
     GET_ITEM = 0x21  # server -> client: one found block
     GET_DONE = 0x22  # server -> client: the GET is complete
+    LEASE = 0x30  # client -> server, same host: namespace, flags, keys, lease ids to end first
+    LEASED = 0x31  # server -> client: the arena, and each key's slot under a read lease
+    RELEASE = 0x32  # client -> server: lease ids to end
+    RELEASED = 0x33  # server -> client: how many of them were live
 
 
 class FrameError(Exception):
@@ -205,6 +209,90 @@ def parse_get(payload: bytes) -> tuple[str, bool, list[bytes]]:
     )
 
 
+_ID = struct.Struct("<Q")
+_LEASED = struct.Struct("<dH")  # expires_in_s, arena path length; then the path, a count, the slots
+SLOT = struct.Struct("<QQQ")  # lease id, offset, length (all 0: a miss)
+MAX_IDS = 65536
+"""Lease ids one LEASE or RELEASE frame may name (as LeaseRelease over gRPC)."""
+
+
+def _ids(ids: Sequence[int]) -> bytes:
+    return _COUNT.pack(len(ids)) + struct.pack(f"<{len(ids)}Q", *ids)
+
+
+def _read_ids(payload: bytes, at: int, what: str) -> list[int]:
+    if len(payload) < at + _COUNT.size:
+        raise FrameError(f"{what} frame too short")
+    (count,) = _COUNT.unpack_from(payload, at)
+    at += _COUNT.size
+    if count > MAX_IDS:
+        raise FrameError(f"{what} frame names {count} lease ids, more than {MAX_IDS}")
+    if len(payload) != at + count * _ID.size:
+        raise FrameError(f"{what} frame announces {count} lease ids but its length disagrees")
+    return list(struct.unpack_from(f"<{count}Q", payload, at))
+
+
+def lease(namespace: str, keys: Sequence[bytes], prefix_only: bool, releases: Sequence[int] = ()) -> bytes:
+    """A LEASE payload: a GET's, then the ids of leases to end before these are granted."""
+    return get(namespace, keys, prefix_only) + _ids(releases)
+
+
+def parse_lease(payload: bytes) -> tuple[str, bool, list[bytes], list[int]]:
+    """(namespace, prefix_only, keys, lease ids to end). Raises FrameError when malformed."""
+    namespace, at = _read_namespace(payload, "LEASE")
+    if len(payload) < at + _GET_FLAGS.size + _COUNT.size:
+        raise FrameError("LEASE frame too short")
+    (count,) = _COUNT.unpack_from(payload, at + 1)
+    end = at + _GET_FLAGS.size + _COUNT.size + count * KEY_BYTES
+    if len(payload) < end:
+        raise FrameError(f"LEASE frame announces {count} keys but is shorter")
+    _, prefix_only, keys = parse_get(payload[:end])
+    return namespace, prefix_only, keys, _read_ids(payload, end, "LEASE")
+
+
+def leased(expires_in_s: float, arena_path: str, slots: Sequence[tuple[int, int, int]]) -> bytes:
+    raw = arena_path.encode("utf-8")
+    flat = [x for slot in slots for x in slot]
+    return _LEASED.pack(expires_in_s, len(raw)) + raw + _COUNT.pack(len(slots)) + struct.pack(f"<{len(flat)}Q", *flat)
+
+
+def parse_leased(payload: bytes) -> tuple[float, str, list[tuple[int, int, int]]]:
+    """(expires_in_s, arena path, (id, offset, length) per key). Raises FrameError when malformed."""
+    if len(payload) < _LEASED.size:
+        raise FrameError("LEASED frame too short")
+    expires_in_s, n = _LEASED.unpack_from(payload)
+    at = _LEASED.size + n
+    if len(payload) < at + _COUNT.size:
+        raise FrameError("LEASED frame too short")
+    (count,) = _COUNT.unpack_from(payload, at)
+    at += _COUNT.size
+    if len(payload) != at + count * SLOT.size:
+        raise FrameError(f"LEASED frame announces {count} slots but its length disagrees")
+    try:
+        path = payload[_LEASED.size : _LEASED.size + n].decode("utf-8")
+    except UnicodeDecodeError:
+        raise FrameError("LEASED arena path is not UTF-8") from None
+    return expires_in_s, path, [SLOT.unpack_from(payload, at + i * SLOT.size) for i in range(count)]
+
+
+def release(ids: Sequence[int]) -> bytes:
+    return _ids(ids)
+
+
+def parse_release(payload: bytes) -> list[int]:
+    return _read_ids(payload, 0, "RELEASE")
+
+
+def released(n: int) -> bytes:
+    return _COUNT.pack(n)
+
+
+def parse_released(payload: bytes) -> int:
+    if len(payload) != _COUNT.size:
+        raise FrameError("RELEASED frame has the wrong length")
+    return _COUNT.unpack(payload)[0]
+
+
 _TIER = struct.Struct("<B3xIIIII")  # tier kind, 3 reserved, stored, queued, dropped, failed, deleted
 
 
@@ -244,8 +332,9 @@ def parse_get_done(payload: bytes) -> int:
 
 
 def control_limit(max_keys: int) -> int:
-    """The largest PUT or GET frame a request of `max_keys` keys needs (namespace up to 64 KiB)."""
-    return _NS.size + 0xFFFF + _GET_FLAGS.size + _COUNT.size + max_keys * _PUT_ENTRY.size
+    """The largest PUT, GET or LEASE frame a request of `max_keys` keys needs (namespace up to 64
+    KiB; a LEASE's lease ids to end, MAX_IDS at most)."""
+    return _NS.size + 0xFFFF + _GET_FLAGS.size + _COUNT.size + max_keys * _PUT_ENTRY.size + _COUNT.size + MAX_IDS * 8
 
 
 # -- socket I/O --------------------------------------------------------------------------------

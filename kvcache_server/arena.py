@@ -131,8 +131,12 @@ class Region:
             now = time.monotonic()
             if offset + length < self.size and now - last >= PREFAULT_PROGRESS_INTERVAL_S:
                 last = now
-                log.info("arena: faulting in %d MiB: %d%% after %.1fs", self.size >> 20,
-                         100 * (offset + length) // self.size, now - start)
+                log.info(
+                    "arena: faulting in %d MiB: %d%% after %.1fs",
+                    self.size >> 20,
+                    100 * (offset + length) // self.size,
+                    now - start,
+                )
         log.info("arena: faulted in %d MiB in %.2fs (%s)", self.size >> 20, time.monotonic() - start, how)
         return how
 

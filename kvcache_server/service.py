@@ -116,7 +116,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             "shm_bytes_received": self._counters.shm_bytes_received,
             "shm_bytes_sent": self._counters.shm_bytes_sent,
             "inplace_bytes_received": self.inplace_bytes_received,
-            "inplace_bytes_leased": self.inplace_bytes_leased,
+            "inplace_bytes_leased": self._bytes_leased(),
             "inflight_bytes": self.budget.used,
             "inflight_peak_bytes": self.budget.peak,
             "inflight_refused": self.budget.refused,
@@ -342,13 +342,18 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             cut_off_calls=self.cut_off,
             **self._bulk_stats(),
             inplace_bytes_received=self.inplace_bytes_received,
-            inplace_bytes_leased=self.inplace_bytes_leased,
+            inplace_bytes_leased=self._bytes_leased(),
             arena_leases=arena["leases"],
             arena_reservations=arena["reservations"],
             arena_leases_expired=arena["leases_expired"],
             arena_reservations_reclaimed=arena["reservations_reclaimed"],
             **self._retention_prefetch_stats(),
         )
+
+    def _bytes_leased(self) -> int:
+        """Blocks read in place: under LeaseGet's leases and the bulk port's LEASE frames'."""
+        bulk = self.bulk.counters.get("bytes_leased") if self.bulk is not None else 0
+        return self.inplace_bytes_leased + bulk
 
     def _bulk_stats(self) -> dict[str, int]:
         if self.bulk is None:

@@ -37,11 +37,14 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 
 import grpc
 
 from kvcache_client import inplace_core as core
 from kvcache_client.bufpool import BufferPool
+from kvcache_client.bulkconn import BulkConnection, BulkPool, BulkUnreachable
+from kvcache_client.errors import DeadlineExceeded, RPCError
 from kvcache_client.inplace_core import ArenaMoved, DeadlineBeforeAnswer, LeaseBook, Leased
 from kvcache_client.results import Fetched
 from kvcache_client.steps import run
@@ -217,6 +220,10 @@ class InPlaceCalls:
         self._fetch = fetch
         self.buffers = buffers  # where get copies leased blocks out to
         self.book = LeaseBook()
+        # The bulk port's pool where LEASE and RELEASE go (kvcache_client.bulk.BulkTransport sets
+        # it): one socket round trip each, not a gRPC call (about 1 ms in Python); None: gRPC.
+        self.bulk: Callable[[float], BulkPool | None] | None = None
+        self.bulk_down: Callable[[str], None] = lambda reason: None
 
     @property
     def handed_back(self) -> int:
@@ -238,6 +245,16 @@ class InPlaceCalls:
     # -- inplace_core.InPlaceIO, blocking ------------------------------------------------------------
 
     def lease_get(self, request: pb.LeaseGetRequest, deadline: float) -> pb.LeaseGetResponse:
+        pool = self.bulk(core.left(deadline)) if self.bulk is not None else None
+        if pool is not None:
+            try:
+                return self._lease_over_bulk(pool, request, deadline)
+            except BulkUnreachable as exc:
+                self.bulk_down(str(exc))
+            except DeadlineExceeded:
+                raise DeadlineBeforeAnswer("LEASE") from None
+            except RPCError as exc:  # refused (the arena, rights, a rate): gRPC's answer says it as always
+                log.debug("bulk LEASE refused (%s): asking LeaseGet", exc)
         future = self._stub.LeaseGet.future(request, timeout=core.pinning_timeout_s(deadline), metadata=self._md)
         taken = False
         try:
@@ -249,6 +266,48 @@ class InPlaceCalls:
         finally:
             if not taken:  # the deadline, KeyboardInterrupt and the like: the answer may still come
                 self.book.abandon(future, self._hand_back_later)
+
+    def _lease_over_bulk(self, pool: BulkPool, request: pb.LeaseGetRequest, deadline: float) -> pb.LeaseGetResponse:
+        """LeaseGet as a LEASE frame. A caller that stops waiting for the answer (its deadline, an
+        interrupt) hands the connection to a thread of its own, which reads the answer when it
+        comes (CLEANUP_S at most), ends what it leased, and closes the connection."""
+
+        def leased(conn: BulkConnection) -> tuple[float, str, list[tuple[int, int, int]]]:
+            conn.send_lease(request.namespace, list(request.keys), request.prefix_only, deadline)
+            try:
+                return conn.read_leased(deadline)
+            except BulkUnreachable:
+                raise
+            except BaseException:
+                conn.handed_off = True
+                self._rescue(pool, conn)
+                raise
+
+        expires_in_s, path, slots = pool.run(leased, deadline)
+        return pb.LeaseGetResponse(
+            leases=[pb.ArenaSlot(id=i, offset=o, length=n) for i, o, n in slots],
+            expires_in_s=expires_in_s,
+            arena_path=path,
+        )
+
+    def _rescue(self, pool: BulkPool, conn: BulkConnection) -> None:
+        done: Future[None] = Future()
+        self.book.keep(done)
+
+        def settle() -> None:
+            try:
+                _, _, slots = conn.read_leased(time.monotonic() + core.CLEANUP_S)
+                ids = sorted({i for i, _, n in slots if n})
+                if ids:
+                    self.book.count_handed_back()
+                    conn.release(ids, time.monotonic() + core.CLEANUP_S)
+            except BaseException as exc:  # any failure: the leases expire on the server
+                log.debug("a LEASE nobody waits for: %s (its leases expire on the server)", exc)
+            finally:
+                conn.close()  # not back to the pool: the caller's BulkPool.run may still look at it
+                done.set_result(None)
+
+        threading.Thread(target=settle, name="kvcache-lease-settle", daemon=True).start()
 
     def _hand_back_later(self, ids: list[int]) -> None:
         """Runs in a gRPC thread once an abandoned LeaseGet ended: must not wait on another call."""
@@ -270,6 +329,18 @@ class InPlaceCalls:
         run(core.releasing(ids), self)
 
     def send_release(self, request: pb.LeaseReleaseRequest) -> pb.LeaseReleaseResponse:
+        pool = self.bulk(core.CLEANUP_S) if self.bulk is not None else None
+        if pool is not None:
+            # A RELEASE frame, answered: sent whole, it ends the leases even if its caller stops
+            # waiting (the connection is then closed; the server reads what was sent first).
+            deadline = time.monotonic() + core.CLEANUP_S
+            try:
+                ids = list(request.leases)
+                return pb.LeaseReleaseResponse(released=pool.run(lambda conn: conn.release(ids, deadline), deadline))
+            except BulkUnreachable as exc:
+                self.bulk_down(str(exc))
+            except RPCError as exc:
+                log.debug("bulk RELEASE refused (%s): asking LeaseRelease", exc)
         # A call of its own, kept by the book: a caller interrupted while it waits (KeyboardInterrupt)
         # stops waiting, not the release (the asyncio face shields its release task alike).
         future = self._stub.LeaseRelease.future(request, timeout=core.CLEANUP_S, metadata=self._md)

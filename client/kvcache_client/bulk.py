@@ -18,6 +18,7 @@ answers (ERROR frames) arrive as the SDK's typed exceptions, as on gRPC.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import ssl
 import threading
@@ -78,6 +79,8 @@ def client_tls_context(tls: TLSConfig) -> ssl.SSLContext:
     return context
 
 
+log = logging.getLogger(__name__)
+
 _SHM_ON = "the same-host shared-memory path is on"
 
 
@@ -116,6 +119,8 @@ class BulkLink:
         self.retry_after_s = retry_after_s
         self._retry_at = 0.0
         self.pool: BulkPool | None = None
+        self.lease_pool: BulkPool | None = None
+        """Same host (shared memory on): where LEASE and RELEASE go (InPlaceCalls.bulk); None: gRPC."""
         self._lock = threading.Lock()
 
     @property
@@ -129,24 +134,22 @@ class BulkLink:
         with self._lock:
             if not self.needs_info:
                 return
-            if self.pool is not None:
-                self.pool.close()
-                self.pool = None
+            for pool in (self.pool, self.lease_pool):
+                if pool is not None:
+                    pool.close()
+            self.pool = self.lease_pool = None
             if info is None or not info.bulk_port:
                 self._off("the server has no bulk port")
                 return
             if self._target is None:
                 self._off("the gRPC target is not host:port")
                 return
-            if shm_on:
-                self._off(_SHM_ON)  # reconsidered once shared memory turns off (reconsider)
-                return
             if info.bulk_tls != (self._tls is not None):  # never a token in clear from a TLS client
                 self._off(f"the bulk port is {'TLS' if info.bulk_tls else 'plaintext'}, this client is not")
                 return
             host = info.bulk_host or self._target[0]
             tls = self._tls
-            self.pool = BulkPool(
+            pool = BulkPool(
                 (host, info.bulk_port),
                 token=self._token,
                 tls=client_tls_context(tls) if tls is not None else None,
@@ -154,6 +157,11 @@ class BulkLink:
                 connections=self.connections,
                 counters=self.counters,
             )
+            if shm_on:  # blocks move through shared memory; the port carries the in-place reads' leases
+                self.lease_pool = pool
+                self._off(_SHM_ON)  # reconsidered once shared memory turns off (reconsider)
+                return
+            self.pool = pool
             self.state, self.reason = "on", ""
 
     def _off(self, reason: str) -> None:
@@ -217,9 +225,19 @@ class BulkLink:
 
     def close(self) -> None:
         with self._lock:
-            if self.pool is not None:
-                self.pool.close()
-                self.pool = None
+            for pool in (self.pool, self.lease_pool):
+                if pool is not None:
+                    pool.close()
+            self.pool = self.lease_pool = None
+
+    def lease_down(self, reason: str) -> None:
+        """The bulk port failed a LEASE or RELEASE: gRPC's LeaseGet until Info is asked again."""
+        with self._lock:
+            if self.lease_pool is not None:
+                self.lease_pool.close()
+                self.lease_pool = None
+            self.counters.fallbacks += 1
+            log.info("in-place leases over gRPC from now on: %s", reason)
 
 
 def _put_result(done: list[bw.PutDone]) -> PutResult:
@@ -249,6 +267,14 @@ class BulkTransport:
         self.shm = grpc_transport.shm
         self.arena = grpc_transport.arena  # same host: the server's block arena (docs/arena.md)
         self.presence = grpc_transport.presence  # same host: Lookups without an RPC (docs/presence.md)
+        inplace = grpc_transport._inplace
+        inplace.bulk, inplace.bulk_down = self._lease_pool, link.lease_down
+
+    def _lease_pool(self, timeout_s: float) -> BulkPool | None:
+        """Where the in-place reads' leases go: the bulk port, when the server has one (Info)."""
+        if self.link.needs_info:
+            self.link.configure(self.inner.info(timeout_s), self.inner.shm.on)
+        return self.link.lease_pool
 
     def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
         self.link.reconsider(self.inner.shm.on)

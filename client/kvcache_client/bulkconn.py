@@ -50,6 +50,10 @@ class BulkCounters:
             setattr(self, name, getattr(self, name) + n)
 
 
+_READ_AHEAD = 256 * 1024
+"""Bytes one receive may take ahead of the frame being read (per connection)."""
+
+
 class BulkConnection:
     """One bulk connection, after HELLO/READY. Not thread-safe: the pool lends it to one call."""
 
@@ -57,6 +61,12 @@ class BulkConnection:
         self.sock = sock
         self.ready = ready
         self._header = bytearray(bw.HEADER_BYTES)
+        # Read-ahead: small frames (headers, small blocks) come out of one recv of many; a block
+        # larger than half of it is received straight into its own buffer (bar what was read ahead).
+        self._ahead = bytearray(_READ_AHEAD)
+        self._ahead_view = memoryview(self._ahead)
+        self._start = self._end = 0
+        self.handed_off = False  # taken over mid-request, for good: BulkPool.run neither closes nor keeps it
 
     @classmethod
     def open(
@@ -112,13 +122,35 @@ class BulkConnection:
             raise BulkUnreachable(f"bulk send failed: {exc}") from None
 
     def recv(self, view: memoryview, what: str, deadline: float) -> None:
-        self.sock.settimeout(_remaining(deadline))
+        """Fills `view`: first from what was read ahead, then from the socket (into the read-ahead
+        buffer and copied, for less than half of it; straight into `view` otherwise)."""
+        n = len(view)
+        have = self._end - self._start
+        if have:
+            k = min(have, n)
+            view[:k] = self._ahead_view[self._start : self._start + k]
+            self._start += k
+            if k == n:
+                return
+            view, n = view[k:], n - k
+        self._start = self._end = 0
         try:
-            bw.recv_exact(self.sock, view, what)
+            if n * 2 > len(self._ahead):
+                self.sock.settimeout(_remaining(deadline))
+                bw.recv_exact(self.sock, view, what)
+                return
+            while self._end < n:
+                self.sock.settimeout(_remaining(deadline))
+                got = self.sock.recv_into(self._ahead_view[self._end :])
+                if got == 0:
+                    raise bw.PeerClosed(f"connection closed after {self._end} of {n} bytes of {what}")
+                self._end += got
         except TimeoutError:
             raise _deadline(f"receiving {what}") from None
         except OSError as exc:  # PeerClosed included
             raise BulkUnreachable(f"bulk receive failed: {exc}") from None
+        view[:] = self._ahead_view[:n]
+        self._start = n
 
     def read_header(self, deadline: float) -> tuple[bw.FrameType, int]:
         self.recv(memoryview(self._header), "a frame header", deadline)
@@ -133,9 +165,9 @@ class BulkConnection:
             raise error_for(_status(code), message)
         return kind, length
 
-    def read_control(self, deadline: float) -> tuple[bw.FrameType, bytes]:
+    def read_control(self, deadline: float, limit: int = 1 << 20) -> tuple[bw.FrameType, bytes]:
         kind, length = self.read_header(deadline)
-        if length > 1 << 20:
+        if length > limit:
             raise BulkUnreachable(f"bulk {kind.name} frame of {length} bytes is not a control frame")
         payload = bytearray(length)
         self.recv(memoryview(payload), f"a {kind.name} frame", deadline)
@@ -156,6 +188,34 @@ class BulkConnection:
             raise BulkUnreachable(f"bulk server answered PUT with {kind.name}")
         try:
             return bw.parse_put_done(reply)
+        except bw.FrameError as exc:
+            raise BulkUnreachable(str(exc)) from None
+
+    def send_lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, deadline: float) -> None:
+        """Sends a LEASE; its answer is read_leased's."""
+        payload = bw.lease(namespace, keys, prefix_only)
+        self.send([bw.header(bw.FrameType.LEASE, len(payload)), payload], deadline)
+
+    def read_leased(self, deadline: float) -> tuple[float, str, list[tuple[int, int, int]]]:
+        """A LEASE's answer: (expires_in_s, arena path, (lease id, offset, length) per key, all 0 for a miss)."""
+        limit = (1 << 16) + bw.SLOT.size * max(1, self.ready.max_keys_per_request)
+        kind, reply = self.read_control(deadline, max(1 << 20, limit))
+        if kind is not bw.FrameType.LEASED:
+            raise BulkUnreachable(f"bulk server answered LEASE with {kind.name}")
+        try:
+            return bw.parse_leased(reply)
+        except bw.FrameError as exc:
+            raise BulkUnreachable(str(exc)) from None
+
+    def release(self, ids: Sequence[int], deadline: float) -> int:
+        """Ends leases (RELEASE, then its answer): how many were live."""
+        payload = bw.release(ids)
+        self.send([bw.header(bw.FrameType.RELEASE, len(payload)), payload], deadline)
+        kind, reply = self.read_control(deadline)
+        if kind is not bw.FrameType.RELEASED:
+            raise BulkUnreachable(f"bulk server answered RELEASE with {kind.name}")
+        try:
+            return bw.parse_released(reply)
         except bw.FrameError as exc:
             raise BulkUnreachable(str(exc)) from None
 
@@ -256,16 +316,21 @@ class BulkPool:
                     continue
                 raise
             except BaseException:
-                conn.close()
+                if not conn.handed_off:  # else `op` gave it to whoever ends its request
+                    conn.close()
                 raise
-            with self._lock:
-                keep = not self._closed and len(self._idle) < self.connections
-                if keep:
-                    self._idle.append(conn)
-            if not keep:  # more callers at once than `connections`: the extra ones are not kept
-                conn.close()
+            self.keep(conn)
             return result
         raise AssertionError("unreachable")
+
+    def keep(self, conn: BulkConnection) -> None:
+        """Takes back a connection that is between requests (closed if the pool is full or closed)."""
+        with self._lock:
+            keep = not self._closed and len(self._idle) < self.connections
+            if keep:
+                self._idle.append(conn)
+        if not keep:  # more callers at once than `connections`: the extra ones are not kept
+            conn.close()
 
     def parallel(self, ops: list[Callable[[BulkConnection], T]], deadline: float) -> list[T]:
         """Runs each op on its own connection, at once; raises the first failure (after all ended)."""

@@ -249,6 +249,11 @@ class LeaseBook:
 
         call.add_done_callback(settle)
 
+    def count_handed_back(self) -> None:
+        """One more answer nobody waited for whose leases are being handed back."""
+        with self._lock:
+            self.handed_back += 1
+
     def wait_idle(self, timeout_s: float) -> bool:
         """Blocks until nothing is pending (the blocking face's close), at most `timeout_s`; whether it got there."""
         with self._idle:

@@ -124,6 +124,7 @@ class BulkListener:
             counters=self.counters,
             admission=self.admission,
             block_sizes=self._block_sizes,
+            lease_timeout_s=self._config.ram.lease_timeout_s,
         )
         self._accept_thread = threading.Thread(
             target=self._accept_forever, args=(shared,), name="kvcache-bulk-accept", daemon=True

@@ -41,6 +41,7 @@ from kvcache_server.auth import Authenticator, AuthError, Principal
 from kvcache_server.budget import Holding, MemoryBudget
 from kvcache_server.config import BulkSection, LimitsSection
 from kvcache_server.pipeline.get import BlockSizes, locate_window
+from kvcache_server.pipeline.inplace import leading_leases, releasing_tenant
 from kvcache_server.refusal import Refused
 from kvcache_server.stack import Found, TierStack
 from kvcache_server.tiers.base import TierKind
@@ -55,6 +56,8 @@ T = TypeVar("T")
 
 MAX_NAMESPACE_BYTES = 128  # as the gRPC service (kvcache_server.service)
 _MAX_WINDOW_KEYS = 1024
+_BATCH_FRAMES = 128  # GET_ITEM frames per send: two buffers each, within sendmsg's IOV_MAX of 512
+_BATCH_BYTES = 1 << 20
 _LOOP_CALL_S = 120.0
 """Longest wait, beyond limits.admission_wait_s, for the event loop's part of a request (budget, stack
 put or get): a backstop only; the budget waits at most admission_wait_s, the tiers have their own timeouts."""
@@ -74,6 +77,8 @@ class BulkCounters:
         "connections",
         "puts",
         "gets",
+        "leases",  # LEASE frames answered (same-host in-place reads)
+        "bytes_leased",  # the blocks they leased (a key named twice once)
         "bytes_received",
         "bytes_sent",
         "errors",
@@ -119,6 +124,32 @@ class Shared:
     counters: BulkCounters
     admission: ConnectionAdmission[threading.Thread]
     block_sizes: BlockSizes
+    lease_timeout_s: float = 30.0  # ram.lease_timeout_s: how long a LEASE's leases last
+
+
+class _Batch:
+    """GET_ITEM frames waiting for one send: at most _BATCH_FRAMES blocks or _BATCH_BYTES of them."""
+
+    __slots__ = ("block_bytes", "buffers", "frames")
+
+    def __init__(self) -> None:
+        self.buffers: list[bytes | memoryview] = []
+        self.block_bytes = 0
+        self.frames = 0
+
+    def add(self, index: int, hit: Found) -> None:
+        n = len(hit.data)
+        head = bw.header(bw.FrameType.GET_ITEM, bw.GET_ITEM.size + n) + bw.GET_ITEM.pack(index, int(hit.tier))
+        self.buffers += (head, hit.data)
+        self.block_bytes += n
+        self.frames += 1
+
+    def full(self) -> bool:
+        return self.frames >= _BATCH_FRAMES or self.block_bytes >= _BATCH_BYTES
+
+    def clear(self) -> None:
+        self.buffers = []
+        self.block_bytes = self.frames = 0
 
 
 class Session:
@@ -245,6 +276,10 @@ class Session:
                     self._put(length, deadline)
                 elif kind is bw.FrameType.GET:
                     self._get(length, deadline)
+                elif kind is bw.FrameType.LEASE:
+                    self._lease(length, deadline)
+                elif kind is bw.FrameType.RELEASE:
+                    self._release_leases(length, deadline)
                 else:
                     raise bw.FrameError(f"unexpected {kind.name} frame where a request must start")
         except Refused as exc:
@@ -407,6 +442,51 @@ class Session:
         namespace, prefix_only, keys = bw.parse_get(self._control(bw.FrameType.GET, length, deadline))
         self._authorize("Get")
         scoped = self._namespace(namespace)
+        self._check_keys(keys)
+        held = self._s.budget.holding(self.tenant, capped=True)
+        sent, on_loop = 0, False
+        done_sent = False
+        try:
+            start = 0
+            while start < len(keys):
+                end = min(len(keys), start + _MAX_WINDOW_KEYS)
+                quick = self._s.stack.get_all_from_ram(scoped, keys[start:end])  # RAM hits: no loop hop
+                if quick is not None:
+                    found = quick
+                else:
+                    on_loop = True
+                    end, found = self._on_loop(self._window(held, scoped, keys, start))
+                try:
+                    batch = _Batch()
+                    for i, hit in enumerate(found, start):
+                        if hit is None:
+                            if prefix_only:
+                                end = len(keys)
+                                break
+                            continue
+                        batch.add(i, hit)
+                        sent += 1
+                        if batch.full():
+                            self._send_batch(batch, deadline)
+                    if end >= len(keys):  # the last window: GET_DONE goes out with its blocks
+                        payload = bw.get_done(sent)
+                        batch.buffers += (bw.header(bw.FrameType.GET_DONE, len(payload)), payload)
+                        done_sent = True
+                    self._send_batch(batch, deadline)
+                finally:
+                    # RAM hits are views of arena slots under read leases: sent (or failed), they
+                    # are handed back at once, so their slots can be evicted and reused again.
+                    self._s.stack.release(found)
+                start = end
+        finally:
+            if on_loop:  # only the loop's windows reserve (a wake-up of the loop otherwise wasted)
+                self._release(held)
+        self._s.counters.add("gets")
+        if not done_sent:
+            payload = bw.get_done(sent)
+            deadline.send(self.sock, [bw.header(bw.FrameType.GET_DONE, len(payload)), payload])
+
+    def _check_keys(self, keys: list[bytes]) -> None:
         limits = self._s.limits
         if not keys:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "keys must not be empty")
@@ -415,37 +495,48 @@ class Session:
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"{len(keys)} keys exceed max_keys_per_request={limits.max_keys_per_request}",
             )
-        held = self._s.budget.holding(self.tenant, capped=True)
-        sent = 0
-        try:
-            start = 0
-            while start < len(keys):
-                end, found = self._on_loop(self._window(held, scoped, keys, start))
-                try:
-                    for i, hit in enumerate(found, start):
-                        if hit is None:
-                            if prefix_only:
-                                end = len(keys)
-                                break
-                            continue
-                        self._send_block(i, hit, deadline)
-                        sent += 1
-                finally:
-                    # RAM hits are views of arena slots under read leases: sent (or failed), they
-                    # are handed back at once, so their slots can be evicted and reused again.
-                    self._s.stack.release(found)
-                start = end
-        finally:
-            self._release(held)
-        self._s.counters.add("gets")
-        payload = bw.get_done(sent)
-        deadline.send(self.sock, [bw.header(bw.FrameType.GET_DONE, len(payload)), payload])
 
-    def _send_block(self, index: int, hit: Found, deadline: Deadline) -> None:
-        n = len(hit.data)
-        head = bw.header(bw.FrameType.GET_ITEM, bw.GET_ITEM.size + n) + bw.GET_ITEM.pack(index, int(hit.tier))
-        deadline.send(self.sock, [head, hit.data])
-        self._s.counters.add("bytes_sent", n)
+    # -- LEASE and RELEASE: the in-place reads of a same-host client, one round trip each ----------
+
+    def _lease(self, length: int, deadline: Deadline) -> None:
+        """LeaseGet over this connection (pipeline.inplace has the rules): ends the leases it names
+        first (the client's releases ride on its next request), then leases the keys RAM holds.
+        Entirely in this thread (the RAM tier's lock), never a hop to the event loop."""
+        namespace, prefix_only, keys, ends = bw.parse_lease(self._control(bw.FrameType.LEASE, length, deadline))
+        self._authorize("LeaseGet")
+        scoped = self._namespace(namespace)
+        self._check_keys(keys)
+        ram = self._s.stack.ram
+        if not ram.region.path:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "this server's block arena is not shared (Info.arena_path is empty); use GET",
+            )
+        if ends:
+            ram.release(ends, releasing_tenant(self._principal))
+        leases = self._s.stack.lease(scoped, keys, self._s.lease_timeout_s)
+        if prefix_only:
+            leases = leading_leases(ram, leases)
+        slots = [(lease.id, lease.offset, lease.length) if lease else (0, 0, 0) for lease in leases]
+        payload = bw.leased(self._s.lease_timeout_s, ram.region.path, slots)
+        self._s.counters.add("leases")
+        self._s.counters.add("bytes_leased", sum({lease.id: lease.length for lease in leases if lease}.values()))
+        deadline.send(self.sock, [bw.header(bw.FrameType.LEASED, len(payload)), payload])
+
+    def _release_leases(self, length: int, deadline: Deadline) -> None:
+        ids = bw.parse_release(self._control(bw.FrameType.RELEASE, length, deadline))
+        self._authorize("LeaseRelease")
+        released = self._s.stack.ram.release(ids, releasing_tenant(self._principal)) if ids else 0
+        payload = bw.released(released)
+        deadline.send(self.sock, [bw.header(bw.FrameType.RELEASED, len(payload)), payload])
+
+    def _send_batch(self, batch: _Batch, deadline: Deadline) -> None:
+        """One sendmsg for many blocks' frames (small blocks: one system call and one wake-up of the
+        client for many, not one each)."""
+        if batch.buffers:
+            deadline.send(self.sock, batch.buffers)
+            self._s.counters.add("bytes_sent", batch.block_bytes)
+        batch.clear()
 
     async def _window(
         self, held: Holding, namespace: str, keys: list[bytes], start: int

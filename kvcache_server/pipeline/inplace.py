@@ -23,16 +23,32 @@ from typing import TYPE_CHECKING, NoReturn
 import grpc
 
 from kvcache_proto import kvcache_pb2 as pb
-from kvcache_server.auth import current_principal
+from kvcache_server.auth import Principal, current_principal
 from kvcache_server.pipeline.verify import BlockRefused
 from kvcache_server.tiers.ram import tenant_of
 
 if TYPE_CHECKING:
     from kvcache_server.config import LimitsSection
     from kvcache_server.stack import TierStack
+    from kvcache_server.tiers.ram import Lease, RamTier
 
 MAX_RELEASES = 65536
-"""Lease ids one LeaseRelease may name."""
+"""Lease ids one LeaseRelease may name (and one bulk LEASE or RELEASE frame: bulkwire.MAX_IDS)."""
+
+
+def leading_leases(ram: RamTier, leases: list[Lease | None]) -> list[Lease | None]:
+    """A prefix_only answer: the leases through the first miss (which answers as a miss); the
+    leases after it are ended (a key named twice shares one lease: only those no answered
+    position names). Thread-safe (the bulk path's LEASE runs in its session's thread)."""
+    end = next((i for i, lease in enumerate(leases) if lease is None), len(leases))
+    answered = {lease.id for lease in leases[: end + 1] if lease is not None}
+    ram.release(list({lease.id for lease in leases[end:] if lease is not None} - answered))
+    return leases[: end + 1]
+
+
+def releasing_tenant(principal: Principal | None) -> str | None:
+    """Whose leases a caller may end: its tenant's only, with auth; anyone's without."""
+    return tenant_of(f"{principal.tenant}:") if principal is not None else None
 
 
 class InPlaceRPCs:
@@ -90,11 +106,7 @@ class InPlaceRPCs:
         ram = self._stack.ram
         leases = self._stack.lease(namespace, keys, self.lease_timeout_s)
         if request.prefix_only:
-            end = next((i for i, lease in enumerate(leases) if lease is None), len(leases))
-            # A key named twice shares one lease: release only those no answered position names.
-            answered = {lease.id for lease in leases[: end + 1] if lease is not None}
-            ram.release(list({lease.id for lease in leases[end:] if lease is not None} - answered))
-            leases = leases[: end + 1]
+            leases = leading_leases(ram, leases)
         self.inplace_bytes_leased += sum({lease.id: lease.length for lease in leases if lease is not None}.values())
         return pb.LeaseGetResponse(
             leases=[
@@ -113,6 +125,5 @@ class InPlaceRPCs:
             await self._abort(
                 context, grpc.StatusCode.INVALID_ARGUMENT, f"{len(ids)} lease ids exceed {MAX_RELEASES} per call"
             )
-        principal = current_principal.get()
-        tenant = tenant_of(f"{principal.tenant}:") if principal is not None else None
+        tenant = releasing_tenant(current_principal.get())
         return pb.LeaseReleaseResponse(released=self._stack.ram.release(ids, tenant))

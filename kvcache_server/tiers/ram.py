@@ -433,6 +433,30 @@ class RamTier(Tier):
                 out.append(lease)
         return out
 
+    def lease_all(self, namespace: str, keys: Sequence[bytes], ttl_s: float) -> list[Lease] | None:
+        """One lease per position on every key's block when RAM holds all of them, else None and
+        nothing changed (no lease, no hit or miss counted: the caller reads the lower tiers the
+        usual way, which counts). Uncapped, as lease_many(capped=False): the server's own leases
+        for sending a reply (kvcache_server.bulk.session), released as soon as it is sent.
+        Thread-safe: everything happens under the lock, so no eviction runs between the check
+        and the leases."""
+        with self._lock:
+            now = self._clock()
+            self._reap_locked(now)
+            slots = [self._blocks.get((namespace, key)) for key in keys]
+            if any(slot is None for slot in slots):
+                return None
+            part = self._partition(namespace)
+            out: list[Lease] = []
+            for key, slot in zip(keys, slots, strict=True):
+                assert slot is not None
+                self._stats.hits += 1
+                entry = (namespace, key)
+                part.policy.accessed(entry)
+                self._retention.touched(entry, now)
+                out.append(self._lease_locked(part, namespace, slot, now + ttl_s))
+        return out
+
     def _lease_locked(self, part: _Partition, namespace: str, slot: Slot, expires: float) -> Lease:
         """A new read lease on `slot` (under the lock): pinned until released or expired."""
         self._pin(slot)
