@@ -1,0 +1,224 @@
+"""Same-host in-place reads lease over the bulk port (LEASE / RELEASE frames, docs/bulk.md).
+
+Real servers (in this process, and one child process SIGSTOPped mid-call), the SDK and raw sockets.
+Every assertion is an exact count or exact bytes; the only time bound is a call's own deadline.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+import pytest
+
+from kvcache_client import DeadlineExceeded, KVCacheClient
+from kvcache_core import bulkwire as bw
+from kvcache_core.format import payload_view
+from kvcache_server.auth import token_digest
+from kvcache_server.launcher import ChildServer
+from tests.backends import free_port, wait_for
+from tests.conftest import ServerThread, keyed
+
+pytestmark = pytest.mark.timeout(120)
+
+TOKENS = {"a": "kvc_bulk_lease_tenant_a", "b": "kvc_bulk_lease_tenant_b"}
+
+
+def _blocks(n: int, size: int) -> list[tuple[bytes, bytes]]:
+    return [keyed(os.urandom(size)) for _ in range(n)]
+
+
+class Raw:
+    """A bulk connection made of a plain socket."""
+
+    def __init__(self, port: int, token: str = "") -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.send(bw.FrameType.HELLO, bw.hello(token))
+        kind, _ = self.read()
+        assert kind is bw.FrameType.READY
+
+    def send(self, kind: bw.FrameType, payload: bytes) -> None:
+        self.sock.sendall(bw.header(kind, len(payload)) + payload)
+
+    def read(self) -> tuple[bw.FrameType, bytes]:
+        head = bytearray(bw.HEADER_BYTES)
+        bw.recv_exact(self.sock, memoryview(head), "header")
+        kind, length = bw.parse_header(head, 1 << 30)
+        payload = bytearray(length)
+        bw.recv_exact(self.sock, memoryview(payload), "payload")
+        return kind, bytes(payload)
+
+    def lease(self, keys: list[bytes], prefix_only: bool = False, ends: list[int] | None = None) -> list[tuple]:
+        self.send(bw.FrameType.LEASE, bw.lease("n", keys, prefix_only, ends or []))
+        kind, payload = self.read()
+        assert kind is bw.FrameType.LEASED, (kind, payload)
+        return bw.parse_leased(payload)[2]
+
+    def release(self, ids: list[int]) -> int:
+        self.send(bw.FrameType.RELEASE, bw.release(ids))
+        kind, payload = self.read()
+        assert kind is bw.FrameType.RELEASED, (kind, payload)
+        return bw.parse_released(payload)
+
+    def error(self) -> tuple[grpc.StatusCode, str]:
+        kind, payload = self.read()
+        assert kind is bw.FrameType.ERROR, kind
+        code, message = bw.parse_error(payload)
+        return next(s for s in grpc.StatusCode if s.value[0] == code), message
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def _open_leases(server: ServerThread) -> int:
+    return server.stack.ram.arena_stats()["leases"]
+
+
+def test_same_host_reads_lease_over_the_bulk_port_not_grpc(make_server, tmp_path: Path) -> None:
+    """get_many, get_into and leased() each take one LEASE frame and one RELEASE frame on the bulk
+    port; the bytes are the stored ones; nothing stays leased once each call returned."""
+    server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"dir": str(tmp_path / "shm")})
+    items = _blocks(16, 64 << 10)
+    keys = [k for k, _ in items]
+    total = sum(len(b) for _, b in items)
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        assert client.put_many("n", items).stored == 16
+        assert [bytes(b) for b in client.get_many("n", keys)] == [b for _, b in items]
+        assert _open_leases(server) == 0
+        buffers = [bytearray(64 << 10) for _ in keys]
+        assert client.get_into("n", keys, buffers) == [True] * 16
+        assert [bytes(b) for b in buffers] == [bytes(payload_view(b)) for _, b in items]
+        assert _open_leases(server) == 0
+        with client.leased("n", keys) as views:
+            assert [bytes(v) for v in views] == [b for _, b in items]
+            assert _open_leases(server) == 16
+        assert _open_leases(server) == 0
+        assert server.running.bulk.counters.get("leases") == 3  # one LEASE a call, no LeaseGet
+        assert client.bulk.counters.fallbacks == 0
+        assert client.stats().inplace_bytes_leased == 3 * total
+
+
+def test_a_lease_answer_nobody_waits_for_is_released_not_left_to_expire(tmp_path: Path) -> None:
+    """A server process stopped (SIGSTOP) while a get_into waits for its LEASE answer: the call
+    fails with its deadline; once the server resumes, the answer's leases are released by the
+    SDK (handed_back 1), none is left to expire, and the next get is served in place again."""
+    port, bulk_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvcache_server", "--port", str(port), "--log-level", "warning"]
+    env = {
+        **os.environ,
+        "KVCACHE_BULK_PORT": str(bulk_port),
+        "KVCACHE_SHM_DIR": str(tmp_path / "shm"),
+        "KVCACHE_RAM_CAPACITY_BYTES": str(64 << 20),
+        "KVCACHE_RAM_PREFAULT": "0",
+        "KVCACHE_RAM_LEASE_TIMEOUT_S": "120",
+    }
+    child = ChildServer("kvcache-server", argv, env=env, cwd=str(Path(__file__).resolve().parent.parent))
+    assert child.launch(rf"bulk 127\.0\.0\.1:{bulk_port}\b") is not None
+    try:
+        items = _blocks(8, 32 << 10)
+        keys = [k for k, _ in items]
+        with KVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            assert client.put_many("n", items).stored == 8
+            buffers = [bytearray(32 << 10) for _ in keys]
+            assert client.get_into("n", keys, buffers) == [True] * 8  # warm: Info asked, arena mapped
+            inplace = client._transport.inner._inplace
+            assert inplace.handed_back == 0
+            os.kill(child.proc.pid, signal.SIGSTOP)
+            timer = threading.Timer(0.6, os.kill, (child.proc.pid, signal.SIGCONT))
+            timer.start()
+            try:
+                with pytest.raises(DeadlineExceeded):
+                    client.get_into("n", keys, buffers, timeout_s=0.2)
+            finally:
+                timer.join()
+                os.kill(child.proc.pid, signal.SIGCONT)
+            wait_for(lambda: inplace.handed_back == 1 and not inplace.book.pending, 10, "the late LEASE settled")
+            stats = client.stats()
+            assert (stats.arena_leases, stats.arena_leases_expired) == (0, 0)
+            buffers = [bytearray(32 << 10) for _ in keys]
+            assert client.get_into("n", keys, buffers) == [True] * 8
+            assert [bytes(b) for b in buffers] == [bytes(payload_view(b)) for _, b in items]
+    finally:
+        child.stop()
+
+
+def test_lease_frames_keep_tenants_apart_and_refuse_bad_input(make_server, tmp_path: Path) -> None:
+    """Raw frames, two tenants on one shared arena: B's RELEASE (or a LEASE's ids to end) naming
+    A's leases ends none of them; prefix_only stops at the first miss and keeps no lease past it;
+    a malformed LEASE is INVALID_ARGUMENT and the connection closed; the server goes on."""
+    path = tmp_path / "tokens.toml"
+    path.write_text(
+        "".join(
+            f'[[tokens]]\nname = "{t}"\ntenant = "{t}"\nsha256 = "{token_digest(tok).hex()}"\n'
+            'rights = ["read", "write"]\n'
+            for t, tok in TOKENS.items()
+        )
+    )
+    server = make_server(
+        ram={"capacity_bytes": 64 << 20},
+        shm={"dir": str(tmp_path / "shm"), "share_arena_across_tenants": True},
+        auth={"enabled": True, "tokens_file": str(path)},
+    )
+    items = _blocks(4, 16 << 10)
+    keys = [k for k, _ in items]
+    with KVCacheClient(server.target, token=TOKENS["a"], timeout_s=10) as client:
+        assert client.put_many("n", items).stored == 4
+    bulk_port = server.running.bulk.port
+    a, b = Raw(bulk_port, TOKENS["a"]), Raw(bulk_port, TOKENS["b"])
+    try:
+        slots = a.lease(keys)
+        ids = [i for i, _, _ in slots]
+        assert all(n for _, _, n in slots) and _open_leases(server) == 4
+        assert [n for _, _, n in b.lease(keys)] == [0, 0, 0, 0]  # B's namespace "n" is B's own: misses
+        assert b.release(ids) == 0 and _open_leases(server) == 4
+        assert [n for _, _, n in b.lease(keys, ends=ids)] == [0, 0, 0, 0] and _open_leases(server) == 4
+        missing = os.urandom(16)
+        prefix = a.lease([keys[0], keys[1], missing, keys[2]], prefix_only=True)
+        assert [n > 0 for _, _, n in prefix] == [True, True, False]  # through the first miss, no further
+        assert _open_leases(server) == 6
+        assert a.release(ids + [i for i, _, n in prefix if n]) == 6 and _open_leases(server) == 0
+        a.send(bw.FrameType.LEASE, bw.lease("n", keys, False)[:-3])  # the ids' count cut short
+        code, message = a.error()
+        assert code is grpc.StatusCode.INVALID_ARGUMENT and "LEASE" in message, message
+    finally:
+        a.close()
+        b.close()
+    c = Raw(bulk_port, TOKENS["a"])
+    try:
+        assert [n > 0 for _, _, n in c.lease(keys)] == [True] * 4
+        assert c.release([i for i, _, _ in c.lease(keys)]) == 4
+    finally:
+        c.close()
+    # c's first LEASE was never ended: a lost lease lasts until ram.lease_timeout_s, the connection's close ends none
+    assert _open_leases(server) == 4
+
+
+def test_lease_without_a_shared_arena_is_failed_precondition(make_server, tmp_path: Path) -> None:
+    server = make_server(ram={"capacity_bytes": 16 << 20}, shm={"enabled": False})
+    raw = Raw(server.running.bulk.port)
+    try:
+        raw.send(bw.FrameType.LEASE, bw.lease("n", [os.urandom(16)], False))
+        code, message = raw.error()
+        assert code is grpc.StatusCode.FAILED_PRECONDITION and "not shared" in message
+    finally:
+        raw.close()
+
+
+def test_lease_wire_round_trips_and_refuses_garbage() -> None:
+    keys = [os.urandom(16) for _ in range(3)]
+    assert bw.parse_lease(bw.lease("ns", keys, True, [7, 2**64 - 1])) == ("ns", True, keys, [7, 2**64 - 1])
+    slots = [(1, 0, 10), (0, 0, 0), (3, 4096, 5)]
+    assert bw.parse_leased(bw.leased(30.0, "/dev/shm/x", slots)) == (30.0, "/dev/shm/x", slots)
+    assert bw.parse_release(bw.release([5, 6])) == [5, 6]
+    assert bw.parse_released(bw.released(9)) == 9
+    with pytest.raises(bw.FrameError, match="more than"):
+        bw.parse_release((bw.MAX_IDS + 1).to_bytes(4, "little"))
+    with pytest.raises(bw.FrameError):
+        bw.parse_leased(bw.leased(1.0, "p", slots)[:-1])
+    with pytest.raises(bw.FrameError):
+        bw.parse_lease(bw.lease("ns", keys, False)[:-20])
