@@ -309,6 +309,11 @@ async def _one(face: Face, call: Call, stored: dict[bytes, bytes], rng: random.R
         tally.counts["deadline"] += 1
 
 
+def _hold(lock: threading.Lock, seconds: float) -> None:
+    with lock:
+        time.sleep(seconds)
+
+
 async def _scenario(face: Face, scenario: Scenario, server: ServerThread) -> tuple[Tally, int]:
     rng = random.Random(scenario.name)
     stored = dict(_blocks(KEYS, BLOCK_BYTES))
@@ -317,8 +322,8 @@ async def _scenario(face: Face, scenario: Scenario, server: ServerThread) -> tup
     async with face.leased(sorted(stored), None) as views:  # the path is on: every block in place
         assert all(v is not None for v in views)
     before = face.inplace().book.handed_back
-    if scenario.stall_s:
-        server.loop.call_soon_threadsafe(time.sleep, scenario.stall_s)
+    if scenario.stall_s:  # the RAM tier's lock held: the event loop and the bulk port's LEASEs both wait
+        threading.Thread(target=_hold, args=(server.stack.ram._lock, scenario.stall_s), daemon=True).start()
         await asyncio.sleep(0.05)
     for call in scenario.calls(rng):
         await _one(face, call, stored, rng, tally)
