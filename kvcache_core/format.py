@@ -144,6 +144,11 @@ class BlockHeader:
         ) + struct.pack(f"<{len(self.shape)}Q", *self.shape)
 
 
+_DTYPES: dict[int, DType] = {d.value: d for d in DType}
+_LAYOUTS: dict[int, Layout] = {x.value: x for x in Layout}
+_COMPRESSIONS: dict[int, Compression] = {c.value: c for c in Compression}
+
+
 def _descriptor(dtype: int, layout: int, shape: Sequence[int], raw_len: int) -> bytes:
     return struct.pack(f"<BBBQ{len(shape)}Q", dtype, layout, len(shape), raw_len, *shape)
 
@@ -168,7 +173,7 @@ def compute_checksum(key: bytes, dtype: int, layout: int, shape: Sequence[int], 
 def _check_shape(layout: Layout, shape: Sequence[int]) -> None:
     if len(shape) > MAX_NDIM:
         raise BlockFormatError(f"shape has {len(shape)} dimensions, at most {MAX_NDIM} allowed")
-    if any(d < 0 for d in shape):
+    if shape and min(shape) < 0:
         raise BlockFormatError(f"negative dimension in shape {tuple(shape)}")
     if layout is Layout.CANONICAL and (len(shape) != 5 or shape[1] != 2):
         raise BlockFormatError(
@@ -267,10 +272,9 @@ def parse_header(data: bytes | memoryview) -> BlockHeader:
         raise BlockFormatError("reserved header bytes are not zero")
     if len(data) < header_len:
         raise BlockFormatError(f"block of {len(data)} bytes is shorter than its {header_len}-byte header")
-    try:
-        dt, lay, comp = DType(dtype), Layout(layout), Compression(compression)
-    except ValueError as exc:
-        raise BlockFormatError(f"unknown code in header: {exc}") from None
+    dt, lay, comp = _DTYPES.get(dtype), _LAYOUTS.get(layout), _COMPRESSIONS.get(compression)
+    if dt is None or lay is None or comp is None:  # dicts, not Enum(code): a header per block read
+        raise BlockFormatError(f"unknown code in header: dtype {dtype}, layout {layout}, compression {compression}")
     shape = struct.unpack_from(f"<{ndim}Q", data, FIXED_HEADER_BYTES)
     _check_shape(lay, shape)
     if payload_len != len(data) - header_len:
