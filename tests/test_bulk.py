@@ -204,7 +204,7 @@ def test_auth_same_tokens_and_rights_as_grpc(make_server, tmp_path: Path) -> Non
         assert [bytes(g) for g in reader.get_many("n", [k for k, _ in items])] == [b for _, b in items]
         assert reader.bulk.counters.bulk_bytes_received > 0
     assert stored(server, "t:n", [k for k, _ in items]) == 2  # scoped by the tenant, as on gRPC
-    settled(server, errors=4)  # two HELLOs, and the reader's put striped over two connections
+    settled(server, errors=3)  # two HELLOs, and the reader's put (2 MiB: one connection, not striped)
 
 
 def test_tls_with_the_grpc_certificate(make_server, tmp_path: Path) -> None:
@@ -569,7 +569,7 @@ def test_mtls_needs_a_client_certificate_from_the_ca(make_server, tmp_path: Path
             raw = Raw(server, tls=context)  # TLS 1.3: the refusal may arrive with the first read
             raw.send(bw.FrameType.HELLO, bw.hello(""))
             raw.read()
-    settled(server, aborted=2, puts=2)  # the put striped over two connections
+    settled(server, aborted=2, puts=1)  # the put (2 MiB: one connection, not striped)
 
 
 def test_idle_connections_are_closed_and_the_sdk_replaces_them(make_server) -> None:

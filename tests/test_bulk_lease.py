@@ -222,3 +222,20 @@ def test_lease_wire_round_trips_and_refuses_garbage() -> None:
         bw.parse_leased(bw.leased(1.0, "p", slots)[:-1])
     with pytest.raises(bw.FrameError):
         bw.parse_lease(bw.lease("ns", keys, False)[:-20])
+
+
+def test_small_same_host_puts_go_over_the_bulk_port_large_ones_through_a_segment(make_server, tmp_path: Path) -> None:
+    """Below bulk.SAME_HOST_BULK_PUT_BYTES a same-host put is one bulk PUT (cheaper than a segment
+    and a gRPC Put for small blocks); a larger one still goes through the client's segment."""
+    server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"dir": str(tmp_path / "shm")})
+    small, large = _blocks(20, 16 << 10), _blocks(4, 512 << 10)
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        assert client.put_many("n", small).stored == 20
+        assert server.running.bulk.counters.get("puts") == 1
+        assert client.bulk.counters.bulk_bytes_sent == sum(len(b) for _, b in small)
+        assert client.put_many("n", large).stored == 4
+        assert server.running.bulk.counters.get("puts") == 1
+        assert client.stats().shm_bytes_received == sum(len(b) for _, b in large)
+        got = client.get_many("n", [k for k, _ in small + large])
+        assert [bytes(g) for g in got] == [b for _, b in small + large]
+        assert _open_leases(server) == 0

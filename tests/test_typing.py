@@ -48,15 +48,33 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     site = Path(
         subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True, timeout=30,
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=30,
         ).stdout.strip()
     )
     # numpy, grpc and protobuf for the checker, from this venv (a .pth dir, as mypy reads them).
     (site / "deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     subprocess.run(
-        [sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-         "--no-build-isolation", "-e", str(ROOT), "--config-settings", "editable_mode=strict"],
-        check=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-e",
+            str(ROOT),
+            "--config-settings",
+            "editable_mode=strict",
+        ],
+        check=True,
+        timeout=300,
+        cwd=ROOT,
     )
     return python
 
@@ -71,9 +89,20 @@ def _script(tmp_path: Path) -> Path:
 def test_mypy_strict_sees_the_public_paths(installed: Path, tmp_path: Path) -> None:
     pytest.importorskip("mypy")
     out = subprocess.run(
-        [sys.executable, "-m", "mypy", "--strict", "--no-incremental", "--python-executable", str(installed),
-         str(_script(tmp_path))],
-        capture_output=True, text=True, timeout=280, cwd=tmp_path,
+        [
+            sys.executable,
+            "-m",
+            "mypy",
+            "--strict",
+            "--no-incremental",
+            "--python-executable",
+            str(installed),
+            str(_script(tmp_path)),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout + out.stderr
 
@@ -87,6 +116,9 @@ def test_pyright_strict_sees_the_public_paths(installed: Path, tmp_path: Path) -
     (tmp_path / "pyrightconfig.json").write_text('{"typeCheckingMode": "strict"}')
     out = subprocess.run(
         [pyright, "--pythonpath", str(installed), str(script)],
-        capture_output=True, text=True, timeout=280, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=280,
+        cwd=tmp_path,
     )
     assert out.returncode == 0, out.stdout + out.stderr

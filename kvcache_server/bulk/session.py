@@ -58,6 +58,8 @@ MAX_NAMESPACE_BYTES = 128  # as the gRPC service (kvcache_server.service)
 _MAX_WINDOW_KEYS = 1024
 _BATCH_FRAMES = 128  # GET_ITEM frames per send: two buffers each, within sendmsg's IOV_MAX of 512
 _BATCH_BYTES = 1 << 20
+_RESERVE_AT_ONCE_BYTES = 4 << 20
+"""A PUT of at most this much reserves its budget and every slot in one trip to the event loop."""
 _LOOP_CALL_S = 120.0
 """Longest wait, beyond limits.admission_wait_s, for the event loop's part of a request (budget, stack
 put or get): a backstop only; the budget waits at most admission_wait_s, the tiers have their own timeouts."""
@@ -394,16 +396,21 @@ class Session:
         slots: list[Slot] = []
         committed: bool | None = False
         sink = self._s.sink
+        sizes = [n for _, n in entries]
         try:
-            self._on_loop(held.reserve(total, "bulk PUT"))  # before a byte of it is allocated
-            for i, (_, n) in enumerate(entries):
+            if total <= _RESERVE_AT_ONCE_BYTES:  # small: budget and every slot in one trip to the loop
+                slots = self._on_loop(self._admit(held, scoped, sizes, total), undo=self._abandon_all)
+            else:  # large: each slot just before its block arrives (memory only for bytes on their way)
+                self._on_loop(held.reserve(total, "bulk PUT"))  # before a byte of it is allocated
+            for i, n in enumerate(sizes):
                 kind, got = self._frame(deadline)
                 if kind is not bw.FrameType.DATA:
                     raise bw.FrameError(f"block {i}: expected a DATA frame, got {kind.name}")
                 if got != n:
                     raise bw.FrameError(f"block {i}: DATA frame of {got} bytes for a block announced as {n} bytes")
-                slot = self._on_loop(sink.reserve(scoped, n), undo=sink.abandon)
-                slots.append(slot)
+                if len(slots) == i:
+                    slots.append(self._on_loop(sink.reserve(scoped, n), undo=sink.abandon))
+                slot = slots[i]
                 deadline.recv_into(self.sock, slot.view, f"block {i}")
                 self._s.counters.add("bytes_received", n)
             for i, ((key, _), slot) in enumerate(zip(entries, slots, strict=True)):
@@ -423,6 +430,14 @@ class Session:
         tiers = tuple((int(t.kind), t.stored, t.queued, t.dropped, t.failed, t.deleted) for t in outcome.tiers)
         payload = bw.put_done(bw.PutDone(stored, len(entries) - stored, total, tiers))
         deadline.send(self.sock, [bw.header(bw.FrameType.PUT_DONE, len(payload)), payload])
+
+    async def _admit(self, held: Holding, namespace: str, sizes: list[int], total: int) -> list[Slot]:
+        await held.reserve(total, "bulk PUT")
+        return await self._s.sink.reserve_many(namespace, sizes)
+
+    def _abandon_all(self, slots: list[Slot]) -> None:
+        for slot in slots:
+            self._s.sink.abandon(slot)
 
     def _verify(self, index: int, key: bytes, view: memoryview) -> None:
         where = f"block {index}"

@@ -48,6 +48,8 @@ class BlockSink(Protocol):
 
     async def reserve(self, namespace: str, nbytes: int) -> Slot: ...
 
+    async def reserve_many(self, namespace: str, sizes: Sequence[int]) -> list[Slot]: ...
+
     def abandon(self, slot: Slot) -> None: ...
 
     async def commit(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome: ...
@@ -75,6 +77,12 @@ class BufferSink:
         with self._lock:
             self.reserved += 1
         return _Buffer(nbytes)
+
+    async def reserve_many(self, namespace: str, sizes: Sequence[int]) -> list[Slot]:
+        """A slot per size, in one call (a small PUT's blocks: one trip to the event loop for all)."""
+        with self._lock:
+            self.reserved += len(sizes)
+        return [_Buffer(n) for n in sizes]
 
     def abandon(self, slot: Slot) -> None:
         with self._lock:
@@ -118,6 +126,15 @@ class ArenaSink(BufferSink):
             self.reserved += 1
             self.in_arena += 1
         return _ArenaSlot(reservation)
+
+    async def reserve_many(self, namespace: str, sizes: Sequence[int]) -> list[Slot]:
+        made = await self._stack.reserve_many(namespace, sizes)
+        if made is None:  # no room for all of them now: buffers, stored by the stack's put
+            return await super().reserve_many(namespace, sizes)
+        with self._lock:
+            self.reserved += len(made)
+            self.in_arena += len(made)
+        return [_ArenaSlot(r) for r in made]
 
     def abandon(self, slot: Slot) -> None:
         if isinstance(slot, _ArenaSlot):
