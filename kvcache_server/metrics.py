@@ -184,6 +184,14 @@ class _StatsCollector(Collector):
         yield CounterMetricFamily(
             "kvcache_bulk_errors", "Bulk requests answered with an ERROR frame", value=service["bulk_errors"]
         )
+        family = CounterMetricFamily(
+            "kvcache_bulk_requests",
+            "Bulk requests answered, by frame: put, get, and a same-host client's lease and release",
+            labels=["kind"],
+        )
+        for kind in ("puts", "gets", "leases", "releases"):
+            family.add_metric([kind[:-1]], service[f"bulk_{kind}"])
+        yield family
         yield CounterMetricFamily(
             "kvcache_bulk_cut_off",
             "Bulk connections cut off by a deadline: bulk.hello_timeout_s, stall_timeout_s, min_rate_bytes_s "

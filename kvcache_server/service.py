@@ -111,7 +111,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
     def counters(self) -> dict[str, int]:
         """Service-level counters, for metrics."""
         return {
-            "failed_requests": self._counters.failed_requests,
+            "failed_requests": self._failed_requests(),
             "put_checksum_failures": self._counters.put_checksum_failures,
             "shm_bytes_received": self._counters.shm_bytes_received,
             "shm_bytes_sent": self._counters.shm_bytes_sent,
@@ -124,6 +124,8 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             **{f"arena_{name}": n for name, n in self._stack.ram.arena_stats().items()},
             **dict.fromkeys(_BULK_STATS, 0),
             **self._bulk_stats(),
+            **dict.fromkeys(("bulk_puts", "bulk_gets", "bulk_leases", "bulk_releases"), 0),
+            **self._bulk_requests(),
             **self._retention_prefetch_stats(),
         }
 
@@ -331,7 +333,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             uptime_s=time.monotonic() - self._started,
             tiers=tiers,
             put_checksum_failures=self._counters.put_checksum_failures,
-            failed_requests=self._counters.failed_requests,
+            failed_requests=self._failed_requests(),
             max_block_bytes=self._limits.max_block_bytes,
             max_keys_per_request=self._limits.max_keys_per_request,
             shm_bytes_received=self._counters.shm_bytes_received,
@@ -350,6 +352,11 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             **self._retention_prefetch_stats(),
         )
 
+    def _failed_requests(self) -> int:
+        """Requests answered with a non-OK status: gRPC calls, and bulk requests answered with an ERROR frame."""
+        bulk = self.bulk.counters.get("errors") if self.bulk is not None else 0
+        return self._counters.failed_requests + bulk
+
     def _bytes_leased(self) -> int:
         """Blocks read in place: under LeaseGet's leases and the bulk port's LEASE frames'."""
         bulk = self.bulk.counters.get("bytes_leased") if self.bulk is not None else 0
@@ -366,6 +373,13 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             "bulk_errors": c["errors"],
             "bulk_cut_off": c["cut_off"],
         }
+
+    def _bulk_requests(self) -> dict[str, int]:
+        """Bulk requests answered, by frame (metrics only: Stats has no fields for them)."""
+        if self.bulk is None:
+            return {}
+        c = self.bulk.counters.snapshot()
+        return {f"bulk_{kind}": c[kind] for kind in ("puts", "gets", "leases", "releases")}
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         principal = current_principal.get()  # the caller's tenant: only its own presence index is named

@@ -45,7 +45,7 @@ from kvcache_client import inplace_core as core
 from kvcache_client.bufpool import BufferPool
 from kvcache_client.bulkconn import BulkConnection, BulkPool, BulkUnreachable
 from kvcache_client.errors import DeadlineExceeded, RPCError
-from kvcache_client.inplace_core import ArenaMoved, DeadlineBeforeAnswer, LeaseBook, Leased
+from kvcache_client.inplace_core import ArenaMoved, BulkRefusal, DeadlineBeforeAnswer, LeaseBook, Leased
 from kvcache_client.results import Fetched
 from kvcache_client.steps import run
 from kvcache_core.format import payload_view
@@ -253,8 +253,8 @@ class InPlaceCalls:
                 self.bulk_down(str(exc))
             except DeadlineExceeded:
                 raise DeadlineBeforeAnswer("LEASE") from None
-            except RPCError as exc:  # refused (the arena, rights, a rate): gRPC's answer says it as always
-                log.debug("bulk LEASE refused (%s): asking LeaseGet", exc)
+            except RPCError as exc:  # refused (the arena, rights, a rate): as LeaseGet's status would be
+                raise BulkRefusal(exc.code, exc.details) from None
         future = self._stub.LeaseGet.future(request, timeout=core.pinning_timeout_s(deadline), metadata=self._md)
         taken = False
         try:
@@ -340,7 +340,7 @@ class InPlaceCalls:
             except BulkUnreachable as exc:
                 self.bulk_down(str(exc))
             except RPCError as exc:
-                log.debug("bulk RELEASE refused (%s): asking LeaseRelease", exc)
+                raise BulkRefusal(exc.code, exc.details) from None
         # A call of its own, kept by the book: a caller interrupted while it waits (KeyboardInterrupt)
         # stops waiting, not the release (the asyncio face shields its release task alike).
         future = self._stub.LeaseRelease.future(request, timeout=core.CLEANUP_S, metadata=self._md)

@@ -87,19 +87,19 @@ class ArenaMoved(Exception):
     """The arena an answer named cannot be used here; the call goes another way."""
 
 
-class DeadlineBeforeAnswer(grpc.RpcError, grpc.Call):  # type: ignore[misc]
-    """DEADLINE_EXCEEDED raised by the SDK itself (both faces): the caller's deadline passed while a
-    call that pins server memory was still answering (what the answer pins is handed back when it comes)."""
+class SDKStatus(grpc.RpcError, grpc.Call):  # type: ignore[misc]
+    """A status the SDK raises as gRPC would have (the steps handle both alike)."""
 
-    def __init__(self, what: str) -> None:
-        super().__init__(f"deadline passed before {what} answered")
-        self._what = what
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code = code
+        self._details = details
 
     def code(self) -> grpc.StatusCode:
-        return grpc.StatusCode.DEADLINE_EXCEEDED
+        return self._code
 
     def details(self) -> str:
-        return f"deadline passed before {self._what} answered (what it pins is handed back when it does)"
+        return self._details
 
     def initial_metadata(self) -> tuple[()]:
         return ()
@@ -118,6 +118,22 @@ class DeadlineBeforeAnswer(grpc.RpcError, grpc.Call):  # type: ignore[misc]
 
     def add_callback(self, callback: object) -> bool:
         return False
+
+
+class DeadlineBeforeAnswer(SDKStatus):
+    """DEADLINE_EXCEEDED raised by the SDK itself (both faces): the caller's deadline passed while a
+    call that pins server memory was still answering (what the answer pins is handed back when it comes)."""
+
+    def __init__(self, what: str) -> None:
+        super().__init__(
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            f"deadline passed before {what} answered (what it pins is handed back when it does)",
+        )
+
+
+class BulkRefusal(SDKStatus):
+    """A LEASE or RELEASE on the bulk port answered with an ERROR frame: the status LeaseGet or
+    LeaseRelease would have answered, raised as theirs (the request is not asked again on gRPC)."""
 
 
 # -- answers and decisions -------------------------------------------------------------------------

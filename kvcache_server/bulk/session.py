@@ -81,6 +81,7 @@ class BulkCounters:
         "gets",
         "leases",  # LEASE frames answered (same-host in-place reads)
         "bytes_leased",  # the blocks they leased (a key named twice once)
+        "releases",  # RELEASE frames answered
         "bytes_received",
         "bytes_sent",
         "errors",
@@ -542,6 +543,7 @@ class Session:
         ids = bw.parse_release(self._control(bw.FrameType.RELEASE, length, deadline))
         self._authorize("LeaseRelease")
         released = self._s.stack.ram.release(ids, releasing_tenant(self._principal)) if ids else 0
+        self._s.counters.add("releases")
         payload = bw.released(released)
         deadline.send(self.sock, [bw.header(bw.FrameType.RELEASED, len(payload)), payload])
 
