@@ -183,11 +183,17 @@ class BulkConnection:
             buffers.append(bw.header(bw.FrameType.DATA, n))
             buffers.extend(data if isinstance(data, tuple) else (data,))  # type: ignore[arg-type]
         self.send(buffers, deadline)
-        kind, reply = self.read_control(deadline)
-        if kind is not bw.FrameType.PUT_DONE:
-            raise BulkUnreachable(f"bulk server answered PUT with {kind.name}")
+        return self._answer(bw.FrameType.PUT_DONE, bw.parse_put_done, "PUT", deadline)
+
+    def _answer(
+        self, kind: bw.FrameType, parse: Callable[[bytes], T], what: str, deadline: float, limit: int = 1 << 20
+    ) -> T:
+        """The request's answer frame, which must be of `kind`, parsed (garbage: BulkUnreachable)."""
+        got, reply = self.read_control(deadline, limit)
+        if got is not kind:
+            raise BulkUnreachable(f"bulk server answered {what} with {got.name}")
         try:
-            return bw.parse_put_done(reply)
+            return parse(reply)
         except bw.FrameError as exc:
             raise BulkUnreachable(str(exc)) from None
 
@@ -198,26 +204,14 @@ class BulkConnection:
 
     def read_leased(self, deadline: float) -> tuple[float, str, list[tuple[int, int, int]]]:
         """A LEASE's answer: (expires_in_s, arena path, (lease id, offset, length) per key, all 0 for a miss)."""
-        limit = (1 << 16) + bw.SLOT.size * max(1, self.ready.max_keys_per_request)
-        kind, reply = self.read_control(deadline, max(1 << 20, limit))
-        if kind is not bw.FrameType.LEASED:
-            raise BulkUnreachable(f"bulk server answered LEASE with {kind.name}")
-        try:
-            return bw.parse_leased(reply)
-        except bw.FrameError as exc:
-            raise BulkUnreachable(str(exc)) from None
+        limit = max(1 << 20, (1 << 16) + bw.SLOT.size * max(1, self.ready.max_keys_per_request))
+        return self._answer(bw.FrameType.LEASED, bw.parse_leased, "LEASE", deadline, limit)
 
     def release(self, ids: Sequence[int], deadline: float) -> int:
         """Ends leases (RELEASE, then its answer): how many were live."""
         payload = bw.release(ids)
         self.send([bw.header(bw.FrameType.RELEASE, len(payload)), payload], deadline)
-        kind, reply = self.read_control(deadline)
-        if kind is not bw.FrameType.RELEASED:
-            raise BulkUnreachable(f"bulk server answered RELEASE with {kind.name}")
-        try:
-            return bw.parse_released(reply)
-        except bw.FrameError as exc:
-            raise BulkUnreachable(str(exc)) from None
+        return self._answer(bw.FrameType.RELEASED, bw.parse_released, "RELEASE", deadline)
 
     def get(
         self,

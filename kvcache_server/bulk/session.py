@@ -1,8 +1,12 @@
-"""One bulk connection, in its own thread: HELLO, then PUT and GET requests until the peer closes.
+"""One bulk connection, in its own thread: HELLO, then PUT, GET, LEASE and RELEASE requests until
+the peer closes. (Over 500 lines: one connection's protocol, each request a method sharing the
+session's deadline, auth and error plumbing; splitting it would pass that state around.)
 
 The thread does the socket work (recv_into into sink slots, sendmsg from stored blocks, checksum
 verification: all release the GIL); everything that belongs to the server's event loop (the
-in-flight MemoryBudget, the tier stack) is called there with run_coroutine_threadsafe.
+in-flight MemoryBudget, the tier stack's lower tiers) is called there with run_coroutine_threadsafe.
+What RAM alone answers (a GET window of RAM hits, LEASE, RELEASE) runs here under the RAM tier's
+lock, without that hop.
 
 Rules (docs/bulk.md): every error is answered with one ERROR frame (a gRPC status code and a
 message), after which the server stops sending, reads and discards what the client still sends
