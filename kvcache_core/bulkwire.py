@@ -59,6 +59,8 @@ class FrameType(enum.IntEnum):
     LEASED = 0x31  # server -> client: the arena, and each key's slot under a read lease
     RELEASE = 0x32  # client -> server: lease ids to end
     RELEASED = 0x33  # server -> client: how many of them were live
+    LOOKUP = 0x40  # client -> server: namespace, the caller's time left, keys
+    LOOKED_UP = 0x41  # server -> client: the stored prefix's length and each of its keys' tier
 
 
 class FrameError(Exception):
@@ -329,6 +331,40 @@ def parse_get_done(payload: bytes) -> int:
     if len(payload) != _GET_DONE.size:
         raise FrameError("GET_DONE frame has the wrong length")
     return _GET_DONE.unpack(payload)[0]
+
+
+_LOOKUP = struct.Struct("<II")  # the caller's time left in ms (0: none given), key count; then the keys
+
+
+def lookup(namespace: str, keys: Sequence[bytes], timeout_ms: int) -> bytes:
+    """A LOOKUP payload; `timeout_ms` bounds how long the server waits for lower tiers (0: its own limits)."""
+    return b"".join([_namespace(namespace), _LOOKUP.pack(min(max(timeout_ms, 0), 0xFFFFFFFF), len(keys)), *keys])
+
+
+def parse_lookup(payload: bytes) -> tuple[str, int, list[bytes]]:
+    """(namespace, timeout_ms, keys). Raises FrameError when malformed."""
+    namespace, at = _read_namespace(payload, "LOOKUP")
+    if len(payload) < at + _LOOKUP.size:
+        raise FrameError("LOOKUP frame too short")
+    timeout_ms, count = _LOOKUP.unpack_from(payload, at)
+    at += _LOOKUP.size
+    if len(payload) != at + count * KEY_BYTES:
+        raise FrameError(f"LOOKUP frame announces {count} keys but its length disagrees")
+    return namespace, timeout_ms, [payload[at + i * KEY_BYTES : at + (i + 1) * KEY_BYTES] for i in range(count)]
+
+
+def looked_up(tiers: Sequence[int]) -> bytes:
+    """A LOOKED_UP payload: the prefix's length, then one tier kind (kvcache.v1.Tier) byte per key of it."""
+    return _COUNT.pack(len(tiers)) + bytes(tiers)
+
+
+def parse_looked_up(payload: bytes) -> list[int]:
+    if len(payload) < _COUNT.size:
+        raise FrameError("LOOKED_UP frame too short")
+    (n,) = _COUNT.unpack_from(payload)
+    if len(payload) != _COUNT.size + n:
+        raise FrameError(f"LOOKED_UP frame announces {n} tiers but its length disagrees")
+    return list(payload[_COUNT.size :])
 
 
 def control_limit(max_keys: int) -> int:

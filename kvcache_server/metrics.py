@@ -186,10 +186,10 @@ class _StatsCollector(Collector):
         )
         family = CounterMetricFamily(
             "kvcache_bulk_requests",
-            "Bulk requests answered, by frame: put, get, and a same-host client's lease and release",
+            "Bulk requests answered, by frame: put, get, lookup, and a same-host client's lease and release",
             labels=["kind"],
         )
-        for kind in ("puts", "gets", "leases", "releases"):
+        for kind in ("puts", "gets", "leases", "releases", "lookups"):
             family.add_metric([kind[:-1]], service[f"bulk_{kind}"])
         yield family
         yield CounterMetricFamily(

@@ -339,6 +339,11 @@ class TierStack:
         self._fence = DeleteFence()
 
     @property
+    def observer(self) -> Observer:
+        """Where the stack's timings go (the service's and the bulk port's Lookups report there too)."""
+        return self._observer
+
+    @property
     def ram(self) -> RamTier:
         return self._ram
 
@@ -645,6 +650,18 @@ class TierStack:
                 break
             prefix.append(kind)
         return prefix
+
+    def lookup_from_ram(self, namespace: str, keys: Sequence[bytes]) -> list[TierKind] | None:
+        """lookup()'s answer when RAM alone decides it (RAM holds every key, or there is no tier below
+        RAM), else None: then call lookup(). Thread-safe, no I/O: a bulk session's thread answers such
+        a Lookup without a hop to the event loop."""
+        start = time.perf_counter()
+        present = self._ram.contains_many_sync(namespace, keys)
+        if self._lower and not all(present):
+            return None
+        self._ram_op("lookup", start)
+        n = next((i for i, p in enumerate(present) if not p), len(keys))
+        return [TierKind.RAM] * n
 
     async def locate(
         self, namespace: str, keys: Sequence[bytes], *, answer_by: float | None = None

@@ -50,9 +50,9 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     keys = [os.urandom(16) for _ in range(5)]
     blocks = [raw_block(k, os.urandom(1000 + i)) for i, k in enumerate(keys)]
     before = scrape(port)
-    # Every call an RPC (the presence index would answer the Lookup on this host without one).
-    with KVCacheClient(server.target, presence_index=False) as client:
-        client.bulk.same_host_put_bytes = 0  # a gRPC Put, not a bulk PUT (counted in kvcache_bulk_requests)
+    # Every call an RPC (the presence index would answer the Lookup on this host without one, and the
+    # bulk port would carry it as a LOOKUP frame, counted in kvcache_bulk_requests: bulk=False).
+    with KVCacheClient(server.target, presence_index=False, bulk=False) as client:
         client.put_many(NS, list(zip(keys, blocks, strict=True)))
         assert client.lookup(NS, [*keys, os.urandom(16), keys[0]]).prefix_length == 5
         got = client.get_many(NS, [*keys, os.urandom(16)])

@@ -35,7 +35,7 @@ class BulkUnreachable(Exception):
 
 @dataclass(slots=True)
 class BulkCounters:
-    """Which path moved this client's block bytes (block bytes only, no framing)."""
+    """Which path moved this client's block bytes (block bytes only, no framing), and its bulk Lookups."""
 
     bulk_bytes_sent: int = 0
     bulk_bytes_received: int = 0
@@ -43,6 +43,7 @@ class BulkCounters:
     grpc_bytes_received: int = 0
     fallbacks: int = 0  # calls that tried the bulk path and went over gRPC
     reconnects: int = 0  # pooled connections found closed and replaced within a call
+    bulk_lookups: int = 0  # Lookups answered over the bulk port (LOOKUP frames)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, n: int) -> None:
@@ -212,6 +213,15 @@ class BulkConnection:
         payload = bw.release(ids)
         self.send([bw.header(bw.FrameType.RELEASE, len(payload)), payload], deadline)
         return self._answer(bw.FrameType.RELEASED, bw.parse_released, "RELEASE", deadline)
+
+    def lookup(self, namespace: str, keys: Sequence[bytes], deadline: float) -> list[int]:
+        """A LOOKUP: the tier kind (kvcache.v1.Tier) of each key of the stored prefix. The time left
+        to `deadline` travels with it: the server waits for lower tiers no longer than its share of it."""
+        timeout_ms = max(1, int(_remaining(deadline) * 1000))
+        payload = bw.lookup(namespace, keys, timeout_ms)
+        self.send([bw.header(bw.FrameType.LOOKUP, len(payload)), payload], deadline)
+        limit = max(1 << 20, 4 + len(keys))
+        return self._answer(bw.FrameType.LOOKED_UP, bw.parse_looked_up, "LOOKUP", deadline, limit)
 
     def get(
         self,

@@ -1,12 +1,12 @@
-"""One bulk connection, in its own thread: HELLO, then PUT, GET, LEASE and RELEASE requests until
+"""One bulk connection, in its own thread: HELLO, then PUT, GET, LEASE, RELEASE and LOOKUP requests until
 the peer closes. (Over 500 lines: one connection's protocol, each request a method sharing the
 session's deadline, auth and error plumbing; splitting it would pass that state around.)
 
 The thread does the socket work (recv_into into sink slots, sendmsg from stored blocks, checksum
 verification: all release the GIL); everything that belongs to the server's event loop (the
 in-flight MemoryBudget, the tier stack's lower tiers) is called there with run_coroutine_threadsafe.
-What RAM alone answers (a GET window of RAM hits, LEASE, RELEASE) runs here under the RAM tier's
-lock, without that hop.
+What RAM alone answers (a GET window of RAM hits, LEASE, RELEASE, a LOOKUP that RAM decides) runs
+here under the RAM tier's lock, without that hop.
 
 Rules (docs/bulk.md): every error is answered with one ERROR frame (a gRPC status code and a
 message), after which the server stops sending, reads and discards what the client still sends
@@ -86,6 +86,8 @@ class BulkCounters:
         "leases",  # LEASE frames answered (same-host in-place reads)
         "bytes_leased",  # the blocks they leased (a key named twice once)
         "releases",  # RELEASE frames answered
+        "lookups",  # LOOKUP frames answered
+        "lookups_on_loop",  # of them, those RAM alone could not answer (the lower tiers were asked)
         "bytes_received",
         "bytes_sent",
         "errors",
@@ -287,6 +289,8 @@ class Session:
                     self._lease(length, deadline)
                 elif kind is bw.FrameType.RELEASE:
                     self._release_leases(length, deadline)
+                elif kind is bw.FrameType.LOOKUP:
+                    self._lookup(length, deadline)
                 else:
                     raise bw.FrameError(f"unexpected {kind.name} frame where a request must start")
         except Refused as exc:
@@ -550,6 +554,35 @@ class Session:
         self._s.counters.add("releases")
         payload = bw.released(released)
         deadline.send(self.sock, [bw.header(bw.FrameType.RELEASED, len(payload)), payload])
+
+    # -- LOOKUP: the service's Lookup, one socket round trip -------------------------------------
+
+    def _lookup(self, length: int, deadline: Deadline) -> None:
+        """Lookup over this connection, with its rules (the read right, tenant scoping, key limits):
+        in this thread when RAM alone decides the answer (RAM holds every key, or no tier is below
+        it), else on the event loop, where the lower tiers are asked within the caller's time left
+        (limits.lookup_deadline_share of it, as the gRPC Lookup)."""
+        received = time.monotonic()
+        namespace, timeout_ms, keys = bw.parse_lookup(self._control(bw.FrameType.LOOKUP, length, deadline))
+        self._authorize("Lookup")
+        scoped = self._namespace(namespace)
+        self._check_keys(keys)
+        stack = self._s.stack
+        tiers = stack.lookup_from_ram(scoped, keys)
+        if tiers is None:
+            left_s = timeout_ms / 1000 - (time.monotonic() - received) if timeout_ms else None
+            tiers = self._on_loop(self._lookup_lower(scoped, keys, left_s))
+            self._s.counters.add("lookups_on_loop")
+        stack.observer.lookup(scoped, len(keys), len(tiers))
+        self._s.counters.add("lookups")
+        payload = bw.looked_up([int(t) for t in tiers])
+        deadline.send(self.sock, [bw.header(bw.FrameType.LOOKED_UP, len(payload)), payload])
+
+    async def _lookup_lower(self, namespace: str, keys: list[bytes], left_s: float | None) -> list[TierKind]:
+        answer_by = None
+        if left_s is not None:
+            answer_by = self._s.loop.time() + max(0.0, left_s) * self._s.limits.lookup_deadline_share
+        return await self._s.stack.lookup(namespace, keys, answer_by=answer_by)
 
     def _send_batch(self, batch: _Batch, deadline: Deadline) -> None:
         """One sendmsg for many blocks' frames (small blocks: one system call and one wake-up of the
