@@ -13,7 +13,8 @@ Started here on free ports and stopped at the end: redis-server (no persistence)
 `python -m kvcache_server` (RAM --ram-mib, its arena shared in the default shm directory, Redis
 write-behind). A writer in its own process loops put_many of --blocks fresh blocks of --block-mib
 (the SDK's same-host path: in place); the Lookup client (vLLM's: 0.5 s, one attempt) asks for one
-key held in RAM, back to back with a 2 ms pause. The key is put retained, so that the writer's flood
+key held in RAM, back to back with a 2 ms pause, over the bulk port (LOOKUP frames, the SDK's default)
+or, with --lookup-path grpc, over gRPC. The key is put retained, so that the writer's flood
 never evicts it: a Lookup does not refresh a block's place in the LRU, and with --no-retain the key
 is demoted within a few rounds and the busy Lookups measure Redis EXISTS calls instead ("not from
 RAM" counts those).
@@ -111,7 +112,9 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             block = encode_block(b"x" * 4096, key=key, dtype="uint8", shape=(4096,))
             admin.put_many(NAMESPACE, [(key, block)], retain_ttl_s=None if args.no_retain else 3600)
             before = admin.stats().shm_bytes_received
-        with KVCacheClient(target, timeout_s=0.5, retry=RetryPolicy(max_attempts=1), shm=False) as client:
+        with KVCacheClient(
+            target, timeout_s=0.5, retry=RetryPolicy(max_attempts=1), shm=False, bulk=args.lookup_path == "bulk"
+        ) as client:
             hogged: list[float] = []
             if args.hog_seconds > 0:
                 before_hogs, _, _ = lookups(client, key, args.hog_seconds)
@@ -229,12 +232,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--no-retain", action="store_true", help="put the looked-up key unretained (it is demoted: Lookups reach Redis)"
     )
+    p.add_argument(
+        "--lookup-path",
+        choices=("bulk", "grpc"),
+        default="bulk",
+        help="where the Lookups go: the bulk port's LOOKUP frames (the SDK's default) or gRPC (bulk=False)",
+    )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
     r = run(args)
     idle, busy = r["idle"], r["busy"]
     assert isinstance(idle, dict) and isinstance(busy, dict)
     shape = f"{args.blocks} x {args.block_mib} MiB in place, Redis write-behind, RAM {args.ram_mib} MiB"
+    shape += f"; Lookups over {'the bulk port' if args.lookup_path == 'bulk' else 'gRPC'}"
     print(f"cpus {os.cpu_count()}; {shape}")
     print(f"idle  Lookup p50 {idle['p50_ms']:.2f} ms  p99 {idle['p99_ms']:.2f} ms  failed {idle['failed']}")
     print(

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import signal
 import socket
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -360,6 +362,20 @@ def describe(running: RunningServer) -> str:
     )
 
 
+def _tune_interpreter(switch_interval_s: float) -> None:
+    """What the server process does to keep its event loop's latency (docs/limits.md, "The event
+    loop's latency"): everything allocated until now (modules, the stack, the arena's bookkeeping)
+    moves out of the cyclic collector's reach (gc.freeze), so that a full collection walks only
+    what calls allocate since; and a thread that holds the GIL is asked to hand it over after
+    `switch_interval_s` (CPython's default 5 ms is what the loop could wait behind a worker thread
+    for each wake-up). For the server's own process only: create_server alone (tests, embedding)
+    leaves the interpreter as it found it."""
+    gc.collect()
+    gc.freeze()
+    if switch_interval_s > 0:
+        sys.setswitchinterval(switch_interval_s)
+
+
 async def serve(config: ServerConfig) -> None:
     """Runs until SIGTERM or SIGINT, then shuts down gracefully."""
     stop = asyncio.Event()
@@ -367,6 +383,7 @@ async def serve(config: ServerConfig) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     running = await create_server(config)
+    _tune_interpreter(config.server.switch_interval_s)
     # Printed once the server takes calls and signals are handled: a supervisor may act on it at once.
     if config.server.log_json:
         logging.getLogger(STARTUP_LOGGER).info("%s", describe(running))

@@ -55,6 +55,9 @@ class ServerSection:
     # and, when set, give every allocation of this size or more its own mapping (tighter RSS, slower).
     malloc_trim_interval_s: float = 1.0
     malloc_mmap_threshold_bytes: int = 0
+    # How long a thread holding the GIL keeps it while another waits (sys.setswitchinterval; 0: CPython's
+    # 5 ms): the event loop waits at most this behind a worker thread (docs/limits.md).
+    switch_interval_s: float = 0.001
     # KVCache calls running at once (Info excepted; health and reflection are never counted).
     max_concurrent_rpcs: int = 1024
     # With auth: one tenant's calls running at once; 0 = a quarter of max_concurrent_rpcs.
@@ -70,6 +73,8 @@ class ServerSection:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         if self.malloc_trim_interval_s < 0:
             raise ConfigError("server.malloc_trim_interval_s must not be negative (0 turns trimming off)")
+        if not 0 <= self.switch_interval_s <= 0.1:
+            raise ConfigError("server.switch_interval_s must be in [0, 0.1] (0 keeps CPython's 5 ms)")
         if not 0 <= self.malloc_mmap_threshold_bytes <= 32 * _MiB:
             raise ConfigError("server.malloc_mmap_threshold_bytes must be in [0, 32 MiB] (glibc's range)")
         if self.shutdown_grace_s < 0 or self.drain_deadline_s < 0:
