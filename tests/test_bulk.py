@@ -173,12 +173,21 @@ def test_async_client_round_trip_over_bulk(make_server) -> None:
     assert counters(server)["bytes_received"] == sum(len(b) for _, b in items)
 
 
-def test_small_calls_stay_on_grpc(make_server) -> None:
+def test_small_puts_take_the_bulk_port_unless_min_bytes_keeps_them_on_grpc(make_server) -> None:
+    """A put of two 1 KB blocks is one bulk PUT (faster than a gRPC Put at every size); with the
+    client's bulk.min_bytes above its size it is a gRPC Put and no bulk connection is opened."""
     server = bulk_server(make_server)
+    items = blocks(2, 1000)
     with KVCacheClient(server.target) as client:
-        client.put_many("n", blocks(2, 1000))
+        assert client.put_many("n", items).stored == 2
+        nbytes = sum(len(b) for _, b in items)
+        assert (client.bulk.counters.bulk_bytes_sent, client.bulk.counters.grpc_bytes_sent) == (nbytes, 0)
+    assert (counters(server)["accepted"], counters(server)["puts"]) == (1, 1)
+    with KVCacheClient(server.target, bulk=True) as client:
+        client.bulk.min_bytes = 1 << 20
+        assert client.put_many("n", blocks(2, 1000)).stored == 2
         assert client.bulk.counters.grpc_bytes_sent > 0 and client.bulk.counters.bulk_bytes_sent == 0
-    assert counters(server)["accepted"] == 0
+    assert (counters(server)["accepted"], counters(server)["puts"]) == (1, 1)
 
 
 def test_auth_same_tokens_and_rights_as_grpc(make_server, tmp_path: Path) -> None:

@@ -1,10 +1,10 @@
-"""The SDK's bulk path (docs/bulk.md): block bytes of large puts and gets on plain TCP or TLS frames.
+"""The SDK's bulk path (docs/bulk.md): block bytes of puts and gets on plain TCP or TLS frames.
 
 gRPC stays the control plane: Delete, Stats and Info go over gRPC, and Info says whether and
 where the server listens for bulk frames (bulk_port, bulk_host, bulk_tls). Lookups take the bulk
 port whenever the server has one (one socket round trip, answered in the server's connection
 thread when RAM decides it, against a gRPC call's ~1 ms of CPU on both sides). BulkTransport
-wraps a gRPC transport and moves the bytes of puts and gets of at least `min_bytes` over a small
+wraps a gRPC transport and moves the bytes of puts (of at least `min_bytes`, 0 by default) and gets over a small
 pool of connections (blocks striped across them), sent with sendmsg from the caller's buffers
 and received with recv_into into one buffer per block (kvcache_client.bufpool's: warm memory once
 an earlier call's blocks were dropped). The same-host shared-memory path, when on, is preferred
@@ -50,7 +50,11 @@ from kvcache_proto import kvcache_pb2 as pb
 BULK_ENV = "KVCACHE_BULK"
 """KVCACHE_BULK=0 keeps block bytes on gRPC (as bulk=False does)."""
 
-DEFAULT_MIN_BYTES = 1 << 20
+DEFAULT_MIN_BYTES = 0
+"""Remote puts of at least this many bytes take the bulk port (gets always do): every put, since one bulk
+PUT (one round trip, its budget and slots reserved in one trip to the server's loop) beats a gRPC Put stream
+at every size. Measured, remote puts of 16 KiB blocks on this 2-core machine, p50: 1 block 0.88 ms against
+1.55 over gRPC, 8 blocks 1.96 against 3.05, 20 blocks 2.14 against 3.45."""
 DEFAULT_CONNECTIONS = 2
 DEFAULT_REQUEST_BYTES = 64 << 20
 SAME_HOST_BULK_PUT_BYTES = 1 << 20
