@@ -51,6 +51,27 @@ def wait_for(check, timeout_s: float = 15.0, what: str = "backend") -> None:
     raise TimeoutError(f"{what} did not come up within {timeout_s}s")
 
 
+def sigstop(pid: int, timeout_s: float = 5.0) -> None:
+    """SIGSTOP `pid` and wait until every one of its threads is stopped. kill() returns once the signal
+    is queued: until the thread the kernel chose to take it runs (a loaded machine may not schedule it
+    for milliseconds), the process's other threads go on running and may still answer a request."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except FileNotFoundError:  # a thread that ended
+                continue
+            states.append(stat[stat.rindex(")") + 2])  # the field after the command name
+        if all(state in "Tt" for state in states):
+            return
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"process {pid} not stopped within {timeout_s}s: thread states {states}")
+        time.sleep(0.001)
+
+
 class _Backend:
     """A backend child process that tests can pause (SIGSTOP), resume, kill and restart on its port."""
 
@@ -58,7 +79,7 @@ class _Backend:
 
     def pause(self) -> None:
         assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
+        sigstop(self.proc.pid)
 
     def resume(self) -> None:
         assert self.proc is not None

@@ -24,7 +24,7 @@ from kvcache_client import KVCacheClient, KVCacheError, LookupResult, RetryPolic
 from kvcache_server.stack import LowerTierPolicy, TierStack
 from kvcache_server.tiers import codec
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
-from tests.backends import RedisProcess, S3Process, wait_for
+from tests.backends import RedisProcess, S3Process, sigstop, wait_for
 from tests.conftest import ServerThread, keyed, raw_block
 
 pytestmark = pytest.mark.timeout(240)
@@ -88,7 +88,7 @@ def lookups_while_hung(
 @contextlib.contextmanager
 def stopped(pid: int) -> Iterator[None]:
     """The process hung (SIGSTOP) inside the block, and resumed (SIGCONT) whatever happens."""
-    os.kill(pid, signal.SIGSTOP)
+    sigstop(pid)
     try:
         yield
     finally:

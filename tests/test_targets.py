@@ -16,7 +16,7 @@ from kvcache_client.errors import InvalidRequest, Unavailable
 from kvcache_client.results import TierInfo
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.targets import async_fleet_client, fleet_client, split_targets
-from tests.backends import KVServerProcess, RedisProcess, free_port
+from tests.backends import KVServerProcess, RedisProcess, free_port, sigstop
 from tests.conftest import ServerThread, keyed
 
 pytestmark = pytest.mark.timeout(60)
@@ -194,7 +194,7 @@ def test_a_silent_own_server_costs_a_share_of_the_deadline_and_is_used_again_onc
         assert rotation.last_target == own.target and rotation.failovers == 0
         before = ram_of(other.target)
 
-        own.proc.send_signal(signal.SIGSTOP)
+        sigstop(own.proc.pid)
         took = []
         for n in range(4):
             if n == 3:
@@ -237,7 +237,7 @@ def test_the_async_fleet_client_leaves_a_silent_own_server_the_same_way(
         async with client:
             assert [bytes(b) for b in await client.get_many(NS, [key])] == [block]
             assert client._transport.rotation.last_target == own.target
-            own.proc.send_signal(signal.SIGSTOP)
+            sigstop(own.proc.pid)
             start = time.monotonic()
             assert [bytes(b) for b in await client.get_many(NS, [key])] == [block]
             took = time.monotonic() - start

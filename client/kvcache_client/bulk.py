@@ -27,6 +27,8 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 
+import grpc
+
 from kvcache_client.arena import Leased
 from kvcache_client.bufpool import BufferPool
 from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, stripes
@@ -197,6 +199,14 @@ class BulkLink:
             return None
         return self.pool
 
+    def info_failed(self, exc: grpc.RpcError) -> None:
+        """Info failed: gRPC until retry_after_s has passed (not one more Info per call meanwhile)."""
+        log.debug("bulk port: Info failed (%s); gRPC for now", exc.code())
+        with self._lock:
+            if self.needs_info:
+                self.state, self.reason = "down", f"Info failed: {exc.code().name}"
+                self._retry_at = time.monotonic() + self.retry_after_s
+
     def down(self, reason: str) -> None:
         """The bulk path failed: gRPC until retry_after_s has passed, then Info again."""
         with self._lock:
@@ -317,14 +327,23 @@ class BulkTransport:
     def _lease_pool(self, timeout_s: float) -> BulkPool | None:
         """Where the in-place reads' leases go: the bulk port, when the server has one (Info)."""
         if self.link.needs_info:
-            self.link.configure(self.inner.info(timeout_s), self.inner.shm.on)
+            self._ask_info(timeout_s)
         return self.link.lease_pool
+
+    def _ask_info(self, timeout_s: float) -> None:
+        """Info decides the path; an Info that fails (its rate bucket spent, a deadline) sends this
+        call over gRPC, whose own status is the one the caller sees."""
+        try:
+            info = self.inner.info(timeout_s, refresh=self.link.state == "down")
+        except grpc.RpcError as exc:
+            self.link.info_failed(exc)
+            return
+        self.link.configure(info, self.inner.shm.on)
 
     def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
         self.link.reconsider(self.inner.shm.on)
         if self.link.needs_info:
-            refresh = self.link.state == "down"
-            self.link.configure(self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
+            self._ask_info(timeout_s)
         return self.link.usable(nbytes)
 
     def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
@@ -340,8 +359,7 @@ class BulkTransport:
     def _lookup_pool(self, timeout_s: float) -> BulkPool | None:
         self.link.reconsider(self.inner.shm.on)
         if self.link.needs_info:
-            refresh = self.link.state == "down"
-            self.link.configure(self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
+            self._ask_info(timeout_s)
         return self.link.lookup_pool()
 
     def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
@@ -419,11 +437,19 @@ class AsyncBulkTransport:
         self.arena = grpc_transport.arena  # same host: the server's block arena (docs/arena.md)
         self.presence = grpc_transport.presence  # same host: Lookups without an RPC (docs/presence.md)
 
+    async def _ask_info(self, timeout_s: float) -> None:
+        """As BulkTransport._ask_info."""
+        try:
+            info = await self.inner.info(timeout_s, refresh=self.link.state == "down")
+        except grpc.RpcError as exc:
+            self.link.info_failed(exc)
+            return
+        self.link.configure(info, self.inner.shm.on)
+
     async def _pool(self, nbytes: int, timeout_s: float) -> BulkPool | None:
         self.link.reconsider(self.inner.shm.on)
         if self.link.needs_info:
-            refresh = self.link.state == "down"
-            self.link.configure(await self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
+            await self._ask_info(timeout_s)
         return self.link.usable(nbytes)
 
     async def lookup(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> LookupResult:
@@ -431,8 +457,7 @@ class AsyncBulkTransport:
         start = time.monotonic()
         self.link.reconsider(self.inner.shm.on)
         if self.link.needs_info:
-            refresh = self.link.state == "down"
-            self.link.configure(await self.inner.info(timeout_s, refresh=refresh), self.inner.shm.on)
+            await self._ask_info(timeout_s)
         pool = self.link.lookup_pool()
         if pool is not None:
             try:
