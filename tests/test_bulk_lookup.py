@@ -192,6 +192,35 @@ def test_lookup_frames_keep_tenants_apart_and_refuse_bad_input(make_server, tmp_
     assert server.running.bulk.counters.get("lookups") == 5  # the answered ones; refusals are errors
 
 
+def test_pipelined_and_trickled_requests_are_answered_in_order(make_server) -> None:
+    """The session reads ahead (64 KiB per connection): 200 LOOKUPs sent in one write, the read-ahead
+    cutting frames at every boundary, are answered in order, each with its own keys; a request sent
+    one byte per write is answered as well."""
+    server = make_server(ram={"capacity_bytes": 32 << 20})
+    items = _blocks(8)
+    keys = [k for k, _ in items]
+    with KVCacheClient(server.target, shm=False, timeout_s=10) as client:
+        assert client.put_many("n", items).stored == 8
+    raw = Raw(server.running.bulk.port)
+    try:
+        wanted = [keys[: i % 8] + [os.urandom(16)] * (1 + i % 3) for i in range(200)]  # a prefix of i % 8
+        raw.sock.sendall(
+            b"".join(bw.header(bw.FrameType.LOOKUP, len(p)) + p for p in (bw.lookup("n", w, 5000) for w in wanted))
+        )
+        for w in wanted:
+            kind, payload = raw.read()
+            assert kind is bw.FrameType.LOOKED_UP
+            assert bw.parse_looked_up(payload) == [1] * (len(w) - sum(1 for k in w if k not in keys)), w
+        frame = bw.header(bw.FrameType.LOOKUP, len(p := bw.lookup("n", keys, 5000))) + p
+        for i in range(len(frame)):
+            raw.sock.sendall(frame[i : i + 1])
+        kind, payload = raw.read()
+        assert kind is bw.FrameType.LOOKED_UP and bw.parse_looked_up(payload) == [1] * 8
+    finally:
+        raw.close()
+    assert _looked_up(server) == (201, 0)
+
+
 def test_a_lookup_against_a_stopped_server_ends_at_its_deadline(tmp_path: Path) -> None:
     """A server process stopped (SIGSTOP) while a Lookup waits for its LOOKED_UP: the call fails with
     DeadlineExceeded at its deadline (its connection closed, not pooled); after SIGCONT the next

@@ -132,6 +132,28 @@ class Deadline:
             got += r
             self.moved += r
 
+    def recv_some(self, sock: socket.socket, view: memoryview, what: str) -> int:
+        """One recv_into `view` within the deadline: how many bytes came (at least 1).
+
+        Raises:
+            Cut: a deadline passed.
+            bw.PeerClosed: the stream ended (not `clean`: the caller wanted bytes of `what`).
+        """
+        doing = f"of {what}"
+        left, limit = self._wait(doing, False)
+        sock.settimeout(left)
+        start = time.monotonic()
+        try:
+            r = sock.recv_into(view)
+        except TimeoutError:
+            self.waited_s += time.monotonic() - start
+            raise self._cut(limit, doing, False) from None
+        self.waited_s += time.monotonic() - start
+        if r == 0:
+            raise bw.PeerClosed(f"connection closed before {what} was complete")
+        self.moved += r
+        return r
+
     def send(self, sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> None:
         """Sends every buffer in order within the deadline: sendmsg of many at once (no join), TLS
         writes in pieces.

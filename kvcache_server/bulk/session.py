@@ -72,6 +72,10 @@ _CUT_DRAIN_S = 0.5
 """A peer cut off for being slow is drained briefly: long enough that it reads the ERROR rather than a
 reset, not long enough to hold its connection's place much longer."""
 _DRAIN_BYTES = 1 << 16
+_READ_AHEAD = 64 << 10
+"""Bytes one receive may take beyond the frame being read: a small request (its header and its payload,
+or several pipelined requests) arrives in one system call, and so one wake-up and one wait for the GIL,
+not one per frame part. Larger reads (a PUT's blocks) go straight into their slots."""
 _CUT_COUNTERS = {STALL: "cut_off_stall", RATE: "cut_off_rate", REQUEST: "cut_off_request", HELLO: "cut_off_hello"}
 
 
@@ -182,6 +186,9 @@ class Session:
         self._principal: Principal | None = None
         self._metadata: dict[str, str] = {}
         self._header = bytearray(bw.HEADER_BYTES)
+        self._ahead = bytearray(_READ_AHEAD)  # bytes received, not yet read: [_start, _end)
+        self._ahead_view = memoryview(self._ahead)
+        self._start = self._end = 0
         self._control_limit = bw.control_limit(shared.limits.max_keys_per_request)
         self._max_frame = shared.bulk.frame_limit(shared.limits.max_block_bytes)
 
@@ -201,6 +208,29 @@ class Session:
                 )
             raise
 
+    def _recv(self, view: memoryview, what: str, deadline: Deadline) -> None:
+        """Fills `view`: first from what was read ahead, then from the socket (through the read-ahead
+        buffer when it is small, straight into `view` otherwise), within `deadline`."""
+        n = len(view)
+        have = self._end - self._start
+        if have:
+            k = min(have, n)
+            view[:k] = self._ahead_view[self._start : self._start + k]
+            self._start += k
+            deadline.moved += k
+            if k == n:
+                return
+            view, n = view[k:], n - k
+        self._start = self._end = 0
+        if n * 2 > _READ_AHEAD:
+            deadline.recv_into(self.sock, view, what)
+            return
+        while self._end < n:
+            self._end += deadline.recv_some(self.sock, self._ahead_view[self._end :], what)
+        view[:] = self._ahead_view[:n]
+        self._start = n
+        deadline.moved -= self._end - n  # counted once they are read
+
     def _release(self, held: Holding) -> None:
         self._s.loop.call_soon_threadsafe(held.release_all)
 
@@ -210,13 +240,19 @@ class Session:
         header's first byte: from there on the request's deadline runs."""
         bulk = self._s.bulk
         head = memoryview(self._header)
-        self.sock.settimeout(bulk.idle_timeout_s)
-        try:
-            if self.sock.recv_into(head[:1], 1) == 0:
+        if self._start == self._end:  # nothing read ahead: wait for the next request's first bytes
+            self._start = self._end = 0
+            self.sock.settimeout(bulk.idle_timeout_s)
+            try:
+                got = self.sock.recv_into(self._ahead_view)
+            except TimeoutError:
+                log.debug("bulk %s: idle for %g s, closed", self.peer, bulk.idle_timeout_s)
                 return None
-        except TimeoutError:
-            log.debug("bulk %s: idle for %g s, closed", self.peer, bulk.idle_timeout_s)
-            return None
+            if got == 0:
+                return None
+            self._end = got
+        head[0] = self._ahead[self._start]
+        self._start += 1
         deadline = Deadline(
             "the request",
             limit_s=bulk.request_timeout_s,
@@ -227,7 +263,7 @@ class Session:
         )
         deadline.moved = 1
         try:
-            deadline.recv_into(self.sock, head[1:], "a frame header")
+            self._recv(head[1:], "a frame header", deadline)
         except bw.PeerClosed as exc:  # gone mid-header: never a clean close
             raise bw.PeerClosed(str(exc)) from None
         kind, length = bw.parse_header(self._header, self._max_frame)
@@ -236,7 +272,7 @@ class Session:
 
     def _frame(self, deadline: Deadline) -> tuple[bw.FrameType, int]:
         """The header of the next frame within a request."""
-        deadline.recv_into(self.sock, memoryview(self._header), "a frame header")
+        self._recv(memoryview(self._header), "a frame header", deadline)
         return bw.parse_header(self._header, self._max_frame)
 
     def _control(self, kind: bw.FrameType, length: int, deadline: Deadline) -> bytes:
@@ -245,7 +281,7 @@ class Session:
                 f"{kind.name} frame of {length} bytes exceeds {self._control_limit}", "RESOURCE_EXHAUSTED"
             )
         buf = bytearray(length)
-        deadline.recv_into(self.sock, memoryview(buf), f"the {kind.name} frame")
+        self._recv(memoryview(buf), f"the {kind.name} frame", deadline)
         return bytes(buf)
 
     def _authorize(self, method: str) -> None:
@@ -420,7 +456,7 @@ class Session:
                 if len(slots) == i:
                     slots.append(self._on_loop(sink.reserve(scoped, n), undo=sink.abandon))
                 slot = slots[i]
-                deadline.recv_into(self.sock, slot.view, f"block {i}")
+                self._recv(slot.view, f"block {i}", deadline)
                 self._s.counters.add("bytes_received", n)
             for i, ((key, _), slot) in enumerate(zip(entries, slots, strict=True)):
                 self._verify(i, key, slot.view)
