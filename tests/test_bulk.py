@@ -190,6 +190,30 @@ def test_small_puts_take_the_bulk_port_unless_min_bytes_keeps_them_on_grpc(make_
     assert (counters(server)["accepted"], counters(server)["puts"]) == (1, 1)
 
 
+def test_a_get_spreads_over_connections_only_where_its_blocks_are_large(make_server) -> None:
+    """A get's size is known only once answered: the first get of 8 keys goes over both connections
+    (two GET requests); after it, gets of small blocks are one GET request on one connection, and once
+    large blocks have been seen (8 x 1 MiB: 8 MiB, one lane per 4 MiB) a get is two again, until a get
+    of small blocks has been answered. Every byte is compared."""
+    server = bulk_server(make_server)
+    small, large = blocks(8, 16 << 10), blocks(8, 1 << 20)
+    with KVCacheClient(server.target) as client:
+        assert client.put_many("n", small + large).stored == 16
+
+        def gets(items: list[tuple[bytes, bytes]]) -> int:
+            before = counters(server)["gets"]
+            got = client.get_many("n", [k for k, _ in items])
+            assert [bytes(b) for b in got] == [b for _, b in items]
+            return counters(server)["gets"] - before
+
+        assert gets(small) == 2  # no block seen yet: one lane per connection
+        assert [gets(small) for _ in range(3)] == [1, 1, 1]
+        assert gets(large[:1]) == 1  # one key: one lane
+        assert gets(large) == 2
+        assert [gets(small), gets(small)] == [2, 1]  # the last get's block size stands for the next one's
+        assert client.bulk.counters.grpc_bytes_received == 0
+
+
 def test_auth_same_tokens_and_rights_as_grpc(make_server, tmp_path: Path) -> None:
     server = bulk_server(make_server, **auth_config(tmp_path))
     for token, code in (

@@ -529,6 +529,7 @@ class Session:
                         if batch.full():
                             self._send_batch(batch, deadline)
                     if end >= len(keys):  # the last window: GET_DONE goes out with its blocks
+                        self._s.counters.add("gets")  # before the answer: a caller that has it sees it counted
                         payload = bw.get_done(sent)
                         batch.buffers += (bw.header(bw.FrameType.GET_DONE, len(payload)), payload)
                         done_sent = True
@@ -541,8 +542,8 @@ class Session:
         finally:
             if on_loop:  # only the loop's windows reserve (a wake-up of the loop otherwise wasted)
                 self._release(held)
-        self._s.counters.add("gets")
         if not done_sent:
+            self._s.counters.add("gets")
             payload = bw.get_done(sent)
             deadline.send(self.sock, [bw.header(bw.FrameType.GET_DONE, len(payload)), payload])
 
