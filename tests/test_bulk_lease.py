@@ -6,7 +6,9 @@ Every assertion is an exact count or exact bytes; the only time bound is a call'
 
 from __future__ import annotations
 
+import asyncio
 import os
+import random
 import signal
 import socket
 import sys
@@ -16,12 +18,12 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kvcache_client import DeadlineExceeded, KVCacheClient
+from kvcache_client import AsyncKVCacheClient, DeadlineExceeded, KVCacheClient
 from kvcache_core import bulkwire as bw
 from kvcache_core.format import payload_view
 from kvcache_server.auth import token_digest
 from kvcache_server.launcher import ChildServer
-from tests.backends import free_port, wait_for
+from tests.backends import free_port, sigstop, wait_for
 from tests.conftest import ServerThread, keyed
 
 pytestmark = pytest.mark.timeout(120)
@@ -239,3 +241,107 @@ def test_small_same_host_puts_go_over_the_bulk_port_large_ones_through_a_segment
         got = client.get_many("n", [k for k, _ in small + large])
         assert [bytes(g) for g in got] == [b for _, b in small + large]
         assert _open_leases(server) == 0
+
+
+def test_the_asyncio_face_leases_and_puts_small_over_the_bulk_port(make_server, tmp_path: Path) -> None:
+    """AsyncKVCacheClient on the server's host, as the blocking client: a put of 20 x 16 KiB is one
+    bulk PUT, a large one goes through its segment; get_many, get_into and leased() are one LEASE
+    and one RELEASE frame each (no LeaseGet over gRPC); then 200 get_many calls ended by deadlines
+    of 0.2-5 ms or cancelled leave no lease open once the client drained, none left to expire."""
+    server = make_server(ram={"capacity_bytes": 64 << 20, "lease_timeout_s": 120.0}, shm={"dir": str(tmp_path / "shm")})
+    small, large = _blocks(20, 16 << 10), _blocks(4, 512 << 10)
+    keys = [k for k, _ in small]
+    counters = server.running.bulk.counters
+    rng = random.Random(7)
+
+    async def run() -> dict[str, int]:
+        ended = {"ok": 0, "deadline": 0, "cancelled": 0}
+        async with AsyncKVCacheClient(server.target, timeout_s=10) as client:
+            assert (await client.put_many("n", small)).stored == 20
+            assert counters.get("puts") == 1
+            assert client.bulk.counters.bulk_bytes_sent == sum(len(b) for _, b in small)
+            assert (await client.put_many("n", large)).stored == 4
+            assert counters.get("puts") == 1 and (await client.stats()).shm_bytes_received == sum(
+                len(b) for _, b in large
+            )
+            assert [bytes(g) for g in await client.get_many("n", keys)] == [b for _, b in small]
+            buffers = [bytearray(16 << 10) for _ in keys]
+            assert await client.get_into("n", keys, buffers) == [True] * 20
+            assert [bytes(b) for b in buffers] == [bytes(payload_view(b)) for _, b in small]
+            async with client.leased("n", keys) as views:
+                assert [bytes(v) for v in views] == [b for _, b in small]
+                assert _open_leases(server) == 20
+            assert _open_leases(server) == 0
+            assert (counters.get("leases"), counters.get("releases")) == (3, 3)
+            for _ in range(200):
+                task = asyncio.ensure_future(client.get_many("n", keys, timeout_s=rng.uniform(0.0002, 0.005)))
+                if rng.random() < 0.3:
+                    await asyncio.sleep(rng.uniform(0, 0.002))
+                    task.cancel()
+                try:
+                    got = await task
+                    assert [bytes(g) for g in got] == [b for _, b in small]
+                    ended["ok"] += 1
+                except DeadlineExceeded:
+                    ended["deadline"] += 1
+                except asyncio.CancelledError:
+                    ended["cancelled"] += 1
+            await client._transport.inner._inplace.drain()
+            assert _open_leases(server) == 0
+            stats = await client.stats()
+            assert (stats.arena_leases, stats.arena_leases_expired) == (0, 0)
+            assert client.bulk.counters.fallbacks == 0
+        return ended
+
+    ended = asyncio.run(run())
+    assert sum(ended.values()) == 200 and ended["deadline"] + ended["cancelled"] > 0, ended
+    assert server.stack.ram.arena_stats()["leases"] == 0
+
+
+def test_the_asyncio_face_releases_a_lease_answer_nobody_waits_for(tmp_path: Path) -> None:
+    """A server process stopped (SIGSTOP) while an asyncio get_into waits for its LEASE answer: the
+    call fails with its deadline; once the server resumes, the worker thread reads the answer and the
+    client releases its leases (handed_back 1), none left to expire."""
+    port, bulk_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvcache_server", "--port", str(port), "--log-level", "warning"]
+    env = {
+        **os.environ,
+        "KVCACHE_BULK_PORT": str(bulk_port),
+        "KVCACHE_SHM_DIR": str(tmp_path / "shm"),
+        "KVCACHE_RAM_CAPACITY_BYTES": str(64 << 20),
+        "KVCACHE_RAM_PREFAULT": "0",
+        "KVCACHE_RAM_LEASE_TIMEOUT_S": "120",
+    }
+    child = ChildServer("kvcache-server", argv, env=env, cwd=str(Path(__file__).resolve().parent.parent))
+    assert child.launch(rf"bulk 127\.0\.0\.1:{bulk_port}\b") is not None
+    items = _blocks(8, 32 << 10)
+    keys = [k for k, _ in items]
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            assert (await client.put_many("n", items)).stored == 8
+            buffers = [bytearray(32 << 10) for _ in keys]
+            assert await client.get_into("n", keys, buffers) == [True] * 8  # warm: Info asked, arena mapped
+            inplace = client._transport.inner._inplace
+            sigstop(child.proc.pid)
+            timer = threading.Timer(0.6, os.kill, (child.proc.pid, signal.SIGCONT))
+            timer.start()
+            try:
+                with pytest.raises(DeadlineExceeded, match="LEASE"):
+                    await client.get_into("n", keys, buffers, timeout_s=0.2)
+            finally:
+                timer.join()
+                os.kill(child.proc.pid, signal.SIGCONT)
+            await inplace.drain()
+            assert inplace.handed_back == 1
+            stats = await client.stats()
+            assert (stats.arena_leases, stats.arena_leases_expired) == (0, 0)
+            buffers = [bytearray(32 << 10) for _ in keys]
+            assert await client.get_into("n", keys, buffers) == [True] * 8
+            assert [bytes(b) for b in buffers] == [bytes(payload_view(b)) for _, b in items]
+            assert client.bulk.counters.fallbacks == 0
+
+    try:
+        asyncio.run(run())
+    finally:
+        child.stop()

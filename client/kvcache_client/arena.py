@@ -283,12 +283,7 @@ class InPlaceCalls:
                 self._rescue(pool, conn)
                 raise
 
-        expires_in_s, path, slots = pool.run(leased, deadline)
-        return pb.LeaseGetResponse(
-            leases=[pb.ArenaSlot(id=i, offset=o, length=n) for i, o, n in slots],
-            expires_in_s=expires_in_s,
-            arena_path=path,
-        )
+        return lease_response(*pool.run(leased, deadline))
 
     def _rescue(self, pool: BulkPool, conn: BulkConnection) -> None:
         done: Future[None] = Future()
@@ -353,6 +348,15 @@ class InPlaceCalls:
 
     def copy_out(self, leased: Leased) -> list[Fetched | None]:
         return core.copied_out(leased, self.buffers)
+
+
+def lease_response(expires_in_s: float, path: str, slots: list[tuple[int, int, int]]) -> pb.LeaseGetResponse:
+    """A LEASED frame's answer (BulkConnection.read_leased) as the LeaseGet answer it stands for."""
+    return pb.LeaseGetResponse(
+        leases=[pb.ArenaSlot(id=i, offset=o, length=n) for i, o, n in slots],
+        expires_in_s=expires_in_s,
+        arena_path=path,
+    )
 
 
 def copy_payload_into(block: memoryview, destination: object) -> None:

@@ -14,6 +14,10 @@ milliseconds may pass while the server is still answering. Neither may leave are
   (so counters are exact once a call returns), but a cancellation of the caller does not stop
   them. close() waits for those still running (drain).
 - Mapping a restarted server's arena, and copying many leased bytes out, run in worker threads.
+- Where the server has a bulk port (kvcache_client.bulk.AsyncBulkTransport sets `bulk`), LeaseGet
+  and LeaseRelease are LEASE and RELEASE frames, their socket work in a worker thread that waits
+  for the answer to the pinning call's own end (the caller's deadline plus a cleanup's), as the
+  gRPC call's task does: abandoned, the book releases what its answer leased.
 - A leased view is only handed out once its block passed its key-bound checksum (the client
   verifies). Puts do not go through the arena (kvcache_client.arena).
 """
@@ -21,13 +25,16 @@ milliseconds may pass while the server is still answering. Neither may leave are
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any
 
 from kvcache_client import inplace_core as core
-from kvcache_client.arena import ArenaLink
+from kvcache_client.arena import ArenaLink, lease_response
 from kvcache_client.bufpool import BufferPool
-from kvcache_client.inplace_core import DeadlineBeforeAnswer, LeaseBook, Leased
+from kvcache_client.bulkconn import BulkConnection, BulkPool, BulkUnreachable
+from kvcache_client.errors import DeadlineExceeded, RPCError
+from kvcache_client.inplace_core import BulkRefusal, DeadlineBeforeAnswer, LeaseBook, Leased
 from kvcache_client.results import Fetched
 from kvcache_client.shm import run_to_end
 from kvcache_client.steps import arun
@@ -54,6 +61,10 @@ class AsyncInPlaceCalls:
         self._offload_bytes = offload_bytes
         self.buffers = buffers  # where get copies leased blocks out to
         self.book = LeaseBook()  # also keeps the releases still running, for drain()
+        # The bulk port's pool where LEASE and RELEASE go (kvcache_client.bulk.AsyncBulkTransport
+        # sets it): one socket round trip each in a worker thread, not a gRPC call; None: gRPC.
+        self.bulk: Callable[[float], Awaitable[BulkPool | None]] | None = None
+        self.bulk_down: Callable[[str], None] = lambda reason: None
 
     @property
     def handed_back(self) -> int:
@@ -89,8 +100,28 @@ class AsyncInPlaceCalls:
 
     # -- inplace_core.InPlaceIO, asyncio -----------------------------------------------------------
 
+    async def _bulk_pool(self, timeout_s: float) -> BulkPool | None:
+        return await self.bulk(timeout_s) if self.bulk is not None else None
+
     async def lease_get(self, request: pb.LeaseGetRequest, deadline: float) -> pb.LeaseGetResponse:
+        pool = await self._bulk_pool(core.left(deadline))
+
         async def call() -> pb.LeaseGetResponse:
+            if pool is not None:
+                end = time.monotonic() + core.pinning_timeout_s(deadline)  # the task runs to its own end
+
+                def leased(conn: BulkConnection) -> tuple[float, str, list[tuple[int, int, int]]]:
+                    conn.send_lease(request.namespace, list(request.keys), request.prefix_only, end)
+                    return conn.read_leased(end)
+
+                try:
+                    return lease_response(*await asyncio.to_thread(pool.run, leased, end))
+                except BulkUnreachable as exc:
+                    self.bulk_down(str(exc))
+                except DeadlineExceeded:
+                    raise DeadlineBeforeAnswer("LEASE") from None
+                except RPCError as exc:  # refused (the arena, rights, a rate): as LeaseGet's status would be
+                    raise BulkRefusal(exc.code, exc.details) from None
             answer: pb.LeaseGetResponse = await self._stub.LeaseGet(
                 request, timeout=core.pinning_timeout_s(deadline), metadata=self._md
             )
@@ -101,7 +132,7 @@ class AsyncInPlaceCalls:
         try:
             await asyncio.wait({task}, timeout=core.left(deadline))
             if not task.done():
-                raise DeadlineBeforeAnswer("LeaseGet")
+                raise DeadlineBeforeAnswer("LeaseGet" if pool is None else "LEASE")
             taken = True
             return task.result()
         finally:
@@ -117,6 +148,17 @@ class AsyncInPlaceCalls:
             await asyncio.shield(self._spawn(arun(core.releasing(ids), self)))
 
     async def send_release(self, request: pb.LeaseReleaseRequest) -> pb.LeaseReleaseResponse:
+        pool = await self._bulk_pool(core.CLEANUP_S)
+        if pool is not None:
+            end = time.monotonic() + core.CLEANUP_S
+            ids = list(request.leases)
+            try:
+                released = await asyncio.to_thread(pool.run, lambda conn: conn.release(ids, end), end)
+                return pb.LeaseReleaseResponse(released=released)
+            except BulkUnreachable as exc:
+                self.bulk_down(str(exc))
+            except RPCError as exc:
+                raise BulkRefusal(exc.code, exc.details) from None
         response: pb.LeaseReleaseResponse = await self._stub.LeaseRelease(
             request, timeout=core.CLEANUP_S, metadata=self._md
         )

@@ -450,6 +450,14 @@ class AsyncBulkTransport:
         self.shm = grpc_transport.shm
         self.arena = grpc_transport.arena  # same host: the server's block arena (docs/arena.md)
         self.presence = grpc_transport.presence  # same host: Lookups without an RPC (docs/presence.md)
+        inplace = grpc_transport._inplace
+        inplace.bulk, inplace.bulk_down = self._lease_pool, link.lease_down
+
+    async def _lease_pool(self, timeout_s: float) -> BulkPool | None:
+        """As BulkTransport._lease_pool."""
+        if self.link.needs_info:
+            await self._ask_info(timeout_s)
+        return self.link.lease_pool
 
     async def _ask_info(self, timeout_s: float) -> None:
         """As BulkTransport._ask_info."""
@@ -495,12 +503,14 @@ class AsyncBulkTransport:
             self.link.counters.add("grpc_bytes_sent", nbytes)
             return result
         pool = await self._pool(nbytes, timeout_s)
+        if pool is None and nbytes < self.link.same_host_put_bytes:
+            pool = self.link.lease_pool  # same host, a small put: the bulk port beats a segment and a gRPC Put
         if pool is not None:
             try:
                 left = timeout_s - (time.monotonic() - start)
                 return await asyncio.to_thread(self.link.put, pool, namespace, items, left)
             except BulkUnreachable as exc:
-                self.link.down(str(exc))
+                self.link.unreachable(pool, str(exc))
         result = await self.inner.put(namespace, items, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_sent", nbytes)
         return result
