@@ -36,7 +36,7 @@ from __future__ import annotations
 import enum
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import xxhash
@@ -307,6 +307,38 @@ def verify_block(data: bytes | memoryview, key: bytes) -> BlockHeader:
     """
     header = parse_header(data)
     return _check_payload(header, key, memoryview(data)[header.header_len :], "the block is damaged")
+
+
+def verify_block_in_pieces(
+    data: memoryview, key: bytes, fill: Callable[[int, int], None], piece_bytes: int = 256 << 10
+) -> BlockHeader:
+    """verify_block of a block that fill(start, end) writes into data[start:end], piece by piece in
+    order: each piece is hashed right after it landed, while it is in the core's cache, instead of a
+    second pass over the whole block from memory (a 32 MiB block read out of a segment and verified:
+    2.6 GB/s against 2.2). The header is parsed from the first piece, so a malformed one stops the
+    reading there. What is hashed is what lies in `data`, after each piece was written.
+
+    Raises:
+        as verify_block, and whatever `fill` raises.
+    """
+    first = min(len(data), max(piece_bytes, FIXED_HEADER_BYTES + 8 * MAX_NDIM))
+    fill(0, first)
+    header = parse_header(data)
+    if header.compression is not Compression.NONE:
+        raise BlockFormatError(f"block is compressed ({header.compression.name}); decompress before verifying")
+    h = xxhash.xxh3_64(_check_key(key) + _descriptor(header.dtype, header.layout, header.shape, header.payload_len))
+    h.update(data[header.header_len : first])
+    for start in range(first, len(data), piece_bytes):
+        end = min(len(data), start + piece_bytes)
+        fill(start, end)
+        h.update(data[start:end])
+    actual = h.intdigest()
+    if actual != header.checksum:
+        raise ChecksumMismatch(
+            f"checksum mismatch under key {bytes(key).hex()}: header {header.checksum:016x}, computed {actual:016x} "
+            "(the block is damaged or belongs to another key)"
+        )
+    return header
 
 
 def _check_payload(header: BlockHeader, key: bytes, payload: memoryview, damaged: str) -> BlockHeader:

@@ -233,13 +233,30 @@ def read_range_into(fd: int, size: int, name: str, offset: int, buffer: memoryvi
         done += n
 
 
+Fill = Callable[[int, int], None]
+"""fill(start, end): reads bytes [start, end) of a block's range into its destination's [start, end)."""
+
+
+def _filler(where: int, fd: int, size: int, ref: ShmRange, buffer: memoryview) -> Fill:
+    def fill(start: int, end: int) -> None:
+        try:
+            read_range_into(fd, size, ref.segment, ref.offset + start, buffer[start:end])
+        except ShmError as exc:
+            raise ShmError(exc.code, f"block {where}: {exc.message}") from None
+        except OSError as exc:
+            raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
+
+    return fill
+
+
 def read_ranges_into(
     reads: Sequence[tuple[int, int, int, ShmRange, memoryview]],
-    check: Callable[[int, memoryview], None] | None = None,
+    check: Callable[[int, memoryview, Fill], None] | None = None,
     stop: threading.Event | None = None,
 ) -> None:
-    """Reads (block index, fd, segment size, range, destination) in order, each into its destination,
-    and has check(block index, destination) verify each one right after it landed (in cache).
+    """Reads (block index, fd, segment size, range, destination) in order, each into its destination.
+    With `check`, check(block index, destination, fill) reads each block itself, through fill, so
+    that it can verify each piece right after it landed (in cache), not in a second pass.
 
     Raises:
         ShmError: as read_range_into, naming the block.
@@ -249,18 +266,17 @@ def read_ranges_into(
     for where, fd, size, ref, buffer in reads:
         if stop is not None and stop.is_set():
             raise CallEnded(f"stopped before block {where}")
-        try:
-            read_range_into(fd, size, ref.segment, ref.offset, buffer)
-        except ShmError as exc:
-            raise ShmError(exc.code, f"block {where}: {exc.message}") from None
-        except OSError as exc:
-            raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
-        if check is not None:
-            check(where, buffer)
+
+        fill = _filler(where, fd, size, ref, buffer)
+        if check is None:
+            fill(0, len(buffer))
+        else:
+            check(where, buffer, fill)
 
 
 async def read_ranges_into_slots_in_thread(
-    reads: Sequence[tuple[int, int, int, ShmRange, memoryview]], check: Callable[[int, memoryview], None] | None = None
+    reads: Sequence[tuple[int, int, int, ShmRange, memoryview]],
+    check: Callable[[int, memoryview, Fill], None] | None = None,
 ) -> None:
     """read_ranges_into in a worker thread that owns duplicates of the segments' descriptors and is
     waited for before a cancellation propagates (see _run_to_end): no write into a destination

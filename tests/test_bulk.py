@@ -280,6 +280,37 @@ def test_client_gone_mid_frame_commits_nothing_and_releases_everything(make_serv
     assert (sink.reserved, sink.committed, sink.abandoned) == (4, 2, 2)
 
 
+def test_blocks_verified_piece_by_piece_refuse_damage_in_any_piece_and_a_bad_header_at_once(make_server) -> None:
+    """Blocks are hashed piece by piece (256 KiB) as they are received: a 4 MiB block with one byte
+    flipped in a middle piece is refused DATA_LOSS once it has come; a block whose header does not
+    parse is refused INVALID_ARGUMENT when its first piece has come, the other 3.75 MiB never sent
+    (the request's deadline is 120 s: the refusal is not a deadline). Nothing stored, each
+    connection closed; the server keeps serving."""
+    server = bulk_server(make_server)
+    ((key, block),) = blocks(1, 4 << 20)
+    damaged = bytearray(block)
+    damaged[(3 << 20) + 5] ^= 0x01
+    raw = Raw(server)
+    raw.hello()
+    raw.send(bw.FrameType.PUT, bw.put("n", [(key, len(block))]))
+    raw.send(bw.FrameType.DATA, bytes(damaged))
+    code, message = raw.error()
+    assert code is grpc.StatusCode.DATA_LOSS and "block 0" in message, message
+    raw.close()
+    raw = Raw(server)
+    raw.hello()
+    raw.send(bw.FrameType.PUT, bw.put("n", [(key, len(block))]))
+    raw.sock.sendall(bw.header(bw.FrameType.DATA, len(block)) + b"NOPE" + block[4 : 256 << 10])
+    code, message = raw.error()
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "malformed block" in message, message
+    raw.close()
+    settled(server, errors=2, puts=0)
+    assert counters(server)["checksum_failures"] == 1 and stored(server, "n", [key]) == 0
+    with KVCacheClient(server.target) as client:
+        assert client.put_many("n", [(key, block)]).stored == 1
+        assert bytes(client.get_many("n", [key])[0]) == block
+
+
 @pytest.mark.parametrize(
     "lie",
     ["data_shorter", "data_longer", "over_max_frame", "put_count", "checksum", "not_data", "bad_magic"],

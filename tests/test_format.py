@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from kvcache_core.format import (
     encode_block,
     parse_header,
     verify_block,
+    verify_block_in_pieces,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -212,3 +215,57 @@ def test_blocks_match_the_independent_reference_vectors() -> None:
         assert bytes(view) == payload and list(header.shape) == v["shape"]
         with pytest.raises(ChecksumMismatch):
             verify_block(want, bytes(b ^ 0x80 for b in key))
+
+
+def _filled_from(source: bytes, dest: bytearray, calls: list[tuple[int, int]]):
+    def fill(start: int, end: int) -> None:
+        calls.append((start, end))
+        dest[start:end] = source[start:end]
+
+    return fill
+
+
+@pytest.mark.parametrize("payload_len", [0, 1, 100, 4096, 3 * 4096, 3 * 4096 + 7])
+def test_verify_in_pieces_accepts_what_verify_block_accepts_and_fills_every_byte_once(payload_len: int) -> None:
+    """Pieces of 4 KiB (the first at least a header's worst case): the whole block lands, each byte
+    once and in order, and the header is what verify_block returns."""
+    block = encode_block(os.urandom(payload_len), key=KEY, dtype="uint8", shape=(payload_len,))
+    dest, calls = bytearray(len(block)), []
+    header = verify_block_in_pieces(memoryview(dest), KEY, _filled_from(block, dest, calls), piece_bytes=4096)
+    assert header == verify_block(block, KEY) and bytes(dest) == block
+    assert calls[0][0] == 0 and calls[-1][1] == len(block)
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(calls))
+
+
+def test_verify_in_pieces_refuses_a_flipped_byte_in_any_piece_another_key_and_a_bad_header() -> None:
+    payload = os.urandom(5 * 1024)
+    block = encode_block(payload, key=KEY, dtype="uint8", shape=(len(payload),))
+    for at in range(FIXED_HEADER_BYTES + 8, len(block), 997):  # the header's checksum field and the payload
+        bad = bytearray(block)
+        bad[at] ^= 0x01
+        dest = bytearray(len(bad))
+        with pytest.raises(ChecksumMismatch):
+            verify_block_in_pieces(memoryview(dest), KEY, _filled_from(bytes(bad), dest, []), piece_bytes=1024)
+    dest = bytearray(len(block))
+    with pytest.raises(ChecksumMismatch, match="another key"):
+        verify_block_in_pieces(memoryview(dest), bytes(16), _filled_from(block, dest, []), piece_bytes=1024)
+    garbage, calls = b"NOPE" + block[4:], []
+    dest = bytearray(len(garbage))
+    with pytest.raises(BlockFormatError):
+        verify_block_in_pieces(memoryview(dest), KEY, _filled_from(garbage, dest, calls), piece_bytes=1024)
+    assert calls == [(0, 1024)]  # a bad header stops the reading at the first piece
+
+
+def test_verify_in_pieces_hashes_what_landed_not_what_the_source_holds_later() -> None:
+    """The bytes verified are those in the destination as each piece lands: a source changed after a
+    piece was copied (a client writing its segment again) does not change what was verified."""
+    payload = os.urandom(8 * 1024)
+    block = bytearray(encode_block(payload, key=KEY, dtype="uint8", shape=(len(payload),)))
+    dest = bytearray(len(block))
+
+    def fill(start: int, end: int) -> None:
+        dest[start:end] = block[start:end]
+        block[start:end] = bytes(end - start)  # the source rewritten right after the copy
+
+    verify_block_in_pieces(memoryview(dest), KEY, fill, piece_bytes=1024)
+    assert verify_block(bytes(dest), KEY).payload_len == len(payload)

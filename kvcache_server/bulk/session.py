@@ -40,7 +40,7 @@ import grpc
 
 from kvcache_core import bulkwire as bw
 from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
-from kvcache_core.format import BlockFormatError, verify_block
+from kvcache_core.format import BlockFormatError, verify_block_in_pieces
 from kvcache_server.auth import Authenticator, AuthError, Principal
 from kvcache_server.budget import Holding, MemoryBudget
 from kvcache_server.config import BulkSection, LimitsSection
@@ -456,10 +456,10 @@ class Session:
                 if len(slots) == i:
                     slots.append(self._on_loop(sink.reserve(scoped, n), undo=sink.abandon))
                 slot = slots[i]
-                self._recv(slot.view, f"block {i}", deadline)
+                # Verified piece by piece as it lands (in cache), not in a second pass; a refusal ends
+                # the request there, and the connection (Session.run, _fail).
+                self._recv_verified(i, entries[i][0], slot.view, deadline)
                 self._s.counters.add("bytes_received", n)
-            for i, ((key, _), slot) in enumerate(zip(entries, slots, strict=True)):
-                self._verify(i, key, slot.view)
             commit = sink.commit(scoped, list(zip((k for k, _ in entries), slots, strict=True)))
             committed = None  # from here the commit owns the slots (it frees what it does not keep), ended or not
             outcome = self._on_loop(commit)
@@ -484,10 +484,17 @@ class Session:
         for slot in slots:
             self._s.sink.abandon(slot)
 
-    def _verify(self, index: int, key: bytes, view: memoryview) -> None:
+    def _recv_verified(self, index: int, key: bytes, view: memoryview, deadline: Deadline) -> None:
+        """Receives block `index` into `view`, each piece checked against the block's checksum right
+        after it landed (format.verify_block_in_pieces; uncompressed only: a compressed block is a
+        BlockFormatError).
+
+        Raises:
+            Refused: DATA_LOSS (checksum) or INVALID_ARGUMENT (malformed), the rest of the block unread.
+        """
         where = f"block {index}"
         try:
-            verify_block(view, key)  # uncompressed only: a compressed block is a BlockFormatError
+            verify_block_in_pieces(view, key, lambda start, end: self._recv(view[start:end], where, deadline))
         except ChecksumMismatch as exc:
             self._s.counters.add("checksum_failures")
             raise Refused(grpc.StatusCode.DATA_LOSS, f"{where}: {exc}") from None

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, NoReturn
 
 import grpc
@@ -272,9 +272,13 @@ class PutStages:
 
             landed: list[int] = []  # bytes read out of the segment, block by block
 
-            def check(where: int, slot: memoryview) -> None:  # verified where it lies, right after the copy
-                landed.append(len(slot))
-                check_block_for_put(where, keys[where], slot, limit)
+            def check(where: int, slot: memoryview, fill: Callable[[int, int], None]) -> None:
+                def counted(start: int, end: int) -> None:
+                    fill(start, end)
+                    landed.append(end - start)
+
+                # verified where it lies, each piece right after its copy (in cache)
+                check_block_for_put(where, keys[where], slot, limit, counted)
 
             try:
                 if sum(r[3].length for r in reads) >= OFFLOAD_BYTES:  # one thread hop for reads and checks

@@ -9,11 +9,12 @@ the shared-memory segments and the in-place arena commit all call verify_block_f
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 import grpc
 
 from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
-from kvcache_core.format import BlockFormatError, Compression, verify_block
+from kvcache_core.format import BlockFormatError, Compression, verify_block, verify_block_in_pieces
 from kvcache_core.keys import KEY_BYTES
 from kvcache_server.refusal import Refused
 
@@ -44,8 +45,16 @@ async def verify_block_for_put(index: int, key: bytes, data: bytes | memoryview,
         check_block_for_put(index, key, data, max_block_bytes)
 
 
-def check_block_for_put(index: int, key: bytes, data: bytes | memoryview, max_block_bytes: int) -> None:
+def check_block_for_put(
+    index: int,
+    key: bytes,
+    data: bytes | memoryview,
+    max_block_bytes: int,
+    fill: Callable[[int, int], None] | None = None,
+) -> None:
     """verify_block_for_put's checks, here and now (blocking: for a caller already in a worker thread).
+    With `fill`, `data` is an empty slot that fill(start, end) reads the block into, piece by piece,
+    each piece verified as it lands (format.verify_block_in_pieces); the key and size are checked first.
 
     Raises:
         BlockRefused: INVALID_ARGUMENT (bad key, malformed block, unknown version, compressed),
@@ -59,7 +68,7 @@ def check_block_for_put(index: int, key: bytes, data: bytes | memoryview, max_bl
             grpc.StatusCode.RESOURCE_EXHAUSTED, f"{where}: {len(data)} bytes exceed max_block_bytes={max_block_bytes}"
         )
     try:
-        header = verify_block(data, key)
+        header = verify_block(data, key) if fill is None else verify_block_in_pieces(memoryview(data), key, fill)
     except ChecksumMismatch as exc:
         raise BlockRefused(grpc.StatusCode.DATA_LOSS, f"{where}: {exc}", checksum=True) from None
     except UnknownFormatVersion as exc:
