@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import subprocess
@@ -31,6 +32,7 @@ pytestmark = pytest.mark.timeout(240)
 
 NS = "hung-test"
 BUCKET = "kvcache-test"
+log = logging.getLogger(__name__)  # a failed Lookup says why in the test's captured log
 VLLM_DEADLINE_S = 0.5
 TIER_TIMEOUT_S = 2.0
 """Each tier's timeout_s here: longer than a client's deadline, as in production (5 s, 10 s)."""
@@ -75,10 +77,12 @@ def lookups_while_hung(
     answers: list[LookupResult | None] = []
     seen: set[str] = set()
     for i in range(n):
+        start = time.monotonic()
         try:
             answers.append(client.lookup(NS, ask(i)))
-        except KVCacheError:
+        except KVCacheError as exc:
             answers.append(None)
+            log.warning("lookup %d failed after %.3f s: %r", i, time.monotonic() - start, exc)
         with KVCacheClient(client.target, timeout_s=10) as admin:
             seen.add(breaker(admin, tier))
         time.sleep(0.05)
