@@ -345,3 +345,50 @@ def test_the_asyncio_face_releases_a_lease_answer_nobody_waits_for(tmp_path: Pat
         asyncio.run(run())
     finally:
         child.stop()
+
+
+def test_asyncio_leases_nobody_waits_for_leave_the_default_executor_free(tmp_path: Path) -> None:
+    """Against a stopped server, asyncio get_into calls that gave up on their LEASE leave its thread
+    waiting for the answer (to the caller's deadline plus 5 s): more of them than the event loop's
+    default executor has threads. Those threads are the client's own, so the process's other
+    to_thread work (bulk gets to other servers, copies) still runs at once; once the server resumes,
+    every late answer's leases are released."""
+    port, bulk_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvcache_server", "--port", str(port), "--log-level", "warning"]
+    env = {
+        **os.environ,
+        "KVCACHE_BULK_PORT": str(bulk_port),
+        "KVCACHE_SHM_DIR": str(tmp_path / "shm"),
+        "KVCACHE_RAM_CAPACITY_BYTES": str(64 << 20),
+        "KVCACHE_RAM_PREFAULT": "0",
+        "KVCACHE_RAM_LEASE_TIMEOUT_S": "120",
+    }
+    child = ChildServer("kvcache-server", argv, env=env, cwd=str(Path(__file__).resolve().parent.parent))
+    assert child.launch(rf"bulk 127\.0\.0\.1:{bulk_port}\b") is not None
+    items = _blocks(2, 32 << 10)
+    keys = [k for k, _ in items]
+    abandoned = min(32, (os.cpu_count() or 1) + 4) + 4  # more than the default executor's threads
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            assert (await client.put_many("n", items)).stored == 2
+            buffers = [bytearray(32 << 10) for _ in keys]
+            assert await client.get_into("n", keys, buffers) == [True] * 2  # warm
+            inplace = client._transport.inner._inplace
+            sigstop(child.proc.pid)
+            try:
+                for _ in range(abandoned):
+                    with pytest.raises(DeadlineExceeded, match="LEASE"):
+                        await client.get_into("n", keys, buffers, timeout_s=0.02)
+                assert await asyncio.wait_for(asyncio.to_thread(int), 2.0) == 0  # the default executor is free
+            finally:
+                os.kill(child.proc.pid, signal.SIGCONT)
+            await inplace.drain()
+            assert inplace.handed_back == abandoned
+            stats = await client.stats()
+            assert (stats.arena_leases, stats.arena_leases_expired) == (0, 0)
+
+    try:
+        asyncio.run(run())
+    finally:
+        child.stop()

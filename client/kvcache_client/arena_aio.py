@@ -27,7 +27,8 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
 
 from kvcache_client import inplace_core as core
 from kvcache_client.arena import ArenaLink, lease_response
@@ -40,6 +41,12 @@ from kvcache_client.shm import run_to_end
 from kvcache_client.steps import arun
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+
+T = TypeVar("T")
+
+_LEASE_THREADS = 8
+"""Worker threads for the bulk port's LEASE and RELEASE exchanges of one asyncio client: more calls
+at once wait for one (their deadlines run meanwhile)."""
 
 
 class AsyncInPlaceCalls:
@@ -65,6 +72,10 @@ class AsyncInPlaceCalls:
         # sets it): one socket round trip each in a worker thread, not a gRPC call; None: gRPC.
         self.bulk: Callable[[float], Awaitable[BulkPool | None]] | None = None
         self.bulk_down: Callable[[str], None] = lambda reason: None
+        # Threads of their own for LEASE and RELEASE: a LEASE nobody waits for keeps its thread up to
+        # its caller's deadline plus CLEANUP_S (a hung server), which must not take the event loop's
+        # default executor from the process's other to_thread work (bulk gets to other servers).
+        self._threads: ThreadPoolExecutor | None = None
 
     @property
     def handed_back(self) -> int:
@@ -92,6 +103,9 @@ class AsyncInPlaceCalls:
         """Waits for the pinning calls and cleanups still running (each has its own deadline)."""
         while pending := self.book.pending:  # a pinning call's end may start its hand-back: until none is left
             await asyncio.wait(pending)  # type: ignore[type-var]
+        if self._threads is not None:
+            self._threads.shutdown(wait=False)  # idle now; a later call starts new ones
+            self._threads = None
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
         task = asyncio.ensure_future(coro)
@@ -102,6 +116,11 @@ class AsyncInPlaceCalls:
 
     async def _bulk_pool(self, timeout_s: float) -> BulkPool | None:
         return await self.bulk(timeout_s) if self.bulk is not None else None
+
+    def _in_thread(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
+        if self._threads is None:
+            self._threads = ThreadPoolExecutor(max_workers=_LEASE_THREADS, thread_name_prefix="kvcache-aio-lease")
+        return asyncio.get_running_loop().run_in_executor(self._threads, fn, *args)
 
     async def lease_get(self, request: pb.LeaseGetRequest, deadline: float) -> pb.LeaseGetResponse:
         pool = await self._bulk_pool(core.left(deadline))
@@ -115,7 +134,7 @@ class AsyncInPlaceCalls:
                     return conn.read_leased(end)
 
                 try:
-                    return lease_response(*await asyncio.to_thread(pool.run, leased, end))
+                    return lease_response(*await self._in_thread(pool.run, leased, end))
                 except BulkUnreachable as exc:
                     self.bulk_down(str(exc))
                 except DeadlineExceeded:
@@ -153,7 +172,7 @@ class AsyncInPlaceCalls:
             end = time.monotonic() + core.CLEANUP_S
             ids = list(request.leases)
             try:
-                released = await asyncio.to_thread(pool.run, lambda conn: conn.release(ids, end), end)
+                released = await self._in_thread(pool.run, lambda conn: conn.release(ids, end), end)
                 return pb.LeaseReleaseResponse(released=released)
             except BulkUnreachable as exc:
                 self.bulk_down(str(exc))

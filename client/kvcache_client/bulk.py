@@ -201,7 +201,7 @@ class BulkLink:
         return self.pool
 
     def info_failed(self, exc: grpc.RpcError) -> None:
-        """Info failed: gRPC until retry_after_s has passed (not one more Info per call meanwhile)."""
+        """Info failed for a Lookup: gRPC until retry_after_s has passed (no Info per Lookup meanwhile)."""
         log.debug("bulk port: Info failed (%s); gRPC for now", exc.code())
         with self._lock:
             if self.needs_info:
@@ -344,12 +344,17 @@ class BulkTransport:
             self._ask_info(timeout_s)
         return self.link.lease_pool
 
-    def _ask_info(self, timeout_s: float) -> None:
-        """Info decides the path; an Info that fails (its rate bucket spent, a deadline) sends this
-        call over gRPC, whose own status is the one the caller sees."""
+    def _ask_info(self, timeout_s: float, *, lookup: bool = False) -> None:
+        """Info decides the path. An Info that fails (its rate bucket spent, a deadline): a Lookup
+        goes over gRPC, which needs no Info, and its own status is the one the caller sees (the bulk
+        link down until retry_after_s, so no Info per Lookup meanwhile); the other calls raise
+        Info's status, since their gRPC path would ask Info again first (GrpcTransport._check_info).
+        """
         try:
             info = self.inner.info(timeout_s, refresh=self.link.state == "down")
         except grpc.RpcError as exc:
+            if not lookup:
+                raise
             self.link.info_failed(exc)
             return
         self.link.configure(info, self.inner.shm.on)
@@ -373,7 +378,7 @@ class BulkTransport:
     def _lookup_pool(self, timeout_s: float) -> BulkPool | None:
         self.link.reconsider(self.inner.shm.on)
         if self.link.needs_info:
-            self._ask_info(timeout_s)
+            self._ask_info(timeout_s, lookup=True)
         return self.link.lookup_pool()
 
     def info(self, timeout_s: float, *, refresh: bool = False) -> pb.InfoResponse | None:
@@ -459,11 +464,13 @@ class AsyncBulkTransport:
             await self._ask_info(timeout_s)
         return self.link.lease_pool
 
-    async def _ask_info(self, timeout_s: float) -> None:
+    async def _ask_info(self, timeout_s: float, *, lookup: bool = False) -> None:
         """As BulkTransport._ask_info."""
         try:
             info = await self.inner.info(timeout_s, refresh=self.link.state == "down")
         except grpc.RpcError as exc:
+            if not lookup:
+                raise
             self.link.info_failed(exc)
             return
         self.link.configure(info, self.inner.shm.on)
@@ -479,7 +486,7 @@ class AsyncBulkTransport:
         start = time.monotonic()
         self.link.reconsider(self.inner.shm.on)
         if self.link.needs_info:
-            await self._ask_info(timeout_s)
+            await self._ask_info(timeout_s, lookup=True)
         pool = self.link.lookup_pool()
         if pool is not None:
             try:
