@@ -81,6 +81,24 @@ def _open_leases(server: ServerThread) -> int:
     return server.stack.ram.arena_stats()["leases"]
 
 
+def _child_server(tmp_path: Path) -> tuple[ChildServer, int]:
+    """A server process (one a test can SIGSTOP), its shm directory under tmp_path, leases that do not
+    expire within a test; and its gRPC port."""
+    port, bulk_port = free_port(), free_port()
+    argv = [sys.executable, "-m", "kvcache_server", "--port", str(port), "--log-level", "warning"]
+    env = {
+        **os.environ,
+        "KVCACHE_BULK_PORT": str(bulk_port),
+        "KVCACHE_SHM_DIR": str(tmp_path / "shm"),
+        "KVCACHE_RAM_CAPACITY_BYTES": str(64 << 20),
+        "KVCACHE_RAM_PREFAULT": "0",
+        "KVCACHE_RAM_LEASE_TIMEOUT_S": "120",
+    }
+    child = ChildServer("kvcache-server", argv, env=env, cwd=str(Path(__file__).resolve().parent.parent))
+    assert child.launch(rf"bulk 127\.0\.0\.1:{bulk_port}\b") is not None
+    return child, port
+
+
 def test_same_host_reads_lease_over_the_bulk_port_not_grpc(make_server, tmp_path: Path) -> None:
     """get_many, get_into and leased() each take one LEASE frame and one RELEASE frame on the bulk
     port; the bytes are the stored ones; nothing stays leased once each call returned."""
@@ -109,18 +127,7 @@ def test_a_lease_answer_nobody_waits_for_is_released_not_left_to_expire(tmp_path
     """A server process stopped (SIGSTOP) while a get_into waits for its LEASE answer: the call
     fails with its deadline; once the server resumes, the answer's leases are released by the
     SDK (handed_back 1), none is left to expire, and the next get is served in place again."""
-    port, bulk_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "kvcache_server", "--port", str(port), "--log-level", "warning"]
-    env = {
-        **os.environ,
-        "KVCACHE_BULK_PORT": str(bulk_port),
-        "KVCACHE_SHM_DIR": str(tmp_path / "shm"),
-        "KVCACHE_RAM_CAPACITY_BYTES": str(64 << 20),
-        "KVCACHE_RAM_PREFAULT": "0",
-        "KVCACHE_RAM_LEASE_TIMEOUT_S": "120",
-    }
-    child = ChildServer("kvcache-server", argv, env=env, cwd=str(Path(__file__).resolve().parent.parent))
-    assert child.launch(rf"bulk 127\.0\.0\.1:{bulk_port}\b") is not None
+    child, port = _child_server(tmp_path)
     try:
         items = _blocks(8, 32 << 10)
         keys = [k for k, _ in items]
@@ -302,18 +309,7 @@ def test_the_asyncio_face_releases_a_lease_answer_nobody_waits_for(tmp_path: Pat
     """A server process stopped (SIGSTOP) while an asyncio get_into waits for its LEASE answer: the
     call fails with its deadline; once the server resumes, the worker thread reads the answer and the
     client releases its leases (handed_back 1), none left to expire."""
-    port, bulk_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "kvcache_server", "--port", str(port), "--log-level", "warning"]
-    env = {
-        **os.environ,
-        "KVCACHE_BULK_PORT": str(bulk_port),
-        "KVCACHE_SHM_DIR": str(tmp_path / "shm"),
-        "KVCACHE_RAM_CAPACITY_BYTES": str(64 << 20),
-        "KVCACHE_RAM_PREFAULT": "0",
-        "KVCACHE_RAM_LEASE_TIMEOUT_S": "120",
-    }
-    child = ChildServer("kvcache-server", argv, env=env, cwd=str(Path(__file__).resolve().parent.parent))
-    assert child.launch(rf"bulk 127\.0\.0\.1:{bulk_port}\b") is not None
+    child, port = _child_server(tmp_path)
     items = _blocks(8, 32 << 10)
     keys = [k for k, _ in items]
 
@@ -353,18 +349,7 @@ def test_asyncio_leases_nobody_waits_for_leave_the_default_executor_free(tmp_pat
     default executor has threads. Those threads are the client's own, so the process's other
     to_thread work (bulk gets to other servers, copies) still runs at once; once the server resumes,
     every late answer's leases are released."""
-    port, bulk_port = free_port(), free_port()
-    argv = [sys.executable, "-m", "kvcache_server", "--port", str(port), "--log-level", "warning"]
-    env = {
-        **os.environ,
-        "KVCACHE_BULK_PORT": str(bulk_port),
-        "KVCACHE_SHM_DIR": str(tmp_path / "shm"),
-        "KVCACHE_RAM_CAPACITY_BYTES": str(64 << 20),
-        "KVCACHE_RAM_PREFAULT": "0",
-        "KVCACHE_RAM_LEASE_TIMEOUT_S": "120",
-    }
-    child = ChildServer("kvcache-server", argv, env=env, cwd=str(Path(__file__).resolve().parent.parent))
-    assert child.launch(rf"bulk 127\.0\.0\.1:{bulk_port}\b") is not None
+    child, port = _child_server(tmp_path)
     items = _blocks(2, 32 << 10)
     keys = [k for k, _ in items]
     abandoned = min(32, (os.cpu_count() or 1) + 4) + 4  # more than the default executor's threads
