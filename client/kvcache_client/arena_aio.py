@@ -124,6 +124,7 @@ class AsyncInPlaceCalls:
 
     async def lease_get(self, request: pb.LeaseGetRequest, deadline: float) -> pb.LeaseGetResponse:
         pool = await self._bulk_pool(core.left(deadline))
+        via = ["LeaseGet" if pool is None else "LEASE"]  # what the caller stopped waiting for, if it does
 
         async def call() -> pb.LeaseGetResponse:
             if pool is not None:
@@ -137,6 +138,7 @@ class AsyncInPlaceCalls:
                     return lease_response(*await self._in_thread(pool.run, leased, end))
                 except BulkUnreachable as exc:
                     self.bulk_down(str(exc))
+                    via[0] = "LeaseGet"
                 except DeadlineExceeded:
                     raise DeadlineBeforeAnswer("LEASE") from None
                 except RPCError as exc:  # refused (the arena, rights, a rate): as LeaseGet's status would be
@@ -151,7 +153,7 @@ class AsyncInPlaceCalls:
         try:
             await asyncio.wait({task}, timeout=core.left(deadline))
             if not task.done():
-                raise DeadlineBeforeAnswer("LeaseGet" if pool is None else "LEASE")
+                raise DeadlineBeforeAnswer(via[0])
             taken = True
             return task.result()
         finally:
