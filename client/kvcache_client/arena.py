@@ -44,8 +44,7 @@ import grpc
 from kvcache_client import inplace_core as core
 from kvcache_client.bufpool import BufferPool
 from kvcache_client.bulkconn import BulkConnection, BulkPool, BulkUnreachable
-from kvcache_client.errors import DeadlineExceeded, RPCError
-from kvcache_client.inplace_core import ArenaMoved, BulkRefusal, DeadlineBeforeAnswer, LeaseBook, Leased
+from kvcache_client.inplace_core import ArenaMoved, DeadlineBeforeAnswer, LeaseBook, Leased
 from kvcache_client.results import Fetched
 from kvcache_client.steps import run
 from kvcache_core.format import payload_view
@@ -247,14 +246,8 @@ class InPlaceCalls:
     def lease_get(self, request: pb.LeaseGetRequest, deadline: float) -> pb.LeaseGetResponse:
         pool = self.bulk(core.left(deadline)) if self.bulk is not None else None
         if pool is not None:
-            try:
+            with core.bulk_answered("LEASE", self.bulk_down):  # the port failed: on to LeaseGet
                 return self._lease_over_bulk(pool, request, deadline)
-            except BulkUnreachable as exc:
-                self.bulk_down(str(exc))
-            except DeadlineExceeded:
-                raise DeadlineBeforeAnswer("LEASE") from None
-            except RPCError as exc:  # refused (the arena, rights, a rate): as LeaseGet's status would be
-                raise BulkRefusal(exc.code, exc.details) from None
         future = self._stub.LeaseGet.future(request, timeout=core.pinning_timeout_s(deadline), metadata=self._md)
         taken = False
         try:
@@ -329,13 +322,9 @@ class InPlaceCalls:
             # A RELEASE frame, answered: sent whole, it ends the leases even if its caller stops
             # waiting (the connection is then closed; the server reads what was sent first).
             deadline = time.monotonic() + core.CLEANUP_S
-            try:
-                ids = list(request.leases)
+            ids = list(request.leases)
+            with core.bulk_answered("RELEASE", self.bulk_down):
                 return pb.LeaseReleaseResponse(released=pool.run(lambda conn: conn.release(ids, deadline), deadline))
-            except BulkUnreachable as exc:
-                self.bulk_down(str(exc))
-            except RPCError as exc:
-                raise BulkRefusal(exc.code, exc.details) from None
         # A call of its own, kept by the book: a caller interrupted while it waits (KeyboardInterrupt)
         # stops waiting, not the release (the asyncio face shields its release task alike).
         future = self._stub.LeaseRelease.future(request, timeout=core.CLEANUP_S, metadata=self._md)

@@ -33,9 +33,8 @@ from typing import Any, TypeVar
 from kvcache_client import inplace_core as core
 from kvcache_client.arena import ArenaLink, lease_response
 from kvcache_client.bufpool import BufferPool
-from kvcache_client.bulkconn import BulkConnection, BulkPool, BulkUnreachable
-from kvcache_client.errors import DeadlineExceeded, RPCError
-from kvcache_client.inplace_core import BulkRefusal, DeadlineBeforeAnswer, LeaseBook, Leased
+from kvcache_client.bulkconn import BulkConnection, BulkPool
+from kvcache_client.inplace_core import DeadlineBeforeAnswer, LeaseBook, Leased
 from kvcache_client.results import Fetched
 from kvcache_client.shm import run_to_end
 from kvcache_client.steps import arun
@@ -134,15 +133,9 @@ class AsyncInPlaceCalls:
                     conn.send_lease(request.namespace, list(request.keys), request.prefix_only, end)
                     return conn.read_leased(end)
 
-                try:
+                with core.bulk_answered("LEASE", self.bulk_down):  # the port failed: on to LeaseGet
                     return lease_response(*await self._in_thread(pool.run, leased, end))
-                except BulkUnreachable as exc:
-                    self.bulk_down(str(exc))
-                    via[0] = "LeaseGet"
-                except DeadlineExceeded:
-                    raise DeadlineBeforeAnswer("LEASE") from None
-                except RPCError as exc:  # refused (the arena, rights, a rate): as LeaseGet's status would be
-                    raise BulkRefusal(exc.code, exc.details) from None
+                via[0] = "LeaseGet"
             answer: pb.LeaseGetResponse = await self._stub.LeaseGet(
                 request, timeout=core.pinning_timeout_s(deadline), metadata=self._md
             )
@@ -173,13 +166,9 @@ class AsyncInPlaceCalls:
         if pool is not None:
             end = time.monotonic() + core.CLEANUP_S
             ids = list(request.leases)
-            try:
+            with core.bulk_answered("RELEASE", self.bulk_down):
                 released = await self._in_thread(pool.run, lambda conn: conn.release(ids, end), end)
                 return pb.LeaseReleaseResponse(released=released)
-            except BulkUnreachable as exc:
-                self.bulk_down(str(exc))
-            except RPCError as exc:
-                raise BulkRefusal(exc.code, exc.details) from None
         response: pb.LeaseReleaseResponse = await self._stub.LeaseRelease(
             request, timeout=core.CLEANUP_S, metadata=self._md
         )

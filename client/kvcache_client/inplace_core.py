@@ -25,17 +25,20 @@ answer was handed to it is released on every way out of the steps (`except BaseE
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 import numpy as np
 
+from kvcache_client.bulkconn import BulkUnreachable
+from kvcache_client.errors import DeadlineExceeded, RPCError
 from kvcache_client.results import Fetched
 from kvcache_client.steps import Steps
 from kvcache_proto import kvcache_pb2 as pb
@@ -134,6 +137,22 @@ class DeadlineBeforeAnswer(SDKStatus):
 class BulkRefusal(SDKStatus):
     """A LEASE or RELEASE on the bulk port answered with an ERROR frame: the status LeaseGet or
     LeaseRelease would have answered, raised as theirs (the request is not asked again on gRPC)."""
+
+
+@contextlib.contextmanager
+def bulk_answered(what: str, down: Callable[[str], None]) -> Iterator[None]:
+    """Around a LEASE or RELEASE on the bulk port (both faces): a port that failed (BulkUnreachable)
+    is reported to `down` and swallowed, so that the caller goes on to the gRPC call; the deadline
+    passing is DeadlineBeforeAnswer(what); an ERROR frame is raised as the gRPC call's status would be.
+    """
+    try:
+        yield
+    except BulkUnreachable as exc:
+        down(str(exc))
+    except DeadlineExceeded:
+        raise DeadlineBeforeAnswer(what) from None
+    except RPCError as exc:  # refused (the arena, rights, a rate): as LeaseGet's or LeaseRelease's status
+        raise BulkRefusal(exc.code, exc.details) from None
 
 
 # -- answers and decisions -------------------------------------------------------------------------
