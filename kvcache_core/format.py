@@ -324,28 +324,31 @@ def verify_block_in_pieces(
     first = min(len(data), max(piece_bytes, FIXED_HEADER_BYTES + 8 * MAX_NDIM))
     fill(0, first)
     header = parse_header(data)
-    if header.compression is not Compression.NONE:
-        raise BlockFormatError(f"block is compressed ({header.compression.name}); decompress before verifying")
-    h = xxhash.xxh3_64(_check_key(key) + _descriptor(header.dtype, header.layout, header.shape, header.payload_len))
+    h = _payload_hasher(header, key)
     h.update(data[header.header_len : first])
     for start in range(first, len(data), piece_bytes):
         end = min(len(data), start + piece_bytes)
         fill(start, end)
         h.update(data[start:end])
-    actual = h.intdigest()
-    if actual != header.checksum:
-        raise ChecksumMismatch(
-            f"checksum mismatch under key {bytes(key).hex()}: header {header.checksum:016x}, computed {actual:016x} "
-            "(the block is damaged or belongs to another key)"
-        )
-    return header
+    return _matched(header, key, h.intdigest(), "the block is damaged")
+
+
+def _payload_hasher(header: BlockHeader, key: bytes) -> xxhash.xxh3_64:
+    """compute_checksum's hash, seeded with key || descriptor, for the payload to be fed to it."""
+    if header.compression is not Compression.NONE:
+        raise BlockFormatError(f"block is compressed ({header.compression.name}); decompress before verifying")
+    return xxhash.xxh3_64(_check_key(key) + _descriptor(header.dtype, header.layout, header.shape, header.payload_len))
 
 
 def _check_payload(header: BlockHeader, key: bytes, payload: memoryview, damaged: str) -> BlockHeader:
     """verify_block's and verify_copy's check of `payload` against `header`'s checksum under `key`."""
-    if header.compression is not Compression.NONE:
-        raise BlockFormatError(f"block is compressed ({header.compression.name}); decompress before verifying")
-    actual = compute_checksum(key, header.dtype, header.layout, header.shape, payload)
+    h = _payload_hasher(header, key)
+    h.update(payload)
+    return _matched(header, key, h.intdigest(), damaged)
+
+
+def _matched(header: BlockHeader, key: bytes, actual: int, damaged: str) -> BlockHeader:
+    """`header`, if `actual` is its checksum; else ChecksumMismatch saying what may be `damaged`."""
     if actual != header.checksum:
         raise ChecksumMismatch(
             f"checksum mismatch under key {bytes(key).hex()}: header {header.checksum:016x}, computed {actual:016x} "
