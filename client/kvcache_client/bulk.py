@@ -15,6 +15,11 @@ the bulk path is tried again after `retry_after_s`, asking Info again (a restart
 listen on another port). A pooled connection the server closed (a restart) is replaced once
 within the same call. The call's deadline covers connecting, sending and receiving; the server's
 answers (ERROR frames) arrive as the SDK's typed exceptions, as on gRPC.
+
+Longer than the project's 500-line guideline: BulkLink (the path's state and its two data calls) and
+the blocking and asyncio transports over it are kept together, since each face's methods mirror the
+other's line for line (the asyncio one runs the same BulkLink calls in worker threads) and read best
+side by side; the socket work itself is kvcache_client.bulkconn's.
 """
 
 from __future__ import annotations
