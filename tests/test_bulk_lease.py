@@ -137,7 +137,7 @@ def test_a_lease_answer_nobody_waits_for_is_released_not_left_to_expire(tmp_path
             assert client.get_into("n", keys, buffers) == [True] * 8  # warm: Info asked, arena mapped
             inplace = client._transport.inner._inplace
             assert inplace.handed_back == 0
-            os.kill(child.proc.pid, signal.SIGSTOP)
+            sigstop(child.proc.pid)
             timer = threading.Timer(0.6, os.kill, (child.proc.pid, signal.SIGCONT))
             timer.start()
             try:

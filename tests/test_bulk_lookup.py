@@ -29,7 +29,7 @@ from kvcache_client import (
 from kvcache_core import bulkwire as bw
 from kvcache_server.auth import token_digest
 from kvcache_server.launcher import ChildServer
-from tests.backends import RedisProcess, free_port
+from tests.backends import RedisProcess, free_port, sigstop
 from tests.conftest import ServerThread, keyed
 
 pytestmark = pytest.mark.timeout(120)
@@ -242,7 +242,7 @@ def test_a_lookup_against_a_stopped_server_ends_at_its_deadline(tmp_path: Path) 
         with KVCacheClient(f"127.0.0.1:{port}", timeout_s=10, retry=RetryPolicy(max_attempts=1)) as client:
             assert client.put_many("n", items).stored == 4
             assert client.lookup("n", keys).prefix_length == 4
-            os.kill(child.proc.pid, signal.SIGSTOP)
+            sigstop(child.proc.pid)
             timer = threading.Timer(1.0, os.kill, (child.proc.pid, signal.SIGCONT))
             timer.start()
             try:

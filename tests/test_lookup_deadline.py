@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvcache_client import KVCacheClient, LookupResult, RetryPolicy
-from tests.backends import RedisProcess, S3Process, wait_for
+from tests.backends import RedisProcess, S3Process, sigstop, wait_for
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(120)
@@ -39,7 +39,7 @@ def block(key: bytes) -> bytes:
 @contextlib.contextmanager
 def slow(pid: int, for_s: float) -> Iterator[None]:
     """The backend hung now and resumed after `for_s` (or when the block ends, if that is sooner)."""
-    os.kill(pid, signal.SIGSTOP)
+    sigstop(pid)
     timer = threading.Timer(for_s, os.kill, (pid, signal.SIGCONT))
     timer.start()
     try:

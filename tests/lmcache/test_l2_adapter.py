@@ -25,6 +25,7 @@ from kvcache_client import KVCacheClient
 from kvcache_connectors.lmcache_l2 import KVCacheL2Adapter, KVCacheL2Config
 from kvcache_connectors.lmcache_l2.keys import KeyMapper, lmcache_namespace, scope_of
 from kvcache_server.launcher import LocalKVCacheServer
+from tests.backends import sigstop
 from tests.lmcache.harness import (
     CHUNK_BYTES,
     Buffers,
@@ -389,7 +390,7 @@ def test_a_stopped_server_costs_one_deadline_per_cooldown(make_adapter, buffers)
         adapter = make_adapter(target=server.target, timeout_s=1.0, lookup_timeout_s=0.5, breaker_cooldown_s=60.0)
         keys = object_keys(1, first=120)
         assert store(adapter, keys, buffers.filled([3])).is_successful()
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        sigstop(server.proc.pid)
         try:
             started = time.monotonic()
             tasks = [adapter.submit_lookup_and_lock_task(keys, {}) for _ in range(5)]
@@ -419,7 +420,7 @@ def test_queues_are_bounded_by_tasks_and_bytes(make_adapter, buffers) -> None:
             max_queued_tasks=2,
             max_queued_bytes=3 * CHUNK_BYTES,
         )
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        sigstop(server.proc.pid)
         try:
             first = adapter.submit_store_task(object_keys(1, first=200), buffers.filled([1]))
             assert eventually(lambda: adapter.report_status()["queued"]["kvcache-l2-store"] == (0, 0))  # running
@@ -485,7 +486,7 @@ def test_a_server_killed_mid_call_is_a_miss_within_the_deadline(make_adapter, bu
         adapter = make_adapter(target=server.target, timeout_s=1.0, lookup_timeout_s=1.0)
         keys = object_keys(2, first=600)
         assert store(adapter, keys, buffers.filled([1, 2])).is_successful()
-        os.kill(server.proc.pid, signal.SIGSTOP)
+        sigstop(server.proc.pid)
         started = time.monotonic()
         task = adapter.submit_lookup_and_lock_task(keys, {})
         time.sleep(0.3)  # the LeaseGet is on the wire

@@ -31,6 +31,7 @@ from lmcache.v1.multiprocess.transfer_context.worker_transfer import (
 
 from kvcache_client import KVCacheClient
 from kvcache_server.launcher import LocalKVCacheServer
+from tests.backends import sigstop
 from tests.lmcache.harness import eventually
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -223,7 +224,7 @@ def test_a_stopped_kvcache_is_a_miss_for_lmcache_and_its_server_keeps_serving(kv
         kv = torch.randn(2, LAYERS, len(tokens), HEADS * HEAD_DIM, generator=torch.Generator().manual_seed(6)).to(DTYPE)
         assert ctx.store(kv, tokens)
         assert eventually(lambda: lmc.status()["storage_manager"]["l1_manager"]["total_object_count"] == 0, 30)
-        os.kill(kvcache.proc.pid, signal.SIGSTOP)
+        sigstop(kvcache.proc.pid)
         try:
             started = time.monotonic()
             assert ctx.retrieve(tokens) is None

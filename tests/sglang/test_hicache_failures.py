@@ -18,6 +18,7 @@ import torch
 
 from kvcache_connectors.sglang_hicache import Counters, KVCacheHiCacheStorage
 from kvcache_server.launcher import LocalKVCacheServer
+from tests.backends import sigstop
 from tests.sglang.harness import extra_config_json, fill_random, load_backend, mha_host_pool, page_keys, storage_config
 
 pytestmark = pytest.mark.timeout(90)
@@ -72,7 +73,7 @@ def test_stopped_server_calls_are_misses_within_the_deadline(child_server: Local
     keys = page_keys("stopped", 3)
     assert backend.batch_set_v1(keys, pages(0, 3)) == [True] * 3  # connected, shm/bulk negotiated
     assert backend.batch_exists(keys) == 3
-    os.kill(child_server.proc.pid, signal.SIGSTOP)
+    sigstop(child_server.proc.pid)
     try:
         hit, took = timed(backend.batch_exists, keys)
         assert hit == 0
@@ -99,7 +100,7 @@ def test_stopped_server_data_call_fails_within_its_deadline(child_server: LocalK
     backend = make_backend(child_server.target)
     keys = page_keys(f"stopped-{call}", 4)
     assert backend.batch_set_v1(keys, pages(0, 4)) == [True] * 4
-    os.kill(child_server.proc.pid, signal.SIGSTOP)
+    sigstop(child_server.proc.pid)
     try:
         if call == "get":
             result, took = timed(backend.batch_get_v1, keys, pages(6, 4))
@@ -122,7 +123,7 @@ def test_server_killed_mid_call_is_a_miss_before_the_deadline(child_server: Loca
     backend = make_backend(child_server.target)
     keys = page_keys("killed", 4)
     assert backend.batch_set_v1(keys, pages(0, 4)) == [True] * 4
-    os.kill(child_server.proc.pid, signal.SIGSTOP)  # the next call stays in flight
+    sigstop(child_server.proc.pid)  # the next call stays in flight
     results: list[object] = []
     errors: list[BaseException] = []
 

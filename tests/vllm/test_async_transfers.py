@@ -19,6 +19,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from kvcache_client import KVCacheClient, chunk_keys
+from tests.backends import sigstop
 from tests.vllm.harness import Engine, bitwise_equal, expected_namespace, make_engine
 
 pytestmark = pytest.mark.timeout(90)
@@ -159,7 +160,7 @@ def test_a_hung_server_never_stalls_the_engine(model_dir: str, server_process) -
     engine.step()
     assert gate.entered.wait(10)
     try:
-        os.kill(process.pid, signal.SIGSTOP)
+        sigstop(process.pid)
         gate.release.set()
         engine.add("late", [5, *PROMPT[1:]])
         waiting_steps = []

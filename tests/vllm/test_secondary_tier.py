@@ -21,6 +21,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvcache_client import KVCacheClient
 from kvcache_connectors.vllm_tier import KVCacheTier, TierMetrics
+from tests.backends import sigstop
 from tests.vllm.harness import BLOCK, hybrid_kv_cache_config
 from tests.vllm.tier_harness import (
     END_STEP,
@@ -317,7 +318,7 @@ def test_a_hung_server_costs_one_timeout_per_cooldown_not_one_per_job(model_dir,
         tiers.append(t)
         assert t.lookup(offload_keys(1, prompt=7)[0], "warm") is LookupResult.MISS  # connected, answering
         pid = server.proc.pid
-        os.kill(pid, signal.SIGSTOP)
+        sigstop(pid)
         try:
             for i in range(5):
                 t.tier.submit_load(t.job(offload_keys(1, prompt=10 + i), [i], load=True, req=f"l{i}"))

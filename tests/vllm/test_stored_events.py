@@ -19,6 +19,7 @@ from vllm.distributed.kv_events import BlockStored
 from kvcache_client import KVCacheClient, chunk_keys
 from kvcache_client.results import PutResult, TierPutResult
 from kvcache_connectors.vllm import scheduler as scheduler_module
+from tests.backends import sigstop
 from tests.vllm.harness import BLOCK, SAMPLED, Engine, expected_namespace, make_engine
 from tests.vllm.test_async_transfers import Gate
 
@@ -106,7 +107,7 @@ def test_a_put_the_hung_server_never_confirmed_is_never_published(model_dir: str
     engine.step()  # looked up while the server runs; chunks 0 and 1 are handed to the save thread
     assert gate.entered.wait(10)
     try:
-        os.kill(process.pid, signal.SIGSTOP)
+        sigstop(process.pid)
         gate.release.set()  # that put times out; the open breaker skips the later ones
         engine.run()
         drain(engine)
