@@ -12,10 +12,14 @@ and interleaved round by round (every path once per round, medians over the roun
 - raw loopback TCP socket, Python at both ends (sendall / recv_into into warm buffers): the floor
   of a remote client;
 - redis-py: SET / MGET of the chunks against a redis-server child (pipelined);
+- bare gRPC Python: bench/echo_server.py's raw service, the chunks as 1 MiB messages of raw bytes
+  (stream out, stream back), the floor of the SDK's pure-gRPC row;
 - the kvcache SDK against a kvcache server child, with `shm` (same host: the block arena in place,
   or segments on code without it) and with `shm=False` (as a remote client: the bulk port). Each
   of its three gets is a row: get_into (one copy into a warm destination, verified), get_many and
   get_tensors (memory the SDK hands out), with their time over get_into's in a table of their own;
+  and with `shm=False, bulk=False` (pure gRPC, as a client in another language starts), get_into,
+  beside the bulk port in a table of its own;
 - peers, where they are installed (docs: ../shared/reference/peers.md; `--peers-dir`): LMCache's MP
   server and Mooncake Store, each driven by a child in its own virtual environment; skipped with a
   message otherwise.
@@ -138,6 +142,39 @@ class RawSocket(Path_):
         self.proc.stop()
 
 
+class BareGrpc(Path_):
+    """bench/echo_server.py's raw service: the chunks as 1 MiB messages of raw bytes (the SDK's part
+    size), no protobuf, no checksum, no store: what gRPC Python itself moves, the floor of the pure-gRPC row."""
+
+    name = "bare gRPC Python, raw 1 MiB messages"
+
+    def __init__(self, chunks: list[np.ndarray]) -> None:
+        import grpc
+
+        self.messages = [bytes(memoryview(c).cast("B")[i : i + MiB]) for c in chunks for i in range(0, c.nbytes, MiB)]
+        argv = python_cmd(str(Path(__file__).resolve().parent / "echo_server.py"), "--port", "0")
+        self.proc = ServerProcess("echo-server", argv, cwd=str(CODE_ROOT))
+        port = self.proc.start(r"serving on [^\s:]+:(\d+)")
+        options = [("grpc.max_receive_message_length", 8 * MiB), ("grpc.max_send_message_length", 8 * MiB)]
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{port}", options=options)
+        grpc.channel_ready_future(self.channel).result(timeout=30)
+        self._put = self.channel.stream_unary("/echo.Raw/Put")
+        self._get = self.channel.unary_stream("/echo.Raw/Get")
+        self.meta = (("slot", "bench-peers"),)
+
+    def put(self) -> None:
+        ack = int.from_bytes(self._put(iter(self.messages), metadata=self.meta, timeout=120), "little")
+        assert ack == len(self.messages), ack
+
+    def get(self) -> None:
+        got = sum(len(m) for m in self._get(b"bench-peers", timeout=120))
+        assert got == sum(len(m) for m in self.messages), got
+
+    def close(self) -> None:
+        self.channel.close()
+        self.proc.stop()
+
+
 class RedisPy(Path_):
     name = "redis-py"
 
@@ -193,14 +230,16 @@ def start_kvcache(capacity_bytes: int) -> tuple[ServerProcess, str]:
 
 
 GETS = ("get_into", "get_many", "get_tensors")
+PURE_GRPC = "shm=False, bulk=False: pure gRPC"
+"""A remote client without the bulk port (another language, an HTTP/2-only proxy): every byte on gRPC."""
 """The SDK's three gets, each its own row: get_into copies into warm destinations the bench keeps;
 get_many and get_tensors return memory the SDK owns, dropped before the next round (as a caller
 that copies each block on and lets it go)."""
 
 
 class Sdk(Path_):
-    def __init__(self, target: str, chunks: list[np.ndarray], *, shm: bool, get: str) -> None:
-        self.client = KVCacheClient(target, shm=shm, timeout_s=120)
+    def __init__(self, target: str, chunks: list[np.ndarray], *, shm: bool, get: str, bulk: bool = True) -> None:
+        self.client = KVCacheClient(target, shm=shm, bulk=bulk, timeout_s=120)
         self.keys = [os.urandom(16) for _ in chunks]
         self.blocks = [
             encode_block(memoryview(c).cast("B"), key=k, dtype="bfloat16", shape=(c.nbytes // 2,))
@@ -208,7 +247,7 @@ class Sdk(Path_):
         ]
         self.op = get if hasattr(self.client, get) else "get_many"  # code without get_into
         self.dst = [np.empty(c.nbytes, dtype=np.uint8) for c in chunks]
-        self.where = "shm" if shm else "shm=False, as a remote client"
+        self.where = "shm" if shm else "shm=False, as a remote client" if bulk else PURE_GRPC
         self.name = f"kvcache SDK ({self.where}), {self.op}"
         self.put()
 
@@ -301,11 +340,12 @@ def run_table(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     n = args.chunk_mib * MiB
     chunks = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(args.chunks)]
     total = n * args.chunks
-    proc, target = start_kvcache(max(1 << 30, (2 * len(GETS) + 2) * total))  # every SDK row's blocks, and room
+    proc, target = start_kvcache(max(1 << 30, (2 * len(GETS) + 3) * total))  # every SDK row's blocks, and room
     paths: list[Path_] = []
     try:
-        paths = [Memcpy(chunks), RawSocket(chunks), RedisPy(chunks)]
+        paths = [Memcpy(chunks), RawSocket(chunks), RedisPy(chunks), BareGrpc(chunks)]
         paths += [Sdk(target, chunks, shm=shm, get=get) for shm in (True, False) for get in GETS]
+        paths += [Sdk(target, chunks, shm=False, get="get_into", bulk=False)]
         if not args.no_peers:
             paths += peers(args)
         times: dict[str, dict[str, list[float]]] = {p.name: {"put": [], "get": []} for p in paths}
@@ -339,6 +379,7 @@ def print_table(rates: dict[str, dict[str, float]], args: argparse.Namespace) ->
         row += "".join(f" {r['put'] / rates[p]['put']:.2f} | {r['get'] / rates[p]['get']:.2f} |" for p in peer_names)
         print(row)
     print_convenient(rates)
+    print_pure_grpc(rates)
 
 
 def print_convenient(rates: dict[str, dict[str, float]]) -> None:
@@ -351,6 +392,24 @@ def print_convenient(rates: dict[str, dict[str, float]]) -> None:
             continue
         ratios = [f"{row['get_into'] / r:.2f}" if r else "-" for r in (row["get_many"], row["get_tensors"])]
         print(f"| {where} | {row['get_into']:.2f} | {ratios[0]} | {ratios[1]} |")
+
+
+def print_pure_grpc(rates: dict[str, dict[str, float]]) -> None:
+    """Pure gRPC over the bulk port, both with get_into and without shm (issue 25's target: at least 0.5)."""
+    grpc_row = rates.get(f"kvcache SDK ({PURE_GRPC}), get_into")
+    bulk_row = rates.get("kvcache SDK (shm=False, as a remote client), get_into")
+    bare_row = rates.get(BareGrpc.name)
+    if grpc_row is None or bulk_row is None or bare_row is None:
+        return
+    head = "| remote client | put GB/s | get GB/s | put / bulk port | get / bulk port |"
+    print(f"\n{head} put / bare gRPC | get / bare gRPC |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, row in (("bulk port", bulk_row), ("kvcache, pure gRPC", grpc_row), ("bare gRPC", bare_row)):
+        print(
+            f"| {name} | {row['put']:.2f} | {row['get']:.2f} | {row['put'] / bulk_row['put']:.2f} | "
+            f"{row['get'] / bulk_row['get']:.2f} | {row['put'] / bare_row['put']:.2f} | "
+            f"{row['get'] / bare_row['get']:.2f} |"
+        )
 
 
 def _sweep_client(
