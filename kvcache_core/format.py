@@ -241,8 +241,9 @@ def encode_block(
     return b"".join(encode_block_parts(payload, key=key, dtype=dtype, shape=shape, layout=layout))
 
 
-def parse_header(data: bytes | memoryview) -> BlockHeader:
-    """Parses and structurally validates a block's header (not its checksum).
+def parse_header(data: bytes | memoryview, block_len: int | None = None) -> BlockHeader:
+    """Parses and structurally validates a block's header (not its checksum). `data` is the whole
+    block, or with `block_len` (the whole block's length) at least its header.
 
     Raises:
         UnknownFormatVersion: the version is not FORMAT_VERSION (version 1 included: its
@@ -277,8 +278,9 @@ def parse_header(data: bytes | memoryview) -> BlockHeader:
         raise BlockFormatError(f"unknown code in header: dtype {dtype}, layout {layout}, compression {compression}")
     shape = struct.unpack_from(f"<{ndim}Q", data, FIXED_HEADER_BYTES)
     _check_shape(lay, shape)
-    if payload_len != len(data) - header_len:
-        raise BlockFormatError(f"header says {payload_len} payload bytes, block carries {len(data) - header_len}")
+    block_len = len(data) if block_len is None else block_len
+    if payload_len != block_len - header_len:
+        raise BlockFormatError(f"header says {payload_len} payload bytes, block carries {block_len - header_len}")
     if math.prod(shape) * dt.itemsize != raw_len:
         raise BlockFormatError(f"raw_len {raw_len} does not match shape {shape} of {dt.name.lower()}")
     if comp is Compression.NONE and payload_len != raw_len:
@@ -330,6 +332,27 @@ def verify_block_in_pieces(
         end = min(len(data), start + piece_bytes)
         fill(start, end)
         h.update(data[start:end])
+    return _matched(header, key, h.intdigest(), "the block is damaged")
+
+
+def verify_payload_in_pieces(
+    header: BlockHeader, key: bytes, payload: memoryview, fill: Callable[[int, int], None], piece_bytes: int = 256 << 10
+) -> BlockHeader:
+    """verify_block_in_pieces for a payload that lands apart from its header (already parsed, e.g.
+    by parse_header with block_len): fill(start, end) writes payload[start:end], piece by piece in
+    order, each piece hashed right after it landed. What is hashed is what lies in `payload`.
+
+    Raises:
+        BlockFormatError: `payload` is not the header's payload length, or the block is compressed.
+        ChecksumMismatch: as verify_block; whatever `fill` raises.
+    """
+    if len(payload) != header.payload_len:
+        raise BlockFormatError(f"a payload of {len(payload)} bytes for a header of {header.payload_len}")
+    h = _payload_hasher(header, key)
+    for start in range(0, len(payload), piece_bytes):
+        end = min(len(payload), start + piece_bytes)
+        fill(start, end)
+        h.update(payload[start:end])
     return _matched(header, key, h.intdigest(), "the block is damaged")
 
 

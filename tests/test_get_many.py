@@ -1,6 +1,7 @@
 """get_many and get_tensors: one copy (same host, out of the server's arena) or one receive (remote,
 the bulk port) into a buffer of the client's pool, verified where it lands (docs/arena.md's trust
 model), handed to the caller, and reused only once no caller reaches it (kvcache_client.bufpool).
+A remote get_into: each payload received straight into the caller's destination, verified there.
 
 Against real servers: the blocks' bytes, the pool's exact counts (`reused`, `allocated`), the leases
 the server saw released, and what a change in the arena between the lease and the copy becomes.
@@ -263,11 +264,126 @@ def test_remote_blocks_are_received_into_warm_buffers(bulk_server: ServerThread,
     assert counts(pool) == (3, 5) and bytes(kept) == data[0][1]  # the one kept was not received into
     del tensors
     dst = [bytearray(len(b) - 48) for _, b in data]
-    assert c("get_into", NS, keys, dst) == [True] * 4  # its receive buffers come from the pool too
+    assert c("get_into", NS, keys, dst) == [True] * 4  # payloads received straight into dst: no pool buffer
     assert [bytes(d) for d in dst] == [b[48:] for _, b in data]
-    assert counts(pool) == (7, 5)
-    assert c.client.bulk.counters.bulk_bytes_received == 3 * sum(len(b) for _, b in data)
+    assert counts(pool) == (3, 5)
+    total = sum(len(b) for _, b in data)
+    assert c.client.bulk.counters.bulk_bytes_received == 3 * total
+    assert c.client.bulk.counters.bulk_bytes_landed == total
     assert c.client.corrupt_blocks == 0
+
+
+def test_remote_get_into_receives_each_payload_into_its_destination(
+    bulk_server: ServerThread, face: Callable[..., Face]
+) -> None:
+    """A remote get_into over the bulk port: each payload received straight into its destination
+    (numpy, bytearray, a memoryview, a bf16 CPU tensor) and verified there, no pool buffer taken; a
+    key not stored leaves its destination untouched."""
+    data = blocks(4, 3 * MiB)
+    keys = [k for k, _ in data] + [os.urandom(16)]
+    c = face(bulk_server.target, shm=False)
+    c("put_many", NS, data)
+    before = counts(c.client.buffers)
+    payload = 3 * MiB
+    dst: list[Any] = [
+        np.empty(payload, np.uint8),
+        bytearray(payload),
+        memoryview(bytearray(payload)),
+        torch.empty(payload // 2, dtype=torch.bfloat16),
+        bytearray(b"\xab" * payload),
+    ]
+    assert c("get_into", NS, keys, dst) == [True, True, True, True, False]
+    landed = [bytes(dst[0]), bytes(dst[1]), bytes(dst[2]), dst[3].view(torch.uint8).numpy().tobytes()]
+    assert landed == [b[48:] for _, b in data]
+    assert dst[4] == b"\xab" * payload
+    assert counts(c.client.buffers) == before
+    assert c.client.bulk.counters.bulk_bytes_landed == sum(len(b) for _, b in data)
+    assert c.client.bulk.counters.fallbacks == 0 and c.client.corrupt_blocks == 0
+
+
+def test_remote_get_into_refuses_what_lands_damaged_and_what_does_not_fit(
+    bulk_server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A payload changed as it lands (a bit flipped on the way) is a miss, counted; a block whose
+    header is damaged is a miss whose destination is untouched; a destination of another size, or a
+    non-contiguous tensor, is refused as before (ValueError); the next get lands every block."""
+    from kvcache_client.bulkconn import BulkConnection
+
+    data = blocks(3, 3 * MiB)
+    keys = [k for k, _ in data]
+    real = BulkConnection.recv
+    damage: dict[str, int] = {}
+
+    def flips(self: BulkConnection, view: memoryview, what: str, deadline: float) -> None:
+        real(self, view, what, deadline)
+        if damage.pop(what, None) is not None:
+            np.frombuffer(view, np.uint8)[len(view) // 2] ^= 1
+
+    def fresh() -> list[bytearray]:
+        return [bytearray(b"\xcd" * (3 * MiB)) for _ in keys]
+
+    with KVCacheClient(bulk_server.target, shm=False, bulk_connections=1) as client:  # indices as in `keys`
+        client.put_many(NS, data)
+        monkeypatch.setattr(BulkConnection, "recv", flips)
+        damage.update({"block 1": 1, "block 2's header": 1})
+        dst = fresh()
+        assert client.get_into(NS, keys, dst) == [True, False, False]
+        assert bytes(dst[0]) == data[0][1][48:] and client.corrupt_blocks == 2
+        assert dst[2] == b"\xcd" * (3 * MiB)  # its header failed: its payload was read elsewhere
+        assert not damage
+        monkeypatch.setattr(BulkConnection, "recv", real)
+        dst = fresh()
+        assert client.get_into(NS, keys, dst) == [True] * 3
+        assert [bytes(d) for d in dst] == [b[48:] for _, b in data]
+        with pytest.raises(ValueError, match="destination holds"):
+            client.get_into(NS, keys, [*fresh()[:2], bytearray(3 * MiB - 1)])
+        with pytest.raises(ValueError, match="contiguous"):
+            client.get_into(NS, keys[:1], [torch.empty(2, 3 * MiB // 2, dtype=torch.uint8).t()])
+        assert client.corrupt_blocks == 2 and client.bulk.counters.fallbacks == 0
+
+
+def test_a_cancelled_asyncio_get_into_writes_nothing_after_it_returned(
+    bulk_server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The asyncio face's remote get_into receives in a worker thread straight into the caller's
+    destinations: a task cancelled meanwhile returns only once that thread stopped writing (with a
+    thread left running, the caller would reuse buffers still being written)."""
+    import time
+
+    from kvcache_client.bulkconn import BulkConnection
+
+    data = blocks(2, 3 * MiB)
+    keys = [k for k, _ in data]
+    real = BulkConnection.recv
+    writes: list[float] = []
+
+    def slow(self: BulkConnection, view: memoryview, what: str, deadline: float) -> None:
+        if what.startswith("block"):
+            time.sleep(0.05)
+        real(self, view, what, deadline)
+        writes.append(time.monotonic())
+
+    async def main() -> None:
+        async with AsyncKVCacheClient(bulk_server.target, shm=False, bulk_connections=1, timeout_s=30) as client:
+            await client.put_many(NS, data)
+            dst = [bytearray(3 * MiB) for _ in keys]
+            assert await client.get_into(NS, keys, dst) == [True, True]
+            monkeypatch.setattr(BulkConnection, "recv", slow)
+            writes.clear()
+            task = asyncio.create_task(client.get_into(NS, keys, dst))
+            while not writes:
+                await asyncio.sleep(0.005)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            returned = time.monotonic()
+            seen = len(writes)
+            await asyncio.sleep(0.3)
+            assert len(writes) == seen and max(writes) <= returned
+            monkeypatch.setattr(BulkConnection, "recv", real)
+            assert await client.get_into(NS, keys, dst) == [True, True]
+
+    asyncio.run(main())
 
 
 def test_a_block_damaged_on_the_wire_is_a_miss_and_its_buffer_is_reused(

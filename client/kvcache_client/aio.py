@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -23,9 +24,11 @@ from kvcache_client.calls import (
     Calls,
     NamespaceLike,
     block_bytes,
+    call_timeout_s,
     check_destinations,
     copied,
     copy_into,
+    payload_sinks,
 )
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, describe
 from kvcache_client.presence import PresenceLink
@@ -283,8 +286,10 @@ class AsyncKVCacheClient:
         """Copies each key's verified block payload once into its destination; True where found.
 
         As KVCacheClient.get_into (torch tensors on any device, or writable buffers of exactly the
-        payload's size; on the same host straight from the server's arena under read leases). Large
-        copies run in a worker thread; a cancelled call waits for it before the leases are released.
+        payload's size; on the same host straight from the server's arena under read leases; from a
+        remote server's bulk port received straight into CPU destinations). Large copies and those
+        receives run in a worker thread; a cancelled call waits for it before the leases are released
+        and before it returns, so nothing writes into a destination after the call.
 
         Raises:
             ValueError: `timeout_s` is not positive, not one destination per key, a destination of the
@@ -293,6 +298,16 @@ class AsyncKVCacheClient:
             RuntimeError, RPCError: as get_many.
         """
         check_destinations(keys, destinations)
+        timeout_s = call_timeout_s(timeout_s, self._calls.timeout_s)
+        deadline = time.monotonic() + timeout_s
+        sinks = payload_sinks(destinations)
+        if any(sink is not None for sink in sinks):
+            got = await self._run(self._calls.receive_into(namespace, keys, sinks, prefix_only, timeout_s))
+            if got is not None:
+                if sum(len(d) for d, _ in got.found.values()) >= OFFLOAD_BYTES:
+                    return await run_to_end(lambda _: self._calls.landed(got, keys, destinations))
+                return self._calls.landed(got, keys, destinations)
+            timeout_s = max(deadline - time.monotonic(), 1e-6)  # the lease path, within the same deadline
         async with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s) as blocks:
             if block_bytes(blocks) >= OFFLOAD_BYTES:
                 await run_to_end(lambda stop: copy_into(blocks, destinations, stop))

@@ -36,7 +36,7 @@ import grpc
 
 from kvcache_client.arena import Leased
 from kvcache_client.bufpool import BufferPool
-from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, stripes
+from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, Received, stripes
 from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.errors import RPCError
 from kvcache_client.inplace_core import BulkRefusal
@@ -49,6 +49,7 @@ from kvcache_client.results import (
     ServerStats,
     TierPutResult,
 )
+from kvcache_client.shm import run_to_end
 from kvcache_client.transport import AsyncGrpcTransport, GrpcTransport
 from kvcache_core import bulkwire as bw
 from kvcache_core.blockwire import BlockData, data_len
@@ -243,24 +244,45 @@ class BulkLink:
     def get(
         self, pool: BulkPool, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
     ) -> list[Fetched | None]:
+        found = self.get_into(pool, namespace, keys, prefix_only, timeout_s).found
+        return [found.get(i) for i in range(len(keys))]
+
+    def get_into(
+        self,
+        pool: BulkPool,
+        namespace: str,
+        keys: Sequence[bytes],
+        prefix_only: bool,
+        timeout_s: float,
+        sinks: Sequence[memoryview | None] = (),
+    ) -> Received:
+        """A GET striped over lanes; blocks with a sink (by index into `keys`) received into it and
+        verified there (BulkConnection.get_into), the others into this client's buffers."""
         deadline = time.monotonic() + timeout_s
         n = 1 if prefix_only else self._get_lanes(pool, len(keys))  # prefix_only: one ordered stream
         bounds = [len(keys) * i // n for i in range(n + 1)]
 
-        def lane(lo: int, hi: int) -> Callable[[BulkConnection], dict[int, Fetched]]:
-            def received(conn: BulkConnection) -> dict[int, Fetched]:
-                got = conn.get(namespace, keys[lo:hi], prefix_only, deadline, self.buffers)
-                return {lo + i: f for i, f in got.items()}
+        def lane(lo: int, hi: int) -> Callable[[BulkConnection], Received]:
+            def received(conn: BulkConnection) -> Received:
+                got = conn.get_into(namespace, keys[lo:hi], prefix_only, deadline, self.buffers, sinks[lo:hi])
+                return got.shifted(lo)
 
             return received
 
         parts = pool.parallel([lane(bounds[i], bounds[i + 1]) for i in range(n) if bounds[i] < bounds[i + 1]], deadline)
-        found: dict[int, Fetched] = {k: v for part in parts for k, v in part.items()}
-        received = sum(len(d) for d, _ in found.values())
-        self.counters.add("bulk_bytes_received", received)
-        if found:
-            self._block_bytes = received // len(found)
-        return [found.get(i) for i in range(len(keys))]
+        got = Received()
+        for part in parts:
+            got.found.update(part.found)
+            got.landed.update(part.landed)
+            got.damaged.update(part.damaged)
+            got.landed_bytes += part.landed_bytes
+        received = sum(len(d) for d, _ in got.found.values())
+        landed = got.landed_bytes
+        self.counters.add("bulk_bytes_received", received + landed)
+        self.counters.add("bulk_bytes_landed", landed)
+        if got.count:
+            self._block_bytes = (received + landed) // got.count
+        return got
 
     def _get_lanes(self, pool: BulkPool, nkeys: int) -> int:
         """Connections a get of `nkeys` is spread over: as for a put, one per LANE_MIN_BYTES it is
@@ -424,6 +446,31 @@ class BulkTransport:
         self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
         return fetched
 
+    def receive_into(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        sinks: Sequence[memoryview | None],
+        prefix_only: bool,
+        timeout_s: float,
+    ) -> Received | None:
+        """get_into's one-copy path for a client the server's arena is not shared with: a bulk GET whose
+        payloads land in their sinks (BulkLink.get_into). None where it does not apply (the arena is
+        shared: leases are one copy already; no usable bulk port; the port failed: the caller then
+        takes the lease path, which goes over gRPC)."""
+        start = time.monotonic()
+        self.inner.info(timeout_s)
+        if self.inner.arena.on:
+            return None
+        pool = self._pool(self.link.min_bytes, timeout_s - (time.monotonic() - start))
+        if pool is None:
+            return None
+        try:
+            return self.link.get_into(pool, namespace, keys, prefix_only, timeout_s - (time.monotonic() - start), sinks)
+        except BulkUnreachable as exc:
+            self.link.down(str(exc))
+            return None
+
     def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
         """In-place reads from the server's arena on its host (docs/arena.md, the gRPC transport's);
         elsewhere a get, over the bulk port where it is usable."""
@@ -541,6 +588,30 @@ class AsyncBulkTransport:
         fetched = await self.inner.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
         return fetched
+
+    async def receive_into(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        sinks: Sequence[memoryview | None],
+        prefix_only: bool,
+        timeout_s: float,
+    ) -> Received | None:
+        """As BulkTransport.receive_into. The GET runs in a worker thread awaited to its end even when
+        the caller is cancelled (run_to_end): nothing writes into the destinations after the call."""
+        start = time.monotonic()
+        await self.inner.info(timeout_s)
+        if self.inner.arena.on:
+            return None
+        pool = await self._pool(self.link.min_bytes, timeout_s - (time.monotonic() - start))
+        if pool is None:
+            return None
+        left = timeout_s - (time.monotonic() - start)
+        try:
+            return await run_to_end(lambda _: self.link.get_into(pool, namespace, keys, prefix_only, left, sinks))
+        except BulkUnreachable as exc:
+            self.link.down(str(exc))
+            return None
 
     async def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
         """As BulkTransport.lease: in place from the server's arena on its host, elsewhere a get,

@@ -39,6 +39,8 @@ from kvcache_core.format import Layout, verify_block
 if TYPE_CHECKING:
     import torch
 
+    from kvcache_client.bulkconn import Received
+
 log = logging.getLogger(__name__)
 
 DEFAULT_TARGET = "127.0.0.1:51051"
@@ -127,6 +129,27 @@ def copy_into(
             raise CallEnded("stopped before every block was copied")
         if block is not None:
             copy_payload_into(block, destination)
+
+
+def payload_sinks(destinations: Sequence[object]) -> list[memoryview | None]:
+    """Each destination as a writable byte view a payload can be received into (a contiguous CPU
+    tensor, a writable contiguous buffer), or None (a GPU tensor, anything else: copied as before)."""
+    sinks: list[memoryview | None] = []
+    for destination in destinations:
+        view: memoryview | None = None
+        try:
+            if type(destination).__module__.partition(".")[0] == "torch":  # torch only when given a tensor
+                import torch
+
+                t: Any = destination
+                if t.device.type == "cpu" and t.is_contiguous():
+                    view = memoryview(t.detach().view(-1).view(torch.uint8).numpy())
+            else:
+                view = memoryview(destination).cast("B")  # type: ignore[arg-type]
+        except (TypeError, ValueError, RuntimeError):
+            view = None
+        sinks.append(None if view is None or view.readonly else view)
+    return sinks
 
 
 def block_bytes(blocks: Sequence[memoryview | None]) -> int:
@@ -319,6 +342,41 @@ class Calls:
         ns = namespace_name(namespace)
         fetched = yield from self.retrying(timeout_s, lambda tr, t: tr.get(ns, keys, prefix_only, t))
         return verified(fetched, keys, self._count_corrupt)
+
+    def receive_into(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        sinks: Sequence[memoryview | None],
+        prefix_only: bool,
+        timeout_s: float,
+    ) -> Steps[Received | None]:
+        """get_into's one-copy path where the transport has one (BulkTransport.receive_into: a
+        client the server's arena is not shared with, over the bulk port); None elsewhere."""
+        transport = yield GetTransport()
+        if not keys or not hasattr(transport, "receive_into"):
+            return None
+        ns = namespace_name(namespace)
+        got: Received | None = yield from self.retrying(
+            timeout_s, lambda tr, t: tr.receive_into(ns, keys, sinks, prefix_only, t)
+        )
+        return got
+
+    def landed(self, got: Received, keys: Sequence[bytes], destinations: Sequence[object]) -> list[bool]:
+        """get_into's answer from receive_into: payloads that landed in their destinations were
+        verified there; damaged ones are misses (counted); blocks received elsewhere (no sink, or not
+        the destination's size) are verified and copied as by the lease path.
+
+        Raises:
+            ValueError, TypeError: see copy_payload_into.
+        """
+        for index, (tier, why) in got.damaged.items():
+            log.error("block %s from tier %s failed verification, treating as a miss: %s", keys[index].hex(), tier, why)
+            self._count_corrupt()
+        rest = [got.found.get(i) for i in range(len(keys))]
+        checked = verified(rest, keys, self._count_corrupt)
+        copy_into(checked, destinations)
+        return [i in got.landed or checked[i] is not None for i in range(len(keys))]
 
     def lease(
         self,

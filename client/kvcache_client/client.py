@@ -39,9 +39,11 @@ from kvcache_client.calls import (
     DEFAULT_TARGET,
     Calls,
     NamespaceLike,
+    call_timeout_s,
     check_destinations,
     copied,
     copy_into,
+    payload_sinks,
 )
 from kvcache_client.connection import TLSConfig, auth_metadata, describe, make_channel
 from kvcache_client.presence import PresenceLink
@@ -346,8 +348,12 @@ class KVCacheClient:
         A destination is a torch tensor (a pinned host tensor, a GPU tensor: one copy each) or a
         writable buffer (bytearray, numpy array), of exactly the payload's size in bytes. On the same
         host the bytes come straight from the server's arena under a read lease (leased()), verified
-        first; elsewhere from what get_many receives. A destination of a key not found is untouched;
-        all are False (the destinations not to be used) if the copies outlived the leases (LeasedBlocks).
+        first; all are False (the destinations not to be used) if the copies outlived the leases
+        (LeasedBlocks). From a remote server's bulk port each payload is received straight into its
+        destination (CPU buffers and tensors) and verified there (docs/bulk.md); elsewhere from what
+        get_many receives. A destination of a key not found is untouched; use a destination only
+        where this answered True (a block that failed its checksum as it landed, or a call that
+        failed midway, may have left bytes in it).
 
         Raises:
             ValueError: `timeout_s` is not positive, not one destination per key, a destination of the
@@ -356,6 +362,14 @@ class KVCacheClient:
             RPCError: as get_many.
         """
         check_destinations(keys, destinations)
+        timeout_s = call_timeout_s(timeout_s, self._calls.timeout_s)
+        deadline = time.monotonic() + timeout_s
+        sinks = payload_sinks(destinations)
+        if any(sink is not None for sink in sinks):
+            got = self._run(self._calls.receive_into(namespace, keys, sinks, prefix_only, timeout_s))
+            if got is not None:
+                return self._calls.landed(got, keys, destinations)
+            timeout_s = max(deadline - time.monotonic(), 1e-6)  # the lease path, within the same deadline
         with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s) as blocks:
             copy_into(blocks, destinations)
             return copied(blocks)
