@@ -107,6 +107,7 @@ def test_same_host_reads_lease_over_the_bulk_port_not_grpc(make_server, tmp_path
     keys = [k for k, _ in items]
     total = sum(len(b) for _, b in items)
     with KVCacheClient(server.target, timeout_s=10) as client:
+        client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
         assert client.put_many("n", items).stored == 16
         assert [bytes(b) for b in client.get_many("n", keys)] == [b for _, b in items]
         assert _open_leases(server) == 0
@@ -132,6 +133,7 @@ def test_a_lease_answer_nobody_waits_for_is_released_not_left_to_expire(tmp_path
         items = _blocks(8, 32 << 10)
         keys = [k for k, _ in items]
         with KVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
             assert client.put_many("n", items).stored == 8
             buffers = [bytearray(32 << 10) for _ in keys]
             assert client.get_into("n", keys, buffers) == [True] * 8  # warm: Info asked, arena mapped
@@ -264,6 +266,7 @@ def test_the_asyncio_face_leases_and_puts_small_over_the_bulk_port(make_server, 
     async def run() -> dict[str, int]:
         ended = {"ok": 0, "deadline": 0, "cancelled": 0}
         async with AsyncKVCacheClient(server.target, timeout_s=10) as client:
+            client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
             assert (await client.put_many("n", small)).stored == 20
             assert counters.get("puts") == 1
             assert client.bulk.counters.bulk_bytes_sent == sum(len(b) for _, b in small)
@@ -315,6 +318,7 @@ def test_the_asyncio_face_releases_a_lease_answer_nobody_waits_for(tmp_path: Pat
 
     async def run() -> None:
         async with AsyncKVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
             assert (await client.put_many("n", items)).stored == 8
             buffers = [bytearray(32 << 10) for _ in keys]
             assert await client.get_into("n", keys, buffers) == [True] * 8  # warm: Info asked, arena mapped
@@ -356,6 +360,7 @@ def test_asyncio_leases_nobody_waits_for_leave_the_default_executor_free(tmp_pat
 
     async def run() -> None:
         async with AsyncKVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+            client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
             assert (await client.put_many("n", items)).stored == 2
             buffers = [bytearray(32 << 10) for _ in keys]
             assert await client.get_into("n", keys, buffers) == [True] * 2  # warm
@@ -377,3 +382,62 @@ def test_asyncio_leases_nobody_waits_for_leave_the_default_executor_free(tmp_pat
         asyncio.run(run())
     finally:
         child.stop()
+
+
+def test_small_same_host_gets_are_one_bulk_get_and_large_ones_lease(make_server, tmp_path: Path) -> None:
+    """A same-host get expected (its keys times the last get's mean block) to move less than
+    bulk.SAME_HOST_BULK_GET_BYTES is one GET frame, its payloads received into the caller's memory
+    and verified there: no LEASE, no RELEASE, no lease left. Larger ones, and every get with
+    same_host_get_bytes = 0, lease in place. Both faces; the bytes exact every time."""
+    server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"dir": str(tmp_path / "shm")})
+    counters = server.running.bulk.counters
+    small, large = _blocks(8, 16 << 10), _blocks(4, 2 << 20)
+    sk, lk = [k for k, _ in small], [k for k, _ in large]
+    small_total = sum(len(b) for _, b in small)
+
+    def frames() -> tuple[int, int, int]:
+        return counters.get("gets"), counters.get("leases"), counters.get("releases")
+
+    def payloads(items: list[tuple[bytes, bytes]]) -> list[bytes]:
+        return [bytes(payload_view(b)) for _, b in items]
+
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        assert client.put_many("n", small + large).stored == 12
+        dst = [bytearray(16 << 10) for _ in sk]
+        before = frames()
+        assert client.get_into("n", sk, dst) == [True] * 8  # no block size seen yet: it leases
+        assert frames() == (before[0], before[1] + 1, before[2] + 1)
+        assert client.get_into("n", sk, [bytearray(16 << 10) for _ in sk]) == [True] * 8
+        dst = [bytearray(16 << 10) for _ in sk]
+        assert client.get_into("n", sk, dst) == [True] * 8  # 8 x 16 KiB expected: one GET
+        assert [bytes(d) for d in dst] == payloads(small)
+        assert [bytes(b) for b in client.get_many("n", sk)] == [b for _, b in small]
+        with client.leased("n", sk) as views:
+            assert [bytes(v) for v in views] == [b for _, b in small]
+            assert _open_leases(server) == 0
+        assert frames() == (before[0] + 4, before[1] + 1, before[2] + 1)
+        assert client.bulk.counters.bulk_bytes_landed == 2 * small_total
+        assert [bytes(b) for b in client.get_many("n", lk)] == [b for _, b in large]  # judged small: a GET
+        gets = frames()
+        dst = [bytearray(2 << 20) for _ in lk]
+        assert client.get_into("n", lk, dst) == [True] * 4  # 4 x 2 MiB expected: leased in place
+        assert [bytes(d) for d in dst] == payloads(large)
+        assert frames() == (gets[0], gets[1] + 1, gets[2] + 1)
+        client.bulk.same_host_get_bytes = 0
+        assert [bytes(b) for b in client.get_many("n", sk)] == [b for _, b in small]
+        assert frames() == (gets[0], gets[1] + 2, gets[2] + 2)
+        assert _open_leases(server) == 0 and client.corrupt_blocks == 0
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(server.target, timeout_s=10) as aclient:
+            assert await aclient.get_into("n", sk, [bytearray(16 << 10) for _ in sk]) == [True] * 8
+            start = frames()
+            dst = [bytearray(16 << 10) for _ in sk]
+            assert await aclient.get_into("n", sk, dst) == [True] * 8
+            assert [bytes(d) for d in dst] == payloads(small)
+            assert [bytes(b) for b in await aclient.get_many("n", sk)] == [b for _, b in small]
+            assert frames() == (start[0] + 2, start[1], start[2])
+            assert aclient.bulk.counters.bulk_bytes_landed == small_total
+
+    asyncio.run(run())
+    assert _open_leases(server) == 0
