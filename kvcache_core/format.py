@@ -356,6 +356,34 @@ def verify_payload_in_pieces(
     return _matched(header, key, h.intdigest(), "the block is damaged")
 
 
+def parse_header_for_payload(data: bytes | memoryview, payload_len: int) -> BlockHeader:
+    """parse_header of a block whose payload is `payload_len` bytes, from `data` holding at least its
+    header (the first part of a block sent in parts, read before the rest has come).
+
+    Raises:
+        as parse_header.
+    """
+    if len(data) < FIXED_HEADER_BYTES:
+        raise BlockFormatError(f"{len(data)} bytes are shorter than the {FIXED_HEADER_BYTES}-byte header")
+    header_len = struct.unpack_from("<H", data, 6)[0]
+    return parse_header(data, block_len=header_len + payload_len)
+
+
+def payload_hasher(header: BlockHeader, key: bytes) -> xxhash.xxh3_64:
+    """The hash a block's checksum is, seeded for its key and descriptor, to feed its payload to
+    (in pieces, as they arrive); then matched(header, key, hasher.intdigest())."""
+    return _payload_hasher(header, key)
+
+
+def matched(header: BlockHeader, key: bytes, actual: int) -> BlockHeader:
+    """`header`, if `actual` is its checksum under `key`.
+
+    Raises:
+        ChecksumMismatch: it is not (the block is damaged, or another key's).
+    """
+    return _matched(header, key, actual, "the block is damaged")
+
+
 def _payload_hasher(header: BlockHeader, key: bytes) -> xxhash.xxh3_64:
     """compute_checksum's hash, seeded with key || descriptor, for the payload to be fed to it."""
     if header.compression is not Compression.NONE:

@@ -342,6 +342,62 @@ def test_remote_get_into_refuses_what_lands_damaged_and_what_does_not_fit(
         assert client.corrupt_blocks == 2 and client.bulk.counters.fallbacks == 0
 
 
+def test_pure_grpc_get_into_copies_each_part_into_its_destination(
+    bulk_server: ServerThread, face: Callable[..., Face]
+) -> None:
+    """Without the bulk port (bulk=False: a client in another language starts there) get_into copies
+    each GetResponse part straight into its destination and verifies it there: blocks sent in parts
+    (over 4 MiB) and whole, exact bytes, no pool buffer, a missing key's destination untouched."""
+    data = blocks(2, 6 * MiB) + blocks(3, 64 << 10)
+    keys = [k for k, _ in data] + [os.urandom(16)]
+    c = face(bulk_server.target, shm=False, bulk=False)
+    c("put_many", NS, data)
+    before = counts(c.client.buffers)
+    dst: list[Any] = [np.empty(len(b) - 48, np.uint8) for _, b in data[:4]]
+    dst += [torch.empty((len(data[4][1]) - 48) // 2, dtype=torch.bfloat16), bytearray(b"\xab" * 100)]
+    assert c("get_into", NS, keys, dst) == [True] * 5 + [False]
+    landed = [bytes(d) for d in dst[:4]] + [dst[4].view(torch.uint8).numpy().tobytes()]
+    assert landed == [b[48:] for _, b in data]
+    assert dst[5] == b"\xab" * 100 and counts(c.client.buffers) == before
+    assert c.client.bulk.counters.grpc_bytes_received == sum(len(b) for _, b in data)
+    assert c.client.bulk.counters.bulk_bytes_received == 0 and c.client.corrupt_blocks == 0
+
+
+def test_pure_grpc_get_into_refuses_a_part_damaged_on_the_way(bulk_server: ServerThread) -> None:
+    """A part of a 6 MiB block changed in transit: that block is a miss (counted), the others land
+    exact; a whole small block changed: a miss; the next get lands all of them."""
+    from dataclasses import replace
+
+    data = blocks(2, 6 * MiB) + blocks(1, 64 << 10)
+    keys = [k for k, _ in data]
+    with KVCacheClient(bulk_server.target, shm=False, bulk=False) as client:
+        client.put_many(NS, data)
+        inner = client._transport.inner
+        real = inner._get
+        seen = {"parts": 0}
+
+        def damaging(request: Any, **kwargs: Any) -> Any:
+            for items in real(request, **kwargs):
+                out = []
+                for item in items:
+                    seen["parts"] += item.index == 0
+                    if (item.index == 0 and seen["parts"] == 3) or item.index == 2:
+                        raw = bytearray(item.data)
+                        raw[len(raw) // 2] ^= 1
+                        item = replace(item, data=memoryview(bytes(raw)))
+                    out.append(item)
+                yield out
+
+        inner._get = damaging
+        dst = [bytearray(len(b) - 48) for _, b in data]
+        assert client.get_into(NS, keys, dst) == [False, True, False]
+        assert bytes(dst[1]) == data[1][1][48:] and client.corrupt_blocks == 2
+        assert seen["parts"] == 7  # 6 MiB and its header, in parts of 1 MiB
+        inner._get = real
+        assert client.get_into(NS, keys, dst) == [True] * 3
+        assert [bytes(d) for d in dst] == [b[48:] for _, b in data]
+
+
 def test_a_cancelled_asyncio_get_into_writes_nothing_after_it_returned(
     bulk_server: ServerThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:

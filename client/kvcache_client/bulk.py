@@ -491,13 +491,18 @@ class BulkTransport:
             pool = self.link.small_same_host_pool(len(keys))  # a small get: one GET beats LEASE + RELEASE
         else:
             pool = self._pool(self.link.min_bytes, timeout_s - (time.monotonic() - start))
-        if pool is None:
+        if pool is not None:
+            try:
+                left = timeout_s - (time.monotonic() - start)
+                return self.link.get_into(pool, namespace, keys, prefix_only, left, sinks)
+            except BulkUnreachable as exc:
+                (self.link.lease_down if same_host else self.link.down)(str(exc))
+        if same_host:
             return None
-        try:
-            return self.link.get_into(pool, namespace, keys, prefix_only, timeout_s - (time.monotonic() - start), sinks)
-        except BulkUnreachable as exc:
-            (self.link.lease_down if same_host else self.link.down)(str(exc))
-            return None
+        got = self.inner.receive_into(namespace, keys, sinks, prefix_only, timeout_s - (time.monotonic() - start))
+        if got is not None:
+            self.link.counters.add("grpc_bytes_received", got.landed_bytes + sum(len(f[0]) for f in got.found.values()))
+        return got
 
     def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
         """In-place reads from the server's arena on its host (docs/arena.md, the gRPC transport's);
@@ -648,14 +653,19 @@ class AsyncBulkTransport:
             pool = self.link.small_same_host_pool(len(keys))  # a small get: one GET beats LEASE + RELEASE
         else:
             pool = await self._pool(self.link.min_bytes, timeout_s - (time.monotonic() - start))
-        if pool is None:
+        if pool is not None:
+            left = timeout_s - (time.monotonic() - start)
+            try:
+                return await run_to_end(lambda _: self.link.get_into(pool, namespace, keys, prefix_only, left, sinks))
+            except BulkUnreachable as exc:
+                (self.link.lease_down if same_host else self.link.down)(str(exc))
+        if same_host:
             return None
         left = timeout_s - (time.monotonic() - start)
-        try:
-            return await run_to_end(lambda _: self.link.get_into(pool, namespace, keys, prefix_only, left, sinks))
-        except BulkUnreachable as exc:
-            (self.link.lease_down if same_host else self.link.down)(str(exc))
-            return None
+        got = await self.inner.receive_into(namespace, keys, sinks, prefix_only, left)
+        if got is not None:
+            self.link.counters.add("grpc_bytes_received", got.landed_bytes + sum(len(f[0]) for f in got.found.values()))
+        return got
 
     async def lease(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> Leased:
         """As BulkTransport.lease: in place from the server's arena on its host, elsewhere a get,

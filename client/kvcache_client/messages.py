@@ -35,6 +35,8 @@ from kvcache_core.blockwire import (
     encode_put_request,
     split_block,
 )
+from kvcache_core.errors import BlockFormatError
+from kvcache_core.format import BlockHeader, matched, parse_header_for_payload, payload_hasher
 from kvcache_proto import kvcache_pb2 as pb
 
 DEFAULT_MESSAGE_BYTES = 4 << 20
@@ -114,6 +116,11 @@ class GetCollector:
         self._in_segment: list[tuple[int, ShmRange, str]] = []
         self._parts: tuple[int, list[memoryview | bytes], str] | None = None  # a block arriving in parts
 
+    @property
+    def has_parts(self) -> bool:
+        """A block sent in parts is being gathered."""
+        return self._parts is not None
+
     def add(self, items: list[GetItem]) -> None:
         for item in items:
             if item.index >= len(self.out):
@@ -161,6 +168,91 @@ class GetCollector:
             except ValueError as exc:
                 raise KVCacheError(str(exc)) from None
         return self.out
+
+
+class LandingCollector:
+    """GetCollector for get_into without a segment: a block whose key has a sink (a writable byte
+    view of its payload's size, by index) is copied part by part straight into the sink, hashed
+    under its key as each part lands (its header parsed from the first part, which holds it whole);
+    the others are gathered as GetCollector gathers them. The answer is a bulkconn.Received."""
+
+    def __init__(self, keys: Sequence[bytes], sinks: Sequence[memoryview | None]) -> None:
+        from kvcache_client.bulkconn import Received
+
+        self.keys, self.sinks = keys, sinks
+        self.got = Received()
+        self.rest = GetCollector(len(keys))
+        # index, tier, header, hasher, sink, bytes filled: the block being copied into its sink
+        self._landing: tuple[int, str, BlockHeader, Any, memoryview, int] | None = None
+        self._failed: int | None = None  # a block refused midway: its later parts are skipped
+
+    def add(self, items: list[GetItem]) -> None:
+        for item in items:
+            if item.index >= len(self.keys):
+                raise KVCacheError(f"server sent item index {item.index} for {len(self.keys)} keys")
+            if self._landing is not None or self._failed is not None:
+                self._continue(item)
+                continue
+            sink = self.sinks[item.index] if item.index < len(self.sinks) else None
+            if sink is None or not item.found or item.shm is not None or self.rest.has_parts:
+                self.rest.add([item])
+                continue
+            self._first(item, sink)
+
+    def _first(self, item: GetItem, sink: memoryview) -> None:
+        tier = TIER_NAMES.get(item.tier, "unknown")
+        data = memoryview(item.data)
+        try:
+            header = parse_header_for_payload(data, len(sink))
+            hasher = payload_hasher(header, self.keys[item.index])
+        except BlockFormatError:
+            self.rest.add([item])  # not this sink's block (another size, a bad header): as get_many takes it
+            return
+        self._landing = (item.index, tier, header, hasher, sink, 0)
+        self._land(data[header.header_len :], item.more)
+
+    def _continue(self, item: GetItem) -> None:
+        index = self._landing[0] if self._landing is not None else self._failed
+        if item.index != index or not item.found or item.shm is not None:
+            raise KVCacheError(f"server interrupted block {index}, sent in parts, with another item")
+        if self._landing is None:
+            if not item.more:
+                self._failed = None
+            return
+        self._land(memoryview(item.data), item.more)
+
+    def _land(self, piece: memoryview, more: bool) -> None:
+        assert self._landing is not None
+        index, tier, header, hasher, sink, filled = self._landing
+        if filled + len(piece) > len(sink) or (not more and filled + len(piece) != len(sink)):
+            self._refuse(index, tier, "its parts are not its header's length", more)
+            return
+        sink[filled : filled + len(piece)] = piece
+        hasher.update(sink[filled : filled + len(piece)])  # what lies in the sink
+        self._landing = (index, tier, header, hasher, sink, filled + len(piece))
+        if more:
+            return
+        self._landing = None
+        try:
+            matched(header, self.keys[index], hasher.intdigest())
+        except BlockFormatError as exc:
+            self.got.damaged[index] = (tier, str(exc))
+            return
+        self.got.landed[index] = tier
+        self.got.landed_bytes += header.block_len
+
+    def _refuse(self, index: int, tier: str, why: str, more: bool) -> None:
+        self._landing = None
+        self.got.damaged[index] = (tier, why)
+        self._failed = index if more else None
+
+    def resolve(self) -> Any:
+        if self._landing is not None or self._failed is not None:
+            raise KVCacheError("Get stream ended inside a block sent in parts")
+        for i, fetched in enumerate(self.rest.resolve(None)):
+            if fetched is not None:
+                self.got.found[i] = fetched
+        return self.got
 
 
 def shm_get_request(

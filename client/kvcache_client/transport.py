@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
@@ -28,6 +28,7 @@ from kvcache_client.bufpool import BufferPool
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
     GetCollector,
+    LandingCollector,
     apply_info,
     lookup_result,
     prefetch_result,
@@ -47,6 +48,9 @@ from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 
 Metadata = Sequence[tuple[str, str]]
 """gRPC metadata sent with every call (the authorization header)."""
+
+if TYPE_CHECKING:
+    from kvcache_client.bulkconn import Received
 
 
 class Transport(Protocol):
@@ -273,6 +277,26 @@ class GrpcTransport(_Channel):
         """Hands back leases that lease() returned."""
         self._inplace.release(ids)
 
+    def receive_into(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        sinks: Sequence[memoryview | None],
+        prefix_only: bool,
+        timeout_s: float,
+    ) -> Received | None:
+        """get_into's one-copy path over gRPC, for a client with neither the server's arena nor its
+        segments (another host): each part copied straight into its key's sink and verified there
+        (LandingCollector); None where those paths serve better."""
+        self._check_info(timeout_s)
+        if self.arena.on or self.shm.on:
+            return None
+        collector = LandingCollector(keys, sinks)
+        request = shm_get_request(namespace, keys, prefix_only, None, self.shm)
+        for items in self._get(request, timeout=timeout_s, metadata=self._md):
+            collector.add(items)
+        return collector.resolve()
+
     def _get_through_segment(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float
     ) -> list[Fetched | None]:
@@ -441,6 +465,25 @@ class AsyncGrpcTransport(_Channel):
         return await arun(
             through_segment(self.shm, segment, lambda seg: self._fetch(namespace, keys, prefix_only, timeout_s, seg))
         )
+
+    async def receive_into(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        sinks: Sequence[memoryview | None],
+        prefix_only: bool,
+        timeout_s: float,
+    ) -> Received | None:
+        """As GrpcTransport.receive_into (each part copied into its sink as it is read, on the loop:
+        a cancelled call stops reading, and nothing writes into the sinks after it)."""
+        await self._check_info(timeout_s)
+        if self.arena.on or self.shm.on:
+            return None
+        collector = LandingCollector(keys, sinks)
+        request = shm_get_request(namespace, keys, prefix_only, None, self.shm)
+        async for items in self._get(request, timeout=timeout_s, metadata=self._md):
+            collector.add(items)
+        return collector.resolve()
 
     async def _fetch(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float, segment: Segment | None
