@@ -31,6 +31,7 @@ import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 import grpc
 
@@ -54,6 +55,8 @@ from kvcache_client.transport import AsyncGrpcTransport, GrpcTransport
 from kvcache_core import bulkwire as bw
 from kvcache_core.blockwire import BlockData, data_len
 from kvcache_proto import kvcache_pb2 as pb
+
+T = TypeVar("T")
 
 BULK_ENV = "KVCACHE_BULK"
 """KVCACHE_BULK=0 keeps block bytes on gRPC (as bulk=False does)."""
@@ -385,6 +388,27 @@ class BulkTransport:
         self.presence = grpc_transport.presence  # same host: Lookups without an RPC (docs/presence.md)
         inplace = grpc_transport._inplace
         inplace.bulk, inplace.bulk_down = self._lease_pool, link.lease_down
+        self._running: set[asyncio.Task[object]] = set()  # the worker threads' calls, cancelled callers' too
+
+    async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) in a worker thread. A cancelled caller returns at once; the thread runs on (its
+        call has a deadline) and stays in _running, for drain(), until it ends."""
+        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._running.add(task)
+        task.add_done_callback(self._ended)
+        return await asyncio.shield(task)  # type: ignore[return-value]
+
+    def _ended(self, task: asyncio.Task[object]) -> None:
+        self._running.discard(task)
+        if not task.cancelled():
+            task.exception()  # a cancelled caller's thread failed: its caller has its own answer already
+
+    async def drain(self) -> None:
+        """Waits for the worker threads of calls whose callers were cancelled (each has its own
+        deadline) and for the in-place cleanups still running."""
+        while self._running:
+            await asyncio.wait(set(self._running))
+        await self.inner._inplace.drain()
 
     def _lease_pool(self, timeout_s: float) -> BulkPool | None:
         """Where the in-place reads' leases go: the bulk port, when the server has one (Info)."""
@@ -541,7 +565,9 @@ class BulkTransport:
 
 class AsyncBulkTransport:
     """The asyncio counterpart: the bulk calls run in a worker thread (blocking sockets, GIL-free
-    recv_into/sendmsg), bounded by the call's deadline; a cancelled call's thread ends by then."""
+    recv_into/sendmsg), bounded by the call's deadline; a cancelled call's thread ends by then, and
+    drain() (close() too) waits for it: until it has, the server may still hold what its request
+    reserved (a PUT's arena slots)."""
 
     def __init__(self, grpc_transport: AsyncGrpcTransport, link: BulkLink) -> None:
         self.inner = grpc_transport  # the gRPC transport: control calls, small transfers, the fallback
@@ -551,6 +577,27 @@ class AsyncBulkTransport:
         self.presence = grpc_transport.presence  # same host: Lookups without an RPC (docs/presence.md)
         inplace = grpc_transport._inplace
         inplace.bulk, inplace.bulk_down = self._lease_pool, link.lease_down
+        self._running: set[asyncio.Task[object]] = set()  # the worker threads' calls, cancelled callers' too
+
+    async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
+        """fn(*args) in a worker thread. A cancelled caller returns at once; the thread runs on (its
+        call has a deadline) and stays in _running, for drain(), until it ends."""
+        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+        self._running.add(task)
+        task.add_done_callback(self._ended)
+        return await asyncio.shield(task)  # type: ignore[return-value]
+
+    def _ended(self, task: asyncio.Task[object]) -> None:
+        self._running.discard(task)
+        if not task.cancelled():
+            task.exception()  # a cancelled caller's thread failed: its caller has its own answer already
+
+    async def drain(self) -> None:
+        """Waits for the worker threads of calls whose callers were cancelled (each has its own
+        deadline) and for the in-place cleanups still running."""
+        while self._running:
+            await asyncio.wait(set(self._running))
+        await self.inner._inplace.drain()
 
     async def _lease_pool(self, timeout_s: float) -> BulkPool | None:
         """As BulkTransport._lease_pool."""
@@ -585,7 +632,7 @@ class AsyncBulkTransport:
         if pool is not None:
             try:
                 left = timeout_s - (time.monotonic() - start)
-                return await asyncio.to_thread(self.link.lookup, pool, namespace, keys, left)
+                return await self._in_thread(self.link.lookup, pool, namespace, keys, left)
             except BulkUnreachable as exc:
                 self.link.unreachable(pool, str(exc))
         return await self.inner.lookup(namespace, keys, timeout_s - (time.monotonic() - start))
@@ -609,7 +656,7 @@ class AsyncBulkTransport:
         if pool is not None:
             try:
                 left = timeout_s - (time.monotonic() - start)
-                return await asyncio.to_thread(self.link.put, pool, namespace, items, left)
+                return await self._in_thread(self.link.put, pool, namespace, items, left)
             except BulkUnreachable as exc:
                 self.link.unreachable(pool, str(exc))
         result = await self.inner.put(namespace, items, timeout_s - (time.monotonic() - start))
@@ -627,7 +674,7 @@ class AsyncBulkTransport:
         if pool is not None:
             try:
                 left = timeout_s - (time.monotonic() - start)
-                return await asyncio.to_thread(self.link.get, pool, namespace, keys, prefix_only, left)
+                return await self._in_thread(self.link.get, pool, namespace, keys, prefix_only, left)
             except BulkUnreachable as exc:
                 (self.link.lease_down if same_host else self.link.down)(str(exc))
         fetched = await self.inner.get(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
@@ -677,7 +724,7 @@ class AsyncBulkTransport:
             if pool is not None:
                 try:
                     left = timeout_s - (time.monotonic() - start)
-                    return Leased(await asyncio.to_thread(self.link.get, pool, namespace, keys, prefix_only, left))
+                    return Leased(await self._in_thread(self.link.get, pool, namespace, keys, prefix_only, left))
                 except BulkUnreachable as exc:
                     self.link.lease_down(str(exc))
             leased = await self.inner.lease(namespace, keys, prefix_only, timeout_s - (time.monotonic() - start))
@@ -698,5 +745,6 @@ class AsyncBulkTransport:
         return await self.inner.prefetch(namespace, keys, timeout_s)
 
     async def close(self) -> None:
+        await self.drain()
         self.link.close()
         await self.inner.close()
