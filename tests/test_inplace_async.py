@@ -47,13 +47,13 @@ def open_pins(server: ServerThread) -> tuple[int, int]:
     return stats["leases"], stats["reservations"]
 
 
-def settled_pins(server: ServerThread, within_s: float = 10.0) -> tuple[int, int]:
+async def settled_pins(server: ServerThread, within_s: float = 10.0) -> tuple[int, int]:
     """open_pins once the server's own ends of calls whose clients have gone have ended too (a bulk
     GET's blocks are leased until its send ends or fails), or after `within_s`: a leaked lease lasts
     60 s on arena_server, a leaked reservation for ever, so one is still counted then."""
     end = time.monotonic() + within_s
     while (pins := open_pins(server)) != (0, 0) and time.monotonic() < end:
-        time.sleep(0.01)
+        await asyncio.sleep(0.01)  # the loop stays free for the client's own cleanups meanwhile
     return pins
 
 
@@ -335,7 +335,7 @@ def test_cancelled_and_timed_out_calls_leave_no_pin_and_every_read_is_exact(aren
             # The threads of cancelled callers' bulk calls (a PUT's slots are the server's until its
             # request ends) and the in-place cleanups of the last calls, each with its own deadline.
             await client._transport.drain()
-            assert settled_pins(arena_server) == (0, 0)
+            assert await settled_pins(arena_server) == (0, 0)
             check(keys, await client.get_many(NS, keys))
             async with client.leased(NS, keys) as views:
                 check(keys, views)

@@ -388,27 +388,6 @@ class BulkTransport:
         self.presence = grpc_transport.presence  # same host: Lookups without an RPC (docs/presence.md)
         inplace = grpc_transport._inplace
         inplace.bulk, inplace.bulk_down = self._lease_pool, link.lease_down
-        self._running: set[asyncio.Task[object]] = set()  # the worker threads' calls, cancelled callers' too
-
-    async def _in_thread(self, fn: Callable[..., T], *args: object) -> T:
-        """fn(*args) in a worker thread. A cancelled caller returns at once; the thread runs on (its
-        call has a deadline) and stays in _running, for drain(), until it ends."""
-        task = asyncio.ensure_future(asyncio.to_thread(fn, *args))
-        self._running.add(task)
-        task.add_done_callback(self._ended)
-        return await asyncio.shield(task)  # type: ignore[return-value]
-
-    def _ended(self, task: asyncio.Task[object]) -> None:
-        self._running.discard(task)
-        if not task.cancelled():
-            task.exception()  # a cancelled caller's thread failed: its caller has its own answer already
-
-    async def drain(self) -> None:
-        """Waits for the worker threads of calls whose callers were cancelled (each has its own
-        deadline) and for the in-place cleanups still running."""
-        while self._running:
-            await asyncio.wait(set(self._running))
-        await self.inner._inplace.drain()
 
     def _lease_pool(self, timeout_s: float) -> BulkPool | None:
         """Where the in-place reads' leases go: the bulk port, when the server has one (Info)."""
