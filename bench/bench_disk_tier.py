@@ -42,8 +42,8 @@ row measures the path the server uses for it (TierStream):
                 TierStack.get of batches of 64 keys held by the disk and not by RAM (emptied before
                 each round, untimed): the promotion path of a Get, each block read into its RAM
                 arena slot, verified there, indexed and leased.
-    read warm, no promotion: the same baselines; the tier: DiskTier.get_many, a new bytes per block
-                (gets that do not promote, a compressed disk tier).
+    read warm, no promotion: the same baselines; the tier: DiskTier.get_many, blocks read into its
+                reused buffers (tiers/reuse.py; gets that do not promote, a compressed disk tier).
     read cold   from the device: the files' pages dropped first (fsync, POSIX_FADV_DONTNEED), untimed;
                 dd; fio --invalidate=1 (fio drops them itself); the tier as in read warm.
     The ratio is the tier's GB/s over the faster of dd and fio (1.00x: as fast; the issue's target
@@ -379,8 +379,9 @@ class TierStream:
     RAM does not hold and the disk does, through a stack whose RAM tier has room for the stream
     (pre-faulted, as a server's): a disk hit is read straight into its RAM arena slot, verified
     there (checksum), indexed and leased (the promotion path of every Get). read_plain: DiskTier.
-    get_many, every block a new bytes: the path of gets that do not promote (and of a compressed
-    disk tier). Before each read RAM forgets the stream (untimed), so every block comes from disk.
+    get_many, every block in a buffer of its pool (tiers/reuse.py): the path of gets that do not
+    promote (and of a compressed disk tier). Before each read RAM forgets the stream (untimed), so
+    every block comes from disk.
     """
 
     def __init__(self, base: Path, block: int, nbytes: int, io_threads: int, write_threads: int) -> None:
@@ -456,7 +457,7 @@ class TierStream:
         return gb_s
 
     def read_plain(self) -> float:
-        """GB/s of DiskTier.get_many of the stream (a new bytes per block); faults into self.plain_faults."""
+        """GB/s of DiskTier.get_many of the stream (its pooled buffers); faults into self.plain_faults."""
         assert self.tier is not None
         keys = [k for k, _ in self.items]
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -316,6 +316,9 @@ class DiskSection(LowerTierSection):
     # Reader threads; writer threads, each appending to a region of its own.
     io_threads: int = 8
     write_threads: int = 2
+    # Buffers that gets which do not promote read blocks of 256 KiB and more into, refilled once no
+    # reply references them (tiers/reuse.py): a fixed RSS cost, grown only as used; 0 = fresh memory.
+    read_buffers_bytes: int = 256 * _MiB
     write_mode: str = "behind"
     # A local disk answers in milliseconds: a hung one is a miss soon, before its breaker opens.
     timeout_s: float = 1.0
@@ -328,6 +331,8 @@ class DiskSection(LowerTierSection):
             raise ConfigError("disk.region_bytes must be in [1 MiB, 4 GiB)")
         if self.io_threads < 1 or self.write_threads < 1:
             raise ConfigError("disk.io_threads and disk.write_threads must be >= 1")
+        if self.read_buffers_bytes < 0:
+            raise ConfigError("disk.read_buffers_bytes must be >= 0")
         if self.capacity_bytes // self.region_bytes < self.write_threads + 1:
             raise ConfigError(
                 "disk.capacity_bytes must hold at least disk.write_threads + 1 regions of disk.region_bytes"

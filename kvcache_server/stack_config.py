@@ -65,6 +65,7 @@ def _disk_tier(d: DiskSection, events: EventHub, retention: RetentionLimits) -> 
         region_bytes=d.region_bytes,
         io_threads=d.io_threads,
         write_threads=d.write_threads,
+        read_buffers_bytes=d.read_buffers_bytes,
         on_evict=lambda namespace, keys: events.publish(EventKind.REMOVED, TierKind.DISK, namespace, keys),
         retention=retention,  # the [retention] shares, of the disk's capacity (tiers/disk_retention.py)
         verify=codec.check_stored,

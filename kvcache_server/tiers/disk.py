@@ -28,8 +28,9 @@ has room to spare, so appends do not allocate blocks page by page (_preallocate:
 Reads into place: read_into_many preads a record's header and block with one preadv, the block
 straight into a buffer the caller gives (the stack: the RAM arena slot a promotion goes into), and
 runs the caller's check (the block's checksum) in the reader thread while the block is in cache:
-no fresh memory per block, one copy disk -> slot. get_many (a new bytes per block) stays for gets
-that do not promote and for compressed tiers.
+no fresh memory per block, one copy disk -> slot. get_many stays for gets that do not promote and
+for compressed tiers: it reads blocks of 256 KiB and more into buffers it refills once nothing
+references them (tiers/reuse.py; fresh pages cost ~220 faults per MiB), smaller ones into new bytes.
 
 Reads race evictions safely without a lock around the I/O (a seqlock): a reader notes the
 region's epoch with the index entry, preads, then checks the epoch again; an eviction bumps it
@@ -76,6 +77,7 @@ from kvcache_server.tiers import disk_layout as layout
 from kvcache_server.tiers.base import Tier, TierError, TierKind, TierStats
 from kvcache_server.tiers.disk_retention import DiskRetention, Moved
 from kvcache_server.tiers.retention import RetentionLimits
+from kvcache_server.tiers.reuse import ReusePool
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +128,7 @@ class DiskTier(Tier):
         region_bytes: int = 64 << 20,
         io_threads: int = 8,
         write_threads: int = 2,
+        read_buffers_bytes: int = 256 << 20,
         on_evict: Callable[[str, list[bytes]], None] | None = None,
         retention: RetentionLimits | None = None,
         verify: Check | None = None,
@@ -140,6 +143,8 @@ class DiskTier(Tier):
                 in one is refused.
             io_threads: Reader threads (and deletes).
             write_threads: Writer threads, each appending to a region of its own.
+            read_buffers_bytes: The cap of the buffers get_many reads blocks of 256 KiB and more into,
+                reused once nothing references them (tiers/reuse.py); 0: a new bytes per block.
             on_evict: Called on the event loop with (namespace, keys) the tier evicted.
             retention: The shares of capacity_bytes that retained records may take, per tenant and in
                 all (the [retention] section; tiers/disk_retention.py). Default: RetentionLimits().
@@ -183,6 +188,7 @@ class DiskTier(Tier):
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcache-disk-read")
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="kvcache-disk-write")
         self._io_threads = io_threads
+        self._buffers = ReusePool(read_buffers_bytes)
         self._stats = TierStats(name=self.name, kind=self.kind, capacity_bytes=self._capacity)
         self._retention = DiskRetention(retention or RetentionLimits(), self._capacity)
         self._moving: set[bytes] = set()  # retained entries out of the index while copied forward
@@ -671,22 +677,29 @@ class DiskTier(Tier):
             return False
         return True
 
-    def _read_one(self, entry: bytes | None) -> bytes | OSError | None:
+    def _read_one(self, entry: bytes | None) -> bytes | memoryview | OSError | None:
         found = None if entry is None else self._locate(entry)
         if found is None:
             return None
         assert entry is not None
         where, region, epoch, hlen = found
         offset, length = (where >> 32) & 0xFFFFFFFF, where & 0xFFFFFFFF
+        buf = self._buffers.take(length)  # memory already faulted in, that nothing else references
         try:
-            head = os.pread(region.fd, hlen, offset)
-            block = os.pread(region.fd, length, offset + hlen)
+            if buf is None:
+                head = os.pread(region.fd, hlen, offset)
+                block: bytes | memoryview = os.pread(region.fd, length, offset + hlen)
+                got = len(head) + len(block)
+            else:
+                head = bytearray(hlen)
+                got = os.preadv(region.fd, [head, buf], offset)
+                block = memoryview(buf).toreadonly()
         except OSError as exc:
             if region.epoch != epoch:
                 return None
             self._forget(entry, where, region)
             return exc
-        return block if self._checked(entry, where, region, epoch, head, len(head) + len(block)) else None
+        return block if self._checked(entry, where, region, epoch, head, got) else None
 
     def _locate_many(self, entries: list[bytes | None]) -> list[tuple[int, _Region, int] | None]:
         """_locate for a reader thread's whole part of a batch under one hold of the lock, (where,
@@ -746,13 +759,16 @@ class DiskTier(Tier):
             if self._index.get(entry) == where:
                 self._drop(entry, self._span_of(entry, where & 0xFFFFFFFF), region)
 
-    def _read_blocking(self, entries: list[bytes | None]) -> list[bytes | OSError | None]:
+    def _read_blocking(self, entries: list[bytes | None]) -> list[bytes | memoryview | OSError | None]:
         return [self._read_one(e) for e in entries]
 
-    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
+    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
+        """Each key's stored block, or None. Blocks of reuse.DEFAULT_MIN_BYTES and more come as
+        read-only memoryviews of buffers this tier refills once nothing references them any more
+        (tiers/reuse.py): hold the view as long as the bytes are needed, as with a bytes."""
         entries = [self._entry(namespace, k) for k in keys]
         wanted = [e for e in entries if e is not None and e in self._index]
-        out: list[bytes | None] = [None] * len(keys)
+        out: list[bytes | memoryview | None] = [None] * len(keys)
         if wanted:
             loop = asyncio.get_running_loop()
             step = max(1, -(-len(entries) // self._io_threads))  # spread a batch over the readers
@@ -770,7 +786,7 @@ class DiskTier(Tier):
                     self._io_failed = True
                 if len(failures) == len(wanted):
                     raise TierError(f"disk tier {self._dir}: {failures[0]}")
-            out = [r if isinstance(r, bytes) else None for r in read]
+            out = [r if isinstance(r, (bytes, memoryview)) else None for r in read]
         with self._lock:
             hits = sum(b is not None for b in out)
             self._stats.hits += hits
