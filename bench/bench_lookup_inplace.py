@@ -113,7 +113,11 @@ def run(args: argparse.Namespace) -> dict[str, object]:
             admin.put_many(NAMESPACE, [(key, block)], retain_ttl_s=None if args.no_retain else 3600)
             before = admin.stats().shm_bytes_received
         with KVCacheClient(
-            target, timeout_s=0.5, retry=RetryPolicy(max_attempts=1), shm=False, bulk=args.lookup_path == "bulk"
+            target,
+            timeout_s=0.5,
+            retry=RetryPolicy(max_attempts=1),
+            shm=args.lookup_path == "presence",
+            bulk=args.lookup_path != "grpc",
         ) as client:
             hogged: list[float] = []
             if args.hog_seconds > 0:
@@ -183,9 +187,15 @@ def run(args: argparse.Namespace) -> dict[str, object]:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(pause)
                 os.rmdir(os.path.dirname(pause))
+            presence = client.presence
+            counted = None if presence is None else presence.counters
+            answered = (
+                None if counted is None else {"local": counted.local, "partial": counted.partial, "rpc": counted.rpc}
+            )
         with KVCacheClient(target, shm=False) as admin:
             stats = admin.stats()
         result = {
+            "presence_answers": answered,
             "idle": {
                 "p50_ms": percentile(idle, 50) * 1e3,
                 "p99_ms": percentile(idle, 99) * 1e3,
@@ -234,9 +244,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument(
         "--lookup-path",
-        choices=("bulk", "grpc"),
+        choices=("bulk", "grpc", "presence"),
         default="bulk",
-        help="where the Lookups go: the bulk port's LOOKUP frames (the SDK's default) or gRPC (bulk=False)",
+        help="where the Lookups go: the bulk port's LOOKUP frames (a remote client's default), gRPC (bulk=False), "
+        "or a same-host client's default (shm=True): the tenant's presence index, docs/presence.md",
     )
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON to PATH")
     args = p.parse_args(argv)
@@ -244,7 +255,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     idle, busy = r["idle"], r["busy"]
     assert isinstance(idle, dict) and isinstance(busy, dict)
     shape = f"{args.blocks} x {args.block_mib} MiB in place, Redis write-behind, RAM {args.ram_mib} MiB"
-    shape += f"; Lookups over {'the bulk port' if args.lookup_path == 'bulk' else 'gRPC'}"
+    shape += (
+        "; Lookups "
+        + {
+            "bulk": "over the bulk port",
+            "grpc": "over gRPC",
+            "presence": "from the presence index (same host)",
+        }[args.lookup_path]
+    )
     print(f"cpus {os.cpu_count()}; {shape}")
     print(f"idle  Lookup p50 {idle['p50_ms']:.2f} ms  p99 {idle['p99_ms']:.2f} ms  failed {idle['failed']}")
     print(
@@ -259,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"hogs  Lookup p99 {hogs['p99_ms']:.2f} ms with {hogs['processes']} spinning processes "
             f"(p99 {hogs['p99_ratio']:.1f}x the same Lookups just before)"
+        )
+    answers = r["presence_answers"]
+    if args.lookup_path == "presence" and isinstance(answers, dict):
+        print(
+            f"presence index answers: {answers['local']} local, {answers['partial']} partial, {answers['rpc']} by RPC"
         )
     print(
         f"writer {r['writer_rounds']} rounds, {r['writer_gb_s']:.2f} GB/s; in place {r['in_place_mib']} MiB; "
