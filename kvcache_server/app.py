@@ -264,13 +264,16 @@ def memory_limits(cgroup_root: Path = _CGROUP) -> dict[str, int]:
 
 
 def _warn_if_memory_short(config: ServerConfig, cgroup_root: Path = _CGROUP) -> None:
-    """Warns when the RAM tier plus the in-flight budget plus the lower tiers' queues exceed the memory there is."""
+    """Warns when the RAM tier plus the in-flight budget plus the lower tiers' queues (and the disk
+    tier's read buffers) exceed the memory there is."""
     queues = sum(s.queue_max_bytes for s in (config.disk, config.redis, config.s3) if s.enabled)
+    queues += config.disk.read_buffers_bytes if config.disk.enabled else 0  # its pooled reads (tiers/reuse.py)
     need = config.ram.capacity_bytes + config.limits.inflight_bytes + queues
     for source, available in memory_limits(cgroup_root).items():
         if need > available:
             log.warning(
-                "ram.capacity_bytes (%s) + limits.inflight_bytes (%s) + lower tiers' queue_max_bytes (%s) = %s "
+                "ram.capacity_bytes (%s) + limits.inflight_bytes (%s) + lower tiers' queue_max_bytes "
+                "and disk.read_buffers_bytes (%s) = %s "
                 "exceeds the %s of %s: the process may be OOM-killed before the RAM tier is full (docs/limits.md)",
                 _gib(config.ram.capacity_bytes),
                 _gib(config.limits.inflight_bytes),

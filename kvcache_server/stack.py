@@ -106,7 +106,7 @@ def _map(fn: Callable[[T], U], items: Sequence[T]) -> list[U]:
     return [fn(x) for x in items]
 
 
-def _decode_one(read: tuple[bytes, bytes]) -> bytes | BlockFormatError:
+def _decode_one(read: tuple[bytes | memoryview, bytes]) -> bytes | memoryview | BlockFormatError:
     stored, key = read
     try:
         return codec.decode(stored, key)
@@ -124,7 +124,7 @@ def _verify_slot(view: memoryview, key: bytes) -> BlockFormatError | None:
     return None
 
 
-def _decode_cost(stored: bytes) -> int:
+def _decode_cost(stored: bytes | memoryview) -> int:
     """The work of decoding a stored block, in _INLINE_WORK_BYTES units (see there)."""
     try:
         compressed = parse_header(stored).compression is not Compression.NONE
@@ -511,7 +511,9 @@ class TierStack:
             return list(blocks)
         return await self._offload(lower, lambda b: codec.encode(b, mode), blocks, [len(b) for b in blocks])
 
-    async def _decode(self, lower: _Lower, read: Sequence[tuple[bytes, bytes]]) -> list[bytes | BlockFormatError]:
+    async def _decode(
+        self, lower: _Lower, read: Sequence[tuple[bytes | memoryview, bytes]]
+    ) -> list[bytes | memoryview | BlockFormatError]:
         """Each (stored, key) read from this tier as its verified, uncompressed block, or why it is not one."""
         return await self._offload(lower, _decode_one, read, [_decode_cost(stored) for stored, _ in read])
 

@@ -106,7 +106,7 @@ def test_a_pool_of_other_lengths_gives_way_to_a_new_length_within_its_cap() -> N
 
 def test_reads_into_the_pool_do_not_fault_in_fresh_pages(tmp_path: Path) -> None:
     """The reason for the pool: a read into a new bytes faulted in ~220 pages per MiB here."""
-    disk = tier(tmp_path, read_buffers=40 * MiB)
+    disk = tier(tmp_path, read_buffers=80 * MiB)
     try:
         items = stored(disk, 32)  # 32 MiB a get, as a window of a long prompt's blocks
         keys = [k for k, _ in items]
@@ -119,7 +119,8 @@ def test_reads_into_the_pool_do_not_fault_in_fresh_pages(tmp_path: Path) -> None
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
         read_mib = 20 * 32 * SIZE / MiB
         assert faults / read_mib < 32, f"{faults} minor faults for {read_mib:.0f} MiB read"
-        assert disk._buffers.grown + disk._buffers.reused == 21 * 32 and disk._buffers.grown <= 40
+        pool = disk._buffers
+        assert pool.grown + pool.reused + pool.fresh == 21 * 32 and pool.grown <= 80 and pool.fresh == 0
     finally:
         asyncio.run(disk.close())
 
@@ -144,3 +145,29 @@ def test_a_get_that_does_not_promote_serves_pooled_blocks_exactly(tmp_path: Path
             await stack.close()
 
     asyncio.run(go())
+
+
+def test_a_pool_made_under_a_trace_function_stays_off_and_never_refills_a_held_buffer() -> None:
+    """A tracer that reads frame locals (debuggers, some profilers) adds a reference while the pool
+    measures what "free" reads as: a pool that trusted that count would refill a buffer one view holds."""
+    import sys
+
+    def tracer(frame, event, arg):  # type: ignore[no-untyped-def]
+        frame.f_locals  # noqa: B018 - what such tracers do
+        return tracer
+
+    sys.settrace(tracer)
+    try:
+        pool = ReusePool(4 * MiB)
+    finally:
+        sys.settrace(None)
+    assert pool.cap_bytes == 0
+    assert pool.take(MiB) is None  # off: every read takes fresh memory
+    normal = ReusePool(4 * MiB)
+    a = normal.take(MiB)
+    assert a is not None
+    view = memoryview(a).toreadonly()
+    del a
+    b = normal.take(MiB)
+    assert b is not None and b is not view.obj  # the held one is never handed out again
+    del view, b

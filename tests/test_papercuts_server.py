@@ -114,10 +114,28 @@ def test_the_cgroup_limit_counts(
     found = [m for m in _memory_warnings(caplog) if "cgroup limit" in m]
     assert bool(found) is warns
     if warns:
-        assert "lower tiers' queue_max_bytes (1.00 GiB) = 2.25 GiB exceeds the cgroup limit" in found[0]
+        assert "lower tiers' queue_max_bytes and disk.read_buffers_bytes (1.00 GiB) = 2.25 GiB exceeds" in found[0]
         assert found[0].endswith(
             "of 1.00 GiB: the process may be OOM-killed before the RAM tier is full (docs/limits.md)"
         )
+
+
+@pytest.mark.timeout(30)
+def test_the_disk_tiers_read_buffers_count_in_the_memory_bound(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    (tmp_path / "memory.max").write_text(str(1 << 30) + "\n")
+    caplog.set_level(logging.WARNING, logger="kvcache_server.app")
+    disk = {
+        "enabled": True,
+        "dir": str(tmp_path / "disk"),
+        "queue_max_bytes": 256 << 20,
+        "read_buffers_bytes": 512 << 20,
+    }
+    _warn_if_memory_short(load_config(env={}, overrides={"disk": disk}), tmp_path)
+    found = [m for m in _memory_warnings(caplog) if "cgroup limit" in m]
+    # 1 GiB RAM + 256 MiB in flight + the disk's 256 MiB queue + its 512 MiB of read buffers
+    assert len(found) == 1 and "disk.read_buffers_bytes (0.75 GiB) = 2.00 GiB exceeds" in found[0], found
 
 
 # -- 3. the metrics port ---------------------------------------------------------------------------

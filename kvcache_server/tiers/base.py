@@ -12,7 +12,9 @@ What a tier stores:
     (namespace, 16-byte key). A tier never splits a block and never returns
     part of one. Which bytes it stores is up to it (a lower tier may compress),
     but `get_many` returns exactly the block bytes that `put_many` was given,
-    or None.
+    or None: as `bytes`, or as a read-only memoryview of them (the disk tier's
+    pooled reads, tiers/reuse.py), so callers use the buffer protocol only
+    (len, slices, comparisons, hashing, bytes(), b"".join), never bytes methods.
 
 Misses and failures:
     A missing block is None, never an exception. A tier whose backend fails
@@ -93,8 +95,9 @@ class Tier(ABC):
     kind: TierKind
 
     @abstractmethod
-    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | None]:
-        """The stored block for each key, or None where absent. Same order as `keys`."""
+    async def get_many(self, namespace: str, keys: Sequence[bytes]) -> Sequence[bytes | memoryview | None]:
+        """The stored block for each key (bytes, or a read-only memoryview), or None where absent.
+        Same order as `keys`."""
 
     @abstractmethod
     async def put_many(self, namespace: str, items: Sequence[tuple[bytes, bytes]]) -> list[bool]:

@@ -79,7 +79,7 @@ def encode(block: bytes, mode: CompressionMode) -> bytes:
     return b"".join((stored.pack(), packed))
 
 
-def decode(stored: bytes, key: bytes) -> bytes:
+def decode(stored: bytes | memoryview, key: bytes) -> bytes | memoryview:
     """The verified, uncompressed block from a tier's stored bytes, read under `key`.
 
     Raises:

@@ -765,7 +765,9 @@ class DiskTier(Tier):
     async def get_many(self, namespace: str, keys: Sequence[bytes]) -> list[bytes | memoryview | None]:
         """Each key's stored block, or None. Blocks of reuse.DEFAULT_MIN_BYTES and more come as
         read-only memoryviews of buffers this tier refills once nothing references them any more
-        (tiers/reuse.py): hold the view as long as the bytes are needed, as with a bytes."""
+        (tiers/reuse.py): hold the view as long as the bytes are needed, as with a bytes. Smaller
+        blocks, and any block read while every pooled buffer is in use at the cap (or with the pool
+        off), come as bytes."""
         entries = [self._entry(namespace, k) for k in keys]
         wanted = [e for e in entries if e is not None and e in self._index]
         out: list[bytes | memoryview | None] = [None] * len(keys)

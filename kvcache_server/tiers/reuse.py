@@ -16,7 +16,9 @@ takes fresh memory when the pool is full). No release call to forget, none to ca
 
 Bounds: at most `cap_bytes` of buffers (a stated RSS cost: disk.read_buffers_bytes), only for
 blocks of at least `min_bytes` (smaller allocations are served from malloc's arenas without
-faults), at most `per_length` buffers of one length scanned per take.
+faults), at most `per_length` buffers of one length scanned per take. Off (cap 0) where reference
+counts cannot be trusted to say this: another interpreter than CPython, a free-threaded build, or a
+trace function that holds frame locals while the pool is made.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ import threading
 from collections import OrderedDict
 
 DEFAULT_MIN_BYTES = 256 << 10
+_FREE_REFS = 3
+
+
+def _refcounts_reliable() -> bool:
+    """CPython with its GIL: reference counts are exact and change only under the GIL."""
+    gil = getattr(sys, "_is_gil_enabled", None)
+    return sys.implementation.name == "cpython" and (gil is None or gil())
 
 
 class ReusePool:
@@ -40,9 +49,14 @@ class ReusePool:
         self._bytes = 0
         self.reused = 0  # takes that refilled a buffer (counters, read without the lock)
         self.grown = 0  # buffers added
-        self.fresh = 0  # takes answered None (pool full of buffers in use, or too small a block)
-        probe = [bytearray(1)]
-        self._free_refs = self._refs_of_first(probe)  # what "only the pool" reads as, measured
+        self.fresh = 0  # takes of a pooled length answered None (every buffer in use, the cap reached)
+        # What "only the pool" reads as: the list's slot, the scan's variable, getrefcount's argument.
+        # Measured on a probe and used only if it is that 3 on a CPython with a GIL: a trace function
+        # reading frame locals while the pool is built (a debugger, some profilers) would measure one
+        # more, and a buffer held by one view would then pass for free. Otherwise the pool stays off.
+        self._free_refs = _FREE_REFS
+        if not _refcounts_reliable() or self._refs_of_first([bytearray(1)]) != _FREE_REFS:
+            self.cap_bytes = 0
 
     @staticmethod
     def _refs_of_first(bufs: list[bytearray]) -> int:
@@ -58,8 +72,7 @@ class ReusePool:
         """A bytearray of exactly `length` bytes that no one but the pool references (the caller may
         fill it, then hand out views of it), or None: allocate fresh memory instead."""
         if length < self.min_bytes or length > self.cap_bytes:
-            self.fresh += 1
-            return None
+            return None  # not pooled at all: not counted
         free = self._free_refs
         with self._lock:
             bufs = self._by_length.get(length)
