@@ -9,16 +9,20 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import resource
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from kvcache_client import KVCacheClient
 from kvcache_server.stack import LowerTierPolicy, TierStack, WriteMode
 from kvcache_server.tiers.disk import DiskTier
 from kvcache_server.tiers.reuse import ReusePool
-from tests.conftest import keyed
+from tests.conftest import ServerThread, keyed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -171,3 +175,59 @@ def test_a_pool_made_under_a_trace_function_stays_off_and_never_refills_a_held_b
     b = normal.take(MiB)
     assert b is not None and b is not view.obj  # the held one is never handed out again
     del view, b
+
+
+@pytest.mark.timeout(180)
+def test_concurrent_gets_of_a_server_that_does_not_promote_serve_every_byte_exactly(
+    tmp_path: Path, make_server: Callable[..., ServerThread]
+) -> None:
+    """Four clients (two over the bulk port, two over pure gRPC) get overlapping sets of disk-held
+    blocks at once, many times, from a server whose disk hits are not promoted: the pool's buffers are
+    refilled under replies still being sent to the others, and every block must come back exact."""
+    server = make_server(
+        ram={"capacity_bytes": 4 * MiB},
+        disk={
+            "enabled": True,
+            "dir": str(tmp_path),
+            "capacity_bytes": 64 * MiB,
+            "region_bytes": 16 * MiB,
+            "write_mode": "through",
+            "promote": False,
+            "read_buffers_bytes": 12 * MiB,
+        },
+        shm={"enabled": False},
+    )
+    items = [keyed(os.urandom(SIZE)) for _ in range(24)]
+    with KVCacheClient(server.target, shm=False) as writer:
+        assert writer.put_many(NS, items).stored == len(items)
+    disk = server.stack._lower[0].tier
+    assert isinstance(disk, DiskTier)
+    wrong: list[str] = []
+
+    def reader(seed: int, bulk: bool) -> None:
+        try:
+            read(seed, bulk)
+        except BaseException as exc:  # a thread's failure fails the test
+            wrong.append(repr(exc))
+
+    def read(seed: int, bulk: bool) -> None:
+        rng = random.Random(seed)
+        with KVCacheClient(server.target, shm=False, bulk=bulk, timeout_s=60) as client:
+            for _ in range(15):
+                picked = rng.sample(items, 8)
+                got = client.get_many(NS, [k for k, _ in picked])
+                for (key, block), block_got in zip(picked, got, strict=True):
+                    if block_got is None or bytes(block_got) != block:
+                        wrong.append(f"{key.hex()}: {'miss' if block_got is None else 'other bytes'}")
+            if client.corrupt_blocks:
+                wrong.append(f"{client.corrupt_blocks} blocks failed their checksum")
+
+    threads = [threading.Thread(target=reader, args=(seed, seed % 2 == 0)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(150)
+    assert not any(t.is_alive() for t in threads)
+    assert wrong == []
+    assert disk._buffers.reused > 0  # the pool was refilled while the others' replies were in flight
+    assert disk._buffers.nbytes <= 12 * MiB
