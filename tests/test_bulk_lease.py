@@ -13,6 +13,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -79,6 +80,16 @@ class Raw:
 
 def _open_leases(server: ServerThread) -> int:
     return server.stack.ram.arena_stats()["leases"]
+
+
+def _leases_after_gets(server: ServerThread, timeout_s: float = 5.0) -> int:
+    """_open_leases once the server's bulk GETs have ended on its side: a GET leases its blocks until
+    its send returns, and the client may hold every byte before the server's thread hands them back.
+    Bounded: a leaked lease (600 s: SERVE_LEASE_S) or one the client holds is still counted."""
+    end = time.monotonic() + timeout_s
+    while (n := _open_leases(server)) and time.monotonic() < end:
+        time.sleep(0.01)
+    return n
 
 
 def _child_server(tmp_path: Path) -> tuple[ChildServer, int]:
@@ -414,7 +425,7 @@ def test_small_same_host_gets_are_one_bulk_get_and_large_ones_lease(make_server,
         assert [bytes(b) for b in client.get_many("n", sk)] == [b for _, b in small]
         with client.leased("n", sk) as views:
             assert [bytes(v) for v in views] == [b for _, b in small]
-            assert _open_leases(server) == 0
+            assert _leases_after_gets(server) == 0  # this leased() was a GET: no lease in place
         assert frames() == (before[0] + 4, before[1] + 1, before[2] + 1)
         assert client.bulk.counters.bulk_bytes_landed == 2 * small_total
         assert [bytes(b) for b in client.get_many("n", lk)] == [b for _, b in large]  # judged small: a GET
@@ -426,7 +437,7 @@ def test_small_same_host_gets_are_one_bulk_get_and_large_ones_lease(make_server,
         client.bulk.same_host_get_bytes = 0
         assert [bytes(b) for b in client.get_many("n", sk)] == [b for _, b in small]
         assert frames() == (gets[0], gets[1] + 2, gets[2] + 2)
-        assert _open_leases(server) == 0 and client.corrupt_blocks == 0
+        assert _leases_after_gets(server) == 0 and client.corrupt_blocks == 0
 
     async def run() -> None:
         async with AsyncKVCacheClient(server.target, timeout_s=10) as aclient:
@@ -440,4 +451,4 @@ def test_small_same_host_gets_are_one_bulk_get_and_large_ones_lease(make_server,
             assert aclient.bulk.counters.bulk_bytes_landed == small_total
 
     asyncio.run(run())
-    assert _open_leases(server) == 0
+    assert _leases_after_gets(server) == 0
