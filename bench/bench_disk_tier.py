@@ -53,7 +53,8 @@ row measures the path the server uses for it (TierStream):
     is >= 0.5x). dd and fio times are their own reports (no process start-up; fio's from the time
     its calls took, lat_ns); fio is skipped when it is not installed (apt-get install fio). Also
     printed: the minor page faults per MiB of the tier's warm reads (getrusage): none into the arena,
-    which is mapped once; one per 4 KiB page into new bytes.
+    which is mapped once, nor into get_many's reused buffers; one per 4 KiB page into new bytes (as
+    get_many read before them, and still does with disk.read_buffers_bytes = 0).
 
 Longer than the project's ~500-line module guideline on purpose: one self-contained benchmark whose
 three parts (raw I/O floor, the Zipf replay, the stream against dd and fio) share its servers and tables.

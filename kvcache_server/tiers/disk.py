@@ -53,7 +53,8 @@ accounts disk_retention.py.
 
 Memory: the index holds, per block, one 20-byte bytes key (namespace id + key) and one int
 (region, offset, length) in a dict, plus one reference in its region's key list:
-INDEX_BYTES_PER_BLOCK, measured by tests/test_disk_tier.py in a server process.
+INDEX_BYTES_PER_BLOCK, measured by tests/test_disk_tier.py in a server process. Besides it, get_many's
+reused read buffers: at most read_buffers_bytes, grown only as reads that do not promote need them.
 """
 
 from __future__ import annotations

@@ -50,11 +50,11 @@ class ReusePool:
         self.reused = 0  # takes that refilled a buffer (counters, read without the lock)
         self.grown = 0  # buffers added
         self.fresh = 0  # takes of a pooled length answered None (every buffer in use, the cap reached)
-        # What "only the pool" reads as: the list's slot, the scan's variable, getrefcount's argument.
-        # Measured on a probe and used only if it is that 3 on a CPython with a GIL: a trace function
-        # reading frame locals while the pool is built (a debugger, some profilers) would measure one
-        # more, and a buffer held by one view would then pass for free. Otherwise the pool stays off.
-        self._free_refs = _FREE_REFS
+        # What "only the pool" reads as (_FREE_REFS): the list's slot, the scan's variable,
+        # getrefcount's argument. Checked on a probe: a trace function reading frame locals while the
+        # pool is built (a debugger, some profilers) would measure one more, and a buffer held by one
+        # view would then pass for free. If the probe reads otherwise, or this is not CPython with a
+        # GIL, the pool stays off.
         if not _refcounts_reliable() or self._refs_of_first([bytearray(1)]) != _FREE_REFS:
             self.cap_bytes = 0
 
@@ -73,13 +73,12 @@ class ReusePool:
         fill it, then hand out views of it), or None: allocate fresh memory instead."""
         if length < self.min_bytes or length > self.cap_bytes:
             return None  # not pooled at all: not counted
-        free = self._free_refs
         with self._lock:
             bufs = self._by_length.get(length)
             if bufs is not None:
                 self._by_length.move_to_end(length)
                 for buf in bufs:
-                    if sys.getrefcount(buf) <= free:
+                    if sys.getrefcount(buf) <= _FREE_REFS:
                         self.reused += 1
                         return buf
                 if len(bufs) >= self._per_length:
@@ -98,7 +97,6 @@ class ReusePool:
         """Drops free buffers of other lengths, least recently taken first, until `want` more bytes
         fit under the cap (under the lock); whether they do. Buffers in use stay (they are the
         caller's memory now, freed by Python when their last view goes)."""
-        free = self._free_refs
         for length in list(self._by_length):
             if self._bytes + want <= self.cap_bytes:
                 break
@@ -107,7 +105,7 @@ class ReusePool:
             bufs = self._by_length[length]
             kept = []
             for buf in bufs:
-                if self._bytes + want > self.cap_bytes and sys.getrefcount(buf) <= free:
+                if self._bytes + want > self.cap_bytes and sys.getrefcount(buf) <= _FREE_REFS:
                     self._bytes -= length
                 else:
                     kept.append(buf)
