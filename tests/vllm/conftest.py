@@ -88,8 +88,9 @@ def server_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], st
                     time.sleep(0.1)
         yield process, target
     finally:
-        os.kill(process.pid, signal.SIGCONT)
-        process.terminate()
+        if process.poll() is None:  # a test may have killed it
+            os.kill(process.pid, signal.SIGCONT)
+            process.terminate()
         try:
             process.wait(10)
         except subprocess.TimeoutExpired:

@@ -1,0 +1,152 @@
+"""vLLM's own OffloadingConnector with the kvcache tier below its CPU tier, engine to engine, greedy tokens compared.
+
+Each engine is its own process (tests/vllm/offload_engine.py): vLLM 0.33's Scheduler and
+OffloadingConnector (scheduler and worker sides), vLLM's TieringOffloadingManager with its CPU tier
+and the kvcache tier, CPU KV caches, and a tiny random-weight Llama that samples greedily. Only the
+worker's device copy runs on the CPU (tests/vllm/cpu_offload.py). The kvcache server is a real
+`python -m kvcache_server` process. A prompt stored by one engine process is loaded by another from
+kvcache alone (a new process: its CPU tier holds nothing), and its greedy tokens are those of an
+engine without any connector; a server SIGKILLed while requests wait for it is a recompute with the
+same tokens, in bounded time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+from kvcache_client import KVCacheClient
+from tests.vllm.harness import BLOCK, LAYER_NAMES, allocate_caches, make_kv_cache_config
+from tests.vllm.offload_engine import GreedyModel, OffloadEngine, save_tiny_llama
+
+pytestmark = pytest.mark.timeout(240)
+
+REPO = Path(__file__).resolve().parents[2]
+P1 = [(37 * i + 11) % 1000 for i in range(70)]  # 70 tokens: two 32-token chunks are stored, 6 tokens are not
+P2 = P1[:64] + [(53 * i + 7) % 1000 for i in range(30)]  # shares P1's two chunks, then its own
+P3 = [(71 * i + 5) % 1000 for i in range(100)]  # three chunks of its own
+PROMPTS = {"p1": P1, "p2": P2, "p3": P3}
+LOADABLE = {"p1": 64, "p2": 64, "p3": 96}  # whole 32-token chunks of each prompt, at least one token left to compute
+MAX_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-greedy"))
+
+
+@pytest.fixture(scope="module")
+def reference(llama_dir: str) -> dict[str, Any]:
+    """Greedy tokens (and logit digests) of an engine without any KV connector or prefix caching."""
+    engine = OffloadEngine(llama_dir, None)
+    for request_id, tokens in PROMPTS.items():
+        engine.add(request_id, tokens, MAX_TOKENS)
+    out = {"tokens": engine.run(), "logits": engine.logit_digests()}
+    assert engine.loaded == dict.fromkeys(PROMPTS, 0)
+    return out
+
+
+def run_engine(tmp_path: Path, name: str, llama_dir: str, target: str | None, **spec: Any) -> dict[str, Any]:
+    """One engine process over PROMPTS; its JSON result."""
+    path = tmp_path / f"{name}.json"
+    path.write_text(
+        json.dumps({"model_dir": llama_dir, "target": target, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **spec})
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.vllm.offload_engine", str(path)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def ram_hits(target: str) -> int:
+    with KVCacheClient(target, timeout_s=10) as client:
+        return next(t.hits for t in client.stats().tiers if t.name == "ram")
+
+
+def test_greedy_tokens_and_logits_depend_on_the_prefix_kv(llama_dir: str, reference: dict[str, Any]) -> None:
+    """The comparisons below have teeth: P1 decoded over another prompt's KV for its first 64 tokens gives
+    other greedy tokens; over its own KV with one bit of one value flipped, other logits."""
+    model = GreedyModel(llama_dir)
+    blocks = list(range(16))
+
+    def decode(prefix_tokens: list[int], change: tuple[int, int] | None = None) -> tuple[list[int], str]:
+        caches = allocate_caches(make_kv_cache_config(16), KVCacheLayout.LBNHC)
+        for p in range(64):
+            model.token(caches, blocks, prefix_tokens, p)
+        if change is not None:  # one fp16 value of one position's K, in layer 0, nudged by one ulp
+            position, head = change
+            k = caches[LAYER_NAMES[0]][blocks[position // BLOCK], head, position % BLOCK]
+            k.view(torch.int16)[0] += 1
+        tokens, digest = list(P1), hashlib.sha256()
+        for p in range(64, len(P1) + MAX_TOKENS - 1):
+            token, logits = model.token(caches, blocks, tokens, p)
+            if p >= len(P1) - 1:
+                tokens.append(token)
+                digest.update(logits)
+        return tokens[len(P1) :], digest.hexdigest()
+
+    expected = (reference["tokens"]["p1"], reference["logits"]["p1"])
+    assert decode(P1) == expected  # the same computation, outside the engine
+    assert decode(P3[:64] + P1[64:])[0] != expected[0]
+    assert decode(P1, change=(5, 1))[1] != expected[1]
+
+
+def test_a_prompt_stored_by_one_engine_process_loads_in_another_from_kvcache_alone(
+    llama_dir: str, reference: dict[str, Any], server_process, tmp_path: Path
+) -> None:
+    _, target = server_process
+    stored = run_engine(tmp_path, "store", llama_dir, target)
+    assert (stored["tokens"], stored["logits"]) == (reference["tokens"], reference["logits"])
+    assert stored["connector_hit_tokens"] == 0  # nothing there yet (p2 reuses p1's blocks on the "GPU")
+    with KVCacheClient(target, timeout_s=10) as client:
+        (ram,) = [t for t in client.stats().tiers if t.name == "ram"]
+    assert ram.blocks == 5  # p1/p2's two chunks once, p3's three
+
+    hits = ram_hits(target)
+    loaded = run_engine(tmp_path, "load", llama_dir, target)
+    assert (loaded["tokens"], loaded["logits"]) == (reference["tokens"], reference["logits"])
+    assert loaded["loaded"] == LOADABLE
+    assert loaded["connector_hit_tokens"] == 64 + 96  # p1's and p3's (p2 then reuses p1's blocks on the "GPU")
+    assert loaded["invalid_block_ids"] == []
+    assert ram_hits(target) - hits == 5  # p1's two chunks and p3's three, from kvcache (its CPU tier was new)
+
+
+@pytest.mark.parametrize("kill", [{"kill_on_idle_step": 1}, {"kill_on_load": True}])
+def test_a_server_killed_while_requests_wait_for_it_is_a_recompute_with_the_same_tokens(
+    llama_dir: str, reference: dict[str, Any], server_process, tmp_path: Path, kill: dict[str, Any]
+) -> None:
+    """The kvcache server is SIGKILLed by the loading engine while its requests wait for it: the
+    first time a step schedules nothing (lookups in flight), or as the tier starts its first load, after its
+    lookups said HIT. What was not loaded is computed again, the tokens and logits are the reference's,
+    and the run ends (the engine's own deadline, 60 s, is an assertion)."""
+    process, target = server_process
+    assert run_engine(tmp_path, "store", llama_dir, target)["logits"] == reference["logits"]
+    tier = {"timeout_s": 2.0, "lookup_timeout_s": 1.0}
+    after = run_engine(
+        tmp_path,
+        "killed",
+        llama_dir,
+        target,
+        kill_pid=process.pid,
+        **kill,
+        tier_options=tier,
+        timeout_s=60.0,
+    )
+    assert after["killed"]
+    assert process.wait(10) == -9
+    assert (after["tokens"], after["logits"]) == (reference["tokens"], reference["logits"])
+    assert after["connector_hit_tokens"] == 0  # nothing came from the dead server
+    assert after["invalid_block_ids"] == []  # the failed load was a miss before any block was loaded
