@@ -3,8 +3,9 @@
 `OffloadEngine` is vLLM's real Scheduler (which builds OffloadingConnector's scheduler side and its
 TieringOffloadingManager: CPU primary tier, kvcache secondary tier), the connector's worker side built
 by vLLM's KVConnectorFactory over CPU KV caches allocated by vLLM's allocate_kv_cache, and a real
-model: a tiny random-weight Llama (transformers) that computes every token's K and V from the paged
-cache and samples greedily. The worker's GPU <-> CPU copy runs on the CPU (tests/vllm/cpu_offload.py
+model: a tiny random-weight transformers model (a Llama; a Qwen2 whose layers all slide; one with a
+full and a sliding layer, each its own KV-cache group) that computes every token's K and V from the
+paged cache and samples greedily. The worker's GPU <-> CPU copy runs on the CPU (tests/vllm/cpu_offload.py
 says exactly what that replaces). Each step replays the model runner's connector calls in vLLM's order
 (kv_connector_model_runner_mixin._get_kv_connector_output, handle_preemptions before it).
 
@@ -34,7 +35,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 from vllm import SamplingParams
 from vllm.config import KVTransferConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
@@ -58,6 +66,7 @@ from tests.vllm.harness import (
     NUM_LAYERS,
     StandInAttention,
     allocate_caches,
+    hybrid_kv_cache_config,
     make_kv_cache_config,
     make_vllm_config,
     read_token,
@@ -68,25 +77,42 @@ OFFLOAD_BLOCK = 2 * BLOCK  # tokens per offloaded chunk: two vLLM blocks
 SPEC = {"spec_name": "CPUWorkerTieringSpec", "spec_module_path": "tests.vllm.cpu_offload"}
 
 
-def save_tiny_llama(path: Path) -> str:
-    """A tiny random-weight Llama (fixed seed) with the harness's shapes, saved as a user's checkpoint is."""
+WINDOW = 40  # tokens of the sliding-window layers: not a multiple of a chunk, so windows start mid-chunk
+LAYER_TYPES = {  # the models the tests run: every layer full, every layer sliding (Mistral-like), one of each
+    "full": ("full_attention",) * NUM_LAYERS,
+    "sliding": ("sliding_attention",) * NUM_LAYERS,
+    "hybrid": ("full_attention", "sliding_attention"),
+}
+
+
+def save_tiny_model(path: Path, kind: str = "full") -> str:
+    """A tiny random-weight model (fixed seed) with the harness's shapes, saved as a user's checkpoint is:
+    a Llama for "full", a Qwen2 with sliding-window layers (WINDOW tokens) for "sliding" and "hybrid"."""
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=KV_HEADS * 2 * HEAD,
-        intermediate_size=128,
-        num_hidden_layers=NUM_LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=KV_HEADS,
-        vocab_size=1000,
-        max_position_embeddings=2048,
-        rms_norm_eps=1e-6,
-        bos_token_id=1,
-        eos_token_id=EOS,
-        tie_word_embeddings=False,
-        initializer_range=0.2,
-        torch_dtype="float16",
-    )
-    LlamaForCausalLM(config).save_pretrained(path)
+    shapes: dict[str, Any] = {
+        "hidden_size": KV_HEADS * 2 * HEAD,
+        "intermediate_size": 128,
+        "num_hidden_layers": NUM_LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": KV_HEADS,
+        "vocab_size": 1000,
+        "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6,
+        "bos_token_id": 1,
+        "eos_token_id": EOS,
+        "tie_word_embeddings": False,
+        "initializer_range": 0.2,
+        "torch_dtype": "float16",
+    }
+    if kind == "full":
+        model: Any = LlamaForCausalLM(LlamaConfig(**shapes))
+    else:
+        config = Qwen2Config(
+            **shapes, use_sliding_window=True, sliding_window=WINDOW, layer_types=list(LAYER_TYPES[kind])
+        )
+        model = Qwen2ForCausalLM(config)
+    model.save_pretrained(path)
+    (path / "kind").write_text(kind)
     return str(path)
 
 
@@ -106,23 +132,34 @@ def tier_extra(target: str | None, **tier_options: Any) -> dict[str, Any]:
 
 
 class GreedyModel:
-    """The tiny Llama, one token per forward over K/V read from the paged cache (see the module's docstring)."""
+    """The tiny model, one token per forward over K/V read from the paged cache (see the module's docstring)."""
 
     def __init__(self, model_dir: str) -> None:
         torch.set_num_threads(1)  # one thread: the same sums in the same order in every process
-        self.model = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager")
         self.model.eval()
+        self.kind = (Path(model_dir) / "kind").read_text()
+        # The first position each layer reads for position p: a sliding layer attends to p - WINDOW + 1 .. p.
+        self.window = [WINDOW if t == "sliding_attention" else None for t in LAYER_TYPES[self.kind]]
 
     @torch.no_grad()
     def token(
-        self, caches: dict[str, torch.Tensor], block_ids: Sequence[int], tokens: Sequence[int], p: int
+        self, caches: dict[str, torch.Tensor], tables: Sequence[Sequence[int]], tokens: Sequence[int], p: int
     ) -> tuple[int, bytes]:
-        """Computes position p (K/V of 0..p-1 read from `caches`), writes its K/V there; returns the greedy
-        next token and the logits' bytes."""
+        """Computes position p from the K/V of 0..p-1 in `caches` (layer l's blocks: tables[l]), writes its K/V
+        there; returns the greedy next token and the logits' bytes. A sliding layer's positions before its
+        window are never read (vLLM may have freed their blocks, or never loaded them): zeros stand there,
+        which the model's mask leaves out."""
         cache = DynamicCache()
         if p:
             for layer, name in enumerate(LAYER_NAMES):
-                kv = torch.stack([read_token(caches[name], block_ids[q // BLOCK], q % BLOCK) for q in range(p)], dim=2)
+                window = self.window[layer]
+                first = 0 if window is None else max(0, p - window + 1)
+                kv = torch.zeros(2, KV_HEADS, p, HEAD, dtype=torch.float16)
+                for q in range(first, p):
+                    block = tables[layer][q // BLOCK]
+                    assert block != 0, f"position {q} of layer {layer} is in vLLM's null block"
+                    kv[:, :, q] = read_token(caches[name], block, q % BLOCK)
                 cache.update(kv[0].unsqueeze(0).float(), kv[1].unsqueeze(0).float(), layer)  # [1, H, p, D]
         out = self.model(
             input_ids=torch.tensor([[tokens[p]]]),
@@ -133,7 +170,7 @@ class GreedyModel:
         for layer, name in enumerate(LAYER_NAMES):
             keys, values = out.past_key_values.layers[layer].keys, out.past_key_values.layers[layer].values
             kv = torch.stack([keys[0, :, p], values[0, :, p]]).to(torch.float16)  # [2, H, D]
-            write_token(caches[name], block_ids[p // BLOCK], p % BLOCK, kv)
+            write_token(caches[name], tables[layer][p // BLOCK], p % BLOCK, kv)
         logits = out.logits[0, -1]
         return int(logits.argmax()), logits.numpy().tobytes()
 
@@ -151,6 +188,7 @@ class OffloadEngine:
     scheduler: Scheduler = field(init=False)
     worker: Any = field(init=False)
     caches: dict[str, torch.Tensor] = field(init=False)
+    groups: int = field(init=False)  # KV-cache groups: 1, or 2 for the hybrid model (one per layer)
     requests: dict[str, Request] = field(default_factory=dict)
     loaded: dict[str, int] = field(default_factory=dict)  # request -> tokens it had when first computed
     logits: dict[str, Any] = field(default_factory=dict)  # request -> sha256 over the logits it sampled from
@@ -172,7 +210,13 @@ class OffloadEngine:
                 engine_id=str(uuid.uuid4()),  # its own CPU tier region: nothing of another engine's
                 kv_connector_extra_config=tier_extra(self.target, **self.tier_options),
             )
-        kv_cache_config = make_kv_cache_config(self.num_blocks)
+        kind = self.model.kind
+        kv_cache_config = (
+            make_kv_cache_config(self.num_blocks)
+            if kind == "full"
+            else hybrid_kv_cache_config(self.num_blocks, WINDOW, all_sliding=kind == "sliding")
+        )
+        self.groups = len(kv_cache_config.kv_cache_groups)
         config.cache_config.num_gpu_blocks = self.num_blocks
         self.scheduler = Scheduler(
             vllm_config=config,
@@ -278,10 +322,11 @@ class OffloadEngine:
             request = self.requests[request_id]
             self.loaded.setdefault(request_id, starts[request_id])
             tokens = list(request.all_token_ids)
-            (block_ids,) = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+            groups = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+            tables = [groups[0 if self.groups == 1 else layer] for layer in range(NUM_LAYERS)]
             last, logits = 0, b""
             for p in range(starts[request_id], starts[request_id] + count):
-                last, logits = self.model.token(self.caches, block_ids, tokens, p)
+                last, logits = self.model.token(self.caches, tables, tokens, p)
             if starts[request_id] + count >= request.num_tokens:
                 sampled[request_id] = [last]
                 self.logits.setdefault(request_id, hashlib.sha256()).update(logits)

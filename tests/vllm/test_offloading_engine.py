@@ -25,7 +25,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from kvcache_client import KVCacheClient
 from tests.vllm.harness import BLOCK, LAYER_NAMES, allocate_caches, make_kv_cache_config
-from tests.vllm.offload_engine import GreedyModel, OffloadEngine, save_tiny_llama
+from tests.vllm.offload_engine import LAYER_TYPES, GreedyModel, OffloadEngine, save_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -35,23 +35,39 @@ P2 = P1[:64] + [(53 * i + 7) % 1000 for i in range(30)]  # shares P1's two chunk
 P3 = [(71 * i + 5) % 1000 for i in range(100)]  # three chunks of its own
 PROMPTS = {"p1": P1, "p2": P2, "p3": P3}
 LOADABLE = {"p1": 64, "p2": 64, "p3": 96}  # whole 32-token chunks of each prompt, at least one token left to compute
+# Chunks kvcache holds after the storing engine, and serves to the loading one, per model: p1/p2's two
+# and p3's three for full attention; a sliding group's only in its window (WINDOW = 40 tokens before the
+# first token computed: p1's chunks 0-1, p3's 1-2); the hybrid model's full group and sliding group.
+CHUNKS = {"full": 5, "sliding": 4, "hybrid": 9}
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
-    return save_tiny_llama(tmp_path_factory.mktemp("tiny-llama-greedy"))
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    return {kind: save_tiny_model(tmp_path_factory.mktemp(f"tiny-{kind}"), kind) for kind in LAYER_TYPES}
 
 
 @pytest.fixture(scope="module")
-def reference(llama_dir: str) -> dict[str, Any]:
-    """Greedy tokens (and logit digests) of an engine without any KV connector or prefix caching."""
-    engine = OffloadEngine(llama_dir, None)
-    for request_id, tokens in PROMPTS.items():
-        engine.add(request_id, tokens, MAX_TOKENS)
-    out = {"tokens": engine.run(), "logits": engine.logit_digests()}
-    assert engine.loaded == dict.fromkeys(PROMPTS, 0)
+def references(model_dirs: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Per model: greedy tokens (and logit digests) of an engine without any KV connector or prefix caching."""
+    out = {}
+    for kind, path in model_dirs.items():
+        engine = OffloadEngine(path, None)
+        for request_id, tokens in PROMPTS.items():
+            engine.add(request_id, tokens, MAX_TOKENS)
+        out[kind] = {"tokens": engine.run(), "logits": engine.logit_digests()}
+        assert engine.loaded == dict.fromkeys(PROMPTS, 0)
     return out
+
+
+@pytest.fixture
+def llama_dir(model_dirs: dict[str, str]) -> str:
+    return model_dirs["full"]
+
+
+@pytest.fixture
+def reference(references: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    return references["full"]
 
 
 def run_engine(tmp_path: Path, name: str, llama_dir: str, target: str | None, **spec: Any) -> dict[str, Any]:
@@ -80,15 +96,15 @@ def test_greedy_tokens_and_logits_depend_on_the_prefix_kv(llama_dir: str, refere
     """The comparisons below have teeth: P1 decoded over another prompt's KV for its first 64 tokens gives
     other greedy tokens; over its own KV with one bit of one value flipped, other logits."""
     model = GreedyModel(llama_dir)
-    blocks = list(range(16))
+    blocks = [list(range(1, 17))] * 2  # every layer's table (block 0 is vLLM's null block)
 
     def decode(prefix_tokens: list[int], change: tuple[int, int] | None = None) -> tuple[list[int], str]:
-        caches = allocate_caches(make_kv_cache_config(16), KVCacheLayout.LBNHC)
+        caches = allocate_caches(make_kv_cache_config(17), KVCacheLayout.LBNHC)
         for p in range(64):
             model.token(caches, blocks, prefix_tokens, p)
         if change is not None:  # one fp16 value of one position's K, in layer 0, nudged by one ulp
             position, head = change
-            k = caches[LAYER_NAMES[0]][blocks[position // BLOCK], head, position % BLOCK]
+            k = caches[LAYER_NAMES[0]][blocks[0][position // BLOCK], head, position % BLOCK]
             k.view(torch.int16)[0] += 1
         tokens, digest = list(P1), hashlib.sha256()
         for p in range(64, len(P1) + MAX_TOKENS - 1):
@@ -104,24 +120,29 @@ def test_greedy_tokens_and_logits_depend_on_the_prefix_kv(llama_dir: str, refere
     assert decode(P1, change=(5, 1))[1] != expected[1]
 
 
+@pytest.mark.parametrize("kind", list(LAYER_TYPES))
 def test_a_prompt_stored_by_one_engine_process_loads_in_another_from_kvcache_alone(
-    llama_dir: str, reference: dict[str, Any], server_process, tmp_path: Path
+    model_dirs: dict[str, str], references: dict[str, dict[str, Any]], server_process, tmp_path: Path, kind: str
 ) -> None:
+    """For a full-attention model, one whose layers all slide and a hybrid one (a full and a sliding
+    group): the loading engine's tokens and logits are the reference's, every loadable token came
+    through the connector, from kvcache."""
     _, target = server_process
+    llama_dir, reference = model_dirs[kind], references[kind]
     stored = run_engine(tmp_path, "store", llama_dir, target)
     assert (stored["tokens"], stored["logits"]) == (reference["tokens"], reference["logits"])
     assert stored["connector_hit_tokens"] == 0  # nothing there yet (p2 reuses p1's blocks on the "GPU")
     with KVCacheClient(target, timeout_s=10) as client:
         (ram,) = [t for t in client.stats().tiers if t.name == "ram"]
-    assert ram.blocks == 5  # p1/p2's two chunks once, p3's three
+    assert ram.blocks == CHUNKS[kind]
 
     hits = ram_hits(target)
     loaded = run_engine(tmp_path, "load", llama_dir, target)
     assert (loaded["tokens"], loaded["logits"]) == (reference["tokens"], reference["logits"])
     assert loaded["loaded"] == LOADABLE
-    assert loaded["connector_hit_tokens"] == 64 + 96  # p1's and p3's (p2 then reuses p1's blocks on the "GPU")
     assert loaded["invalid_block_ids"] == []
-    assert ram_hits(target) - hits == 5  # p1's two chunks and p3's three, from kvcache (its CPU tier was new)
+    assert loaded["connector_hit_tokens"] == 64 + 96  # p1's and p3's (p2 then reuses p1's blocks on the "GPU")
+    assert ram_hits(target) - hits == CHUNKS[kind]  # all from kvcache: its CPU tier was new
 
 
 @pytest.mark.parametrize("kill", [{"kill_on_idle_step": 1}, {"kill_on_load": True}])
