@@ -497,3 +497,73 @@ def test_a_server_killed_mid_call_is_a_miss_within_the_deadline(make_adapter, bu
         assert time.monotonic() - started < 1.0 + 0.5
         assert adapter.report_status()["locked_keys"] == 0
         assert adapter.counters.snapshot()["lookup_failures"] == 1
+
+
+# -- locks="keys": what LMCache's own adapters hold ----------------------------------------------
+
+
+def test_key_locks_look_up_from_the_presence_index_and_pin_nothing(server, make_adapter, buffers) -> None:
+    """locks="keys": the lookup is the stored prefix, answered on the same host from the server's
+    presence index (no call), locked in the adapter alone (no lease on the server; the adapter's own
+    delete skips a locked key); the load reads the blocks and copies them byte-identical."""
+    adapter = make_adapter(target=server.target, locks="keys")
+    keys = object_keys(4, first=300)
+    src = buffers.filled([1, 2, 3, 4])
+    assert store(adapter, keys, src).is_successful()
+    never = object_keys(2, first=400)
+    presence = adapter._client.presence
+    local, rpc = presence.counters.local, presence.counters.rpc
+    assert lookup(adapter, keys + never) == [1, 1, 1, 1, 0, 0]
+    assert lookup(adapter, keys[:2]) == [1, 1]
+    # Both from the index: the prefix, and the first miss certain (no tier below RAM on this server).
+    assert (presence.counters.local, presence.counters.rpc) == (local + 2, rpc)
+    with KVCacheClient(server.target) as probe:
+        assert probe.stats().arena_leases == 0  # nothing pinned
+        assert adapter.report_status()["locked_keys"] == 4
+        adapter.delete(keys)  # every key locked: nothing deleted
+        time.sleep(0.2)
+        assert probe.stats().tier("ram").blocks == 4
+        dst = buffers.empty(4)
+        assert load(adapter, keys, dst) == [1, 1, 1, 1]
+        assert same_bytes(src, dst)
+        adapter.submit_unlock(keys)
+        adapter.submit_unlock(keys[:2])
+        assert adapter.report_status()["locked_keys"] == 0
+        adapter.delete(keys)
+        assert eventually(lambda: probe.stats().tier("ram").blocks == 0)
+    counters = {k: v for k, v in adapter.counters.snapshot().items() if v}
+    assert counters == {
+        "stored_chunks": 4,
+        "lookup_hits": 6,
+        "lookup_misses": 2,
+        "key_locks": 6,
+        "loaded_chunks": 4,
+        "unlocks": 6,
+        "deleted_chunks": 4,
+    }
+
+
+def test_key_locks_a_hit_gone_or_changed_before_its_load_is_a_counted_miss(server, make_adapter, buffers) -> None:
+    """A key lock pins nothing: a hit another client deletes before the load, or whose slot changes
+    (here through the server's own writable view of its arena), is a load miss, counted, its buffer
+    never reported loaded; the other chunks load byte-identical."""
+    adapter = make_adapter(target=server.target, locks="keys")
+    keys = object_keys(3, first=500)
+    src = buffers.filled([7, 8, 9])
+    assert store(adapter, keys, src).is_successful()
+    assert lookup(adapter, keys) == [1, 1, 1]
+    ((ns, _, kv_keys),) = KeyMapper().group(keys)
+    with KVCacheClient(server.target) as other:
+        assert other.delete(ns, [kv_keys[2]]) == 1
+    ram = server.stack.ram
+    (lease,) = ram.lease_many(ns, [kv_keys[1]])
+    assert lease is not None
+    ram.release([lease.id])
+    ram.region.view[lease.offset + 4096 : lease.offset + 4104] = b"\xff" * 8
+    dst = buffers.empty(3)
+    assert load(adapter, keys, dst) == [1, 0, 0]
+    assert bytes(dst[0].byte_array) == bytes(src[0].byte_array)
+    counters = adapter.counters.snapshot()
+    assert (counters["loaded_chunks"], counters["load_missing_chunks"], counters["load_failed_tasks"]) == (1, 2, 1)
+    adapter.submit_unlock(keys)
+    assert adapter.report_status()["locked_keys"] == 0

@@ -245,12 +245,20 @@ class KVCacheL2Adapter(L2AdapterInterface):
     ) -> None:
         """Leases one namespace's keys and takes a lock on each hit (lookup lane). Where the server's
         presence index (docs/presence.md) says the first key is in no tier, nothing is asked: LMCache
-        takes the hits up to the first miss, and that group's would end at once."""
+        takes the hits up to the first miss, and that group's would end at once. With locks="keys",
+        the hits are the stored prefix of the group's keys (a Lookup), each locked here alone."""
+        timeout_s = self.config.lookup_timeout_s
+        if self.config.locks == "keys":  # a Lookup (the presence index's, where it answers) and key locks
+            found = self._guarded(lambda: self._client.lookup(ns, kv_keys, timeout_s=timeout_s)).prefix_length
+            self._locks.lock_keys(keys[:found])
+            for j in range(found):
+                bitmap.set(positions[j])
+            self.counters.add("key_locks", found)
+            return
         presence = getattr(self._client, "presence", None)
         if presence is not None and presence.prefix(ns, kv_keys[:1]) == (0, True):
             self.counters.add("lookups_local")
             return
-        timeout_s = self.config.lookup_timeout_s
         stack = contextlib.ExitStack()
         try:
             blocks = self._guarded(

@@ -15,6 +15,8 @@ from typing import Any
 
 from kvcache_core.hints import parse_ttl_s
 
+LOCKS = ("leases", "keys")
+
 
 @dataclass(frozen=True, slots=True)
 class KVCacheL2Config:
@@ -33,6 +35,12 @@ class KVCacheL2Config:
             task completes at once as a failure or a miss.
         max_locked_bytes: Bytes of blocks held under locks (lookup-and-lock to unlock) at once; a
             lookup past it answers its hits without holding them (its load reads them again).
+        locks: What a lookup-and-lock holds. "leases" (the default): read leases on the server, so
+            a hit stays loadable until its unlock (the server cannot evict or delete it meanwhile).
+            "keys": what LMCache's own adapters hold, a lock on the key in this process only (the
+            adapter's delete skips it): the lookup is one Lookup, answered on the same host from
+            the server's presence index without a call, and the load reads the blocks; a hit the
+            server evicts before its load is a counted load miss, never other bytes.
         shm: Same-host transfers through the server's block arena and shared memory (docs/arena.md);
             locks then pin the blocks in the server's RAM under read leases.
         bulk: Remote transfers over the server's bulk port (docs/bulk.md).
@@ -58,6 +66,7 @@ class KVCacheL2Config:
     max_capacity_bytes: int = 0
     namespace_extra: Mapping[str, str] = field(default_factory=dict)
     retain_ttl_s: float | None = None
+    locks: str = "leases"
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -78,6 +87,8 @@ class KVCacheL2Config:
             raise ValueError(f"max_capacity_bytes must be an integer, got {self.max_capacity_bytes!r}")
         if self.max_capacity_bytes < 0:
             raise ValueError(f"max_capacity_bytes must be >= 0, got {self.max_capacity_bytes!r}")
+        if self.locks not in LOCKS:
+            raise ValueError(f"locks must be one of {list(LOCKS)}, got {self.locks!r}")
         for name in ("shm", "bulk"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")

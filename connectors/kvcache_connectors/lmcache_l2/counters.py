@@ -15,6 +15,7 @@ class Counters:
         "lookup_misses",  # keys a lookup did not find, failures included
         "lookup_failures",  # lookup calls that failed or were skipped (their keys missed)
         "locks_not_held",  # hits answered without holding their blocks (max_locked_bytes reached)
+        "key_locks",  # hits locked on the key alone (locks="keys"): the load reads them
         "lookups_local",  # lookup groups the presence index answered "none" without a LeaseGet
         "loaded_chunks",  # chunks copied into LMCache's buffers
         "load_missing_chunks",  # chunks a load did not copy (gone, failed, wrong size)

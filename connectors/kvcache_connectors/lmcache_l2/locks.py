@@ -80,6 +80,12 @@ class LockTable:
                 self._locks.setdefault(keys[j], []).append(_Lock(hold, j))
         return len(hits), hold is not None
 
+    def lock_keys(self, keys: Sequence[Hashable]) -> None:
+        """Takes a lock on each key, holding no block (the load reads it again)."""
+        with self._mutex:
+            for key in keys:
+                self._locks.setdefault(key, []).append(_Lock(None))
+
     def unlock(self, keys: Sequence[Hashable]) -> tuple[int, list[Hold]]:
         """Drops one lock per key (a key without one is skipped): (locks dropped, holds to release)."""
         dropped, done = 0, []
