@@ -67,6 +67,17 @@ def store(adapter: KVCacheL2Adapter, keys: list, objects: list, timeout_s: float
     return wait_store(adapter, adapter.submit_store_task(keys, objects), timeout_s)
 
 
+def damage_slot(server, key) -> None:
+    """Changes 8 bytes of `key`'s block where it lies in the server's RAM, through the server's own
+    writable view of its arena (no client can write it)."""
+    ((ns, _, (kv_key,)),) = KeyMapper().group([key])
+    ram = server.stack.ram
+    (lease,) = ram.lease_many(ns, [kv_key])
+    assert lease is not None
+    ram.release([lease.id])
+    ram.region.view[lease.offset + 4096 : lease.offset + 4104] = b"\xff" * 8
+
+
 def same_bytes(a: list, b: list) -> bool:
     return all(bytes(x.byte_array) == bytes(y.byte_array) for x, y in zip(a, b, strict=True))
 
@@ -273,12 +284,7 @@ def test_the_load_verifies_its_copy_so_bytes_changed_after_the_lookup_are_a_miss
     src = buffers.filled([5, 6])
     assert store(adapter, keys, src).is_successful()
     assert lookup(adapter, keys) == [1, 1]
-    ((ns, _, kv_keys),) = KeyMapper().group(keys)
-    ram = server.stack.ram
-    (lease,) = ram.lease_many(ns, [kv_keys[1]])
-    assert lease is not None
-    ram.release([lease.id])
-    ram.region.view[lease.offset + 4096 : lease.offset + 4104] = b"\xff" * 8
+    damage_slot(server, keys[1])
     dst = buffers.empty(2)
     assert load(adapter, keys, dst) == [1, 0]
     assert bytes(dst[0].byte_array) == bytes(src[0].byte_array)
@@ -555,11 +561,7 @@ def test_key_locks_a_hit_gone_or_changed_before_its_load_is_a_counted_miss(serve
     ((ns, _, kv_keys),) = KeyMapper().group(keys)
     with KVCacheClient(server.target) as other:
         assert other.delete(ns, [kv_keys[2]]) == 1
-    ram = server.stack.ram
-    (lease,) = ram.lease_many(ns, [kv_keys[1]])
-    assert lease is not None
-    ram.release([lease.id])
-    ram.region.view[lease.offset + 4096 : lease.offset + 4104] = b"\xff" * 8
+    damage_slot(server, keys[1])
     dst = buffers.empty(3)
     assert load(adapter, keys, dst) == [1, 0, 0]
     assert bytes(dst[0].byte_array) == bytes(src[0].byte_array)

@@ -72,24 +72,25 @@ CHUNK = 32  # chunk_tokens in most tests: two vLLM blocks
 SAMPLED = 901  # the token the fake model samples
 
 
+TINY_MODEL = {  # the tiny model's shapes, as a transformers config takes them
+    "hidden_size": KV_HEADS * 2 * HEAD,
+    "intermediate_size": 128,
+    "num_hidden_layers": NUM_LAYERS,
+    "num_attention_heads": 4,
+    "num_key_value_heads": KV_HEADS,
+    "vocab_size": 1000,
+    "max_position_embeddings": 2048,
+    "rms_norm_eps": 1e-6,
+    "torch_dtype": "float16",
+    "bos_token_id": 1,
+    "eos_token_id": EOS,
+    "tie_word_embeddings": False,
+}
+
+
 def write_model_dir(path: Path) -> str:
     """A model directory holding only the config.json of a tiny Llama (enough for ModelConfig offline)."""
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": KV_HEADS,
-        "vocab_size": 1000,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "torch_dtype": "float16",
-        "bos_token_id": 1,
-        "eos_token_id": EOS,
-        "tie_word_embeddings": False,
-    }
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **TINY_MODEL}
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.json").write_text(json.dumps(config))
     return str(path)

@@ -64,6 +64,7 @@ from tests.vllm.harness import (
     KV_HEADS,
     LAYER_NAMES,
     NUM_LAYERS,
+    TINY_MODEL,
     StandInAttention,
     allocate_caches,
     hybrid_kv_cache_config,
@@ -89,21 +90,7 @@ def save_tiny_model(path: Path, kind: str = "full") -> str:
     """A tiny random-weight model (fixed seed) with the harness's shapes, saved as a user's checkpoint is:
     a Llama for "full", a Qwen2 with sliding-window layers (WINDOW tokens) for "sliding" and "hybrid"."""
     torch.manual_seed(0)
-    shapes: dict[str, Any] = {
-        "hidden_size": KV_HEADS * 2 * HEAD,
-        "intermediate_size": 128,
-        "num_hidden_layers": NUM_LAYERS,
-        "num_attention_heads": 4,
-        "num_key_value_heads": KV_HEADS,
-        "vocab_size": 1000,
-        "max_position_embeddings": 2048,
-        "rms_norm_eps": 1e-6,
-        "bos_token_id": 1,
-        "eos_token_id": EOS,
-        "tie_word_embeddings": False,
-        "initializer_range": 0.2,
-        "torch_dtype": "float16",
-    }
+    shapes: dict[str, Any] = {**TINY_MODEL, "initializer_range": 0.2}
     if kind == "full":
         model: Any = LlamaForCausalLM(LlamaConfig(**shapes))
     else:
