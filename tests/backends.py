@@ -466,8 +466,12 @@ class RedisClusterProcesses:
 class KVServerProcess:
     """`python -m kvcache_server` in a child process (the real command), on a free port."""
 
-    def __init__(self, *settings: str) -> None:
+    def __init__(self, *settings: str, user: int | None = None) -> None:
+        """`user`: the uid (and gid) the server runs as, through setpriv (this process must be root);
+        else this process's."""
         argv = [sys.executable, "-m", "kvcache_server", "--port", "0", "--log-level", "warning"]
+        if user is not None:
+            argv = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *argv]
         for setting in settings:
             argv += ["--set", setting]
         repo = Path(__file__).resolve().parent.parent

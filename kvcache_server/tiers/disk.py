@@ -478,6 +478,7 @@ class DiskTier(Tier):
         with self._lock:
             self._stats.errors += 1
             self._io_failed = exc.errno != errno.ENOSPC
+            self._local.write_error = exc
             if exc.errno == errno.ENOSPC:
                 self._full_until = time.monotonic() + FULL_BACKOFF_S
             region.limit = region.frontier
@@ -498,6 +499,7 @@ class DiskTier(Tier):
         out = [False] * len(items)
         with self._lock:
             prefix = self._ns_id(namespace)
+        self._local.write_error = None
         todo = []
         for i, (key, block) in enumerate(items):
             if prefix + key in self._index:
@@ -530,6 +532,11 @@ class DiskTier(Tier):
                 continue
             for i in run:
                 out[i] = True
+        failed: OSError | None = self._local.write_error
+        if failed is not None and failed.errno != errno.ENOSPC and not any(out):
+            # Nothing stored, on an I/O error (a dead disk, not a full one): a failure of the call, so
+            # the stack's breaker opens as for reads, instead of writing to the dead disk every time.
+            raise TierError(f"disk tier {self._dir}: {failed}")
         return out
 
     def _append(
