@@ -5,7 +5,7 @@ Run from the repository root with the project's virtualenv:
     python bench/bench_disk_tier.py                  # full run (~1-2 minutes)
     python bench/bench_disk_tier.py --quick          # smoke run (< 30 s)
     python bench/bench_disk_tier.py --dir /nvme/tmp  # on the disk you mean to use (default: a temp dir)
-    python bench/bench_disk_tier.py --only-stream    # Part 3 alone: the tier against dd and fio (~30 s)
+    python bench/bench_disk_tier.py --only-stream    # Part 3 alone: the tier against dd and fio (~1 min)
 
 Part 1, batches of 64 blocks (16 KiB, 256 KiB, 2 MiB), in this process (no RPC: the tier itself):
     raw pwrite/pread  the same bytes appended to / read from one file in the same directory with
@@ -26,10 +26,13 @@ larger (write-behind, demotion on eviction), replaying sessions that share promp
 Zipf(1.1) popularity over prefixes; each request looks up its chunk keys, gets the prefix found
 and puts the rest. Reported: blocks served from cache / blocks asked, and from which tier.
 
-Part 3, streams of 1 MiB and 4 MiB blocks (--stream-mib, 128 MiB each) against dd and fio on the same
-file system (the same directory), in the same run, GB/s (10^9 bytes/s) of the median of --stream-iters
-rounds in which dd, fio and the tier take turns (the machine is shared: its load changes). Each tier
-row measures the path the server uses for it (TierStream):
+Part 3, streams of 1 MiB and 4 MiB blocks (--stream-mib, 512 MiB each; 128 with --quick) against dd
+and fio on the same file system (the same directory), in the same run, GB/s (10^9 bytes/s) of the
+median of --stream-iters rounds in which dd, fio and the tier take turns (the machine is shared: its
+load changes). 512 MiB, not less: a warm read of 128 MiB lasts 15-30 ms, and on a VM the few ms it takes
+to get an idle vCPU back (after dd's and fio's processes ran, or a 0.3 s sleep) once moved a 128 MiB
+tier read from 5.4 to 2.8 GB/s while dd, one process reading alone, did not move (docs/disk-benchmarks.md,
+"Round 4"). Each tier row measures the path the server uses for it (TierStream):
     write       into the page cache (what the tier does: no fsync). dd if=/dev/zero of=F bs=B (into a
                 new file); fio --rw=write --ioengine=psync (buffered, one job); the tier: put_many in
                 the batches the stack's write-behind worker takes (at most 64 blocks and 32 MiB), one
@@ -639,7 +642,9 @@ def main() -> None:
     parser.add_argument("--io-threads", type=int, default=8)
     parser.add_argument("--write-threads", type=int, default=2)
     parser.add_argument("--only-stream", action="store_true", help="run Part 3 alone (the tier against dd and fio)")
-    parser.add_argument("--stream-mib", type=int, default=128, help="bytes of each Part 3 stream, MiB (default 128)")
+    parser.add_argument(
+        "--stream-mib", type=int, default=0, help="bytes of each Part 3 stream, MiB (default 512; 128 with --quick)"
+    )
     parser.add_argument("--stream-iters", type=int, default=3, help="Part 3 measurements per figure (default 3)")
     parser.add_argument("--json", metavar="PATH", help="write Part 3's rows as JSON to PATH")
     args = parser.parse_args()
@@ -653,7 +658,8 @@ def main() -> None:
             requests = 1500 if args.quick else 6000
             call(part2(base, requests, 16 * KiB))
         threads = (args.io_threads, args.write_threads)
-        rows = part3(base, [MiB, 4 * MiB], args.stream_mib * MiB, args.stream_iters, threads)
+        stream_mib = args.stream_mib or (128 if args.quick else 512)
+        rows = part3(base, [MiB, 4 * MiB], stream_mib * MiB, args.stream_iters, threads)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=2))
     finally:

@@ -80,7 +80,7 @@ def test_retain_ttl_s_travels_in_the_first_put_message() -> None:
 # -- sessions that stay ----------------------------------------------------------------------------
 
 SESSION_BLOCK, SESSION_TURNS, BLOCKS_PER_TURN = 64 * KiB, 10, 8
-FLOOD_BLOCK, FLOOD_BLOCKS, FLOOD_BATCH = 16 * KiB, 5000, 100
+FLOOD_BLOCK, FLOOD_REQUESTS = 16 * KiB, 5000
 RAM_BYTES, DISK_BYTES = 24 * MiB, 8 * MiB
 
 
@@ -106,13 +106,16 @@ def test_a_retained_session_outlives_a_flood_larger_than_ram_and_disk(
             assert client.put_many("session", new, retain_ttl_s=ttl_s).stored == BLOCKS_PER_TURN
             session += new
         prefix = [k for k, _ in session]
-        # Then a flood of one-off blocks, more bytes than RAM and disk hold together.
+        # Then a flood of one-off requests, each a Lookup that misses and a Put of its block, more bytes
+        # than RAM and disk hold together.
         flooded = 0
-        for _ in range(FLOOD_BLOCKS // FLOOD_BATCH):
-            batch = blocks(FLOOD_BATCH, FLOOD_BLOCK)
-            assert client.put_many("one-off", batch).stored == FLOOD_BATCH
-            flooded += sum(len(b) for _, b in batch)
-            server.call(server.stack.wait_idle())  # every demotion written: the disk tier sees the whole flood
+        for n in range(FLOOD_REQUESTS):
+            request = blocks(1, FLOOD_BLOCK)
+            assert client.lookup("one-off", [request[0][0]]).prefix_length == 0
+            assert client.put_many("one-off", request).stored == 1
+            flooded += len(request[0][1])
+            if n % 100 == 99:
+                server.call(server.stack.wait_idle())  # every demotion written: the disk tier sees the whole flood
         assert flooded > RAM_BYTES + DISK_BYTES
         stats = client.stats()
         ram, disk = stats.tier("ram"), stats.tier("disk")
