@@ -516,6 +516,25 @@ def test_fleet_servers_share_the_redis_cluster_and_minio_and_name_themselves() -
     assert len(ports) == 3 and len(bulk_ports) == 3
 
 
+def _disk_mount(svc: dict[str, Any], env: dict[str, str]) -> str:
+    """The host side of the volume mounted at the disk tier's directory, with DISK_TIER=true."""
+    environment = {k: interpolate(str(v)) for k, v in svc["environment"].items()}
+    assert environment["KVCACHE_DISK_ENABLED"] == "false"  # off unless the operator turns it on
+    cfg = load_config(path=env["config"], env={**environment, "KVCACHE_DISK_ENABLED": "true"})
+    assert cfg.disk.enabled and cfg.disk.capacity_bytes == 64 << 30
+    mounts = [interpolate(v).rsplit(":", 1) for v in svc["volumes"]]
+    (host,) = [h for h, inside in mounts if inside == cfg.disk.dir]
+    return host
+
+
+def test_the_disk_tier_directory_is_a_mounted_volume_per_server() -> None:
+    """With DISK_TIER=true, the server's own config loader puts disk.dir on a host folder mounted into the
+    container (the tier's blocks outlive the container), one folder per server in the fleet."""
+    assert _disk_mount(service("kvcache"), {"config": str(COMPOSE_CONFIG)}) == "./kvcache-disk"
+    hosts = {_disk_mount(fleet()[name], {"config": str(FLEET_CONFIG)}) for name in fleet_nodes()}
+    assert hosts == {f"./kvcache-disk/node-{i}" for i in (1, 2, 3)}
+
+
 def test_fleet_redis_is_a_cluster_of_three_masters_with_a_replica_each() -> None:
     services = fleet()
     redis_nodes = sorted(n for n in services if re.fullmatch(r"redis-\d", n))
