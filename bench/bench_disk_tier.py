@@ -645,7 +645,7 @@ def main() -> None:
     parser.add_argument(
         "--stream-mib", type=int, default=0, help="bytes of each Part 3 stream, MiB (default 512; 128 with --quick)"
     )
-    parser.add_argument("--stream-iters", type=int, default=3, help="Part 3 measurements per figure (default 3)")
+    parser.add_argument("--stream-iters", type=int, default=5, help="Part 3 measurements per figure (default 5)")
     parser.add_argument("--json", metavar="PATH", help="write Part 3's rows as JSON to PATH")
     args = parser.parse_args()
     base = Path(tempfile.mkdtemp(prefix="kvcache-bench-disk-", dir=args.dir or None))
