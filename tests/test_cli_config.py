@@ -148,3 +148,15 @@ def test_sizes() -> None:
     assert parse_size("1.5 MB") == 1_500_000
     assert parse_size(123) == 123
     assert parse_size("512") == 512
+
+
+def test_the_readmes_configuration_sample_is_a_valid_config(tmp_path: Path) -> None:
+    """The TOML a user copies from the README's Configuration section loads, every tier in it on."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme[readme.index("## Configuration") :]
+    sample = section[section.index("```toml\n") + len("```toml\n") : section.index("```\n", section.index("```toml"))]
+    (tmp_path / "kvcache.toml").write_text(sample)
+    cfg = load_config(path=tmp_path / "kvcache.toml", env={})
+    assert cfg.ram.capacity_bytes == 1 << 30
+    assert (cfg.disk.enabled, cfg.disk.dir, cfg.disk.capacity_bytes) == (True, "/var/lib/kvcache/disk", 512 << 30)
+    assert cfg.redis.enabled and cfg.s3.enabled and cfg.shm.enabled and cfg.bulk.enabled
