@@ -27,7 +27,7 @@ from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server.auth import token_digest
 from kvcache_server.tiers.ram import RamTier
 from kvcache_server.tiers.retention import RetentionLimits
-from tests.backends import RedisProcess, wait_for
+from tests.backends import RedisProcess, S3Process, wait_for
 from tests.conftest import ServerThread, keyed
 
 KiB, MiB = 1 << 10, 1 << 20
@@ -282,18 +282,26 @@ def redis_overrides(redis: RedisProcess, **extra: object) -> dict[str, object]:
 
 
 @pytest.mark.timeout(120)
-def test_prefetch_promotes_blocks_only_in_redis(
-    make_server: Callable[..., ServerThread], redis_server: RedisProcess
+@pytest.mark.parametrize("below", ["redis", "s3"])
+def test_prefetch_promotes_blocks_only_in_redis_or_s3(
+    make_server: Callable[..., ServerThread], request: pytest.FixtureRequest, below: str
 ) -> None:
+    def tier(**extra: object) -> dict[str, object]:
+        if below == "redis":
+            return redis_overrides(request.getfixturevalue("redis_server"), **extra)
+        s3: S3Process = request.getfixturevalue("s3_server")
+        where = {"bucket": "prefetch", "endpoint_url": s3.endpoint, "path_style": True, "create_bucket": True}
+        return {"enabled": True, "write_mode": "through", **where, **extra}
+
     items = blocks(12, 64 * KiB)
     keys = [k for k, _ in items]
-    first = make_server(ram={"capacity_bytes": 8 * MiB}, redis=redis_overrides(redis_server))
+    first = make_server(ram={"capacity_bytes": 8 * MiB}, **{below: tier()})
     with KVCacheClient(first.target, shm=False) as client:
-        assert client.put_many("p", items).tier("redis").stored == 12
+        assert client.put_many("p", items).tier(below).stored == 12
     first.stop()
-    # A new server: its RAM is empty, Redis holds the blocks. Its Gets do not promote (promote =
-    # false), so only Prefetch brings them into RAM.
-    server = make_server(ram={"capacity_bytes": 8 * MiB}, redis=redis_overrides(redis_server, promote=False))
+    # A new server: its RAM is empty, the tier below holds the blocks. Its Gets do not promote
+    # (promote = false), so only Prefetch brings them into RAM.
+    server = make_server(ram={"capacity_bytes": 8 * MiB}, **{below: tier(promote=False)})
     unknown = [os.urandom(16) for _ in range(3)]
     with KVCacheClient(server.target, shm=False) as client:
         before = client.stats().tier("ram")
@@ -308,7 +316,7 @@ def test_prefetch_promotes_blocks_only_in_redis(
         assert [bytes(b) for b in got] == [b for _, b in items]  # type: ignore[arg-type]
         after = client.stats()
         assert after.tier("ram").hits == ram_hits + 12  # every block a RAM hit
-        assert after.tier("redis").hits == stats.tier("redis").hits  # none read from Redis again
+        assert after.tier(below).hits == stats.tier(below).hits  # none read from Redis or S3 again
         # A second Prefetch finds them in RAM.
         again = client.prefetch("p", keys)
         assert (again.in_ram, again.queued, again.unknown) == (12, 0, 0)
