@@ -55,7 +55,7 @@ from kvcache_connectors.lmcache_l2.counters import Counters
 from kvcache_connectors.lmcache_l2.keys import KeyMapper
 from kvcache_connectors.lmcache_l2.lanes import Lane, Task
 from kvcache_connectors.lmcache_l2.locks import Hold, LockTable
-from kvcache_core.breaker import CircuitBreaker
+from kvcache_core.breaker import BreakerState, CircuitBreaker
 from kvcache_core.errors import BlockFormatError
 from kvcache_core.format import payload_view, verify_copy
 
@@ -69,6 +69,11 @@ log = logging.getLogger(__name__)
 # Errors of a call to the server that make a task fail or miss: the server's statuses, an
 # unreachable server past the deadline, a broken socket of the bulk or shared-memory path.
 CALL_ERRORS = (KVCacheError, OSError)
+
+
+INLINE_LOOKUP_KEYS = 1024
+"""The most keys a lookup-and-lock with locks="keys" answers on LMCache's thread from the presence
+index (about 2 µs a key); more go to the lookup lane."""
 
 
 class ServerSkipped(Exception):
@@ -222,6 +227,11 @@ class KVCacheL2Adapter(L2AdapterInterface):
                 self._state.lookups[task_id] = bitmap
             self._signal(self._lookup_fd)
 
+        local = self._lock_locally(keys)
+        if local is not None:  # answered here: no lane thread to wake, no call
+            publish(local)
+            return task_id
+
         def run() -> None:
             bitmap = Bitmap(len(keys))
             try:
@@ -239,6 +249,38 @@ class KVCacheL2Adapter(L2AdapterInterface):
 
         self._submit(self._lookups, Task(run=run, drop=lambda: publish(Bitmap(len(keys)))))
         return task_id
+
+    def _lock_locally(self, keys: list[ObjectKey]) -> Bitmap | None:
+        """locks="keys": the lookup answered on the caller's thread, where the server's presence index
+        (docs/presence.md) answers every namespace's group with certainty: a read of shared memory
+        (microseconds for INLINE_LOOKUP_KEYS keys), never a call or a wait, so LMCache's loop is not
+        held; a lane thread woken for it cost more than the answer (0.4 ms cold against 0.13 warm).
+        None where the lane must ask (another lock mode, no index, an uncertain answer, many keys,
+        the breaker not closed, closed): nothing is locked or counted then."""
+        presence = getattr(self._client, "presence", None)
+        if self.config.locks != "keys" or presence is None or len(keys) > INLINE_LOOKUP_KEYS or self._closed:
+            return None
+        with self._breaker_lock:
+            if self._breaker.state is not BreakerState.CLOSED:
+                return None
+        answers: list[tuple[list[int], int]] = []
+        for ns, positions, kv_keys in self._keys.group(keys):
+            local = presence.prefix(ns, kv_keys)  # None while the index is not to be trusted
+            if local is None or not local[1]:
+                return None
+            answers.append((positions, local[0]))
+        bitmap = Bitmap(len(keys))
+        for positions, found in answers:
+            self._locks.lock_keys([keys[i] for i in positions[:found]])
+            for i in positions[:found]:
+                bitmap.set(i)
+            self.counters.add("key_locks", found)
+        presence.counters.local += len(answers)  # as the client's own lookup counts an answer it gave
+        hits = bitmap.popcount()
+        self.counters.add("lookups_inline")
+        self.counters.add("lookup_hits", hits)
+        self.counters.add("lookup_misses", len(keys) - hits)
+        return bitmap
 
     def _lock_group(
         self, ns: str, keys: list[ObjectKey], positions: list[int], kv_keys: list[bytes], bitmap: Bitmap
