@@ -108,8 +108,14 @@ class Driver:
         return len(keys)
 
 
-def one_round(driver: Driver, kind: str, pages: int, tag: str) -> tuple[float, float, float]:
-    """Seconds of the store, the exists and the load of one prompt's pages, under fresh keys and bytes."""
+WARM_EXISTS = 50
+"""batch_exists calls back to back after each round's load: what a prefix check costs with the
+caller's caches warm, beside the one right after the store (the "exists" column)."""
+
+
+def one_round(driver: Driver, kind: str, pages: int, tag: str) -> tuple[float, float, float, float]:
+    """Seconds of the store, the exists and the load of one prompt's pages, under fresh keys and bytes,
+    and the median of WARM_EXISTS exists of them back to back after the load."""
     pool = driver.backend.mem_pool_host
     tokens = pages * pool.page_size
     src = torch.arange(0, tokens, dtype=torch.int64)
@@ -125,7 +131,12 @@ def one_round(driver: Driver, kind: str, pages: int, tag: str) -> tuple[float, f
     assert driver.load(keys, dst) == pages, f"{driver.name}: not every page loaded"
     t3 = time.perf_counter()
     assert harness.page_bytes(pool, src) == harness.page_bytes(pool, dst), f"{driver.name}: bytes differ"
-    return t1 - t0, t2 - t1, t3 - t2
+    warm = []
+    for _ in range(WARM_EXISTS):
+        t = time.perf_counter()
+        assert driver.exists(keys) == pages
+        warm.append(time.perf_counter() - t)
+    return t1 - t0, t2 - t1, t3 - t2, statistics.median(warm)
 
 
 def memcpy_round(pool: Any, kind: str, pages: int) -> float:
@@ -177,7 +188,7 @@ def main() -> None:
             copy_pool = POOL_BUILDERS[kind](page_size=size, tokens=pages * size, **GEOMETRY[kind])
             nbytes = region(copy_pool, kind, 0, pages * size).numel()
             print(f"\n{kind}: {nbytes / (1 << 20):.1f} MiB ({nbytes // pages // 1024} KiB per page)")
-            print(f"{'backend':<26}{'store GB/s':>12}{'exists ms':>12}{'load GB/s':>12}")
+            print(f"{'backend':<26}{'store GB/s':>12}{'exists ms':>12}{'load GB/s':>12}{'warm exists ms':>16}")
             kv_config = {**json.loads(harness.extra_config_json(server.target)), "timeout_s": 60.0}
             specs: list[tuple[str, dict[str, Any], str | None, bool]] = [
                 ("kvcache (same host)", kv_config, None, True),
@@ -189,7 +200,7 @@ def main() -> None:
             drivers = [
                 Driver(name, backend_for(kind, pages, size, extra, builtin), v1) for name, extra, builtin, v1 in specs
             ]
-            times: dict[str, list[tuple[float, float, float]]] = {d.name: [] for d in drivers}
+            times: dict[str, list[tuple[float, float, float, float]]] = {d.name: [] for d in drivers}
             copies: list[float] = []
             try:
                 # Rounds interleave the backends, so a change in the machine's load falls on all of
@@ -210,15 +221,21 @@ def main() -> None:
             results = {
                 name: [statistics.median(phase) for phase in zip(*ts, strict=True)] for name, ts in times.items()
             }
-            for name, (store_s, exists_s, load_s) in results.items():
-                print(f"{name:<26}{nbytes / store_s / 1e9:>12.2f}{exists_s * 1e3:>12.2f}{nbytes / load_s / 1e9:>12.2f}")
+            for name, (store_s, exists_s, load_s, warm_s) in results.items():
+                print(
+                    f"{name:<26}{nbytes / store_s / 1e9:>12.2f}{exists_s * 1e3:>12.2f}"
+                    f"{nbytes / load_s / 1e9:>12.2f}{warm_s * 1e3:>16.3f}"
+                )
             copy_s = statistics.median(copies)
             print(f"{'memcpy':<26}{nbytes / copy_s / 1e9:>12.2f}{'':>12}{nbytes / copy_s / 1e9:>12.2f}")
             for name in ("kvcache (same host)", "kvcache (same host, RPC)", "kvcache (bulk port)"):
                 for other in ("sglang file", "sglang file (tmpfs)"):
                     # Each ratio is the file backend's median time over kvcache's: above 1, kvcache is faster.
-                    store, exists, load = (f / k for f, k in zip(results[other], results[name], strict=True))
-                    print(f"{name} vs {other}: store x{store:.2f}, exists x{exists:.2f}, load x{load:.2f}")
+                    store, exists, load, warm = (f / k for f, k in zip(results[other], results[name], strict=True))
+                    print(
+                        f"{name} vs {other}: store x{store:.2f}, exists x{exists:.2f}, load x{load:.2f}, "
+                        f"warm exists x{warm:.2f}"
+                    )
     print(f"\nload at the end {os.getloadavg()}")
 
 
