@@ -520,7 +520,12 @@ def _disk_mount(svc: dict[str, Any], env: dict[str, str]) -> str:
     """The host side of the volume mounted at the disk tier's directory, with DISK_TIER=true."""
     environment = {k: interpolate(str(v)) for k, v in svc["environment"].items()}
     assert environment["KVCACHE_DISK_ENABLED"] == "false"  # off unless the operator turns it on
-    cfg = load_config(path=env["config"], env={**environment, "KVCACHE_DISK_ENABLED": "true"})
+    operator = {"DISK_TIER": "true"}  # what the operator sets in compose's environment
+    turned_on = {
+        k: _VARIABLE.sub(lambda m: operator.get(m.group(1), m.group(2) or ""), str(v))
+        for k, v in svc["environment"].items()
+    }
+    cfg = load_config(path=env["config"], env=turned_on)
     assert cfg.disk.enabled and cfg.disk.capacity_bytes == 64 << 30
     mounts = [interpolate(v).rsplit(":", 1) for v in svc["volumes"]]
     (host,) = [h for h, inside in mounts if inside == cfg.disk.dir]

@@ -38,12 +38,13 @@ region's epoch with the index entry, preads, then checks the epoch again; an evi
 may be of the new records and the read is a miss.
 
 Failures: an I/O error (EIO, a vanished or truncated file) on a read makes that key a miss and
-drops it from the index (counted in errors); a full file system (ENOSPC) seals the region being
-written where it ended, stops taking never-used regions for FULL_BACKOFF_S (evicting instead),
-and refuses the write (counted in rejected and errors); meanwhile regions are reused within the
-bytes their files already have. The tier never raises for one bad block;
-it raises TierError only when a whole batch failed on I/O errors, so the stack's breaker opens
-for a dead disk.
+drops it from the index (counted in errors); a full file system or quota (FULL_ERRNOS) seals the
+region being written where it ended, stops taking never-used regions for FULL_BACKOFF_S (evicting
+instead), and refuses the write (counted in rejected and errors); meanwhile regions are reused
+within the bytes their files already have. Another failed write (EACCES, EROFS) seals its region
+and refuses the write, counted, and leaves reads alone. The tier never raises for one bad block;
+it raises TierError only when a whole batch of reads failed on I/O errors, or a batch of writes
+wrote nothing on a dead device (DEAD_ERRNOS), so the stack's breaker opens for a dead disk.
 
 Longer than the project's ~500-line module guideline: the index, the regions' LRU, the writers' runs,
 the readers' seqlock and the copying forward of retained records share one lock and one set of
@@ -84,6 +85,14 @@ log = logging.getLogger(__name__)
 
 INDEX_BYTES_PER_BLOCK = 200
 """What the index costs in RAM per block held on disk, at most (measured ~150 with a million blocks)."""
+
+FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+"""A write that failed with one of these found the file system (or the user's quota) full."""
+
+DEAD_ERRNOS = frozenset({errno.EIO, errno.ENXIO, errno.ENODEV})
+"""A write that failed with one of these found the device gone: a batch that wrote nothing for it is a
+TierError (the breaker opens). Others (EACCES, EROFS: the directory or the file system made
+unwritable) refuse that write, counted, and leave what the tier holds readable."""
 
 FULL_BACKOFF_S = 30.0
 """After ENOSPC, how long the tier evicts regions instead of creating files it has not made yet."""
@@ -184,7 +193,7 @@ class DiskTier(Tier):
         self._lru: OrderedDict[int, None] = OrderedDict()  # sealed regions, least recently used first
         self._next_epoch = 1
         self._full_until = 0.0
-        self._io_failed = False  # the last read or write failed with an OSError (ENOSPC aside)
+        self._io_failed = False  # the last read failed with an OSError, or a write with one of DEAD_ERRNOS
         self._local = threading.local()  # a writer thread's active region
         self._readers = ThreadPoolExecutor(io_threads, thread_name_prefix="kvcache-disk-read")
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="kvcache-disk-write")
@@ -474,13 +483,16 @@ class DiskTier(Tier):
                 self._loop.call_soon_threadsafe(self._on_evict, namespace, keys)
 
     def _write_failed(self, region: _Region, exc: OSError) -> None:
-        """Seals `region` where it ends after a failed write; a full disk also pauses new region files."""
+        """Seals `region` where it ends after a failed write; a full disk (or quota) also pauses new
+        region files; a dead device makes probes read the disk before answering (_check_io)."""
         with self._lock:
             self._stats.errors += 1
-            self._io_failed = exc.errno != errno.ENOSPC
-            self._local.write_error = exc
-            if exc.errno == errno.ENOSPC:
+            if exc.errno in DEAD_ERRNOS:
+                self._io_failed = True
+                self._local.dead = exc
+            if exc.errno in FULL_ERRNOS:
                 self._full_until = time.monotonic() + FULL_BACKOFF_S
+                self._local.full = exc
             region.limit = region.frontier
             if region.active:  # last in line: with the disk full, regions reused in place are what work
                 region.active = False
@@ -499,7 +511,7 @@ class DiskTier(Tier):
         out = [False] * len(items)
         with self._lock:
             prefix = self._ns_id(namespace)
-        self._local.write_error = None
+        self._local.dead = self._local.full = None
         todo = []
         for i, (key, block) in enumerate(items):
             if prefix + key in self._index:
@@ -511,6 +523,7 @@ class DiskTier(Tier):
                     self._stats.rejected += 1
             else:
                 todo.append(i)
+        attempted = list(todo)
         while todo:
             region = self._region_for(layout.record_span(len(ns), len(items[todo[0]][1])))
             if region is None:
@@ -532,11 +545,12 @@ class DiskTier(Tier):
                 continue
             for i in run:
                 out[i] = True
-        failed: OSError | None = self._local.write_error
-        if failed is not None and failed.errno != errno.ENOSPC and not any(out):
-            # Nothing stored, on an I/O error (a dead disk, not a full one): a failure of the call, so
-            # the stack's breaker opens as for reads, instead of writing to the dead disk every time.
-            raise TierError(f"disk tier {self._dir}: {failed}")
+        dead: OSError | None = self._local.dead
+        if dead is not None and self._local.full is None and attempted and not any(out[i] for i in attempted):
+            # Nothing written, the device gone (not a full disk, not a refused file: those leave what
+            # the tier holds readable): a failure of the call, so the stack's breaker opens as for
+            # reads, instead of the promotions of other tiers' hits writing to a dead disk each time.
+            raise TierError(f"disk tier {self._dir}: {dead}")
         return out
 
     def _append(
