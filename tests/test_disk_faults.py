@@ -11,6 +11,7 @@ of skipping without it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import os
@@ -24,8 +25,10 @@ from pathlib import Path
 import pytest
 
 from kvcache_client import KVCacheClient
+from kvcache_server.tiers.base import TierError
+from kvcache_server.tiers.disk import DiskTier
 from tests.backends import IN_CI, KVServerProcess, RedisProcess, wait_for
-from tests.test_disk_tier import NS, blocks, disk_stats, server
+from tests.test_disk_tier import NS, MiB, blocks, disk_stats, server
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -133,6 +136,24 @@ def test_a_disk_that_dies_mid_run_is_misses_and_redis_behind_it_serves_every_blo
                 proc.stop()
     finally:
         redis.stop()
+
+
+def test_a_dead_disk_fails_a_write_batch_even_when_it_holds_some_of_its_keys(tmp_path: Path) -> None:
+    """A batch of writes that wrote nothing it attempted on a dead device is a TierError (the stack's
+    breaker opens), also when some of its keys were held already (a repeated prefix): those count as
+    stored and hid the failure."""
+    with ext4_on_a_loop_device(tmp_path) as mnt:
+        disk = DiskTier(str(mnt / "tier"), capacity_bytes=8 * MiB, region_bytes=MiB, io_threads=2, write_threads=1)
+
+        async def go() -> None:
+            held = blocks(4)
+            assert all(await disk.put_many(NS, held))
+            kill_the_disk(mnt)
+            with pytest.raises(TierError, match="Input/output error"):
+                await disk.put_many(NS, held[:1] + blocks(3))  # one held, three to write
+            await disk.close()
+
+        asyncio.run(go())
 
 
 @pytest.fixture

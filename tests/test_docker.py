@@ -39,9 +39,9 @@ _VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 # -- reading the files -----------------------------------------------------------------------------
 
 
-def interpolate(value: str) -> str:
-    """Compose's ${VAR:-default} with no VAR set: the values the files ship with."""
-    return _VARIABLE.sub(lambda m: m.group(2) or "", value)
+def interpolate(value: str, env: dict[str, str] | None = None) -> str:
+    """Compose's ${VAR:-default}, with the variables in `env` set (none: the values the files ship with)."""
+    return _VARIABLE.sub(lambda m: (env or {}).get(m.group(1), m.group(2) or ""), value)
 
 
 def compose() -> dict[str, Any]:
@@ -516,16 +516,11 @@ def test_fleet_servers_share_the_redis_cluster_and_minio_and_name_themselves() -
     assert len(ports) == 3 and len(bulk_ports) == 3
 
 
-def _disk_mount(svc: dict[str, Any], env: dict[str, str]) -> str:
+def _disk_mount(svc: dict[str, Any], config: Path) -> str:
     """The host side of the volume mounted at the disk tier's directory, with DISK_TIER=true."""
-    environment = {k: interpolate(str(v)) for k, v in svc["environment"].items()}
-    assert environment["KVCACHE_DISK_ENABLED"] == "false"  # off unless the operator turns it on
+    assert interpolate(svc["environment"]["KVCACHE_DISK_ENABLED"]) == "false"  # off unless turned on
     operator = {"DISK_TIER": "true"}  # what the operator sets in compose's environment
-    turned_on = {
-        k: _VARIABLE.sub(lambda m: operator.get(m.group(1), m.group(2) or ""), str(v))
-        for k, v in svc["environment"].items()
-    }
-    cfg = load_config(path=env["config"], env=turned_on)
+    cfg = load_config(path=config, env={k: interpolate(str(v), operator) for k, v in svc["environment"].items()})
     assert cfg.disk.enabled and cfg.disk.capacity_bytes == 64 << 30
     mounts = [interpolate(v).rsplit(":", 1) for v in svc["volumes"]]
     (host,) = [h for h, inside in mounts if inside == cfg.disk.dir]
@@ -535,8 +530,8 @@ def _disk_mount(svc: dict[str, Any], env: dict[str, str]) -> str:
 def test_the_disk_tier_directory_is_a_mounted_volume_per_server() -> None:
     """With DISK_TIER=true, the server's own config loader puts disk.dir on a host folder mounted into the
     container (the tier's blocks outlive the container), one folder per server in the fleet."""
-    assert _disk_mount(service("kvcache"), {"config": str(COMPOSE_CONFIG)}) == "./kvcache-disk"
-    hosts = {_disk_mount(fleet()[name], {"config": str(FLEET_CONFIG)}) for name in fleet_nodes()}
+    assert _disk_mount(service("kvcache"), COMPOSE_CONFIG) == "./kvcache-disk"
+    hosts = {_disk_mount(fleet()[name], FLEET_CONFIG) for name in fleet_nodes()}
     assert hosts == {f"./kvcache-disk/node-{i}" for i in (1, 2, 3)}
 
 

@@ -276,16 +276,21 @@ class KVCacheL2Adapter(L2AdapterInterface):
             return None
         bitmap = Bitmap(len(keys))
         for positions, found in answers:
-            self._locks.lock_keys([keys[i] for i in positions[:found]])
-            for i in positions[:found]:
-                bitmap.set(i)
-            self.counters.add("key_locks", found)
+            self._lock_found([keys[i] for i in positions], positions, found, bitmap)
         presence.counters.local += len(answers)  # as the client's own lookup counts an answer it gave
         hits = bitmap.popcount()
         self.counters.add("lookups_inline")
         self.counters.add("lookup_hits", hits)
         self.counters.add("lookup_misses", len(keys) - hits)
         return bitmap
+
+    def _lock_found(self, keys: list[ObjectKey], positions: list[int], found: int, bitmap: Bitmap) -> None:
+        """locks="keys": a lock on each of the first `found` of a group's keys (the stored prefix), its
+        bit (the key's position in the task) set."""
+        self._locks.lock_keys(keys[:found])
+        for i in positions[:found]:
+            bitmap.set(i)
+        self.counters.add("key_locks", found)
 
     def _lock_group(
         self, ns: str, keys: list[ObjectKey], positions: list[int], kv_keys: list[bytes], bitmap: Bitmap
@@ -297,10 +302,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         timeout_s = self.config.lookup_timeout_s
         if self.config.locks == "keys":  # a Lookup (the presence index's, where it answers) and key locks
             found = self._guarded(lambda: self._client.lookup(ns, kv_keys, timeout_s=timeout_s)).prefix_length
-            self._locks.lock_keys(keys[:found])
-            for j in range(found):
-                bitmap.set(positions[j])
-            self.counters.add("key_locks", found)
+            self._lock_found(keys, positions, found, bitmap)
             return
         presence = getattr(self._client, "presence", None)
         if presence is not None and presence.prefix(ns, kv_keys[:1]) == (0, True):
