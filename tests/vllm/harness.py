@@ -33,6 +33,7 @@ import torch
 import xxhash
 from vllm import SamplingParams
 from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.config.cache import MambaCacheMode
 from vllm.config.kv_events import KVEventsConfig
 from vllm.config.parallel import ParallelConfig
 from vllm.distributed.kv_events import EventPublisher, KVEventBatch
@@ -50,6 +51,7 @@ from vllm.v1.kv_cache_interface import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
@@ -68,6 +70,7 @@ KV_HEADS = 2  # the tiny model's KV heads (all of them at TP=1)
 HEAD = 16  # hidden 64 / 4 attention heads
 EOS = 2
 LAYER_NAMES = tuple(f"model.layers.{i}.self_attn.attn" for i in range(NUM_LAYERS))
+MAMBA_LAYER_NAMES = (LAYER_NAMES[0], "model.layers.1.mixer")  # a hybrid with state: attention, then a Mamba layer
 CHUNK = 32  # chunk_tokens in most tests: two vLLM blocks
 SAMPLED = 901  # the token the fake model samples
 
@@ -203,11 +206,52 @@ def hybrid_kv_cache_config(
     )
 
 
+def mamba_kv_cache_config(
+    num_blocks: int,
+    state_shapes: tuple[tuple[int, ...], ...],
+    state_dtypes: tuple[torch.dtype, ...],
+    mamba_cache_mode: MambaCacheMode = "align",
+    max_model_len: int = 2048,
+) -> KVCacheConfig:
+    """A Mamba hybrid's KV-cache config as vLLM's hybrid allocator builds it: layer 0 (MAMBA_LAYER_NAMES[0])
+    in a full-attention group, layer 1 (a Mamba layer, MAMBA_LAYER_NAMES[1]) in a MambaSpec group whose
+    state page is padded to the attention page (all groups share one page size, and one backing
+    allocation). In "align" mode (prefix caching on) the Mamba group's block is the attention block, one
+    state per block; in "none" mode a request's state is one block as long as the model."""
+    full = attention_spec()
+    page = full.page_size_bytes
+    mamba = MambaSpec(
+        block_size=BLOCK if mamba_cache_mode == "align" else max_model_len,
+        shapes=state_shapes,
+        dtypes=state_dtypes,
+        page_size_padded=page,
+        mamba_cache_mode=mamba_cache_mode,
+    )
+    assert mamba.real_page_size_bytes <= page
+    tensors = [
+        KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=page * num_blocks, block_stride=page)
+        for name in MAMBA_LAYER_NAMES
+    ]
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=[
+            KVCacheGroupSpec([MAMBA_LAYER_NAMES[0]], full),
+            KVCacheGroupSpec([MAMBA_LAYER_NAMES[1]], mamba),
+        ],
+        kv_cache_layout=KVCacheLayout.LBNHC.name,
+    )
+
+
 def allocate_caches(
     kv_cache_config: KVCacheConfig, layout: KVCacheLayout, kernel_block_size: int = BLOCK
 ) -> dict[str, torch.Tensor]:
-    """Per-layer paged tensors exactly as vLLM 0.33's model runner allocates and views them."""
-    kernel_block_sizes = [kernel_block_size] * len(kv_cache_config.kv_cache_groups)
+    """Per-layer paged tensors exactly as vLLM 0.33's model runner allocates and views them (a Mamba group's
+    blocks are not split: prepare_kernel_block_sizes)."""
+    kernel_block_sizes = [
+        g.kv_cache_spec.block_size if isinstance(g.kv_cache_spec, MambaSpec) else kernel_block_size
+        for g in kv_cache_config.kv_cache_groups
+    ]
     return allocate_kv_cache(kv_cache_config, torch.device("cpu"), layout, kernel_block_sizes)
 
 
