@@ -50,9 +50,10 @@ The rules, found by feeding crafted bytes to kvcache_pb2.*.FromString:
 - Truncated input anywhere (tag, varint, fixed value, length, group) is refused; the empty
   message is valid.
 
-Decoding only decodes. That a Block may not set `shm` together with data, more or total_length
-is validation: parse_put_request decodes such a block as a MixedBlock, check_put_message refuses
-it, and decode_put_request (what the server registers) does both.
+Decoding only decodes. A Block that sets `shm` together with data, more or total_length is
+parsed as a MixedBlock; check_put_message (validation) makes one with data alone a ShmRange with
+that data as its `head`, and refuses one with more or total_length; decode_put_request (what the
+server registers) does both.
 
 Longer than the project's ~500-line module guideline: one codec whose decoder must match protobuf's rules
 exactly (the docstring lists them); the rules and the code that follows them are kept together.
@@ -179,11 +180,22 @@ def _buffers(data: Buffer) -> tuple[Buffer, memoryview]:
 
 @dataclass(frozen=True, slots=True)
 class ShmRange:
-    """A block's place in a shared-memory segment (a file in the server's shm directory)."""
+    """A block's place in a shared-memory segment (a file in the server's shm directory, a memfd
+    handed over its socket) or, for a segment that names a client process registered there, in that
+    process's memory (`offset` is then an address).
+
+    `head`, in a PutRequest only: the block's first bytes, sent inline (Block.data beside Block.shm),
+    followed by the range: the block is head + range (a header built apart from its payload)."""
 
     segment: str
     offset: int
     length: int
+    head: bytes = b""
+
+    @property
+    def block_length(self) -> int:
+        """The block's bytes: the head's and the range's."""
+        return len(self.head) + self.length
 
     def encode(self) -> bytes:
         seg = self.segment.encode("utf-8")
@@ -241,7 +253,7 @@ PutData = BlockData | ShmRange | BlockPart
 def data_len(data: PutData) -> int:
     """The bytes a Block carries (for a ShmRange, the length of its range; for a part, its bytes)."""
     if isinstance(data, ShmRange):
-        return data.length
+        return data.block_length
     if isinstance(data, BlockPart):
         data = data.data
     return sum(len(p) for p in data) if isinstance(data, tuple) else len(data)
@@ -287,7 +299,8 @@ def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, PutData]], 
     for key, data in blocks:
         if isinstance(data, ShmRange):
             ref = data.encode()
-            inner = (b"\x0a" + _varint(len(key)) + key if key else b"") + b"\x1a" + _varint(len(ref)) + ref
+            head = b"\x12" + _varint(len(data.head)) + data.head if data.head else b""  # Block.data: the head
+            inner = (b"\x0a" + _varint(len(key)) + key if key else b"") + head + b"\x1a" + _varint(len(ref)) + ref
             parts += (b"\x12", _varint(len(inner)), inner)
             continue
         tail = b""
@@ -311,7 +324,8 @@ def encode_put_request(namespace: str, blocks: Sequence[tuple[bytes, PutData]], 
 @dataclass(frozen=True, slots=True)
 class MixedBlock:
     """A Block that sets `shm` together with data, more or total_length. Protobuf decodes it, so
-    parse_put_request does; it is not a valid Put block, so check_put_message refuses it."""
+    parse_put_request does; check_put_message makes one with data alone a ShmRange with a head, and
+    refuses one with more or total_length (not a valid Put block)."""
 
     data: Buffer
     shm: ShmRange
@@ -344,11 +358,15 @@ def decode_put_request(data: Buffer, max_blocks: int | None = None) -> PutMessag
 
 
 def check_put_message(msg: PutMessage) -> PutMessage:
-    """`msg`, or a PutMessage with `error` set if a block sets shm together with data, more or
-    total_length (decodable, but not a valid Put)."""
-    for _key, data in msg.blocks:
+    """`msg` with each block that sets shm and data (and neither more nor total_length) turned into a
+    ShmRange whose `head` is that data (the block's first bytes, then the range); or a PutMessage with
+    `error` set if a block sets shm together with more or total_length (decodable, not a valid Put)."""
+    for i, (key, data) in enumerate(msg.blocks):
         if type(data) is MixedBlock:
-            return PutMessage(error="malformed PutRequest: Block sets shm with data, more or total_length")
+            if data.more or data.total_length:
+                return PutMessage(error="malformed PutRequest: Block sets shm with more or total_length")
+            shm = data.shm
+            msg.blocks[i] = (key, ShmRange(shm.segment, shm.offset, shm.length, bytes(data.data)))
     return msg
 
 

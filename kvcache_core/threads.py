@@ -44,12 +44,13 @@ async def in_pool(executor: Executor, fn: Callable[..., T], *args: object) -> T:
     return await _to_end(asyncio.get_running_loop().run_in_executor(executor, fn, *args))
 
 
-async def run_to_end(fn: Callable[[threading.Event], T]) -> T:
-    """fn(stop) in a worker thread, awaited to its end even when the awaiting task is cancelled.
+async def run_to_end(fn: Callable[[threading.Event], T], executor: Executor | None = None) -> T:
+    """fn(stop) in a worker thread (of `executor`, else the loop's default one), awaited to its end
+    even when the awaiting task is cancelled.
 
     On cancellation `stop` is set (fn should stop at its next check between blocks) and the thread
     is still waited for before CancelledError propagates, so the caller's cleanup never runs while
     the thread still works. If the thread never ran (the executor was shut down), fn is not called.
     """
     stop = threading.Event()
-    return await _to_end(asyncio.get_running_loop().run_in_executor(None, fn, stop), stop.set)
+    return await _to_end(asyncio.get_running_loop().run_in_executor(executor, fn, stop), stop.set)

@@ -666,6 +666,7 @@ ENV_NOT_FIELDS = {
     "KVCACHE_TOKEN": "the SDK's and CLI's API token",
     "KVCACHE_SHM": "the SDK's shared-memory switch (docs/shm.md)",
     "KVCACHE_BULK": "the SDK's bulk-path switch (docs/bulk.md)",
+    "KVCACHE_PROCESS_PUTS": "the SDK's switch for puts read out of its own memory (docs/shm.md)",
 }
 """KVCACHE_* variables that are not KVCACHE_<SECTION>_<FIELD> config fields; any other unknown one is an error."""
 

@@ -1,4 +1,5 @@
-"""Segments handed over a Unix socket: the same-host path for clients of another Unix user.
+"""Segments handed over a Unix socket: the same-host path for clients of another Unix user; and
+the registration of any same-host client's process for Puts read out of its memory (procmem.py).
 
 The shm directory is owner-only (0700): only processes of the server's own user can create
 segments in it. A client of another user (another uid in a sidecar, a second tenant that must not
@@ -15,6 +16,8 @@ shrinks it mid-call makes that call fail, never the server crash.
                              ◄─────────────── "K"  |  "E" + reason (then closed)
     "A" + SCM_RIGHTS(memfd)  ───────────────► a regular shmem file opened read-write? -> a name
                              ◄─────────────── "K" + "kvcache-fd-" + 32 hex  |  "E" + reason
+    "P"                      ───────────────► the peer's own process (its pidfd), readable by the server?
+                             ◄─────────────── "K" + "kvcache-pid-" + 32 hex  |  "E" + reason (connection kept)
     "D" + name               ───────────────► the name and its descriptor dropped (no answer)
     close                    ───────────────► every segment of the connection dropped
 
@@ -49,12 +52,20 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from kvcache_server import procmem
 from kvcache_server.shm import ShmError
 
 log = logging.getLogger(__name__)
 
 PREFIX = "kvcache-fd-"
 """Handed segments are named this + 32 hex digits (directory segments: "kvcache-" + 32)."""
+
+PROCESS_PREFIX = "kvcache-pid-"
+"""Registered client processes (kvcache_server.procmem) are named this + 32 hex digits."""
+
+MAX_PROCESSES_PER_UID = 32
+"""Registered processes of one Unix user at once: each may hold procmem.READ_THREADS threads in reads
+it stalls, so one user's stalls are bounded whatever else it does."""
 
 MAX_MESSAGE = 4096
 """No message of the protocol is longer (a HELLO's token included)."""
@@ -65,10 +76,12 @@ _F_GET_SEALS = getattr(fcntl, "F_GET_SEALS", 1034)
 
 @dataclass(slots=True)
 class _Handed:
-    fd: int
+    fd: int  # a memfd, or a registered process's pidfd
     tenant: str | None
     uid: int
     conn: int
+    pid: int = 0  # a registered process's pid; 0 for a memfd
+    reads: procmem.ProcessReads | None = None  # a registered process's own read threads
 
 
 @dataclass(slots=True)
@@ -95,6 +108,19 @@ class HandoffRegistry:
             self._by_name[name] = _Handed(fd, tenant, uid, conn)
         return name
 
+    def add_process(self, pidfd: int, pid: int, tenant: str | None, uid: int, conn: int) -> str:
+        """Registers a client process whose memory Puts may name (kvcache_server.procmem); takes `pidfd`."""
+        name = PROCESS_PREFIX + secrets.token_hex(16)
+        with self._lock:
+            self._by_name[name] = _Handed(pidfd, tenant, uid, conn, pid, procmem.ProcessReads())
+        return name
+
+    def reads(self, name: str) -> procmem.ProcessReads | None:
+        """A registered process's read threads (None: not a registered process, or dropped)."""
+        with self._lock:
+            handed = self._by_name.get(name)
+        return None if handed is None else handed.reads
+
     def drop(self, name: str, conn: int) -> bool:
         """Drops `name` if connection `conn` handed it over; closes its descriptor."""
         with self._lock:
@@ -102,11 +128,12 @@ class HandoffRegistry:
             if handed is None or handed.conn != conn:
                 return False
             del self._by_name[name]
-        os.close(handed.fd)
+        _release(handed)
         return True
 
     def open(self, name: str, tenant: str | None, *, writable: bool) -> tuple[int, int]:
-        """A duplicate of the segment's descriptor (the caller closes it) and its size.
+        """A duplicate of the segment's descriptor (the caller closes it) and its size; for a
+        registered process, a duplicate of its pidfd and minus its pid (kvcache_server.shm.PROCESS).
 
         Raises:
             ShmError: FAILED_PRECONDITION when no segment of this tenant has that name (dropped,
@@ -121,7 +148,13 @@ class HandoffRegistry:
                     f"shm segment {name} is not one this client handed over (its connection to the "
                     "segment socket closed, or the server restarted): send the bytes inline",
                 )
+            if handed.pid and writable:  # Gets write into segments, never into a process
+                raise ShmError(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"{name} names a client process, not a segment a Get can write"
+                )
             fd = os.dup(handed.fd)
+            if handed.pid:
+                return fd, -handed.pid
         try:
             size = os.fstat(fd).st_size
         except BaseException:
@@ -138,7 +171,13 @@ class HandoffRegistry:
         with self._lock:
             handed, self._by_name = list(self._by_name.values()), {}
         for h in handed:
-            os.close(h.fd)
+            _release(h)
+
+
+def _release(handed: _Handed) -> None:
+    if handed.reads is not None:
+        handed.reads.close()
+    os.close(handed.fd)
 
 
 def check_segment_fd(fd: int) -> None:
@@ -318,6 +357,8 @@ class HandoffListener:
                 self._hello(conn, body)
             elif kind == b"A" and len(fds) == 1:
                 self._add(conn, fds.pop())
+            elif kind == b"P" and not fds:
+                self._register_process(conn)
             elif kind == b"D" and not fds:
                 self.registry.drop(body.decode("ascii", "replace"), id(conn))
                 conn.names.discard(body.decode("ascii", "replace"))
@@ -357,6 +398,48 @@ class HandoffListener:
             _send(conn.sock, b"Esegment refused: " + str(exc).encode())
             return
         name = self.registry.add(fd, conn.tenant, conn.uid, id(conn))
+        conn.names.add(name)
+        if not _send(conn.sock, b"K" + name.encode("ascii")):
+            self._close(conn)
+
+    def _register_process(self, conn: _Conn) -> None:
+        """Registers the connection's own process (the socket's peer: never a pid the client names)
+        for Puts that name its memory; answers its name, or why not (the client then copies into
+        segments as before). One registration per connection, counted as one of its segments."""
+        if not procmem.AVAILABLE:
+            _send(conn.sock, b"Ethis server cannot read client processes")
+            return
+        mine = [n for n in conn.names if n.startswith(PROCESS_PREFIX)]
+        if mine:  # one per connection: the same answer again
+            _send(conn.sock, b"K" + mine[0].encode("ascii"))
+            return
+        uid_processes = sum(
+            1 for c in self._conns.values() if c.uid == conn.uid for n in c.names if n.startswith(PROCESS_PREFIX)
+        )
+        if (
+            len(conn.names) >= self._max_segments
+            or uid_processes >= MAX_PROCESSES_PER_UID
+            or not self._descriptor_room(conn.uid)
+        ):
+            self.refused += 1
+            _send(conn.sock, b"Ethis connection or user holds as many registrations as it may")
+            return
+        try:
+            pidfd = procmem.peer_pidfd(conn.sock)
+        except OSError as exc:
+            _send(
+                conn.sock, b"Ethe socket's peer cannot be named safely (SO_PEERPIDFD, Linux 6.5+): " + str(exc).encode()
+            )
+            return
+        try:
+            procmem.check_readable(conn.pid)
+            if procmem.exited(pidfd):  # the pid may now be another process's: never register it
+                raise OSError(errno.ESRCH, "the process exited")
+        except OSError as exc:
+            os.close(pidfd)
+            _send(conn.sock, b"Ethe server may not read this process: " + str(exc).encode())
+            return
+        name = self.registry.add_process(pidfd, conn.pid, conn.tenant, conn.uid, id(conn))
         conn.names.add(name)
         if not _send(conn.sock, b"K" + name.encode("ascii")):
             self._close(conn)

@@ -41,13 +41,14 @@ from kvcache_server.bulk import BulkListener
 from kvcache_server.config import LimitsSection
 from kvcache_server.events import SubscriberOverflow, TooManySubscribers
 from kvcache_server.handoff import PREFIX as HANDED_PREFIX
-from kvcache_server.handoff import HandoffListener
+from kvcache_server.handoff import PROCESS_PREFIX, HandoffListener
 from kvcache_server.observe import NullObserver, Observer
 from kvcache_server.pipeline import Counters
 from kvcache_server.pipeline.get import BlockSizes, GetStages
 from kvcache_server.pipeline.inplace import InPlaceRPCs
 from kvcache_server.pipeline.put import PutStages
 from kvcache_server.prefetch import Prefetcher, PrefetchLimits
+from kvcache_server.procmem import ProcessReads
 from kvcache_server.shm import (
     ShmDirectory,
     ShmError,
@@ -241,8 +242,12 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             for fd, _ in segments.values():
                 os.close(fd)
 
+    def _process_reads(self, name: str) -> ProcessReads | None:
+        """A registered client process's read threads (kvcache_server.procmem), by its name."""
+        return self.handoff.registry.reads(name) if self.handoff is not None else None
+
     def _open_segment(self, name: str, *, writable: bool) -> tuple[int, int]:
-        if name.startswith(HANDED_PREFIX):  # a memfd a client of another user handed over (handoff.py)
+        if name.startswith((HANDED_PREFIX, PROCESS_PREFIX)):  # handed over the segment socket (handoff.py)
             if self.handoff is None:
                 raise ShmError(
                     grpc.StatusCode.FAILED_PRECONDITION, "this server has no segment socket (Info.shm_socket is empty)"

@@ -24,6 +24,7 @@ regular files owned by its user, and symlinks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import errno
 import logging
@@ -33,6 +34,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -237,10 +239,31 @@ Fill = Callable[[int, int], None]
 """fill(start, end): reads bytes [start, end) of a block's range into its destination's [start, end)."""
 
 
+PROCESS = -1
+"""A segment "size" below zero: the segment is a registered client process (kvcache_server.procmem),
+its descriptor a pidfd and -size its pid; a range's offset is then an address in that process."""
+
+
 def _filler(where: int, fd: int, size: int, ref: ShmRange, buffer: memoryview) -> Fill:
+    """fill(start, end) for one block: bytes [start, end) of the block (ref.head, then the range) into
+    buffer[start:end]. `size` < 0: the range is in the memory of the client process -size (fd its pidfd)."""
+    head = ref.head
+    if size < 0:
+        from kvcache_server.procmem import read_process_into  # it builds on ShmError
+
     def fill(start: int, end: int) -> None:
         try:
-            read_range_into(fd, size, ref.segment, ref.offset + start, buffer[start:end])
+            if start < len(head):
+                upto = min(end, len(head))
+                buffer[start:upto] = head[start:upto]
+                start = upto
+            if start >= end:
+                return
+            offset = ref.offset + start - len(head)
+            if size < 0:
+                read_process_into(-size, fd, ref.segment, offset, buffer[start:end])
+            else:
+                read_range_into(fd, size, ref.segment, offset, buffer[start:end])
         except ShmError as exc:
             raise ShmError(exc.code, f"block {where}: {exc.message}") from None
         except OSError as exc:
@@ -277,6 +300,7 @@ def read_ranges_into(
 async def read_ranges_into_slots_in_thread(
     reads: Sequence[tuple[int, int, int, ShmRange, memoryview]],
     check: Callable[[int, memoryview, Fill], None] | None = None,
+    executor: Executor | None = None,
 ) -> None:
     """read_ranges_into in a worker thread that owns duplicates of the segments' descriptors and is
     waited for before a cancellation propagates (see _run_to_end): no write into a destination
@@ -287,7 +311,51 @@ async def read_ranges_into_slots_in_thread(
     """
     own = _duplicates([fd for _, fd, _, _, _ in reads])
     mine = [(where, own[fd], size, ref, buffer) for where, fd, size, ref, buffer in reads]
-    await _run_to_end(read_ranges_into, (mine, check), list(own.values()))
+    await _run_to_end(read_ranges_into, (mine, check), list(own.values()), executor)
+
+
+LANE_BYTES = 4 << 20
+"""A message's reads into slots run in several worker threads at once ("lanes", up to one per core
+and at most MAX_LANES) when each lane gets at least this many bytes: one thread's copy and checksum
+leave the other cores idle while the client waits."""
+
+MAX_LANES = 4
+
+
+def lanes_for(reads: Sequence[tuple[int, int, int, ShmRange, memoryview]]) -> int:
+    """How many lanes a message's reads get (1: one thread)."""
+    total = sum(len(r[4]) for r in reads)
+    return max(1, min(len(os.sched_getaffinity(0)), MAX_LANES, len(reads), total // LANE_BYTES))
+
+
+async def read_ranges_into_slots_in_lanes(
+    reads: Sequence[tuple[int, int, int, ShmRange, memoryview]],
+    check: Callable[[int, memoryview, Fill], None] | None = None,
+    executor: Executor | None = None,
+) -> None:
+    """read_ranges_into_slots_in_thread over `lanes_for(reads)` worker threads at once, each taking a
+    run of consecutive blocks of about equal bytes. Every lane is waited for, however any of them
+    ends (an error, a cancellation), before this returns or raises: no write into a slot outlives it.
+
+    Raises:
+        ShmError, or whatever `check` raises: the first lane's (in block order) that failed.
+    """
+    lanes = lanes_for(reads)
+    if lanes <= 1:
+        await read_ranges_into_slots_in_thread(reads, check, executor)
+        return
+    total = sum(len(r[4]) for r in reads)
+    groups: list[list[tuple[int, int, int, ShmRange, memoryview]]] = [[] for _ in range(lanes)]
+    done = 0
+    for r in reads:
+        groups[min(lanes - 1, done * lanes // total)].append(r)
+        done += len(r[4])
+    results = await asyncio.gather(
+        *(read_ranges_into_slots_in_thread(g, check, executor) for g in groups if g), return_exceptions=True
+    )
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
 
 
 def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -305,7 +373,9 @@ def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def read_ranges(reads: Sequence[tuple[int, int, int, ShmRange]], stop: threading.Event | None = None) -> list[bytes]:
+def read_ranges(
+    reads: Sequence[tuple[int, int, int, ShmRange]], stop: threading.Event | None = None
+) -> list[bytes | memoryview]:
     """Reads (block index, fd, segment size, range) in order (blocking; one worker-thread hop for all).
 
     Raises:
@@ -316,12 +386,17 @@ def read_ranges(reads: Sequence[tuple[int, int, int, ShmRange]], stop: threading
     for where, fd, size, ref in reads:
         if stop is not None and stop.is_set():
             raise CallEnded(f"stopped before block {where}")
-        try:
-            out.append(read_range(fd, size, ref.segment, ref.offset, ref.length))
-        except ShmError as exc:
-            raise ShmError(exc.code, f"block {where}: {exc.message}") from None
-        except OSError as exc:
-            raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
+        if size >= 0 and not ref.head:
+            try:
+                out.append(read_range(fd, size, ref.segment, ref.offset, ref.length))
+            except ShmError as exc:
+                raise ShmError(exc.code, f"block {where}: {exc.message}") from None
+            except OSError as exc:
+                raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
+            continue
+        whole = bytearray(ref.block_length)  # a head, or a client's memory: read into a buffer of ours
+        _filler(where, fd, size, ref, memoryview(whole))(0, len(whole))
+        out.append(bytes(whole) if len(whole) < OFFLOAD_BYTES else memoryview(whole).toreadonly())  # type: ignore[arg-type]
     return out
 
 
@@ -354,7 +429,9 @@ def _duplicates(fds: Sequence[int]) -> dict[int, int]:
     return own
 
 
-async def read_ranges_in_thread(reads: Sequence[tuple[int, int, int, ShmRange]]) -> list[bytes]:
+async def read_ranges_in_thread(
+    reads: Sequence[tuple[int, int, int, ShmRange]], executor: Executor | None = None
+) -> list[bytes | memoryview]:
     """read_ranges in a worker thread that owns duplicates of the segments' descriptors (see _run_to_end).
 
     Raises:
@@ -362,7 +439,7 @@ async def read_ranges_in_thread(reads: Sequence[tuple[int, int, int, ShmRange]])
     """
     own = _duplicates([fd for _, fd, _, _ in reads])
     mine = [(where, own[fd], size, ref) for where, fd, size, ref in reads]
-    return await _run_to_end(read_ranges, (mine,), list(own.values()))
+    return await _run_to_end(read_ranges, (mine,), list(own.values()), executor)
 
 
 async def write_ranges_in_thread(fd: int, writes: Sequence[tuple[bytes | memoryview, int]]) -> None:
@@ -375,7 +452,9 @@ async def write_ranges_in_thread(fd: int, writes: Sequence[tuple[bytes | memoryv
     await _run_to_end(write_ranges, (dup, writes), [dup])
 
 
-async def _run_to_end(fn: Callable[..., T], args: tuple[Any, ...], fds: list[int]) -> T:
+async def _run_to_end(
+    fn: Callable[..., T], args: tuple[Any, ...], fds: list[int], executor: Executor | None = None
+) -> T:
     """fn(*args, stop=event) in a worker thread that closes `fds` (its own descriptors) when fn returns.
 
     If the awaiting task is cancelled (the client's deadline, a cancelled call, server stop), the event
@@ -395,9 +474,13 @@ async def _run_to_end(fn: Callable[..., T], args: tuple[Any, ...], fds: list[int
                 os.close(fd)
 
     try:
-        return await run_to_end(work)
-    except BaseException:
+        return await run_to_end(work, executor)
+    except BaseException as exc:
         if not ran:  # the thread never started (the executor is shut down): the descriptors are still ours
             for fd in fds:
                 os.close(fd)
+            if executor is not None and isinstance(exc, RuntimeError):  # a client process's, dropped
+                raise ShmError(
+                    grpc.StatusCode.FAILED_PRECONDITION, "the client process's registration ended during the call"
+                ) from None
         raise

@@ -93,6 +93,13 @@ def make_server() -> Iterator[Callable[..., ServerThread]]:
 
 
 @pytest.fixture
+def segment_puts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same-host puts through the client's segments, as before puts read out of its own memory
+    (kvcache_client.procmem): for tests of the segment path itself."""
+    monkeypatch.setenv("KVCACHE_PROCESS_PUTS", "0")
+
+
+@pytest.fixture
 def server(make_server: Callable[..., ServerThread]) -> ServerThread:
     return make_server(ram={"capacity_bytes": 256 << 20})
 

@@ -99,11 +99,25 @@ def test_get_response_with_shm_ranges_matches_generated_code(items: list) -> Non
     assert [(x.index, x.found, x.shm if x.shm is not None else bytes(x.data), x.tier) for x in decoded] == items
 
 
-def test_block_with_both_data_and_shm_is_malformed() -> None:
+def test_block_with_data_and_shm_is_a_range_with_a_head() -> None:
+    """Block.data beside Block.shm is the block's first bytes (a header sent inline), the range the rest."""
     message = pb.PutRequest(
-        namespace="ns", blocks=[pb.Block(key=b"k" * 16, data=b"x", shm=pb.ShmRange(segment="s", length=1))]
+        namespace="ns", blocks=[pb.Block(key=b"k" * 16, data=b"hdr", shm=pb.ShmRange(segment="s", offset=7, length=5))]
     ).SerializeToString()
-    assert "sets shm with data" in decode_put_request(message).error
+    decoded = decode_put_request(message)
+    assert not decoded.error
+    assert decoded.blocks == [(b"k" * 16, ShmRange("s", 7, 5, b"hdr"))]
+    assert decoded.blocks[0][1].block_length == 8
+    # and the encoder writes it so
+    assert encode_put_request("ns", [(b"k" * 16, ShmRange("s", 7, 5, b"hdr"))]) == message
+
+
+def test_block_with_shm_and_more_or_total_length_is_malformed() -> None:
+    for extra in ({"more": True}, {"total_length": 9}, {"data": b"x", "more": True}):
+        message = pb.PutRequest(
+            namespace="ns", blocks=[pb.Block(key=b"k" * 16, shm=pb.ShmRange(segment="s", length=1), **extra)]
+        ).SerializeToString()
+        assert "sets shm with more or total_length" in decode_put_request(message).error
 
 
 def test_unknown_fields_are_skipped() -> None:

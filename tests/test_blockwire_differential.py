@@ -80,10 +80,13 @@ def check_put(data: bytes) -> tuple[str, list[BlockValues]] | None:
     checked = bw.decode_put_request(data)
     if expected is None:
         assert checked.error
-    elif any(shm is not None and (d or more or total) for _, d, shm, more, total in expected[1]):
-        assert "sets shm with data" in checked.error and not checked.blocks
+    elif any(shm is not None and (more or total) for _, d, shm, more, total in expected[1]):
+        assert "sets shm with more or total_length" in checked.error and not checked.blocks
     else:
         assert not checked.error and (checked.namespace, len(checked.blocks)) == (expected[0], len(expected[1]))
+        for (_, d, shm, _, _), (_, got) in zip(expected[1], checked.blocks, strict=True):
+            if shm is not None:  # data beside shm is the block's head
+                assert isinstance(got, bw.ShmRange) and (got.segment, got.offset, got.length, got.head) == (*shm, d)
     return expected
 
 

@@ -258,6 +258,7 @@ def test_leased_without_verify_leaves_the_views_to_the_caller_and_checks_copies(
         assert remote.stats().arena_leases == 0
 
 
+@pytest.mark.usefixtures("segment_puts")
 def test_a_block_that_fails_its_checksum_in_its_slot_is_refused_and_its_slot_freed(
     arena_server: ServerThread, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -160,6 +160,7 @@ def test_client_disabled_by_argument_or_environment(shm_server: ServerThread, mo
     assert s.shm_bytes_received == s.shm_bytes_sent == 0
 
 
+@pytest.mark.usefixtures("segment_puts")
 def test_client_that_does_not_share_the_directory_falls_back_inline(shm_server: ServerThread, tmp_path: Path) -> None:
     """As for a client on another host that happens to have a directory of the same name."""
     elsewhere = tmp_path / "elsewhere"

@@ -36,7 +36,8 @@ from kvcache_server import shm as server_shm
 from kvcache_server.arena import ARENA_PREFIX
 from tests.conftest import ServerThread, raw_block
 
-pytestmark = pytest.mark.timeout(60)
+# Segments: puts go through them here, not out of the client's memory (tests/test_process_puts.py).
+pytestmark = [pytest.mark.timeout(60), pytest.mark.usefixtures("segment_puts")]
 
 BLOCK_BYTES = 4 << 20
 CANCELLED_KEYS = 16  # per Get of a canceller: 64 MiB written by one worker thread on the server

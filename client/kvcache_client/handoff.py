@@ -9,6 +9,7 @@ import select
 import socket
 import struct
 import threading
+import weakref
 
 from kvcache_client.shm import Segment
 
@@ -33,6 +34,9 @@ class Handoff:
         self._sock: socket.socket | None = None
         self._pid = os.getpid()
         self.generation = 0
+        # A fork while another thread holds the lock would leave it held in the child: a new one there.
+        me = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _relock(me))
 
     def _connected(self) -> socket.socket:
         """The live connection, connected (and HELLO said) first if needed. Called under the lock.
@@ -79,6 +83,35 @@ class Handoff:
                 self._drop_connection()
                 raise
 
+    def register_process(self) -> tuple[str, int]:
+        """Registers this process for puts out of its own memory (kvcache_client.procmem); returns
+        its name there and the connection's generation.
+
+        Raises:
+            OSError: the server refused (it may not read this process; the reason in the message) or
+                cannot be reached.
+        """
+        with self._lock:
+            sock = self._connected()
+            try:
+                sock.send(b"P")
+                reply = sock.recv(4096)
+            except OSError:
+                self._drop_connection()
+                raise
+            return _answer(reply, "process").decode("ascii"), self.generation  # a refusal keeps the connection
+
+    def server_pid(self) -> int:
+        """The server's pid as the socket's peer credentials say (connecting first if needed).
+
+        Raises:
+            OSError: as register_process.
+        """
+        with self._lock:
+            sock = self._connected()
+            pid, _, _ = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+            return int(pid)
+
     def drop(self, name: str, generation: int) -> None:
         """Tells the server to let `name` go (best effort: a closed connection drops them all)."""
         with self._lock:
@@ -114,6 +147,12 @@ class Handoff:
         with self._lock:
             if self._pid == os.getpid():
                 self._drop_connection()
+
+
+def _relock(ref: weakref.ref[Handoff]) -> None:
+    handoff = ref()
+    if handoff is not None:
+        handoff._lock = threading.Lock()
 
 
 def _answer(reply: bytes, what: str) -> bytes:

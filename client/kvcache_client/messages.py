@@ -62,8 +62,10 @@ def put_messages(
     message_bytes: int = DEFAULT_MESSAGE_BYTES,
     part_bytes: int = 0,
     retain_ttl_s: float = 0.0,
+    range_bytes: int = 0,
 ) -> Iterator[bytes]:
-    """Encoded PutRequest messages of about `message_bytes` each (the namespace and retain_ttl_s in the first).
+    """Encoded PutRequest messages of about `message_bytes` each (the namespace and retain_ttl_s in the first);
+    with `range_bytes`, a message that names this many bytes of ShmRanges takes no more blocks.
 
     Encoded with blockwire: each block's bytes are copied once, into the message (blocks given as
     ShmRange travel as their few bytes of reference). With `part_bytes`, a block larger than
@@ -72,10 +74,11 @@ def put_messages(
     Messages are built as gRPC asks for them, so building one overlaps sending the one before.
     """
     batch: list[tuple[bytes, PutData]] = []
-    size = 0
+    size = ranged = 0
     first = True
     for key, data in items:
-        n = _SHM_REF_BYTES if isinstance(data, ShmRange) else data_len(data)
+        n = _SHM_REF_BYTES + len(data.head) if isinstance(data, ShmRange) else data_len(data)
+        r = data.block_length if isinstance(data, ShmRange) else 0
         if part_bytes and n > max(part_bytes, PARTS_ABOVE_BYTES) and not isinstance(data, ShmRange | BlockPart):
             if batch:
                 yield encode_put_request(namespace if first else "", batch, retain_ttl_s if first else 0.0)
@@ -86,11 +89,12 @@ def put_messages(
                 )
                 first = False
             continue
-        if batch and size + n > message_bytes:
+        if batch and (size + n > message_bytes or (range_bytes and ranged >= range_bytes)):
             yield encode_put_request(namespace if first else "", batch, retain_ttl_s if first else 0.0)
-            first, batch, size = False, [], 0
+            first, batch, size, ranged = False, [], 0, 0
         batch.append((key, data))
         size += n
+        ranged += r
     if batch or first:
         yield encode_put_request(namespace if first else "", batch, retain_ttl_s if first else 0.0)
 

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
+from kvcache_client.procmem import ProcessLink
 from kvcache_core.blockwire import BlockData, ShmRange, data_len
 from kvcache_core.threads import run_to_end  # noqa: F401  (re-exported for the transports)
 
@@ -336,6 +337,9 @@ class ShmLink:
         self._warned_at = -_WARN_EVERY_S
         self._lock = threading.Lock()
         self.handoff: Handoff | None = None  # segments are memfds handed over the server's socket (handoff.py)
+        # Puts out of this process's own memory, read by the server (kvcache_client.procmem).
+        self.process = ProcessLink()
+        self._process_handoff: Handoff | None = None  # the socket that registration went over, when ours
 
     @property
     def needs_info(self) -> bool:
@@ -390,6 +394,21 @@ class ShmLink:
             self.pool = SegmentPool(socket_path, self.pool_bytes, make=lambda: HandedSegment(handoff))
             self.state, self.directory, self.reason = "on", socket_path, ""
         log.debug("shared-memory path on: segments handed over %s", socket_path)
+
+    def process_from(self, socket_path: str, server_uid: int, metadata: Sequence[tuple[str, str]]) -> None:
+        """Registers this process with the server for puts out of its own memory, over the segment
+        socket (the one segments are handed over, or a connection of its own): on this host only,
+        when the shared-memory path is on."""
+        if not self.on or not socket_path:
+            self.process.off("the shared-memory path is off" if not self.on else "the server has no segment socket")
+            return
+        handoff = self.handoff or self._process_handoff  # Info asked again: the same connection
+        if handoff is None:
+            from kvcache_client.handoff import Handoff
+
+            token = dict(metadata).get("authorization", "").removeprefix("Bearer ")
+            handoff = self._process_handoff = Handoff(socket_path, server_uid, token)
+        self.process.configure(handoff)
 
     def off(self, reason: str) -> None:
         handoff = self.handoff
@@ -457,6 +476,9 @@ class ShmLink:
             self.pool.close()
         if self.handoff is not None:
             self.handoff.close()
+        self.process.close()
+        if self._process_handoff is not None:
+            self._process_handoff.close()
 
 
 def resolve(data: memoryview, ref: ShmRange) -> memoryview:

@@ -40,7 +40,7 @@ from kvcache_client.messages import (
 )
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import Fetched, LookupResult, PrefetchResult, PutResult, ServerStats
-from kvcache_client.shm import Segment, ShmLink, env_allows_shm, run_to_end
+from kvcache_client.shm import MIN_PUT_BYTES, Segment, ShmLink, env_allows_shm, run_to_end
 from kvcache_client.steps import arun, run
 from kvcache_core.blockwire import BlockData, PutData, ShmRange, data_len, decode_get_response, encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
@@ -144,6 +144,7 @@ class _Channel:
             self.presence.configure("", 0)
         else:
             self.shm.handoff_from(info.shm_socket, info.server_uid, self._md)  # another Unix user's path
+            self.shm.process_from(info.shm_socket, info.server_uid, self._md)  # puts out of our own memory
             self.arena.configure(info.arena_path, info.arena_bytes, info.max_keys_per_request, info.max_block_bytes)
             self.presence.configure(info.presence_path, info.instance_id, info.max_keys_per_request)
         self._info_done = True
@@ -200,6 +201,13 @@ class GrpcTransport(_Channel):
         """Through a segment of this client's own on the server's host (the server reads it straight
         into arena slots), inline elsewhere: a client never writes into the server's arena."""
         self._check_info(timeout_s)
+        refs = self.shm.process.ranges(items) if sum(data_len(d) for _, d in items) >= MIN_PUT_BYTES else None
+        if refs is not None:  # the server reads them out of this process's memory: no copy here
+            try:
+                return self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES)
+            except grpc.RpcError as exc:
+                if not self.shm.process.refused(exc):
+                    raise
         return self._put_through_segment(namespace, items, timeout_s, retain_ttl_s)
 
     def _put_through_segment(
@@ -226,9 +234,14 @@ class GrpcTransport(_Channel):
         return self._send_staged(namespace, groups, timeout_s, retain_ttl_s)
 
     def _send_put(
-        self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float, retain_ttl_s: float = 0.0
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, PutData]],
+        timeout_s: float,
+        retain_ttl_s: float = 0.0,
+        range_bytes: int = 0,
     ) -> PutResult:
-        messages = put_messages(namespace, items, self._message_bytes, self.part_bytes, retain_ttl_s)
+        messages = put_messages(namespace, items, self._message_bytes, self.part_bytes, retain_ttl_s, range_bytes)
         return put_result(self._put(messages, timeout=timeout_s, metadata=self._md))
 
     def _send_staged(
@@ -339,6 +352,11 @@ PIPELINE_GROUP_BYTES = 8 << 20
 """A blocking put through a segment sends a message per this many bytes of blocks copied in, so the
 server reads the first into arena slots while the SDK copies the next."""
 
+PROCESS_MESSAGE_BYTES = 64 << 20
+"""A put out of this process's memory stops adding blocks to a message once it names this many
+bytes: what the server reserves and reads at once (in a few threads), so a large put never needs
+all its room at once."""
+
 
 async def _aiter(requests: Iterable[bytes]) -> AsyncIterator[bytes]:
     for request in requests:
@@ -390,6 +408,13 @@ class AsyncGrpcTransport(_Channel):
     ) -> PutResult:
         """As GrpcTransport.put."""
         await self._check_info(timeout_s)
+        refs = self.shm.process.ranges(items) if sum(data_len(d) for _, d in items) >= MIN_PUT_BYTES else None
+        if refs is not None:  # as GrpcTransport.put
+            try:
+                return await self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES)
+            except grpc.RpcError as exc:
+                if not self.shm.process.refused(exc):
+                    raise
         return await self._put_through_segment(namespace, items, timeout_s, retain_ttl_s)
 
     async def _put_through_segment(
@@ -423,9 +448,16 @@ class AsyncGrpcTransport(_Channel):
         return await self._send_put(namespace, refs, timeout_s, retain_ttl_s)
 
     async def _send_put(
-        self, namespace: str, items: Sequence[tuple[bytes, PutData]], timeout_s: float, retain_ttl_s: float = 0.0
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, PutData]],
+        timeout_s: float,
+        retain_ttl_s: float = 0.0,
+        range_bytes: int = 0,
     ) -> PutResult:
-        messages = _aiter(put_messages(namespace, items, self._message_bytes, self.part_bytes, retain_ttl_s))
+        messages = _aiter(
+            put_messages(namespace, items, self._message_bytes, self.part_bytes, retain_ttl_s, range_bytes)
+        )
         deadline = time.monotonic() + timeout_s
         try:
             return put_result(await self._put(messages, timeout=timeout_s, metadata=self._md))

@@ -13,9 +13,10 @@ Mixed into KVCacheService, which provides validation (_namespace, _abort), the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, NoReturn
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
@@ -24,6 +25,7 @@ from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.budget import Holding
 from kvcache_server.parts import BlockAssembler
 from kvcache_server.pipeline.verify import BlockRefused, check_block_for_put, verify_block_for_put
+from kvcache_server.procmem import ProcessReads
 from kvcache_server.refusal import Refused
 from kvcache_server.shm import (
     OFFLOAD_BYTES,
@@ -32,7 +34,7 @@ from kvcache_server.shm import (
     read_ranges,
     read_ranges_in_thread,
     read_ranges_into,
-    read_ranges_into_slots_in_thread,
+    read_ranges_into_slots_in_lanes,
 )
 from kvcache_server.stack import PutOutcome, TierPut
 from kvcache_server.tiers.ram import Reservation
@@ -105,6 +107,8 @@ class PutStages:
         async def _namespace(self, context: grpc.aio.ServicerContext, namespace: str) -> str: ...
 
         def _open_segment(self, name: str, *, writable: bool) -> tuple[int, int]: ...
+
+        def _process_reads(self, name: str) -> ProcessReads | None: ...
 
     async def _next_message(self, messages: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> bytes | None:
         """The stream's next raw message, None at its end; a stream quiet for put_idle_timeout_s is cut off."""
@@ -194,7 +198,7 @@ class PutStages:
                     held.release(message_bytes)
                     continue
             if any(isinstance(d, ShmRange) for _, d in blocks):
-                from_shm = sum(d.length for _, d in blocks if isinstance(d, ShmRange))
+                from_shm = sum(d.block_length for _, d in blocks if isinstance(d, ShmRange))
                 try:
                     await held.reserve(from_shm, f"block {index}")  # before copying them out of the segment
                 except Refused as exc:
@@ -253,13 +257,56 @@ class PutStages:
         The slots are the server's own: the worker thread that fills them is waited for however the
         call ends (cancelled, a deadline), and only then is whatever was not committed abandoned, so
         no late write can land in a slot that was reused."""
-        ram = self._stack.ram
         for i, (_, ref) in enumerate(blocks):
             await self._segment_of(context, first_index + i, ref, segments)
-        if not all(ref.length for _, ref in blocks):
+        if not all(ref.block_length for _, ref in blocks):
             return None
+        process = await self._reads_of(context, blocks, segments)
+        if process is None:
+            return await self._into_slots(context, first_index, namespace, blocks, segments, retain_ttl_s, None)
+        # Out of a client process's memory: on its own threads, and only STAGE_CALLS of its puts at
+        # once hold arena room for it (a client that stalls its reads stalls only itself).
+        async with process.stage:
+            return await self._into_slots(context, first_index, namespace, blocks, segments, retain_ttl_s, process)
+
+    async def _reads_of(
+        self,
+        context: grpc.aio.ServicerContext,
+        blocks: Sequence[tuple[bytes, Any]],
+        segments: dict[str, tuple[int, int]],
+    ) -> ProcessReads | None:
+        """The read threads of the registered client process a message's ranges name (None:
+        segments only). A process whose registration ended since its name was opened ends the call
+        (FAILED_PRECONDITION): its reads never run on the server's shared threads.
+
+        A message names one process at most in practice (its client's); with several, the first's
+        threads read them all, which stalls only that client's calls."""
+        found: ProcessReads | None = None
+        for _, ref in blocks:
+            if found is None and isinstance(ref, ShmRange) and segments[ref.segment][1] < 0:
+                found = self._process_reads(ref.segment)
+                if found is None:
+                    await self._abort(
+                        context,
+                        grpc.StatusCode.FAILED_PRECONDITION,
+                        f"{ref.segment}: the client process's registration ended; send the bytes another way",
+                    )
+        return found
+
+    async def _into_slots(
+        self,
+        context: grpc.aio.ServicerContext,
+        first_index: int,
+        namespace: str,
+        blocks: list[tuple[bytes, ShmRange]],
+        segments: dict[str, tuple[int, int]],
+        retain_ttl_s: float,
+        process: ProcessReads | None,
+    ) -> PutOutcome | None:
+        ram = self._stack.ram
         # The slots come after what reserving them evicted is copied out (off the loop when large).
-        made: list[Reservation] = await self._stack.reserve_many(namespace, [ref.length for _, ref in blocks]) or []
+        sizes = [ref.block_length for _, ref in blocks]
+        made: list[Reservation] = await self._stack.reserve_many(namespace, sizes) or []
         if not made:
             return None
         reads = [
@@ -281,8 +328,8 @@ class PutStages:
                 check_block_for_put(where, keys[where], slot, limit, counted)
 
             try:
-                if sum(r[3].length for r in reads) >= OFFLOAD_BYTES:  # one thread hop for reads and checks
-                    await read_ranges_into_slots_in_thread(reads, check)
+                if _off_the_loop(reads):  # one thread hop for reads and checks (a few, for many bytes)
+                    await read_ranges_into_slots_in_lanes(reads, check, process.executor if process else None)
                 else:
                     read_ranges_into(reads, check)
             except ShmError as exc:
@@ -317,11 +364,17 @@ class PutStages:
         self, context: grpc.aio.ServicerContext, where: int, ref: ShmRange, segments: dict[str, tuple[int, int]]
     ) -> None:
         """Checks a range's size and opens its segment once per call (into `segments`); a bad one ends the call."""
-        if ref.length > self._limits.max_block_bytes:
+        if len(ref.head) > MAX_HEAD_BYTES:
+            await self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {where}: {len(ref.head)} bytes of data beside shm; a head is at most {MAX_HEAD_BYTES}",
+            )
+        if ref.block_length > self._limits.max_block_bytes:
             await self._abort(
                 context,
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"block {where}: {ref.length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
+                f"block {where}: {ref.block_length} bytes exceed max_block_bytes={self._limits.max_block_bytes}",
             )
         try:
             if ref.segment not in segments:
@@ -346,11 +399,13 @@ class PutStages:
             where = first_index + i
             await self._segment_of(context, where, data, segments)
             reads.append((where, *segments[data.segment], data))
+        process = await self._reads_of(context, blocks, segments)
         try:
-            if sum(r[3].length for r in reads) >= OFFLOAD_BYTES:
-                contents = await read_ranges_in_thread(reads)
-            else:
-                contents = read_ranges(reads)
+            async with process.stage if process is not None else contextlib.nullcontext():
+                if _off_the_loop(reads):
+                    contents = await read_ranges_in_thread(reads, process.executor if process else None)
+                else:
+                    contents = read_ranges(reads)
         except ShmError as exc:
             await self._abort(context, exc.code, exc.message)
         self._counters.shm_bytes_received += sum(len(c) for c in contents)
@@ -368,3 +423,14 @@ class PutStages:
         if exc.checksum:
             self._counters.put_checksum_failures += 1
         await self._abort(context, exc.code, exc.message)
+
+
+MAX_HEAD_BYTES = 64 << 10
+"""A block that names a shm range may carry at most this many of its first bytes inline (a header)."""
+
+
+def _off_the_loop(reads: Sequence[tuple[Any, ...]]) -> bool:
+    """Whether a message's segment reads go to a worker thread: when they are large, and always when
+    any is out of a client process's memory (a read the client's mappings could make slow must never
+    hold the event loop). reads: (block index, fd, size, range, ...); size < 0: a process."""
+    return any(r[2] < 0 for r in reads) or sum(r[3].block_length for r in reads) >= OFFLOAD_BYTES

@@ -1,0 +1,221 @@
+"""Reading a same-host client's blocks straight out of its own memory: the same-host put at one copy.
+
+A client of the server's own Unix user registers its process over the segment socket
+(kvcache_server/handoff.py, message "P"); the server learns the process from the socket itself
+(SO_PEERCRED and a pidfd), never from the client's word, and checks that the kernel lets it read
+that process (the ptrace access check /proc/<pid>/mem applies, which process_vm_readv applies too).
+A Put may then name ranges of that process's memory (ShmRange.offset is an address): the server
+copies each block with `process_vm_readv` straight into the arena slot it reserved, and verifies it
+there, where the client cannot write. The client copies nothing; nothing is shared that it could
+change after the check.
+
+What a client can do to this path, and what it cannot:
+- name an address it does not have, or free the memory mid-call: EFAULT, its call fails
+  (INVALID_ARGUMENT); change the bytes mid-call: the checksum, verified in the slot, refuses the
+  block (DATA_LOSS). Never a wrong block stored, never a crash of the server (no mapping of the
+  client's memory is ever made; the kernel copies, and a fault is an error code).
+- name another process: it cannot; a registration's process is the socket peer's, bound to the name
+  the server hands back, which only that connection's tenant may use.
+- exit and have its pid reused: the pidfd taken when it connected says it exited (checked after
+  every block is read), so a block read from another process's memory is never stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import ctypes.util
+import errno
+import os
+import queue
+import select
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
+
+import grpc
+
+from kvcache_server.shm import ShmError
+
+STAGE_CALLS = 1
+"""Puts of one registered process that may read out of it at once; more wait, holding no arena room."""
+
+READ_THREADS = 2
+"""Threads of one registered process's own, that its reads run in (a put's lanes; made as needed)."""
+
+
+class ProcessReads:
+    """Where one registered process's reads run: threads of its own, never the server's shared
+    pool, and one call reading at a time. A client can make a read of its memory wait as long as it
+    likes (a userfaultfd it never answers, a file of a FUSE mount it serves): that stalls its own
+    puts, which wait holding no arena room, and nobody else's; its stuck threads are daemons, so
+    they never hold up the server's exit."""
+
+    def __init__(self) -> None:
+        self.executor = DaemonThreads(READ_THREADS, "kvcache-process-read")
+        self._stage: asyncio.Semaphore | None = None  # made on the event loop, at its first use
+
+    @property
+    def stage(self) -> asyncio.Semaphore:
+        """Held by a put from before it reserves arena room until its reads end (event loop only)."""
+        if self._stage is None:
+            self._stage = asyncio.Semaphore(STAGE_CALLS)
+        return self._stage
+
+    def close(self) -> None:
+        """No new reads (submitting one raises RuntimeError: the call fails FAILED_PRECONDITION);
+        reads already queued or running end on their own."""
+        self.executor.shutdown(wait=False)
+
+
+class DaemonThreads(Executor):
+    """A thread pool of at most `threads` daemon threads, made as work comes (ThreadPoolExecutor's
+    threads are joined when the interpreter exits: one stuck in a read of a client's memory would
+    keep the server from exiting)."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self._max = threads
+        self._name = name
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._lock = threading.Lock()
+        self._threads = 0
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        if kwargs:
+            raise TypeError("DaemonThreads.submit takes positional arguments only")
+        future: Future[T] = Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new work after shutdown")
+            self._queue.put((future, fn, args))
+            if self._idle == 0 and self._threads < self._max:
+                self._threads += 1
+                threading.Thread(target=self._work, name=f"{self._name}_{self._threads}", daemon=True).start()
+            else:
+                self._idle = max(0, self._idle - 1)
+        return future
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn, args = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:
+                    future.set_exception(exc)
+            with self._lock:
+                if self._closed:
+                    return
+                self._idle += 1
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            threads = self._threads
+        for _ in range(threads):
+            self._queue.put(None)  # after the work already queued
+
+
+class _Iovec(ctypes.Structure):
+    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+_readv = getattr(_libc, "process_vm_readv", None)
+if _readv is not None:
+    _readv.argtypes = [
+        ctypes.c_int,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
+    _readv.restype = ctypes.c_ssize_t
+
+AVAILABLE = _readv is not None and hasattr(os, "pidfd_open")
+"""Whether this platform can read another process's memory this way (Linux, glibc)."""
+
+T = TypeVar("T")
+
+SO_PEERPIDFD = 77
+"""Linux 6.5+: a pidfd of the socket's peer, taken when it connected (no pid-reuse window)."""
+
+
+def peer_pidfd(sock: socket.socket) -> int:
+    """A pidfd of the process that connected a Unix socket (SO_PEERPIDFD: taken by the kernel at
+    connect(), so it never names another process that got the pid since). No fallback to
+    pidfd_open(SO_PEERCRED's pid): between that process's exit and the call, the pid may have become
+    another's, whose memory the server would then read for this client.
+
+    Raises:
+        OSError: the kernel has no SO_PEERPIDFD (before Linux 6.5), or it cannot give one (the peer
+            exited, or lives in a pid namespace this process cannot see).
+    """
+    return sock.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD)
+
+
+def exited(pidfd: int) -> bool:
+    """Whether the process of `pidfd` has exited (a pidfd is readable from then on)."""
+    poller = select.poll()
+    poller.register(pidfd, select.POLLIN)
+    return bool(poller.poll(0))
+
+
+def check_readable(pid: int) -> None:
+    """Whether this process may read `pid`'s memory: the kernel's ptrace access check, made by
+    opening /proc/<pid>/mem (read nothing).
+
+    Raises:
+        OSError: it may not (EACCES/EPERM: another user, Yama's ptrace_scope, a non-dumpable
+            process), or the process is gone (ENOENT/ESRCH).
+    """
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY | os.O_CLOEXEC)
+    os.close(fd)
+
+
+def read_process_into(pid: int, pidfd: int, name: str, address: int, buffer: memoryview) -> None:
+    """Copies len(buffer) bytes at `address` of process `pid` into `buffer` (blocking; ctypes drops
+    the GIL), then checks that the process is still the one registered (its pidfd: not exited), so
+    every byte came from it before anything looks at them (not even a header's magic, which an error
+    message would quote): a pid is reused only after its process exited.
+
+    Raises:
+        ShmError: INVALID_ARGUMENT when the range is not readable memory of the process (EFAULT);
+            FAILED_PRECONDITION when the process exited or may no longer be read (the client then
+            sends the bytes another way).
+    """
+    length = len(buffer)
+    if address < 0 or address + length > 1 << 64:
+        raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"address range {address:#x}+{length} of {name} is not valid")
+    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if length else 0
+    done = 0
+    while done < length:
+        local = _Iovec(base + done, length - done)
+        remote = _Iovec(address + done, length - done)
+        n = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)  # type: ignore[misc]
+        if n <= 0:
+            err = ctypes.get_errno() if n < 0 else errno.EFAULT
+            if err == errno.EFAULT:
+                raise ShmError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"{name}: [{address + done:#x}, {address + length:#x}) is not readable memory of the client",
+                )
+            raise ShmError(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{name}: the client process cannot be read ({os.strerror(err)}): send the bytes another way",
+            )
+        done += n
+    if exited(pidfd):
+        raise ShmError(grpc.StatusCode.FAILED_PRECONDITION, f"{name}: the client process exited")
