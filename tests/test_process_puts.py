@@ -167,15 +167,17 @@ def test_a_name_serves_only_its_connection_and_tenant(make_server, place: Path) 
     md = {t: (("authorization", f"Bearer {v}"),) for t, v in tokens.items()}
     info = stub(server).Info(pb.InfoRequest(), timeout=10, metadata=md["a"])
     handoff = Handoff(str(place / "seg.sock"), info.server_uid, tokens["a"])
-    name, _ = handoff.register_process()
-    k = os.urandom(16)
-    block = np.frombuffer(raw_block(k, os.urandom(100_000)), dtype=np.uint8)
-    ref = ShmRange(name, block.ctypes.data, block.nbytes)
-    refused = _put(server, k, ref, md["b"])
-    assert refused is not None and refused.code() is grpc.StatusCode.FAILED_PRECONDITION
-    assert "not one this client handed over" in refused.details()
-    assert _put(server, k, ref, md["a"]) is None
-    handoff.close()
+    try:
+        name, _ = handoff.register_process()
+        k = os.urandom(16)
+        block = np.frombuffer(raw_block(k, os.urandom(100_000)), dtype=np.uint8)
+        ref = ShmRange(name, block.ctypes.data, block.nbytes)
+        refused = _put(server, k, ref, md["b"])
+        assert refused is not None and refused.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "not one this client handed over" in refused.details()
+        assert _put(server, k, ref, md["a"]) is None
+    finally:
+        handoff.close()
     deadline = time.monotonic() + 10
     while (gone := _put(server, k, ref, md["a"])) is None and time.monotonic() < deadline:
         time.sleep(0.05)  # the server's socket thread drops the name when it sees the close
@@ -297,7 +299,11 @@ def test_a_client_that_stalls_the_servers_reads_of_its_memory_stalls_only_itself
     finally:
         if staller.stdin is not None:
             staller.stdin.close()
-        staller.wait(30)
+        try:
+            staller.wait(30)
+        except subprocess.TimeoutExpired:
+            staller.kill()
+            staller.wait(10)
     # The staller gone, its uffd closed: its reads fail, their calls end, their slots go back.
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
