@@ -133,7 +133,7 @@ class HandoffRegistry:
 
     def open(self, name: str, tenant: str | None, *, writable: bool) -> tuple[int, int]:
         """A duplicate of the segment's descriptor (the caller closes it) and its size; for a
-        registered process, a duplicate of its pidfd and minus its pid (kvcache_server.shm.PROCESS).
+        registered process, a duplicate of its pidfd and minus its pid (kvcache_server.shm._filler).
 
         Raises:
             ShmError: FAILED_PRECONDITION when no segment of this tenant has that name (dropped,

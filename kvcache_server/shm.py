@@ -239,9 +239,8 @@ Fill = Callable[[int, int], None]
 """fill(start, end): reads bytes [start, end) of a block's range into its destination's [start, end)."""
 
 
-PROCESS = -1
-"""A segment "size" below zero: the segment is a registered client process (kvcache_server.procmem),
-its descriptor a pidfd and -size its pid; a range's offset is then an address in that process."""
+# A segment "size" below zero: the segment is a registered client process (kvcache_server.procmem),
+# its descriptor a pidfd and -size its pid; a range's offset is then an address in that process.
 
 
 def _filler(where: int, fd: int, size: int, ref: ShmRange, buffer: memoryview) -> Fill:

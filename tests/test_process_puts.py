@@ -430,3 +430,43 @@ def test_a_registered_process_that_exited_is_never_read_through_its_pid(server: 
             victim.kill()
             victim.wait(10)
         subprocess.run(["pkill", "-f", "handoff.register_process"], check=False)  # the child holding the connection
+
+
+def test_a_client_registers_again_when_its_connection_is_gone(server: ServerThread, place: Path) -> None:
+    """The server forgot the name (its connection closed: a server restart closes them all): the next put
+    registers again and still reads out of the client's memory, blocking and asyncio SDK alike (the
+    asyncio one off its event loop)."""
+    # Over 1 MiB: a smaller same-host put goes over the bulk port (kvcache_client.bulk, SAME_HOST_BULK_PUT_BYTES).
+    items = [keyed(os.urandom(1_200_000)) for _ in range(2)]
+    with KVCacheClient(server.target) as client:
+        assert client.put_many(NS, items[:1]).stored == 1
+        link = client._transport.shm
+        first = link.process._name
+        link._process_handoff.close()  # as when the server closes it
+        assert link.process.stale()
+        before = stub(server).Stats(pb.StatsRequest(), timeout=10).shm_bytes_received
+        assert client.put_many(NS, items[1:]).stored == 1
+        assert link.process.state == "on" and link.process._name != first and not link.process.stale()
+        assert stub(server).Stats(pb.StatsRequest(), timeout=10).shm_bytes_received - before == len(items[1][1])
+        assert link.pool is not None and link.pool.idle_bytes == 0  # no segment made
+
+    async def from_asyncio() -> tuple[str, bool, int]:
+        async with AsyncKVCacheClient(server.target) as c:
+            more = [keyed(os.urandom(1_200_000)) for _ in range(2)]
+            await c.put_many("async", more[:1])
+            alink = c._transport.shm
+            alink._process_handoff.close()
+            loop_thread = threading.get_ident()
+            seen: list[int] = []
+            register = alink.process._register_now
+
+            def recorded(handoff: Handoff) -> bool:
+                seen.append(threading.get_ident())
+                return register(handoff)
+
+            alink.process._register_now = recorded  # type: ignore[method-assign]
+            await c.put_many("async", more[1:])
+            return alink.process.state, all(t != loop_thread for t in seen), len(seen)
+
+    state, off_the_loop, registrations = asyncio.run(from_asyncio())
+    assert (state, off_the_loop, registrations) == ("on", True, 1)

@@ -100,6 +100,14 @@ class ProcessLink:
             self.state, self.reason = "on", ""
         return True
 
+    def stale(self) -> bool:
+        """Whether the next name() must register again (a fork, or the server closed the connection:
+        it restarted); a poll of the socket, no wait. The asyncio transport then registers in a thread."""
+        handoff = self._handoff
+        if self.state != "on" or handoff is None:
+            return False
+        return self._pid != os.getpid() or not handoff.alive(self._generation)
+
     def name(self) -> str | None:
         """This process's registered name, registered again after a fork or a server restart; None
         when the path is off."""

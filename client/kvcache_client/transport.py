@@ -408,7 +408,10 @@ class AsyncGrpcTransport(_Channel):
     ) -> PutResult:
         """As GrpcTransport.put."""
         await self._check_info(timeout_s)
-        refs = self.shm.process.ranges(items) if sum(data_len(d) for _, d in items) >= MIN_PUT_BYTES else None
+        process = self.shm.process
+        if process.stale():  # registering again is socket I/O: never on the event loop
+            await asyncio.to_thread(process.name)
+        refs = process.ranges(items) if sum(data_len(d) for _, d in items) >= MIN_PUT_BYTES else None
         if refs is not None:  # as GrpcTransport.put
             try:
                 return await self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES)
