@@ -425,19 +425,9 @@ class HandoffListener:
             _send(conn.sock, b"Ethis connection or user holds as many registrations as it may")
             return
         try:
-            pidfd = procmem.peer_pidfd(conn.sock)
+            pidfd = procmem.open_peer(conn.sock, conn.pid)
         except OSError as exc:
-            _send(
-                conn.sock, b"Ethe socket's peer cannot be named safely (SO_PEERPIDFD, Linux 6.5+): " + str(exc).encode()
-            )
-            return
-        try:
-            procmem.check_readable(conn.pid)
-            if procmem.exited(pidfd):  # the pid may now be another process's: never register it
-                raise OSError(errno.ESRCH, "the process exited")
-        except OSError as exc:
-            os.close(pidfd)
-            _send(conn.sock, b"Ethe server may not read this process: " + str(exc).encode())
+            _send(conn.sock, b"E" + str(exc).encode())
             return
         name = self.registry.add_process(pidfd, conn.pid, conn.tenant, conn.uid, id(conn))
         conn.names.add(name)

@@ -185,6 +185,30 @@ def check_readable(pid: int) -> None:
     os.close(fd)
 
 
+def open_peer(sock: socket.socket, pid: int) -> int:
+    """The pidfd of the process that connected `sock` (its SO_PEERCRED pid is `pid`), once checked
+    that this process may read its memory and that it has not exited (else the pid may already be
+    another process's). The caller owns the pidfd.
+
+    Raises:
+        OSError: why not, worded for the client (no SO_PEERPIDFD, the ptrace access check, an exit).
+    """
+    try:
+        pidfd = peer_pidfd(sock)
+    except OSError as exc:
+        raise OSError(
+            exc.errno, f"the socket's peer cannot be named safely (SO_PEERPIDFD, Linux 6.5+): {exc}"
+        ) from None
+    try:
+        check_readable(pid)
+        if exited(pidfd):
+            raise OSError(errno.ESRCH, "the process exited")
+    except OSError as exc:
+        os.close(pidfd)
+        raise OSError(exc.errno, f"the server may not read this process: {exc}") from None
+    return pidfd
+
+
 def read_process_into(pid: int, pidfd: int, name: str, address: int, buffer: memoryview) -> None:
     """Copies len(buffer) bytes at `address` of process `pid` into `buffer` (blocking; ctypes drops
     the GIL), then checks that the process is still the one registered (its pidfd: not exited), so

@@ -393,9 +393,9 @@ def read_ranges(
             except OSError as exc:
                 raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: reading shm segment: {exc}") from None
             continue
-        whole = bytearray(ref.block_length)  # a head, or a client's memory: read into a buffer of ours
-        _filler(where, fd, size, ref, memoryview(whole))(0, len(whole))
-        out.append(bytes(whole) if len(whole) < OFFLOAD_BYTES else memoryview(whole).toreadonly())  # type: ignore[arg-type]
+        whole = memoryview(bytearray(ref.block_length))  # a head, or a client's memory: into a buffer of its own
+        _filler(where, fd, size, ref, whole)(0, len(whole))
+        out.append(whole.toreadonly())
     return out
 
 

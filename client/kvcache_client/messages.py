@@ -24,9 +24,10 @@ from kvcache_client.results import (
     TierInfo,
     TierPutResult,
 )
-from kvcache_client.shm import FULL_METADATA, SPACE_ERRNOS, Segment, ShmLink, resolve
+from kvcache_client.shm import FULL_METADATA, MIN_PUT_BYTES, SPACE_ERRNOS, Segment, ShmLink, resolve
 from kvcache_client.steps import Do, Steps
 from kvcache_core.blockwire import (
+    BlockData,
     BlockPart,
     GetItem,
     PutData,
@@ -319,6 +320,35 @@ def through_segment(link: ShmLink, segment: Segment | None, send: Callable[[Segm
         finally:
             link.done(segment, completed)  # retired unless the call completed
     return (yield Do(lambda: send(None)))
+
+
+PROCESS_MESSAGE_BYTES = 64 << 20
+"""A put out of this process's memory stops adding blocks to a message once it names this many
+bytes: what the server reserves and reads at once (in a few threads), so a large put never needs
+all its room at once."""
+
+
+def through_process(
+    link: ShmLink,
+    items: Sequence[tuple[bytes, BlockData]],
+    send: Callable[[list[tuple[bytes, ShmRange]]], Any],
+    otherwise: Callable[[], Any],
+) -> Steps[Any]:
+    """A same-host put that the server reads out of this process's memory (send(ranges):
+    kvcache_client.procmem), or otherwise() (segments, inline) when it is too small, the path is off,
+    or the server refuses it in a way another path avoids. Both transports drive these steps.
+
+    Raises:
+        grpc.RpcError: what the call raised, when it is not such a refusal.
+    """
+    refs = link.process.ranges(items) if sum(data_len(d) for _, d in items) >= MIN_PUT_BYTES else None
+    if refs is not None:
+        try:
+            return (yield Do(lambda: send(refs)))
+        except grpc.RpcError as exc:
+            if not link.process.refused(exc):
+                raise
+    return (yield Do(otherwise))
 
 
 def apply_info(link: ShmLink, info: pb.InfoResponse | None) -> int:

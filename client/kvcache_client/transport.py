@@ -11,6 +11,10 @@ transports, is in kvcache_client.messages.
 
 Transports raise grpc.RpcError (or an RPCError subclass) on failure; the
 clients map, retry and time out.
+
+Longer than the project's ~500-line module guideline: the blocking and the asyncio transport are
+two faces of the same calls, kept side by side so a change to one is seen beside the other; what
+they decide is written once, in kvcache_client.messages (through_segment, through_process).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from kvcache_client.arena_aio import AsyncInPlaceCalls
 from kvcache_client.bufpool import BufferPool
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
+    PROCESS_MESSAGE_BYTES,
     GetCollector,
     LandingCollector,
     apply_info,
@@ -36,11 +41,12 @@ from kvcache_client.messages import (
     put_result,
     server_stats,
     shm_get_request,
+    through_process,
     through_segment,
 )
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import Fetched, LookupResult, PrefetchResult, PutResult, ServerStats
-from kvcache_client.shm import MIN_PUT_BYTES, Segment, ShmLink, env_allows_shm, run_to_end
+from kvcache_client.shm import Segment, ShmLink, env_allows_shm, run_to_end
 from kvcache_client.steps import arun, run
 from kvcache_core.blockwire import BlockData, PutData, ShmRange, data_len, decode_get_response, encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
@@ -201,14 +207,14 @@ class GrpcTransport(_Channel):
         """Through a segment of this client's own on the server's host (the server reads it straight
         into arena slots), inline elsewhere: a client never writes into the server's arena."""
         self._check_info(timeout_s)
-        refs = self.shm.process.ranges(items) if sum(data_len(d) for _, d in items) >= MIN_PUT_BYTES else None
-        if refs is not None:  # the server reads them out of this process's memory: no copy here
-            try:
-                return self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES)
-            except grpc.RpcError as exc:
-                if not self.shm.process.refused(exc):
-                    raise
-        return self._put_through_segment(namespace, items, timeout_s, retain_ttl_s)
+        return run(
+            through_process(
+                self.shm,
+                items,
+                lambda refs: self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES),
+                lambda: self._put_through_segment(namespace, items, timeout_s, retain_ttl_s),
+            )
+        )
 
     def _put_through_segment(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, retain_ttl_s: float = 0.0
@@ -352,11 +358,6 @@ PIPELINE_GROUP_BYTES = 8 << 20
 """A blocking put through a segment sends a message per this many bytes of blocks copied in, so the
 server reads the first into arena slots while the SDK copies the next."""
 
-PROCESS_MESSAGE_BYTES = 64 << 20
-"""A put out of this process's memory stops adding blocks to a message once it names this many
-bytes: what the server reserves and reads at once (in a few threads), so a large put never needs
-all its room at once."""
-
 
 async def _aiter(requests: Iterable[bytes]) -> AsyncIterator[bytes]:
     for request in requests:
@@ -408,17 +409,16 @@ class AsyncGrpcTransport(_Channel):
     ) -> PutResult:
         """As GrpcTransport.put."""
         await self._check_info(timeout_s)
-        process = self.shm.process
-        if process.stale():  # registering again is socket I/O: never on the event loop
-            await asyncio.to_thread(process.name)
-        refs = process.ranges(items) if sum(data_len(d) for _, d in items) >= MIN_PUT_BYTES else None
-        if refs is not None:  # as GrpcTransport.put
-            try:
-                return await self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES)
-            except grpc.RpcError as exc:
-                if not self.shm.process.refused(exc):
-                    raise
-        return await self._put_through_segment(namespace, items, timeout_s, retain_ttl_s)
+        if self.shm.process.stale():  # registering again is socket I/O: never on the event loop
+            await asyncio.to_thread(self.shm.process.name)
+        return await arun(
+            through_process(
+                self.shm,
+                items,
+                lambda refs: self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES),
+                lambda: self._put_through_segment(namespace, items, timeout_s, retain_ttl_s),
+            )
+        )
 
     async def _put_through_segment(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, retain_ttl_s: float = 0.0

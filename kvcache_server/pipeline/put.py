@@ -249,7 +249,8 @@ class PutStages:
         retain_ttl_s: float = 0.0,
     ) -> PutOutcome | None:
         """receive + verify + commit for a message of segment ranges, without a copy of the server's
-        heap: each block is read (pread, by the kernel) from the client's segment straight into an
+        heap: each block is read (by the kernel: pread from the client's segment, process_vm_readv from
+        its memory) straight into an
         arena slot the server reserved for it, verified there, where no client can write (clients map
         the arena read-only and are never handed a writable slot), and committed without a copy.
         None when RAM has no room for them all now (the caller reads them into memory instead).
@@ -262,12 +263,57 @@ class PutStages:
         if not all(ref.block_length for _, ref in blocks):
             return None
         process = await self._reads_of(context, blocks, segments)
-        if process is None:
-            return await self._into_slots(context, first_index, namespace, blocks, segments, retain_ttl_s, None)
         # Out of a client process's memory: on its own threads, and only STAGE_CALLS of its puts at
         # once hold arena room for it (a client that stalls its reads stalls only itself).
-        async with process.stage:
-            return await self._into_slots(context, first_index, namespace, blocks, segments, retain_ttl_s, process)
+        async with process.stage if process is not None else contextlib.nullcontext():
+            ram = self._stack.ram
+            # The slots come after what reserving them evicted is copied out (off the loop when large).
+            sizes = [ref.block_length for _, ref in blocks]
+            made: list[Reservation] = await self._stack.reserve_many(namespace, sizes) or []
+            if not made:
+                return None
+            reads = [
+                (first_index + i, *segments[ref.segment], ref, res.buffer)
+                for i, ((_, ref), res) in enumerate(zip(blocks, made, strict=True))
+            ]
+            try:
+                keys = {first_index + i: key for i, (key, _) in enumerate(blocks)}
+                limit = self._limits.max_block_bytes
+
+                landed: list[int] = []  # bytes read out of the segment, block by block
+
+                def check(where: int, slot: memoryview, fill: Callable[[int, int], None]) -> None:
+                    def counted(start: int, end: int) -> None:
+                        fill(start, end)
+                        landed.append(end - start)
+
+                    # verified where it lies, each piece right after its copy (in cache)
+                    check_block_for_put(where, keys[where], slot, limit, counted)
+
+                try:
+                    if _off_the_loop(reads):  # one thread hop for reads and checks (a few, for many bytes)
+                        await read_ranges_into_slots_in_lanes(reads, check, process.executor if process else None)
+                    else:
+                        read_ranges_into(reads, check)
+                except ShmError as exc:
+                    await self._abort(context, exc.code, exc.message)
+                except BlockRefused as exc:
+                    self._counters.shm_bytes_received += sum(landed)
+                    await self._refuse_block(context, exc)
+                self._counters.shm_bytes_received += sum(landed)
+                self.block_sizes.saw(namespace, max(r.length for r in made))
+                outcome = await self._stack.put_reserved(
+                    namespace,
+                    [(key, res) for (key, _), res in zip(blocks, made, strict=True)],
+                    retain_ttl_s=retain_ttl_s,
+                )
+                # Committed from the server's reservations: what RAM kept (refused blocks are not counted).
+                self.inplace_bytes_received += sum(  # type: ignore[attr-defined]
+                    r.length for r, kept in zip(made, outcome.kept, strict=True) if kept
+                )
+                return outcome
+            finally:
+                ram.abandon([r.id for r in made])  # what was not committed: refused, cancelled, no room
 
     async def _reads_of(
         self,
@@ -292,63 +338,6 @@ class PutStages:
                         f"{ref.segment}: the client process's registration ended; send the bytes another way",
                     )
         return found
-
-    async def _into_slots(
-        self,
-        context: grpc.aio.ServicerContext,
-        first_index: int,
-        namespace: str,
-        blocks: list[tuple[bytes, ShmRange]],
-        segments: dict[str, tuple[int, int]],
-        retain_ttl_s: float,
-        process: ProcessReads | None,
-    ) -> PutOutcome | None:
-        ram = self._stack.ram
-        # The slots come after what reserving them evicted is copied out (off the loop when large).
-        sizes = [ref.block_length for _, ref in blocks]
-        made: list[Reservation] = await self._stack.reserve_many(namespace, sizes) or []
-        if not made:
-            return None
-        reads = [
-            (first_index + i, *segments[ref.segment], ref, res.buffer)
-            for i, ((_, ref), res) in enumerate(zip(blocks, made, strict=True))
-        ]
-        try:
-            keys = {first_index + i: key for i, (key, _) in enumerate(blocks)}
-            limit = self._limits.max_block_bytes
-
-            landed: list[int] = []  # bytes read out of the segment, block by block
-
-            def check(where: int, slot: memoryview, fill: Callable[[int, int], None]) -> None:
-                def counted(start: int, end: int) -> None:
-                    fill(start, end)
-                    landed.append(end - start)
-
-                # verified where it lies, each piece right after its copy (in cache)
-                check_block_for_put(where, keys[where], slot, limit, counted)
-
-            try:
-                if _off_the_loop(reads):  # one thread hop for reads and checks (a few, for many bytes)
-                    await read_ranges_into_slots_in_lanes(reads, check, process.executor if process else None)
-                else:
-                    read_ranges_into(reads, check)
-            except ShmError as exc:
-                await self._abort(context, exc.code, exc.message)
-            except BlockRefused as exc:
-                self._counters.shm_bytes_received += sum(landed)
-                await self._refuse_block(context, exc)
-            self._counters.shm_bytes_received += sum(landed)
-            self.block_sizes.saw(namespace, max(r.length for r in made))
-            outcome = await self._stack.put_reserved(
-                namespace, [(key, res) for (key, _), res in zip(blocks, made, strict=True)], retain_ttl_s=retain_ttl_s
-            )
-            # Committed from the server's reservations: what RAM kept (refused blocks are not counted).
-            self.inplace_bytes_received += sum(  # type: ignore[attr-defined]
-                r.length for r, kept in zip(made, outcome.kept, strict=True) if kept
-            )
-            return outcome
-        finally:
-            ram.abandon([r.id for r in made])  # what was not committed: refused, cancelled, no room
 
     async def _retain_ttl(self, context: grpc.aio.ServicerContext, asked_s: float) -> float:
         """PutRequest.retain_ttl_s, checked: 0 or a positive, finite number of seconds (the stack caps it)."""

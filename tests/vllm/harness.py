@@ -194,14 +194,19 @@ def hybrid_kv_cache_config(
     page = full.page_size_bytes
     if all_sliding:  # every layer slides (Mistral): one group, as vLLM builds it
         return make_kv_cache_config(num_blocks, sliding)
+    return _one_layer_per_group(num_blocks, page, [(LAYER_NAMES[0], full), (LAYER_NAMES[1], sliding)])
+
+
+def _one_layer_per_group(num_blocks: int, page: int, groups: list[tuple[str, Any]]) -> KVCacheConfig:
+    """A config of one layer per group, each layer its own tensor of `num_blocks` pages of `page` bytes."""
     tensors = [
         KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=page * num_blocks, block_stride=page)
-        for name in LAYER_NAMES
+        for name, _ in groups
     ]
     return KVCacheConfig(
         num_blocks=num_blocks,
         kv_cache_tensors=tensors,
-        kv_cache_groups=[KVCacheGroupSpec([LAYER_NAMES[0]], full), KVCacheGroupSpec([LAYER_NAMES[1]], sliding)],
+        kv_cache_groups=[KVCacheGroupSpec([name], spec) for name, spec in groups],
         kv_cache_layout=KVCacheLayout.LBNHC.name,
     )
 
@@ -228,19 +233,7 @@ def mamba_kv_cache_config(
         mamba_cache_mode=mamba_cache_mode,
     )
     assert mamba.real_page_size_bytes <= page
-    tensors = [
-        KVCacheTensor(size=page * num_blocks, layers=[name], layer_stride=page * num_blocks, block_stride=page)
-        for name in MAMBA_LAYER_NAMES
-    ]
-    return KVCacheConfig(
-        num_blocks=num_blocks,
-        kv_cache_tensors=tensors,
-        kv_cache_groups=[
-            KVCacheGroupSpec([MAMBA_LAYER_NAMES[0]], full),
-            KVCacheGroupSpec([MAMBA_LAYER_NAMES[1]], mamba),
-        ],
-        kv_cache_layout=KVCacheLayout.LBNHC.name,
-    )
+    return _one_layer_per_group(num_blocks, page, [(MAMBA_LAYER_NAMES[0], full), (MAMBA_LAYER_NAMES[1], mamba)])
 
 
 def allocate_caches(
