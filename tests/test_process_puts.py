@@ -470,3 +470,61 @@ def test_a_client_registers_again_when_its_connection_is_gone(server: ServerThre
 
     state, off_the_loop, registrations = asyncio.run(from_asyncio())
     assert (state, off_the_loop, registrations) == ("on", True, 1)
+
+
+def test_with_no_room_for_slots_a_block_is_read_out_of_the_client_into_memory_and_verified(
+    make_server, place: Path
+) -> None:  # type: ignore[no-untyped-def]
+    """RAM cannot reserve slots (a lease pins what it holds): the server reads the block (its header
+    inline, its payload out of the client's memory) into memory of its own and verifies it there, as
+    for a segment; RAM then refuses it for want of room, counted, nothing else failing."""
+    server = make_server(
+        ram={"capacity_bytes": 4 << 20}, shm={"dir": str(place / "shm"), "socket_path": str(place / "seg.sock")}
+    )
+    payload = np.random.default_rng(1).integers(0, 256, 3 << 20, dtype=np.uint8)
+    k = os.urandom(16)
+    header, view = encode_block_parts(memoryview(payload), key=k, dtype="uint8", shape=(payload.nbytes,))
+    with KVCacheClient(server.target) as client:
+        held = keyed(os.urandom(2 << 20))
+        client.put_many(NS, [held])
+        before = stub(server).Stats(pb.StatsRequest(), timeout=10)
+        with client.leased(NS, [held[0]]):
+            result = client.put_many(NS, [(k, (header, view))])
+        assert client._transport.shm.process.state == "on"
+    after = stub(server).Stats(pb.StatsRequest(), timeout=10)
+    assert (result.stored, result.rejected) == (0, 1)
+    assert after.put_checksum_failures == before.put_checksum_failures == 0
+    assert after.shm_bytes_received - before.shm_bytes_received == len(header) + payload.nbytes
+    assert after.arena_reservations == 0
+
+
+def test_a_registration_dropped_during_a_put_ends_it_and_never_reads_on_the_shared_threads(
+    server: ServerThread, place: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The client drops its registration ("D", or its connection closes) just after the put opened its
+    name: the put is FAILED_PRECONDITION and nothing is read (before: the reads went to the server's
+    shared threads, where a stalling client could hold them, and the block was stored)."""
+    handoff, name = _registered(server, place)
+    service = server.running.service
+    registry = server.running.handoff.registry
+    assert service is not None and registry is not None
+    opened = service._open_segment
+
+    def open_then_dropped(segment: str, *, writable: bool) -> tuple[int, int]:
+        got = opened(segment, writable=writable)
+        if segment == name:
+            assert registry.drop(name, registry._by_name[name].conn)
+        return got
+
+    monkeypatch.setattr(service, "_open_segment", open_then_dropped)
+    try:
+        k = os.urandom(16)
+        block = np.frombuffer(raw_block(k, os.urandom(300_000)), dtype=np.uint8)
+        refused = _put(server, k, ShmRange(name, block.ctypes.data, block.nbytes))
+        assert refused is not None and refused.code() is grpc.StatusCode.FAILED_PRECONDITION
+        assert "registration ended" in refused.details()
+    finally:
+        handoff.close()
+    looked = stub(server).Lookup(pb.LookupRequest(namespace=NS, keys=[k]), timeout=10)
+    assert looked.prefix_length == 0
+    assert stub(server).Stats(pb.StatsRequest(), timeout=10).arena_reservations == 0
