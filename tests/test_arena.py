@@ -403,3 +403,49 @@ def test_prefault_logs_progress_and_the_time_taken(
         assert os.stat(region.path).st_blocks * 512 >= 40 << 20  # every page is there
     finally:
         region.close()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_one_victim_shortcut_plans_what_the_full_plan_does(seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """room._one_victim answers only where the full plan (its three steps) is that one victim: checked
+    on every reservation of a random run (sizes mostly alike, some not; leases pinning the oldest
+    blocks; retained blocks; a re-put that keeps its entry), against the plan built with it off."""
+    from kvcache_server.tiers import room
+
+    rng = random.Random(seed)
+    tier = RamTier(capacity_bytes=512 << 10, prefault=False, pin_share=0.9)
+    quick = room._one_victim
+    answered = compared = 0
+
+    def both(tier_: RamTier, part, nbytes: int, cost: int, keep):  # type: ignore[no-untyped-def]
+        nonlocal answered, compared
+        got = quick(tier_, part, nbytes, cost, keep)
+        monkeypatch.setattr(room, "_one_victim", lambda *a: None)
+        try:
+            full = room.plan_room(tier_, part, nbytes, cost, keep)
+        finally:
+            monkeypatch.setattr(room, "_one_victim", both)
+        compared += 1
+        if got is not None:
+            answered += 1
+            assert got == full
+        return got
+
+    monkeypatch.setattr(room, "_one_victim", both)
+    leases = []
+    for i in range(1500):
+        size = 16 << 10 if rng.random() < 0.9 else rng.randint(1000, 40 << 10)
+        k = key(rng.randrange(i + 1) if rng.random() < 0.05 else 100_000 + i)  # now and then a re-put
+        tier.put_many_sync(NS, [(k, os.urandom(size))])
+        roll = rng.random()
+        if roll < 0.05:
+            made = tier.lease_many(NS, [key(100_000 + rng.randrange(i + 1))], ttl_s=60)
+            leases += [lease.id for lease in made if lease is not None]
+        elif roll < 0.08:
+            tier.retain_many(NS, [key(100_000 + i)], ttl_s=60)
+        if len(leases) > 6:
+            tier.release([leases.pop(0)])
+    check_bookkeeping(tier)
+    assert tier.stats().evictions > 500 and compared > 500
+    print(f"{answered} of {compared} plans by the shortcut")
+    assert answered > 20  # the shortcut answered, and each time with what the plan says

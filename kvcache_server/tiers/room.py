@@ -89,6 +89,9 @@ class _Plan:
 def plan_room(tier: RamTier, part: _Partition, nbytes: int, cost: int, keep: EntryKey | None) -> list[EntryKey] | None:
     """The entries to evict, in order, so that a block of `nbytes` whose entry costs `cost` fits for
     `part`; None when no eviction can make it fit (then nothing may be evicted). Under the tier's lock."""
+    quick = _one_victim(tier, part, nbytes, cost, keep)
+    if quick is not None:
+        return quick
     plan = _Plan(tier, keep)
     # 1. Its own share.
     if part.quota:
@@ -123,6 +126,32 @@ def plan_room(tier: RamTier, part: _Partition, nbytes: int, cost: int, keep: Ent
     if over > 0:
         return None  # leases and reservations pin what is left
     return plan.victims
+
+
+QUICK_SCAN = 8
+"""Least recently used entries _one_victim looks at for one it may evict (leased ones are skipped)."""
+
+
+def _one_victim(
+    tier: RamTier, part: _Partition, nbytes: int, cost: int, keep: EntryKey | None
+) -> list[EntryKey] | None:
+    """The plan of the three steps below when it is one victim, found without building it: the only
+    tenant within its share, and its least recently used unpinned, unretained block alone makes room
+    (its extent fits the block, or one free already does, and it frees enough for the byte cap).
+    That is every eviction of a full RAM of same-size blocks: a put of 16 x 16 KiB into one spent
+    about a third of its reservations in the general plan. None: plan it in full."""
+    if len(tier._partitions) != 1 or (part.quota and part.held() + cost > part.quota):
+        return None
+    for _, entry in zip(range(QUICK_SCAN), RetainingPolicy.plain_candidates(part.policy), strict=False):
+        slot = tier._blocks[entry]
+        if entry != keep and slot.pins == 0:
+            break
+    else:
+        return None
+    if align(slot.length) < align(max(nbytes, 1)) and not tier._extents.fits(nbytes):
+        return None
+    over = tier._used + tier._reserved + tier._orphaned + cost - tier._capacity - tier.entry_cost_of(slot.length)
+    return [entry] if over <= 0 else None  # type: ignore[list-item]
 
 
 def _contiguous(plan: _Plan, part: _Partition, nbytes: int) -> bool:
