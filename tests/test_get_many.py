@@ -342,6 +342,53 @@ def test_remote_get_into_refuses_what_lands_damaged_and_what_does_not_fit(
         assert client.corrupt_blocks == 2 and client.bulk.counters.fallbacks == 0
 
 
+def test_remote_get_into_of_small_blocks_refuses_what_lands_damaged(
+    bulk_server: ServerThread, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks small enough to come out of the connection's read-ahead whole (BulkConnection._land_whole)
+    keep _land's outcomes: a payload damaged on the way is a miss whose destination holds what
+    arrived, a damaged header a miss whose destination is untouched, and the stream stays in step:
+    the block after each lands, and so does every block of the next get."""
+    from kvcache_client.bulkconn import BulkConnection
+
+    size = 16 << 10
+    data = blocks(4, size)
+    keys = [k for k, _ in data]
+    real = BulkConnection._buffered
+    damage: dict[str, int] = {}  # what -> byte offset in the frame to flip
+    seen: list[str] = []
+
+    def flips(self: BulkConnection, n: int, what: str, deadline: float) -> memoryview | None:
+        view = real(self, n, what, deadline)
+        if view is not None and what.startswith("block"):
+            seen.append(what)
+            at = damage.pop(what, None)
+            if at is not None:
+                view[at if at >= 0 else len(view) + at] ^= 1
+        return view
+
+    def fresh() -> list[bytearray]:
+        return [bytearray(b"\xcd" * size) for _ in keys]
+
+    with KVCacheClient(bulk_server.target, shm=False, bulk_connections=1) as client:
+        client.put_many(NS, data)
+        monkeypatch.setattr(BulkConnection, "_buffered", flips)
+        damage.update({"block 1": -100, "block 2": 0})  # a payload byte; the header's magic
+        dst = fresh()
+        assert client.get_into(NS, keys, dst) == [True, False, False, True]
+        assert seen == [f"block {i}" for i in range(4)] and not damage  # all four came whole
+        assert bytes(dst[0]) == data[0][1][-size:] and bytes(dst[3]) == data[3][1][-size:]
+        changed = bytearray(data[1][1][-size:])
+        changed[-100] ^= 1
+        assert dst[1] == changed  # what arrived, refused
+        assert dst[2] == b"\xcd" * size  # its header failed: untouched
+        assert client.corrupt_blocks == 2
+        dst = fresh()
+        assert client.get_into(NS, keys, dst) == [True] * 4
+        assert [bytes(d) for d in dst] == [b[-size:] for _, b in data]
+        assert client.corrupt_blocks == 2 and client.bulk.counters.fallbacks == 0
+
+
 def test_pure_grpc_get_into_copies_each_part_into_its_destination(
     bulk_server: ServerThread, face: Callable[..., Face]
 ) -> None:
