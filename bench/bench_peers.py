@@ -20,9 +20,10 @@ and interleaved round by round (every path once per round, medians over the roun
   get_tensors (memory the SDK hands out), with their time over get_into's in a table of their own;
   and with `shm=False, bulk=False` (pure gRPC, as a client in another language starts), get_into,
   beside the bulk port in a table of its own;
-- peers, where they are installed (docs: ../shared/reference/peers.md; `--peers-dir`): LMCache's MP
-  server and Mooncake Store, each driven by a child in its own virtual environment; skipped with a
-  message otherwise.
+- peers, where they are installed (docs: ../shared/reference/peers.md; `--peers-dir`), each driven
+  by a child (bench/peers/*.py), skipped with a message otherwise: LMCache's MP server with its
+  shared-memory L1 (in `<peers-dir>/lmc`, else in this Python where it has lmcache) and Mooncake
+  Store (in its own virtual environment).
 
 Then ratios to memcpy, to the raw socket and to each peer, and the concurrency sweep: N client
 processes (`--sweep`) each putting and getting its own prompt (`--sweep-chunk-mib`) for
@@ -308,20 +309,25 @@ class PeerDriver(Path_):
 
 
 def peers(args: argparse.Namespace) -> list[Path_]:
+    import importlib.util
+
     out: list[Path_] = []
     root = Path(args.peers_dir)
     here = Path(__file__).resolve().parent / "peers"
-    print(
-        "skipped LMCache MP server: no driver here yet (its SDK context stores engine pages and needs the "
-        "model's layout registered as a vLLM instance would; peers.md)"
-    )
-    for name, venv, script, prefix in (("Mooncake Store over TCP", "mc", "mooncake_driver.py", ["unshare", "-n"]),):
-        python = root / venv / "bin" / "python"
+    # LMCache runs in peers.md's own venv, else in this Python where it imports lmcache (the test venv does).
+    lmc = root / "lmc" / "bin" / "python"
+    lmc = lmc if lmc.exists() or not importlib.util.find_spec("lmcache") else Path(sys.executable)
+    for name, python, script, prefix in (
+        ("LMCache MP (shm L1)", lmc, "lmcache_mp_driver.py", []),  # print_table: columns named by the first word
+        ("Mooncake Store over TCP", root / "mc" / "bin" / "python", "mooncake_driver.py", ["unshare", "-n"]),
+    ):
         if not python.exists():
-            print(f"skipped {name}: no virtual environment at {root / venv} (install it as peers.md says)")
+            why = ", nor lmcache in this Python" if python == lmc else ""
+            venv = python.parent.parent
+            print(f"skipped {name}: no virtual environment at {venv}{why} (install it as peers.md says)")
             continue
         argv = [*prefix, str(python), str(here / script), str(args.chunks), str(args.chunk_mib)]
-        try:
+        try:  # PYTHONPATH: a driver imports only its peer's packages, never the code under test
             out.append(PeerDriver(name, argv, {**os.environ, "PYTHONPATH": ""}))
         except (OSError, RuntimeError) as exc:
             print(f"skipped {name}: {exc}")
