@@ -79,6 +79,15 @@ not one per frame part. Larger reads (a PUT's blocks) go straight into their slo
 _CUT_COUNTERS = {STALL: "cut_off_stall", RATE: "cut_off_rate", REQUEST: "cut_off_request", HELLO: "cut_off_hello"}
 
 
+async def _then_release(coro: Coroutine[Any, Any, T], held: Holding) -> T:
+    """coro's result, and `held`'s budget released on the loop as it ends (one wake-up of the loop
+    fewer than releasing it from the session's thread afterwards)."""
+    try:
+        return await coro
+    finally:
+        held.release_all()
+
+
 class BulkCounters:
     """What the bulk path did, for Stats and tests (thread-safe)."""
 
@@ -462,14 +471,15 @@ class Session:
                 self._s.counters.add("bytes_received", n)
             commit = sink.commit(scoped, list(zip((k for k, _ in entries), slots, strict=True)))
             committed = None  # from here the commit owns the slots (it frees what it does not keep), ended or not
-            outcome = self._on_loop(commit)
+            outcome = self._on_loop(_then_release(commit, held))
             committed = True
             self._s.block_sizes.saw(scoped, max(n for _, n in entries))
         finally:
             if committed is False:
                 for slot in slots:
                     sink.abandon(slot)
-            self._release(held)
+            if committed is not True:  # else the commit released it on the loop: no wake-up of it for that
+                self._release(held)
         self._s.counters.add("puts")
         stored = sum(outcome.kept)
         tiers = tuple((int(t.kind), t.stored, t.queued, t.dropped, t.failed, t.deleted) for t in outcome.tiers)
