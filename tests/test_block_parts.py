@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -143,6 +146,13 @@ def test_misused_parts_are_refused_and_store_nothing(small_server: ServerThread,
     got, details, _ = send(small_server, messages(block))
     assert got is code and fragment in details, details
     assert stored(small_server, KEY) is None
+    assert open_reservations(small_server) == 0  # the arena slot a block in parts was copied into is free
+
+
+def open_reservations(server: ServerThread) -> int:
+    ram = server.stack.ram
+    with ram._lock:
+        return len(ram._reservations)
 
 
 def test_a_corrupt_block_in_parts_is_data_loss(small_server: ServerThread) -> None:
@@ -151,6 +161,59 @@ def test_a_corrupt_block_in_parts_is_data_loss(small_server: ServerThread) -> No
     got, details, _ = send(small_server, part_messages(bytes(block)))
     assert got is grpc.StatusCode.DATA_LOSS and "block 0" in details
     assert stored(small_server, KEY) is None
+    assert open_reservations(small_server) == 0
+
+
+def test_parts_land_in_an_arena_slot_and_a_stream_cut_midway_frees_it(make_server) -> None:
+    """A block in parts is copied into an arena slot reserved when its first part came, verified
+    there and committed without another copy; a call cancelled after its first part frees the slot
+    (on the old code nothing was reserved: the parts grew a buffer, then the store copied it into RAM)."""
+    server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"enabled": False})
+    block = raw_block(KEY, os.urandom(6 << 20))
+    stack = server.stack
+    calls: list[tuple[str, int]] = []  # (which store, its blocks' bytes)
+    put, put_reserved = stack.put, stack.put_reserved
+
+    async def copied(namespace: str, items: list, **kw: float) -> object:
+        calls.append(("put", sum(len(b) for _, b in items)))
+        return await put(namespace, items, **kw)
+
+    async def in_place(namespace: str, items: list, **kw: float) -> object:
+        calls.append(("put_reserved", sum(r.length for _, r in items)))
+        return await put_reserved(namespace, items, **kw)
+
+    stack.put, stack.put_reserved = copied, in_place  # type: ignore[method-assign]
+    messages = list(put_messages("ns", [(KEY, block)], part_bytes=DEFAULT_PART_BYTES))
+    assert len(messages) == 7
+    code, details, response = send(server, messages)
+    assert code is grpc.StatusCode.OK and response is not None and response.stored == 1, details
+    assert calls == [("put_reserved", len(block))]  # committed from its slot, never copied by the store
+    with KVCacheClient(server.target, bulk=False) as client:
+        assert bytes(client.get_many("ns", [KEY])[0]) == block
+    assert open_reservations(server) == 0
+    # A stream that sends one part and stops: its slot is held while it lasts, freed when it is cancelled.
+    gate = threading.Event()
+
+    first = next(iter(put_messages("ns", [(b"q" * 16, block)], part_bytes=DEFAULT_PART_BYTES)))
+
+    def stalled() -> Iterator[bytes]:
+        yield first
+        gate.wait(10)
+
+    with grpc.insecure_channel(server.target) as channel:
+        call = channel.stream_unary("/kvcache.v1.KVCache/Put", lambda b: b, pb.PutResponse.FromString)
+        future = call.future(stalled(), timeout=30)
+        deadline = time.monotonic() + 10
+        while open_reservations(server) != 1:
+            assert time.monotonic() < deadline, "the first part's slot was never reserved"
+            time.sleep(0.01)
+        future.cancel()
+        gate.set()
+        while open_reservations(server):
+            assert time.monotonic() < deadline, "a cancelled Put kept its slot"
+            time.sleep(0.01)
+    with KVCacheClient(server.target, bulk=False) as client:
+        assert client.get_many("ns", [b"q" * 16]) == [None]
 
 
 # -- gets in parts ------------------------------------------------------------------------------------

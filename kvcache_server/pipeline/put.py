@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
@@ -139,12 +139,28 @@ class PutStages:
         segments: dict[str, tuple[int, int]],
         held: Holding,
     ) -> pb.PutResponse:
+        ram = self._stack.ram
+        assembler = BlockAssembler(  # blocks sent in parts, assembled in arena slots where RAM has room
+            self._limits.max_block_bytes, held, abandon=lambda slot: ram.abandon([slot.id])
+        )
+        try:
+            return await self._put_stream(request_iterator, context, segments, held, assembler)
+        finally:
+            assembler.close()  # whatever slot was not committed: refused, cancelled, incomplete
+
+    async def _put_stream(
+        self,
+        request_iterator: AsyncIterator[bytes],
+        context: grpc.aio.ServicerContext,
+        segments: dict[str, tuple[int, int]],
+        held: Holding,
+        assembler: BlockAssembler,
+    ) -> pb.PutResponse:
         namespace: str | None = None  # scoped
         first_namespace = ""  # as the client sent it
         retain_ttl_s = 0.0  # the first message's PutRequest.retain_ttl_s
         index = received = entries = 0
         totals = _Totals()  # what each message's commit kept, summed over the stream
-        assembler = BlockAssembler(self._limits.max_block_bytes, held)  # blocks sent in parts
         limits = self._limits
         messages = aiter(request_iterator)
         while (raw := await self._next_message(messages, context)) is not None:
@@ -181,6 +197,7 @@ class PutStages:
                 namespace = await self._namespace(context, message.namespace)
                 first_namespace = message.namespace
                 retain_ttl_s = await self._retain_ttl(context, message.retain_ttl_s)
+                assembler.slots = self._slot_for(namespace)
             elif message.namespace and message.namespace != first_namespace:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
             elif message.retain_ttl_s and message.retain_ttl_s != retain_ttl_s:
@@ -206,6 +223,7 @@ class PutStages:
                 message_bytes += from_shm
                 blocks = await self._read_shm_blocks(context, index, blocks, segments)
             complete: list[tuple[bytes, bytes | memoryview]] = []
+            in_slots: list[tuple[bytes, Reservation]] = []  # of those, assembled in arena slots
             assembled = 0  # bytes of blocks completed from parts in this message (counted by the assembler)
             for key, data in blocks:
                 where = index + len(complete)
@@ -216,19 +234,28 @@ class PutStages:
                     await self._abort(context, exc.code, exc.message)
                 if whole is None:
                     continue
+                done_key, done, slot = whole
                 if continues:  # its last part: the assembler counted all of it
-                    assembled += len(whole[1])
-                await self._block(context, where, *whole)
-                complete.append(whole)
+                    assembled += len(done)
+                await self._block(context, where, done_key, done)  # in its slot, if it has one
+                complete.append((done_key, done))
+                if slot is not None:
+                    in_slots.append((done_key, slot))
             index += len(complete)
             # Commit this message's complete blocks (all verified) before reading the next message.
             if complete:
                 self.block_sizes.saw(namespace, max(len(d) for _, d in complete))
-                totals.add(await self._stack.put(namespace, complete, retain_ttl_s=retain_ttl_s))
+                if len(in_slots) < len(complete):
+                    slotted = {id(d) for _, d in in_slots}
+                    plain = [(k, d) for k, d in complete if id(d) not in slotted] if in_slots else complete
+                    totals.add(await self._stack.put(namespace, plain, retain_ttl_s=retain_ttl_s))
+                if in_slots:  # committed without a copy, as the bulk port's blocks are
+                    totals.add(await self._stack.put_reserved(namespace, in_slots, retain_ttl_s=retain_ttl_s))
+                    assembler.settle()
             # Nothing may keep the message alive past its release (a part is a view into it): the
             # loop's last `data` did, so a stream stopped after one part held it uncounted.
-            del message, blocks, complete
-            data = whole = None  # type: ignore[assignment]
+            del message, blocks, complete, in_slots
+            data = whole = done = None  # type: ignore[assignment]
             # What the RAM tier kept is its capacity's business from now on.
             held.release(message_bytes + assembled)
         try:
@@ -238,6 +265,16 @@ class PutStages:
         if namespace is None or index == 0:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
         return totals.response(received)
+
+    def _slot_for(self, namespace: str) -> Callable[[int], Awaitable[Reservation | None]]:
+        """Where a block in parts of `namespace` is assembled: an arena slot reserved for it (what
+        reserving it evicts copied out first, off the loop when large), or None when RAM has no room."""
+
+        async def slot(nbytes: int) -> Reservation | None:
+            made = await self._stack.reserve_many(namespace, [nbytes])
+            return made[0] if made else None
+
+        return slot
 
     async def _shm_into_slots(
         self,
