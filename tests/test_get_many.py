@@ -220,11 +220,12 @@ def test_a_copy_that_fails_hands_back_every_lease(arena_server: ServerThread, re
         pool.take = fails_third  # type: ignore[method-assign]
         with pytest.raises(MemoryError):
             client.get_many(NS, [k for k, _ in data])
+        made = len(taken) - 1  # 2, or 3 when the copies ran on two threads (the other one went on)
         gc.collect()  # the traceback's frames
         assert releases == [4] and arena_server.stack.ram.arena_stats()["leases"] == 0
         del pool.take
         assert [bytes(b) for b in client.get_many(NS, [k for k, _ in data])] == [b for _, b in data]
-        assert releases == [4, 4] and counts(pool) == (2, 4)  # the two copies the failed call made, reused
+        assert releases == [4, 4] and counts(pool) == (made, 4)  # the copies the failed call made, reused
 
 
 def test_writes_through_a_tensor_change_only_the_callers_memory(arena_server: ServerThread) -> None:

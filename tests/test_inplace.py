@@ -14,6 +14,7 @@ import os
 import stat
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -227,6 +228,62 @@ def test_bytes_changed_under_a_lease_become_a_miss_never_wrong_kv(arena_server: 
         assert client.get_into(NS, [item[0]], [bytearray(len(item[1]) - 48)]) == [False]
         assert client.corrupt_blocks == 2
         assert client.stats().arena_leases == 0
+
+
+@pytest.mark.parametrize("face", ["blocking", "asyncio"])
+def test_get_into_lands_leased_blocks_on_threads_and_a_block_changed_in_its_slot_is_a_miss(
+    arena_server: ServerThread, face: str
+) -> None:
+    """A same-host get_into of large blocks copies them out of the arena on a few threads, each
+    payload verified where it landed (kvcache_core.landing): a block changed in its slot (a server
+    bug; no client can write the arena) is a miss, counted, and every other block lands exactly,
+    into numpy arrays, bytearrays and CPU tensors alike; the leases are released either way."""
+    import asyncio
+
+    from kvcache_client import AsyncKVCacheClient
+    from kvcache_core import landing
+
+    data = blocks(4, 4 * MiB)  # 16 MiB: the lease path (over the same-host GET's 4 MiB), on threads
+    keys = [k for k, _ in data]
+    size = 4 * MiB
+    threads: set[str] = set()
+    real = landing._land_one
+
+    def seen(job, header):  # type: ignore[no-untyped-def]
+        threads.add(threading.current_thread().name)
+        return real(job, header)
+
+    with KVCacheClient(arena_server.target) as client:
+        client.put_many(NS, data)
+        ram = arena_server.stack.ram
+        (lease,) = ram.lease_many("ns", [keys[2]])
+        assert lease is not None
+        ram.release([lease.id])
+        ram.region.view[lease.offset + lease.length - 8 : lease.offset + lease.length] = b"\x00" * 8
+    dst: list = [torch.zeros(size // 2, dtype=torch.bfloat16), bytearray(size), np.zeros(size, np.uint8)]
+    dst.append(bytearray(size))
+    landing._land_one = seen  # type: ignore[assignment]
+    try:
+        if face == "blocking":
+            with KVCacheClient(arena_server.target) as client:
+                got = client.get_into(NS, keys, dst)
+                corrupt, leases = client.corrupt_blocks, client.stats().arena_leases
+        else:
+
+            async def main() -> tuple[list[bool], int, int]:
+                async with AsyncKVCacheClient(arena_server.target) as aclient:
+                    found = await aclient.get_into(NS, keys, dst)
+                    return found, aclient.corrupt_blocks, (await aclient.stats()).arena_leases
+
+            got, corrupt, leases = asyncio.run(main())
+    finally:
+        landing._land_one = real  # type: ignore[assignment]
+    assert got == [True, True, False, True] and corrupt == 1 and leases == 0
+    payloads = [b[-size:] for _, b in data]
+    assert dst[0].view(torch.uint8).numpy().tobytes() == payloads[0]  # type: ignore[attr-defined]
+    assert bytes(dst[1]) == payloads[1] and bytes(dst[3]) == payloads[3]  # type: ignore[arg-type]
+    assert bytes(dst[2]) == payloads[2][:-8] + bytes(8)  # type: ignore[arg-type]  # what landed, refused
+    assert len(threads) >= min(2, landing.THREADS)  # shared among threads where there are cores for them
 
 
 def test_leased_without_verify_leaves_the_views_to_the_caller_and_checks_copies(arena_server: ServerThread) -> None:

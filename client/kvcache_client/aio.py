@@ -27,7 +27,7 @@ from kvcache_client.calls import (
     call_timeout_s,
     check_destinations,
     copied,
-    copy_into,
+    land_into,
     payload_sinks,
 )
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, describe
@@ -308,12 +308,13 @@ class AsyncKVCacheClient:
                     return await run_to_end(lambda _: self._calls.landed(got, keys, destinations))
                 return self._calls.landed(got, keys, destinations)
             timeout_s = max(deadline - time.monotonic(), 1e-6)  # the lease path, within the same deadline
-        async with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s) as blocks:
+        async with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s, verify=False) as blocks:
+            corrupt = self._calls.count_corrupt
             if block_bytes(blocks) >= OFFLOAD_BYTES:
-                await run_to_end(lambda stop: copy_into(blocks, destinations, stop))
+                found = await run_to_end(lambda _: land_into(blocks, keys, destinations, sinks, corrupt))
             else:
-                copy_into(blocks, destinations)
-            return copied(blocks)
+                found = land_into(blocks, keys, destinations, sinks, corrupt)
+            return copied(blocks, found)
 
     async def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """Removes keys from every tier; returns how many were stored (as KVCacheClient.delete).

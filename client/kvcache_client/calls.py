@@ -35,6 +35,7 @@ from kvcache_client.shm import CallEnded
 from kvcache_client.steps import Steps
 from kvcache_core.blockwire import BlockData
 from kvcache_core.format import Layout, verify_block
+from kvcache_core.landing import each, land
 
 if TYPE_CHECKING:
     import torch
@@ -85,22 +86,27 @@ def verified(
 ) -> list[memoryview | None]:
     """Blocks that pass their checksum under the key they were asked for; the rest become misses
     (a damaged block, or another key's block: format v2 binds each block to its key)."""
-    out: list[memoryview | None] = []
-    for key, item in zip(keys, fetched, strict=True):
-        if item is None:
-            out.append(None)
-            continue
-        data, tier = item
+    found = [i for i, item in enumerate(fetched) if item is not None]
+
+    def check(i: int) -> str | None:
         try:
-            verify_block(data, key)
+            verify_block(fetched[i][0], keys[i])  # type: ignore[index]
         except BlockFormatError as exc:
             # str(exc), not exc: a record kept by a handler would keep the exception, whose traceback
             # holds this frame and every block of the call (buffers the pool could not reuse).
-            log.error("block %s from tier %s failed verification, treating as a miss: %s", key.hex(), tier, str(exc))
-            on_corrupt()
-            out.append(None)
+            return str(exc)
+        return None
+
+    # Several large blocks at once on a few threads (xxh3 lets go of the GIL: kvcache_core.landing).
+    whys = each(check, found, [len(fetched[i][0]) for i in found])  # type: ignore[index]
+    out: list[memoryview | None] = [None] * len(fetched)
+    for i, why in zip(found, whys, strict=True):
+        data, tier = fetched[i]  # type: ignore[misc]
+        if why is None:
+            out[i] = memoryview(data)
             continue
-        out.append(memoryview(data))
+        log.error("block %s from tier %s failed verification, treating as a miss: %s", keys[i].hex(), tier, why)
+        on_corrupt()
     return out
 
 
@@ -131,6 +137,46 @@ def copy_into(
             copy_payload_into(block, destination)
 
 
+def land_into(
+    blocks: Sequence[memoryview | None],
+    keys: Sequence[bytes],
+    destinations: Sequence[object],
+    sinks: Sequence[memoryview | None],
+    on_corrupt: Callable[[], None],
+) -> list[bool]:
+    """get_into's copies out of leased(verify=False): each block's payload copied into its
+    destination's byte view and verified there, several at once (kvcache_core.landing: one pass,
+    off the GIL); a destination without a view (a GPU tensor) gets a block verified where it lies,
+    then copied (copy_payload_into). True where a verified block landed; a block that fails is a
+    miss, counted (its destination may hold the copy, as on the bulk path's landing).
+
+    Raises:
+        ValueError, TypeError: see copy_payload_into (land() checks every size before it copies).
+    """
+    found = [False] * len(keys)
+    jobs: list[tuple[memoryview, bytes, memoryview]] = []
+    at: list[int] = []
+    for i, block in enumerate(blocks):
+        if block is None:
+            continue
+        sink = sinks[i] if i < len(sinks) else None
+        if sink is not None:
+            jobs.append((block, keys[i], sink))
+            at.append(i)
+            continue
+        (checked,) = verified([(block, "ram")], [keys[i]], on_corrupt)
+        if checked is not None:
+            copy_payload_into(checked, destinations[i])
+            found[i] = True
+    for i, why in zip(at, land(jobs), strict=True):
+        if why is None:
+            found[i] = True
+            continue
+        log.error("block %s failed verification as it landed, treating as a miss: %s", keys[i].hex(), why)
+        on_corrupt()
+    return found
+
+
 def payload_sinks(destinations: Sequence[object]) -> list[memoryview | None]:
     """Each destination as a writable byte view a payload can be received into (a contiguous CPU
     tensor, a writable contiguous buffer), or None (a GPU tensor, anything else: copied as before)."""
@@ -156,10 +202,12 @@ def block_bytes(blocks: Sequence[memoryview | None]) -> int:
     return sum(len(b) for b in blocks if b is not None)
 
 
-def copied(blocks: Sequence[memoryview | None]) -> list[bool]:
-    """get_into's answer once the copies out of leased() ended: True where a block was found, all
-    False when the copies outlived the leases (LeasedBlocks.expired: they are then not trusted)."""
-    found = [block is not None for block in blocks]
+def copied(blocks: Sequence[memoryview | None], found: list[bool] | None = None) -> list[bool]:
+    """get_into's answer once the copies out of leased() ended: `found` (else True where a block
+    was found), all False when the copies outlived the leases (LeasedBlocks.expired: they are then
+    not trusted)."""
+    if found is None:
+        found = [block is not None for block in blocks]
     if isinstance(blocks, LeasedBlocks) and blocks.expired():
         log.warning("get_into outlived its arena leases; %d blocks treated as misses", sum(found))
         return [False] * len(found)
@@ -236,7 +284,7 @@ class Calls:
         self.retry = retry or RetryPolicy()
         self.corrupt_blocks = 0
 
-    def _count_corrupt(self) -> None:
+    def count_corrupt(self) -> None:
         self.corrupt_blocks += 1
 
     def retrying(self, timeout_s: float, fn: Callable[[Any, float], Any]) -> Steps[Any]:
@@ -341,7 +389,7 @@ class Calls:
             return []
         ns = namespace_name(namespace)
         fetched = yield from self.retrying(timeout_s, lambda tr, t: tr.get(ns, keys, prefix_only, t))
-        return verified(fetched, keys, self._count_corrupt)
+        return verified(fetched, keys, self.count_corrupt)
 
     def receive_into(
         self,
@@ -372,9 +420,9 @@ class Calls:
         """
         for index, (tier, why) in got.damaged.items():
             log.error("block %s from tier %s failed verification, treating as a miss: %s", keys[index].hex(), tier, why)
-            self._count_corrupt()
+            self.count_corrupt()
         rest = [got.found.get(i) for i in range(len(keys))]
-        checked = verified(rest, keys, self._count_corrupt)
+        checked = verified(rest, keys, self.count_corrupt)
         copy_into(checked, destinations)
         return [i in got.landed or checked[i] is not None for i in range(len(keys))]
 
@@ -400,7 +448,7 @@ class Calls:
             # verify=False: leased views are left to the caller; copies this client received are checked.
             views = [i < len(got.in_place) and got.in_place[i] and not verify for i in range(len(got.blocks))]
             rest = [None if v else b for b, v in zip(got.blocks, views, strict=True)]
-            checked = verified(rest, keys, self._count_corrupt)
+            checked = verified(rest, keys, self.count_corrupt)
             blocks = LeasedBlocks(
                 memoryview(b[0]) if v and b is not None else c
                 for b, v, c in zip(got.blocks, views, checked, strict=True)

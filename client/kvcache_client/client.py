@@ -42,7 +42,7 @@ from kvcache_client.calls import (
     call_timeout_s,
     check_destinations,
     copied,
-    copy_into,
+    land_into,
     payload_sinks,
 )
 from kvcache_client.connection import TLSConfig, auth_metadata, describe, make_channel
@@ -370,9 +370,9 @@ class KVCacheClient:
             if got is not None:
                 return self._calls.landed(got, keys, destinations)
             timeout_s = max(deadline - time.monotonic(), 1e-6)  # the lease path, within the same deadline
-        with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s) as blocks:
-            copy_into(blocks, destinations)
-            return copied(blocks)
+        with self.leased(namespace, keys, prefix_only=prefix_only, timeout_s=timeout_s, verify=False) as blocks:
+            found = land_into(blocks, keys, destinations, sinks, self._calls.count_corrupt)
+            return copied(blocks, found)
 
     def delete(self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None) -> int:
         """Removes keys from every tier; returns how many were stored.

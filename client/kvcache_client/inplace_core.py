@@ -41,6 +41,7 @@ from kvcache_client.bulkconn import BulkUnreachable
 from kvcache_client.errors import DeadlineExceeded, RPCError
 from kvcache_client.results import Fetched
 from kvcache_client.steps import Steps
+from kvcache_core.landing import each
 from kvcache_proto import kvcache_pb2 as pb
 
 if TYPE_CHECKING:
@@ -208,11 +209,15 @@ def copy_out(view: memoryview, buffers: BufferPool) -> memoryview:
 
 
 def copied_out(leased: Leased, buffers: BufferPool) -> list[Fetched | None]:
-    """A lease's blocks in this process's own memory (leased views copied once), to release after."""
-    return [
-        (copy_out(f[0], buffers), f[1]) if f is not None and in_place else f
-        for f, in_place in zip(leased.blocks, leased.in_place, strict=True)
-    ]
+    """A lease's blocks in this process's own memory (leased views copied once, several at once on
+    a few threads when large: kvcache_core.landing.each), to release after."""
+    out = list(leased.blocks)
+    views = [i for i, (f, in_place) in enumerate(zip(out, leased.in_place, strict=True)) if f is not None and in_place]
+    sizes = [len(out[i][0]) for i in views]  # type: ignore[index]
+    copies = each(lambda i: copy_out(out[i][0], buffers), views, sizes)  # type: ignore[index]
+    for i, copy in zip(views, copies, strict=True):
+        out[i] = (copy, out[i][1])  # type: ignore[index]
+    return out
 
 
 def in_place_bytes(leased: Leased) -> int:

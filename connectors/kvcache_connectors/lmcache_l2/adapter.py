@@ -16,7 +16,7 @@ lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
 A lock is a read lease: on the server's host (its block arena shared, docs/arena.md) the blocks of
 a lookup stay views of the server's RAM slots, which the server does not reuse until the lease is
 released or expires (ram.lease_timeout_s). The lookup does not read them: the load copies each one
-into LMCache's buffer and checks the key-bound checksum there (kvcache_core.format.verify_copy), so
+into LMCache's buffer and checks the key-bound checksum there (kvcache_core.landing, on a few threads), so
 the bytes are read once, where LMCache will use them, and the lookup costs one round trip.
 Elsewhere the locked blocks are copies in this process, verified as they arrived. Either way what a
 load reports loaded was verified against its key-bound checksum after its last copy. Unlock drops
@@ -57,7 +57,8 @@ from kvcache_connectors.lmcache_l2.lanes import Lane, Task
 from kvcache_connectors.lmcache_l2.locks import Hold, LockTable
 from kvcache_core.breaker import BreakerState, CircuitBreaker
 from kvcache_core.errors import BlockFormatError
-from kvcache_core.format import payload_view, verify_copy
+from kvcache_core.format import payload_view
+from kvcache_core.landing import land
 
 if TYPE_CHECKING:
     from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
@@ -381,7 +382,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         def run() -> None:
             bitmap = Bitmap(len(keys))
             try:
-                again = [i for i in range(len(keys)) if not self._load_held(keys[i], objects[i], bitmap, i)]
+                again = self._load_held(keys, objects, bitmap)
                 if not again:
                     return
                 for ns, positions, kv_keys in self._keys.group([keys[i] for i in again]):
@@ -397,54 +398,69 @@ class KVCacheL2Adapter(L2AdapterInterface):
         self._submit(self._loads, Task(run=run, drop=lambda: publish(Bitmap(len(keys))), nbytes=nbytes))
         return task_id
 
-    def _load_held(self, key: ObjectKey, obj: MemoryObj, bitmap: Bitmap, i: int) -> bool:
-        """Copies `key`'s held block into `obj`; False when it has none to copy (read it again)."""
-        borrowed = self._locks.borrow(key)  # referenced while copying: an unlock meanwhile cannot release it
-        if borrowed is None:
-            return False
-        held, index = borrowed
+    def _load_held(self, keys: list[ObjectKey], objects: list[MemoryObj], bitmap: Bitmap) -> list[int]:
+        """Copies each key's held block into its buffer, all at once (kvcache_core.landing: on a few
+        threads, each copy verified where it landed); returns the positions to read again (no held
+        block, or leases that ran out during the copy). A wrong size or a block that fails is a miss
+        (reading it again gives the same bytes)."""
+        again: list[int] = []
+        borrowed: list[tuple[int, Hold]] = []  # every borrow is given back, whatever happens
+        jobs: list[tuple[memoryview, bytes, memoryview]] = []
+        at: list[tuple[int, Hold]] = []
         try:
-            block = held.blocks[index]
-            if block is None or held.expired():
-                return False
-            if not _copy_into(block, obj):
-                return True  # a wrong size is a miss: reading it again gives the same bytes
-            if held.expired():  # the copy outlived the leases: the slot may hold another block
-                return False
-            if held.unverified and not self._verified_copy(block, held.kv_keys[index], obj):
-                return True  # damaged, or another key's block: a miss (reading it again gives the same)
-            bitmap.set(i)
-            return True
+            for i, key in enumerate(keys):
+                got = self._locks.borrow(key)  # referenced while copying: an unlock meanwhile cannot release it
+                if got is None:
+                    again.append(i)
+                    continue
+                held, index = got
+                borrowed.append((i, held))
+                block = held.blocks[index]
+                if block is None or held.expired():
+                    again.append(i)
+                    continue
+                target = _target(block, objects[i])
+                if target is not None:
+                    jobs.append((block, held.kv_keys[index], target))
+                    at.append((i, held))
+            for (i, held), why in zip(at, land(jobs), strict=True):
+                if held.expired():  # the copy outlived the leases: the slot may hold another block
+                    again.append(i)
+                elif why is None:
+                    bitmap.set(i)
+                else:  # damaged, or another key's block: a miss
+                    self.counters.add("corrupt_chunks")
+                    log.error("kvcache block of %s failed verification after its copy, a miss: %s", keys[i], why)
         finally:
-            if self._locks.give_back(held):
-                self._queue_release(held)
-
-    def _verified_copy(self, block: memoryview, kv_key: bytes, obj: MemoryObj) -> bool:
-        """Whether the payload copied from `block` into `obj` matches the block's key-bound checksum."""
-        try:
-            verify_copy(block, kv_key, memoryview(obj.byte_array).cast("B"))
-        except BlockFormatError as exc:
-            self.counters.add("corrupt_chunks")
-            log.error("kvcache block %s failed verification after its copy, a miss: %s", kv_key.hex(), exc)
-            return False
-        return True
+            for _, held in borrowed:
+                if self._locks.give_back(held):
+                    self._queue_release(held)
+        return sorted(again)
 
     def _load_fetched(
         self, ns: str, kv_keys: list[bytes], objects: list[MemoryObj], positions: list[int], bitmap: Bitmap
     ) -> None:
-        """Reads one namespace's keys and copies each found block into its buffer (load lane)."""
+        """Reads one namespace's keys and copies each found block into its buffer, verified where it
+        landed (load lane)."""
         with contextlib.ExitStack() as stack:
-            blocks = self._guarded(lambda: stack.enter_context(self._client.leased(ns, kv_keys)))
-            copied = [
-                i
-                for block, obj, i in zip(blocks, objects, positions, strict=True)
-                if block is not None and _copy_into(block, obj)
-            ]
+            blocks = self._guarded(lambda: stack.enter_context(self._client.leased(ns, kv_keys, verify=False)))
+            jobs: list[tuple[memoryview, bytes, memoryview]] = []
+            at: list[int] = []
+            for block, kv_key, obj, i in zip(blocks, kv_keys, objects, positions, strict=True):
+                target = _target(block, obj) if block is not None else None
+                if target is not None:
+                    jobs.append((block, kv_key, target))
+                    at.append(i)
+            landed = land(jobs)
             if getattr(blocks, "expired", lambda: False)():
-                log.warning("kvcache load outlived its leases; %d chunks treated as misses", len(copied))
+                log.warning("kvcache load outlived its leases; %d chunks treated as misses", len(at))
                 return
-            for i in copied:
-                bitmap.set(i)
+            for i, why in zip(at, landed, strict=True):
+                if why is None:
+                    bitmap.set(i)
+                else:
+                    self.counters.add("corrupt_chunks")
+                    log.error("kvcache block failed verification after its copy, a miss: %s", why)
 
     def query_load_result(self, task_id: L2TaskId) -> Bitmap | None:
         with self._lock:
@@ -569,12 +585,16 @@ class KVCacheL2Adapter(L2AdapterInterface):
                 os.eventfd_write(fd, 1)
 
 
-def _copy_into(block: memoryview, obj: MemoryObj) -> bool:
-    """Copies a verified block's payload into LMCache's buffer; False when the sizes differ."""
-    payload = payload_view(block)
+def _target(block: memoryview, obj: MemoryObj) -> memoryview | None:
+    """LMCache's buffer as the byte view a block's payload lands in; None (a miss, logged) when its
+    size is not the payload's or the header cannot be read."""
+    try:
+        payload = payload_view(block)
+    except BlockFormatError as exc:
+        log.error("kvcache block with a malformed header, a miss: %s", exc)
+        return None
     target = memoryview(obj.byte_array).cast("B")
     if len(target) != len(payload):
         log.warning("kvcache block of %d bytes for a %d-byte LMCache buffer: a miss", len(payload), len(target))
-        return False
-    target[:] = payload
-    return True
+        return None
+    return target

@@ -35,7 +35,7 @@ class Hold:
     """Each block's kvcache key, for a hold of unverified views (a load verifies its copy under it)."""
     unverified: bool = False
     """The blocks are leased views not read yet (KVCacheClient.leased(verify=False)): a load must
-    check what it copies (kvcache_core.format.verify_copy) before it reports the chunk loaded."""
+    check what it copies (kvcache_core.landing) before it reports the chunk loaded."""
 
     def expired(self) -> bool:
         """Whether the server may have ended the leases (its slots may hold other blocks by now)."""

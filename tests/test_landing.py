@@ -1,0 +1,61 @@
+"""kvcache_core.landing: payloads copied into their destinations and verified where they landed."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from kvcache_core import landing
+from kvcache_core.format import encode_block
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 1 << 20
+
+
+def block(size: int, key: bytes | None = None) -> tuple[bytes, memoryview]:
+    key = key or os.urandom(16)
+    return key, memoryview(encode_block(os.urandom(size), key=key, dtype="uint8", shape=(size,)))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_every_outcome_on_one_thread_and_on_several(threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Verified payloads land exactly; a damaged payload lands and is refused; a damaged header leaves
+    its destination untouched; another key's block is refused; a zero-length payload is verified."""
+    monkeypatch.setattr(landing, "THREADS", threads)
+    monkeypatch.setattr(landing, "PARALLEL_BYTES", 1)
+    items = [block(3 * MiB), block(MiB + 17), block(2 * MiB), block(MiB), block(0), block(4096)]
+    damaged_payload = bytearray(items[2][1])
+    damaged_payload[-1] ^= 1
+    damaged_header = bytearray(items[3][1])
+    damaged_header[0] ^= 1
+    blocks = [b for _, b in items]
+    blocks[2], blocks[3] = memoryview(damaged_payload), memoryview(damaged_header)
+    keys = [k for k, _ in items]
+    keys[5] = os.urandom(16)  # asked under another key
+    sizes = [3 * MiB, MiB + 17, 2 * MiB, MiB, 0, 4096]
+    targets = [bytearray(b"\xcd" * n) for n in sizes]
+    out = landing.land([(b, k, memoryview(t)) for b, k, t in zip(blocks, keys, targets, strict=True)])
+    assert [why is None for why in out] == [True, True, False, False, True, False]
+    assert "checksum mismatch" in out[2] and "magic" in out[3] and "checksum mismatch" in out[5]  # type: ignore[operator]
+    assert bytes(targets[0]) == bytes(items[0][1][-sizes[0] :]) and bytes(targets[1]) == bytes(items[1][1][-sizes[1] :])
+    assert bytes(targets[2]) == bytes(damaged_payload[-sizes[2] :])  # what landed, refused
+    assert targets[3] == b"\xcd" * MiB  # its header failed: untouched
+
+
+def test_a_destination_of_another_size_copies_nothing() -> None:
+    (k1, b1), (k2, b2) = block(MiB), block(MiB)
+    first, second = bytearray(MiB), bytearray(MiB - 1)
+    with pytest.raises(ValueError, match="destination holds"):
+        landing.land([(b1, k1, memoryview(first)), (b2, k2, memoryview(second))])
+    assert first == bytes(MiB)
+
+
+def test_large_batches_are_shared_among_threads_and_end_before_the_call_does() -> None:
+    items = [block(4 * MiB) for _ in range(4)]
+    targets = [np.zeros(4 * MiB, np.uint8) for _ in items]
+    out = landing.land([(b, k, memoryview(t)) for (k, b), t in zip(items, targets, strict=True)])
+    assert out == [None] * 4
+    assert all(t.tobytes() == bytes(b[-4 * MiB :]) for (_, b), t in zip(items, targets, strict=True))
