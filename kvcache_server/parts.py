@@ -14,9 +14,11 @@ first), as the bulk port receives a block; the service verifies the block there
 and commits the slot under its key without another copy. Where RAM has no room for
 a slot now (leases and reservations pin it, the tenant's pin cap), the parts go
 into one buffer that grows as the bytes arrive (nothing allocated ahead of the
-data), and the block is then stored like any other. Every part is counted against
-the call's share of the in-flight budget (kvcache_server.budget) before it is
-copied. A slot not committed is abandoned (close(), or the caller after a refusal).
+data), and the block is then stored like any other. The in-flight budget
+(kvcache_server.budget) counts a slot's whole announced length before the slot is
+taken (no slot when the call's share does not hold it now: a stream that announces
+much and trickles pins no more than its share), and a buffer's parts one by one
+before each is appended. A slot not committed is abandoned (close(), or the caller after a refusal).
 Measured (4 x 32 MiB in 1 MiB parts, this 2-core VM): a growing buffer cost a page
 fault and the kernel's zeroing of every fresh page, then the store's copy into RAM.
 Anything else is refused with INVALID_ARGUMENT or RESOURCE_EXHAUSTED.
@@ -144,7 +146,14 @@ class BlockAssembler:
                 f"{where}: {total} bytes exceed max_block_bytes={self._max_block_bytes}",
             )
         await self._holding.reserve(len(first), where)
-        slot = await self.slots(total) if self.slots is not None else None
+        rest = total - len(first)
+        slot = None
+        # A slot only for a block whose whole announced length the call's budget holds now (as a bulk
+        # PUT's): a stream that announces much and then trickles pins no more than its share.
+        if self.slots is not None and self._holding.try_reserve(rest):
+            slot = await self.slots(total)
+            if slot is None:
+                self._holding.release(rest)
         if slot is None:
             return _Pending(index, key, bytearray(first), total)
         slot.buffer[: len(first)] = first
@@ -166,12 +175,12 @@ class BlockAssembler:
         n = len(data)
         if block.received() + n > block.total:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"{where}: its parts exceed total_length={block.total}")
-        await self._holding.reserve(n, where)
-        if block.buf is None:
+        if block.buf is None:  # the slot's whole length was counted at the first part
             assert block.slot is not None
             block.slot.buffer[block.filled : block.filled + n] = data
             block.filled += n
         else:
+            await self._holding.reserve(n, where)
             block.buf += data
         if more:
             return None

@@ -223,7 +223,7 @@ class PutStages:
                 message_bytes += from_shm
                 blocks = await self._read_shm_blocks(context, index, blocks, segments)
             complete: list[tuple[bytes, bytes | memoryview]] = []
-            in_slots: list[tuple[bytes, Reservation]] = []  # of those, assembled in arena slots
+            runs: list[tuple[bool, list[tuple[bytes, Any]]]] = []  # (in slots?, blocks), in stream order
             assembled = 0  # bytes of blocks completed from parts in this message (counted by the assembler)
             for key, data in blocks:
                 where = index + len(complete)
@@ -239,22 +239,24 @@ class PutStages:
                     assembled += len(done)
                 await self._block(context, where, done_key, done)  # in its slot, if it has one
                 complete.append((done_key, done))
-                if slot is not None:
-                    in_slots.append((done_key, slot))
+                if not runs or runs[-1][0] != (slot is not None):
+                    runs.append((slot is not None, []))
+                runs[-1][1].append((done_key, done if slot is None else slot))
             index += len(complete)
-            # Commit this message's complete blocks (all verified) before reading the next message.
+            # Commit this message's complete blocks (all verified) before reading the next message, in
+            # the stream's order (a key sent twice keeps its later block): copies by the store, and
+            # blocks assembled in slots committed without a copy, as the bulk port's are.
             if complete:
                 self.block_sizes.saw(namespace, max(len(d) for _, d in complete))
-                if len(in_slots) < len(complete):
-                    slotted = {id(d) for _, d in in_slots}
-                    plain = [(k, d) for k, d in complete if id(d) not in slotted] if in_slots else complete
-                    totals.add(await self._stack.put(namespace, plain, retain_ttl_s=retain_ttl_s))
-                if in_slots:  # committed without a copy, as the bulk port's blocks are
-                    totals.add(await self._stack.put_reserved(namespace, in_slots, retain_ttl_s=retain_ttl_s))
-                    assembler.settle()
+                for in_slots, run in runs:
+                    if in_slots:
+                        totals.add(await self._stack.put_reserved(namespace, run, retain_ttl_s=retain_ttl_s))
+                    else:
+                        totals.add(await self._stack.put(namespace, run, retain_ttl_s=retain_ttl_s))
+                assembler.settle()
             # Nothing may keep the message alive past its release (a part is a view into it): the
             # loop's last `data` did, so a stream stopped after one part held it uncounted.
-            del message, blocks, complete, in_slots
+            del message, blocks, complete, runs
             data = whole = done = None  # type: ignore[assignment]
             # What the RAM tier kept is its capacity's business from now on.
             held.release(message_bytes + assembled)
