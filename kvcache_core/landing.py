@@ -17,13 +17,13 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import numpy as np
 
 from kvcache_core.errors import BlockFormatError
-from kvcache_core.format import matched, parse_header, payload_hasher
+from kvcache_core.format import BlockHeader, matched, parse_header, payload_hasher
 
 PIECE_BYTES = 256 << 10
 """Bytes copied, then hashed, at a time: small enough to be hashed from cache."""
@@ -68,18 +68,18 @@ def land(jobs: Sequence[Job]) -> list[str | None]:
     Raises:
         ValueError: a destination is not the size of its block's payload (nothing is copied).
     """
-    headers = []
+    headers: list[BlockHeader | str] = []  # why not, as text: an exception would keep this frame, and the jobs
     for block, _, target in jobs:
         try:
             header = parse_header(block)
         except BlockFormatError as exc:
-            headers.append(exc)
+            headers.append(str(exc))
             continue
         if len(target) != header.payload_len:
             raise ValueError(f"destination holds {len(target)} bytes, the block's payload is {header.payload_len}")
         headers.append(header)
-    out: list[str | None] = [str(h) if isinstance(h, BlockFormatError) else None for h in headers]
-    work = [i for i, h in enumerate(headers) if not isinstance(h, BlockFormatError)]
+    out: list[str | None] = [h if isinstance(h, str) else None for h in headers]
+    work = [i for i, h in enumerate(headers) if not isinstance(h, str)]
     landed = each(lambda i: _land_one(jobs[i], headers[i]), work, [len(jobs[i][2]) for i in work])
     for i, why in zip(work, landed, strict=True):
         out[i] = why
@@ -105,15 +105,33 @@ def each(fn: Callable[[T], R], items: Sequence[T], sizes: Sequence[int]) -> list
             out[i] = fn(items[i])
 
     pool = _threads()
-    futures = [pool.submit(run, share) for share in shares[1:]]
+    futures: list[Future[None]] = []
     try:
+        for share in shares[1:]:
+            futures.append(pool.submit(run, share))
         run(shares[0])
     finally:
-        errors = [f.exception() for f in futures]  # every call ended before the caller goes on
-    for error in errors:
+        _wait_all(futures)  # every call ended before the caller goes on (it may reuse what they write)
+    for f in futures:
+        error = f.exception()
         if error is not None:
             raise error
     return out  # type: ignore[return-value]
+
+
+def _wait_all(futures: Sequence[Future[None]]) -> None:
+    """Waits until every future is done, even through an interrupt (KeyboardInterrupt in the main
+    thread), which is raised once they are: a caller must not go on while a thread still writes
+    into its buffers."""
+    interrupted: BaseException | None = None
+    while True:
+        try:
+            wait(futures)
+            break
+        except BaseException as exc:
+            interrupted = interrupted or exc
+    if interrupted is not None:
+        raise interrupted
 
 
 def _land_one(job: Job, header: object) -> str | None:

@@ -59,3 +59,53 @@ def test_large_batches_are_shared_among_threads_and_end_before_the_call_does() -
     out = landing.land([(b, k, memoryview(t)) for (k, b), t in zip(items, targets, strict=True)])
     assert out == [None] * 4
     assert all(t.tobytes() == bytes(b[-4 * MiB :]) for (_, b), t in zip(items, targets, strict=True))
+
+
+def test_a_failing_share_raises_only_once_every_thread_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What one thread raises comes out of land() only after the other threads' copies ended: a
+    caller that goes on (releases its leases, reuses its buffers) never races a copy still running."""
+    import threading
+    import time
+
+    monkeypatch.setattr(landing, "THREADS", 2)
+    items = [block(4 * MiB) for _ in range(2)]
+    targets = [bytearray(4 * MiB) for _ in items]
+    ended: list[str] = []
+    real = landing._land_one
+
+    def slow_or_failing(job, header):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is threading.main_thread():
+            raise RuntimeError("this share fails at once")
+        time.sleep(0.3)
+        result = real(job, header)
+        ended.append("other share")
+        return result
+
+    monkeypatch.setattr(landing, "_land_one", slow_or_failing)
+    with pytest.raises(RuntimeError, match="fails at once"):
+        landing.land([(b, k, memoryview(t)) for (k, b), t in zip(items, targets, strict=True)])
+    assert ended == ["other share"]
+
+
+def test_get_into_keeps_its_size_and_damage_rules(make_server, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """get_into through the landing path: a sound block for a destination of another size raises
+    ValueError before any destination is written; a damaged block is a miss whatever its size."""
+    from kvcache_client import KVCacheClient
+
+    server = make_server(ram={"capacity_bytes": 64 * MiB}, shm={"dir": str(tmp_path / "shm")})
+    items = [block(3 * MiB) for _ in range(3)]
+    keys = [k for k, _ in items]
+    with KVCacheClient(server.target) as client:
+        client.put_many("ns", [(k, bytes(b)) for k, b in items])
+        dst = [bytearray(3 * MiB), bytearray(3 * MiB), bytearray(3 * MiB - 1)]
+        with pytest.raises(ValueError, match="destination holds"):
+            client.get_into("ns", keys, dst)
+        assert dst[0] == bytes(3 * MiB) and dst[1] == bytes(3 * MiB)  # nothing written before the refusal
+        ram = server.stack.ram
+        (lease,) = ram.lease_many("ns", [keys[2]])
+        assert lease is not None
+        ram.release([lease.id])
+        ram.region.view[lease.offset + lease.length - 8 : lease.offset + lease.length] = b"\x00" * 8
+        assert client.get_into("ns", keys, dst) == [True, True, False]  # damaged: a miss, not ValueError
+        assert client.corrupt_blocks == 1 and bytes(dst[0]) == bytes(items[0][1][-3 * MiB :])
+        assert client.stats().arena_leases == 0

@@ -34,7 +34,7 @@ from kvcache_client.retry import RetryPolicy
 from kvcache_client.shm import CallEnded
 from kvcache_client.steps import Steps
 from kvcache_core.blockwire import BlockData
-from kvcache_core.format import Layout, verify_block
+from kvcache_core.format import Layout, parse_header, verify_block
 from kvcache_core.landing import each, land
 
 if TYPE_CHECKING:
@@ -156,25 +156,43 @@ def land_into(
     found = [False] * len(keys)
     jobs: list[tuple[memoryview, bytes, memoryview]] = []
     at: list[int] = []
+    elsewhere: list[int] = []  # destinations without a byte view: verified in the slot, then copied
     for i, block in enumerate(blocks):
         if block is None:
             continue
         sink = sinks[i] if i < len(sinks) else None
-        if sink is not None:
-            jobs.append((block, keys[i], sink))
-            at.append(i)
+        if sink is None:
+            elsewhere.append(i)
             continue
-        (checked,) = verified([(block, "ram")], [keys[i]], on_corrupt)
-        if checked is not None:
-            copy_payload_into(checked, destinations[i])
-            found[i] = True
+        if _payload_len(block) != len(sink):
+            # As before: a damaged block is a miss whatever its size; a sound one the wrong size for
+            # its destination is the caller's error (raised before anything is copied).
+            (checked,) = verified([(block, "ram")], [keys[i]], on_corrupt)
+            if checked is not None:
+                copy_payload_into(checked, destinations[i])  # raises ValueError
+            continue
+        jobs.append((block, keys[i], sink))
+        at.append(i)
     for i, why in zip(at, land(jobs), strict=True):
         if why is None:
             found[i] = True
             continue
         log.error("block %s failed verification as it landed, treating as a miss: %s", keys[i].hex(), why)
         on_corrupt()
+    for i in elsewhere:
+        (checked,) = verified([(blocks[i], "ram")], [keys[i]], on_corrupt)
+        if checked is not None:
+            copy_payload_into(checked, destinations[i])
+            found[i] = True
     return found
+
+
+def _payload_len(block: memoryview) -> int:
+    """The payload length its header gives; -1 for a header that cannot be read (land() says why)."""
+    try:
+        return parse_header(block).payload_len
+    except BlockFormatError:
+        return -1
 
 
 def payload_sinks(destinations: Sequence[object]) -> list[memoryview | None]:
