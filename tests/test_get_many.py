@@ -563,3 +563,26 @@ def test_the_pool_scans_a_bounded_number_of_lent_buffers() -> None:
     found = [id(pool.take(MiB)) for _ in range(4)]
     assert free_id in found and counts(pool) == (1, 4 * SCAN + 3)
     assert all(pool.take(MiB) is not h for h in held)
+
+
+def test_a_large_block_refused_before_its_payload_is_read_keeps_the_bulk_stream_in_step(
+    bulk_server: ServerThread,
+) -> None:
+    """A block whose header reads but is refused before its payload lands (here: it says compressed,
+    which a GET never sends) is a miss whose destination is untouched, and the stream stays in step:
+    the block after it lands and the call never leaves the bulk port (on the old code its payload was
+    left unread, the next frame header was read out of it, and the call fell back to gRPC)."""
+    data = blocks(3, MiB)
+    keys = [k for k, _ in data]
+    with KVCacheClient(bulk_server.target, shm=False, bulk_connections=1) as client:
+        client.put_many(NS, data)
+        ram = bulk_server.stack.ram
+        (lease,) = ram.lease_many("ns", [keys[1]])
+        assert lease is not None
+        ram.release([lease.id])
+        ram.region.view[lease.offset + 10] = 1  # Compression.LZ4
+        dst = [bytearray(b"\xcd" * MiB) for _ in keys]
+        assert client.get_into(NS, keys, dst) == [True, False, True]
+        assert bytes(dst[0]) == data[0][1][-MiB:] and bytes(dst[2]) == data[2][1][-MiB:]
+        assert dst[1] == b"\xcd" * MiB
+        assert client.corrupt_blocks == 1 and client.bulk.counters.fallbacks == 0

@@ -328,25 +328,35 @@ class BulkConnection:
         try:
             header = parse_header(head, block_len=size)
         except BlockFormatError as exc:
-            skip = memoryview(
-                np.empty(len(sink), np.uint8)
-            )  # read past it (the sink untouched): the next frame follows
-            self.recv(skip, f"block {index}", deadline)
+            self._skip(len(sink), f"block {index}", deadline)  # read past it (the sink untouched)
             got.damaged[index] = (tier, str(exc))
             return
+        filled = 0
+
+        def fill(start: int, end: int) -> None:
+            nonlocal filled
+            self.recv(sink[start:end], f"block {index}", deadline)
+            filled = end
+
         try:
-            verify_payload_in_pieces(
-                header,
-                key,
-                sink,
-                lambda start, end: self.recv(sink[start:end], f"block {index}", deadline),
-                _LAND_PIECE,
-            )
-        except BlockFormatError as exc:  # ChecksumMismatch, or a compressed block: the whole payload was read
+            verify_payload_in_pieces(header, key, sink, fill, _LAND_PIECE)
+        except BlockFormatError as exc:  # a checksum that failed; or refused before a byte was read
+            # (another payload length, a compressed block): the rest is read past, the sink untouched
+            self._skip(len(sink) - filled, f"block {index}", deadline)
             got.damaged[index] = (tier, str(exc))
             return
         got.landed[index] = tier
         got.landed_bytes += size
+
+    def _skip(self, n: int, what: str, deadline: float) -> None:
+        """Reads `n` bytes of the stream and drops them (through a buffer of at most 1 MiB)."""
+        if n <= 0:
+            return
+        scratch = memoryview(np.empty(min(n, _LAND_PIECE), np.uint8))
+        while n:
+            k = min(n, len(scratch))
+            self.recv(scratch[:k], what, deadline)
+            n -= k
 
     @staticmethod
     def _land_whole(key: bytes, index: int, tier: str, whole: memoryview, sink: memoryview, got: Received) -> None:
