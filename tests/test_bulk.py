@@ -20,6 +20,7 @@ from kvcache_client import (
     DeadlineExceeded,
     KVCacheClient,
     PermissionDenied,
+    RPCError,
     TLSConfig,
 )
 from kvcache_client.bulkconn import BulkConnection, BulkUnreachable, stripes
@@ -795,3 +796,34 @@ def test_bulk_is_reconsidered_when_shared_memory_turns_off(make_server) -> None:
         assert [bytes(g) for g in got] == [b for _, b in items]
         assert client.bulk.state == "on"
         assert client.bulk.counters.bulk_bytes_received == sum(len(b) for _, b in items)
+
+
+def test_a_commit_the_loop_never_starts_frees_its_slots(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PUT whose commit is given up on before the event loop ran it (here: its future comes back
+    cancelled, as a task cancelled before its first step) abandons the arena slots it received into:
+    reservations never expire, and on the old code they stayed open for good. The put fails INTERNAL."""
+    from concurrent.futures import Future
+
+    import kvcache_server.bulk.session as session
+
+    server = bulk_server(make_server)
+    real = session.asyncio.run_coroutine_threadsafe
+    dropped: list[str] = []
+
+    def never_runs_commits(coro, loop):  # type: ignore[no-untyped-def]
+        if coro.__name__ == "_then_release" and not dropped:
+            dropped.append(coro.__name__)
+            coro.close()
+            future: Future = Future()
+            future.cancel()
+            return future
+        return real(coro, loop)
+
+    monkeypatch.setattr(session.asyncio, "run_coroutine_threadsafe", never_runs_commits)
+    data = blocks(4, 64 << 10)
+    client = KVCacheClient(server.target, shm=False, bulk_connections=1)
+    with client, pytest.raises(RPCError, match="INTERNAL"):
+        client.put_many("ns", data)
+    assert dropped == ["_then_release"]
+    ram = server.stack.ram
+    wait_for(lambda: not ram._reservations, timeout_s=5, what="the given-up commit's slots freed")

@@ -79,13 +79,24 @@ not one per frame part. Larger reads (a PUT's blocks) go straight into their slo
 _CUT_COUNTERS = {STALL: "cut_off_stall", RATE: "cut_off_rate", REQUEST: "cut_off_request", HELLO: "cut_off_hello"}
 
 
-async def _then_release(coro: Coroutine[Any, Any, T], held: Holding) -> T:
+async def _then_release(coro: Coroutine[Any, Any, T], held: Holding, started: list[bool]) -> T:
     """coro's result, and `held`'s budget released on the loop as it ends (one wake-up of the loop
-    fewer than releasing it from the session's thread afterwards)."""
+    fewer than releasing it from the session's thread afterwards). `started` is set as it starts."""
+    started.append(True)
     try:
         return await coro
     finally:
         held.release_all()
+
+
+def _unless_started(started: list[bool], commit: Coroutine[Any, Any, Any], slots: list[Slot], abandon: Any) -> None:
+    """On the loop, after a commit was given up on: if it never started (cancelled before its first
+    step), its slots are abandoned here (reservations never expire) and its coroutine closed."""
+    if started:
+        return
+    commit.close()
+    for slot in slots:
+        abandon(slot)
 
 
 class BulkCounters:
@@ -449,6 +460,7 @@ class Session:
         held = self._s.budget.holding(self.tenant)
         slots: list[Slot] = []
         committed: bool | None = False
+        started: list[bool] = []  # set by the commit on the loop as it starts
         sink = self._s.sink
         sizes = [n for _, n in entries]
         try:
@@ -471,13 +483,15 @@ class Session:
                 self._s.counters.add("bytes_received", n)
             commit = sink.commit(scoped, list(zip((k for k, _ in entries), slots, strict=True)))
             committed = None  # from here the commit owns the slots (it frees what it does not keep), ended or not
-            outcome = self._on_loop(_then_release(commit, held))
+            outcome = self._on_loop(_then_release(commit, held, started))
             committed = True
             self._s.block_sizes.saw(scoped, max(n for _, n in entries))
         finally:
             if committed is False:
                 for slot in slots:
                     sink.abandon(slot)
+            elif committed is None:  # given up on: a commit the loop never started owns nothing
+                self._s.loop.call_soon_threadsafe(_unless_started, started, commit, slots, sink.abandon)
             if committed is not True:  # else the commit released it on the loop: no wake-up of it for that
                 self._release(held)
         self._s.counters.add("puts")
