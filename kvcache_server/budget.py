@@ -152,14 +152,6 @@ class Holding:
         await self._budget.reserve(n, what, self.tenant)
         self.bytes += n
 
-    def try_reserve(self, n: int) -> bool:
-        """reserve() without waiting: True, and `n` counted, when it fits now within this call's cap."""
-        if n > self.cap or not self._budget._fits(n, self.tenant):
-            return False
-        self._budget._take(n, self.tenant)
-        self.bytes += n
-        return True
-
     def release(self, n: int) -> None:
         n = min(n, self.bytes)
         self.bytes -= n

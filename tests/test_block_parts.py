@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import os
-import threading
-import time
-from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -146,13 +143,6 @@ def test_misused_parts_are_refused_and_store_nothing(small_server: ServerThread,
     got, details, _ = send(small_server, messages(block))
     assert got is code and fragment in details, details
     assert stored(small_server, KEY) is None
-    assert open_reservations(small_server) == 0  # the arena slot a block in parts was copied into is free
-
-
-def open_reservations(server: ServerThread) -> int:
-    ram = server.stack.ram
-    with ram._lock:
-        return len(ram._reservations)
 
 
 def test_a_corrupt_block_in_parts_is_data_loss(small_server: ServerThread) -> None:
@@ -161,59 +151,6 @@ def test_a_corrupt_block_in_parts_is_data_loss(small_server: ServerThread) -> No
     got, details, _ = send(small_server, part_messages(bytes(block)))
     assert got is grpc.StatusCode.DATA_LOSS and "block 0" in details
     assert stored(small_server, KEY) is None
-    assert open_reservations(small_server) == 0
-
-
-def test_parts_land_in_an_arena_slot_and_a_stream_cut_midway_frees_it(make_server) -> None:
-    """A block in parts is copied into an arena slot reserved when its first part came, verified
-    there and committed without another copy; a call cancelled after its first part frees the slot
-    (on the old code nothing was reserved: the parts grew a buffer, then the store copied it into RAM)."""
-    server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"enabled": False})
-    block = raw_block(KEY, os.urandom(6 << 20))
-    stack = server.stack
-    calls: list[tuple[str, int]] = []  # (which store, its blocks' bytes)
-    put, put_reserved = stack.put, stack.put_reserved
-
-    async def copied(namespace: str, items: list, **kw: float) -> object:
-        calls.append(("put", sum(len(b) for _, b in items)))
-        return await put(namespace, items, **kw)
-
-    async def in_place(namespace: str, items: list, **kw: float) -> object:
-        calls.append(("put_reserved", sum(r.length for _, r in items)))
-        return await put_reserved(namespace, items, **kw)
-
-    stack.put, stack.put_reserved = copied, in_place  # type: ignore[method-assign]
-    messages = list(put_messages("ns", [(KEY, block)], part_bytes=DEFAULT_PART_BYTES))
-    assert len(messages) == 7
-    code, details, response = send(server, messages)
-    assert code is grpc.StatusCode.OK and response is not None and response.stored == 1, details
-    assert calls == [("put_reserved", len(block))]  # committed from its slot, never copied by the store
-    with KVCacheClient(server.target, bulk=False) as client:
-        assert bytes(client.get_many("ns", [KEY])[0]) == block
-    assert open_reservations(server) == 0
-    # A stream that sends one part and stops: its slot is held while it lasts, freed when it is cancelled.
-    gate = threading.Event()
-
-    first = next(iter(put_messages("ns", [(b"q" * 16, block)], part_bytes=DEFAULT_PART_BYTES)))
-
-    def stalled() -> Iterator[bytes]:
-        yield first
-        gate.wait(10)
-
-    with grpc.insecure_channel(server.target) as channel:
-        call = channel.stream_unary("/kvcache.v1.KVCache/Put", lambda b: b, pb.PutResponse.FromString)
-        future = call.future(stalled(), timeout=30)
-        deadline = time.monotonic() + 10
-        while open_reservations(server) != 1:
-            assert time.monotonic() < deadline, "the first part's slot was never reserved"
-            time.sleep(0.01)
-        future.cancel()
-        gate.set()
-        while open_reservations(server):
-            assert time.monotonic() < deadline, "a cancelled Put kept its slot"
-            time.sleep(0.01)
-    with KVCacheClient(server.target, bulk=False) as client:
-        assert client.get_many("ns", [b"q" * 16]) == [None]
 
 
 # -- gets in parts ------------------------------------------------------------------------------------
@@ -258,80 +195,3 @@ def test_collector_refuses_broken_part_sequences() -> None:
     joined.add([GetItem(0, True, b"ab", 1, more=True)])
     joined.add([GetItem(0, True, b"cd", 1, more=False)])
     assert joined.resolve(None) == [(b"abcd", "ram")]
-
-
-def test_a_message_mixing_whole_blocks_and_a_last_part_commits_each_once_in_stream_order(make_server) -> None:
-    """A whole block and the last part of a block in parts in one message: the whole one is stored by a
-    copy, the assembled one from its slot, each once (stored 2, nothing adopted twice); and a key sent in
-    parts, then whole again in the same message, keeps its later block. (The first version committed
-    the slotted block twice, through both stores, and the copies before the slots.)"""
-    server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"enabled": False})
-    stack = server.stack
-    calls: list[tuple[str, list[bytes]]] = []
-    put, put_reserved = stack.put, stack.put_reserved
-
-    async def copied(namespace: str, items: list, **kw: float) -> object:
-        calls.append(("put", [k for k, _ in items]))
-        return await put(namespace, items, **kw)
-
-    async def in_place(namespace: str, items: list, **kw: float) -> object:
-        calls.append(("put_reserved", [k for k, _ in items]))
-        return await put_reserved(namespace, items, **kw)
-
-    stack.put, stack.put_reserved = copied, in_place  # type: ignore[method-assign]
-    parted = raw_block(KEY, os.urandom(3 << 20))
-    whole = raw_block(b"w" * 16, os.urandom(1000))
-    half = len(parted) // 2
-    messages = [
-        encode_put_request("ns", [(KEY, BlockPart(parted[:half], True, len(parted)))]),
-        encode_put_request("", [(b"", parted[half:]), (b"w" * 16, whole)]),
-    ]
-    code, details, response = send(server, messages)
-    assert code is grpc.StatusCode.OK and response is not None, details
-    assert (response.stored, response.rejected) == (2, 0)
-    assert calls == [("put_reserved", [KEY]), ("put", [b"w" * 16])]
-    # The same key in parts (v1), then whole (v2), in one message: v2 is what stays.
-    v1, v2 = raw_block(KEY, os.urandom(3 << 20)), raw_block(KEY, os.urandom(2 << 20))
-    calls.clear()
-    messages = [
-        encode_put_request("ns", [(KEY, BlockPart(v1[:half], True, len(v1)))]),
-        encode_put_request("", [(b"", v1[half:]), (KEY, v2)]),
-    ]
-    code, details, response = send(server, messages)
-    assert code is grpc.StatusCode.OK and response is not None and response.stored == 2, details
-    assert calls == [("put_reserved", [KEY]), ("put", [KEY])]
-    with KVCacheClient(server.target, bulk=False) as client:
-        assert bytes(client.get_many("ns", [KEY])[0]) == v2 and bytes(client.get_many("ns", [b"w" * 16])[0]) == whole
-    assert open_reservations(server) == 0
-
-
-def test_a_block_whose_length_the_budget_cannot_hold_now_is_assembled_in_a_buffer(make_server) -> None:
-    """No slot without the whole announced length in the call's budget share (a stream that announces
-    much and trickles pins no arena room for it): the parts then grow a buffer, counted one by one."""
-    from kvcache_server.budget import Holding
-
-    server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"enabled": False})
-    block = raw_block(KEY, os.urandom(3 << 20))
-    messages = list(put_messages("ns", [(KEY, block)], part_bytes=DEFAULT_PART_BYTES))
-    first = messages[0]
-    gate = threading.Event()
-    real = Holding.try_reserve
-    Holding.try_reserve = lambda self, n: False  # type: ignore[method-assign]
-    try:
-
-        def stalled() -> Iterator[bytes]:
-            yield first
-            gate.wait(10)
-            yield from messages[1:]
-
-        with grpc.insecure_channel(server.target) as channel:
-            call = channel.stream_unary("/kvcache.v1.KVCache/Put", lambda b: b, pb.PutResponse.FromString)
-            future = call.future(stalled(), timeout=30)
-            time.sleep(0.3)  # the first part has long arrived
-            assert open_reservations(server) == 0
-            gate.set()
-            assert future.result(timeout=30).stored == 1
-    finally:
-        Holding.try_reserve = real  # type: ignore[method-assign]
-    with KVCacheClient(server.target, bulk=False) as client:
-        assert bytes(client.get_many("ns", [KEY])[0]) == block

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
@@ -139,28 +139,12 @@ class PutStages:
         segments: dict[str, tuple[int, int]],
         held: Holding,
     ) -> pb.PutResponse:
-        ram = self._stack.ram
-        assembler = BlockAssembler(  # blocks sent in parts, assembled in arena slots where RAM has room
-            self._limits.max_block_bytes, held, abandon=lambda slot: ram.abandon([slot.id])
-        )
-        try:
-            return await self._put_stream(request_iterator, context, segments, held, assembler)
-        finally:
-            assembler.close()  # whatever slot was not committed: refused, cancelled, incomplete
-
-    async def _put_stream(
-        self,
-        request_iterator: AsyncIterator[bytes],
-        context: grpc.aio.ServicerContext,
-        segments: dict[str, tuple[int, int]],
-        held: Holding,
-        assembler: BlockAssembler,
-    ) -> pb.PutResponse:
         namespace: str | None = None  # scoped
         first_namespace = ""  # as the client sent it
         retain_ttl_s = 0.0  # the first message's PutRequest.retain_ttl_s
         index = received = entries = 0
         totals = _Totals()  # what each message's commit kept, summed over the stream
+        assembler = BlockAssembler(self._limits.max_block_bytes, held)  # blocks sent in parts
         limits = self._limits
         messages = aiter(request_iterator)
         while (raw := await self._next_message(messages, context)) is not None:
@@ -197,7 +181,6 @@ class PutStages:
                 namespace = await self._namespace(context, message.namespace)
                 first_namespace = message.namespace
                 retain_ttl_s = await self._retain_ttl(context, message.retain_ttl_s)
-                assembler.slots = self._slot_for(namespace)
             elif message.namespace and message.namespace != first_namespace:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "namespace changed within one Put stream")
             elif message.retain_ttl_s and message.retain_ttl_s != retain_ttl_s:
@@ -223,7 +206,6 @@ class PutStages:
                 message_bytes += from_shm
                 blocks = await self._read_shm_blocks(context, index, blocks, segments)
             complete: list[tuple[bytes, bytes | memoryview]] = []
-            runs: list[tuple[bool, list[tuple[bytes, Any]]]] = []  # (in slots?, blocks), in stream order
             assembled = 0  # bytes of blocks completed from parts in this message (counted by the assembler)
             for key, data in blocks:
                 where = index + len(complete)
@@ -234,30 +216,19 @@ class PutStages:
                     await self._abort(context, exc.code, exc.message)
                 if whole is None:
                     continue
-                done_key, done, slot = whole
                 if continues:  # its last part: the assembler counted all of it
-                    assembled += len(done)
-                await self._block(context, where, done_key, done)  # in its slot, if it has one
-                complete.append((done_key, done))
-                if not runs or runs[-1][0] != (slot is not None):
-                    runs.append((slot is not None, []))
-                runs[-1][1].append((done_key, done if slot is None else slot))
+                    assembled += len(whole[1])
+                await self._block(context, where, *whole)
+                complete.append(whole)
             index += len(complete)
-            # Commit this message's complete blocks (all verified) before reading the next message, in
-            # the stream's order (a key sent twice keeps its later block): copies by the store, and
-            # blocks assembled in slots committed without a copy, as the bulk port's are.
+            # Commit this message's complete blocks (all verified) before reading the next message.
             if complete:
                 self.block_sizes.saw(namespace, max(len(d) for _, d in complete))
-                for in_slots, run in runs:
-                    if in_slots:
-                        totals.add(await self._stack.put_reserved(namespace, run, retain_ttl_s=retain_ttl_s))
-                    else:
-                        totals.add(await self._stack.put(namespace, run, retain_ttl_s=retain_ttl_s))
-                assembler.settle()
+                totals.add(await self._stack.put(namespace, complete, retain_ttl_s=retain_ttl_s))
             # Nothing may keep the message alive past its release (a part is a view into it): the
             # loop's last `data` did, so a stream stopped after one part held it uncounted.
-            del message, blocks, complete, runs
-            data = whole = done = None  # type: ignore[assignment]
+            del message, blocks, complete
+            data = whole = None  # type: ignore[assignment]
             # What the RAM tier kept is its capacity's business from now on.
             held.release(message_bytes + assembled)
         try:
@@ -267,16 +238,6 @@ class PutStages:
         if namespace is None or index == 0:
             await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, "Put carried no blocks")
         return totals.response(received)
-
-    def _slot_for(self, namespace: str) -> Callable[[int], Awaitable[Reservation | None]]:
-        """Where a block in parts of `namespace` is assembled: an arena slot reserved for it (what
-        reserving it evicts copied out first, off the loop when large), or None when RAM has no room."""
-
-        async def slot(nbytes: int) -> Reservation | None:
-            made = await self._stack.reserve_many(namespace, [nbytes])
-            return made[0] if made else None
-
-        return slot
 
     async def _shm_into_slots(
         self,
