@@ -109,3 +109,44 @@ def test_get_into_keeps_its_size_and_damage_rules(make_server, tmp_path) -> None
         assert client.get_into("ns", keys, dst) == [True, True, False]  # damaged: a miss, not ValueError
         assert client.corrupt_blocks == 1 and bytes(dst[0]) == bytes(items[0][1][-3 * MiB :])
         assert client.stats().arena_leases == 0
+
+
+def test_an_interrupt_while_waiting_for_the_other_threads_is_raised_only_once_they_ended(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A signal handler raising in the calling thread while it waits for the other threads' copies
+    (KeyboardInterrupt in practice) comes out of land() only after those copies ended: the caller then
+    releases its leases and may reuse its buffers. (On the first version the wait was cut short: the
+    interrupt came out while the other thread still wrote.)"""
+    import signal
+    import threading
+    import time
+
+    class Interrupt(BaseException):
+        pass
+
+    def interrupt(signum, frame):  # type: ignore[no-untyped-def]
+        raise Interrupt
+
+    monkeypatch.setattr(landing, "THREADS", 2)
+    items = [block(4 * MiB) for _ in range(2)]
+    targets = [bytearray(4 * MiB) for _ in items]
+    ended: list[str] = []
+    real = landing._land_one
+
+    def other_share_slow(job, header):  # type: ignore[no-untyped-def]
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(0.5)
+            ended.append("other share")
+        return real(job, header)
+
+    monkeypatch.setattr(landing, "_land_one", other_share_slow)
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.15)  # while this thread waits for the other share
+        with pytest.raises(Interrupt):
+            landing.land([(b, k, memoryview(t)) for (k, b), t in zip(items, targets, strict=True)])
+        assert ended == ["other share"]
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
