@@ -4,6 +4,9 @@ BulkConnection speaks the frames of kvcache_core.bulkwire for one request at a t
 the caller's buffers, recv_into straight into one buffer per block (kvcache_client.bufpool's), the
 call's deadline on every socket operation. BulkPool lends connections to calls and runs a call's
 stripes in parallel; kvcache_client.bulk decides when to use them.
+
+(Over 500 lines: one bulk connection's frames, each request a method sharing its read-ahead
+and its socket; the pool and the counters are beside it.)
 """
 
 from __future__ import annotations
@@ -137,23 +140,32 @@ class BulkConnection:
                 return
             view, n = view[k:], n - k
         self._start = self._end = 0
-        try:
-            if n * 2 > len(self._ahead):
+        if n * 2 > len(self._ahead):
+            try:
                 self.sock.settimeout(_remaining(deadline))
                 bw.recv_exact(self.sock, view, what)
-                return
-            while self._end < n:
+            except TimeoutError:
+                raise _deadline(f"receiving {what}") from None
+            except OSError as exc:  # PeerClosed included
+                raise BulkUnreachable(f"bulk receive failed: {exc}") from None
+            return
+        self._read_ahead(n, what, deadline)
+        view[:] = self._ahead_view[:n]
+        self._start = n
+
+    def _read_ahead(self, n: int, what: str, deadline: float) -> None:
+        """Receives into the read-ahead until it holds `n` bytes from _start (as many more as come)."""
+        try:
+            while self._end - self._start < n:
                 self.sock.settimeout(_remaining(deadline))
                 got = self.sock.recv_into(self._ahead_view[self._end :])
                 if got == 0:
-                    raise bw.PeerClosed(f"connection closed after {self._end} of {n} bytes of {what}")
+                    raise bw.PeerClosed(f"connection closed after {self._end - self._start} of {n} bytes of {what}")
                 self._end += got
         except TimeoutError:
             raise _deadline(f"receiving {what}") from None
         except OSError as exc:  # PeerClosed included
             raise BulkUnreachable(f"bulk receive failed: {exc}") from None
-        view[:] = self._ahead_view[:n]
-        self._start = n
 
     def _buffered(self, n: int, what: str, deadline: float) -> memoryview | None:
         """The next `n` bytes as a view of the read-ahead (valid until the next receive), received
@@ -165,18 +177,7 @@ class BulkConnection:
             self._start = self._end = 0
         if self._start + n > len(self._ahead):
             return None
-        if have < n:
-            try:
-                while self._end - self._start < n:
-                    self.sock.settimeout(_remaining(deadline))
-                    got = self.sock.recv_into(self._ahead_view[self._end :])
-                    if got == 0:
-                        raise bw.PeerClosed(f"connection closed after {self._end - self._start} of {n} bytes of {what}")
-                    self._end += got
-            except TimeoutError:
-                raise _deadline(f"receiving {what}") from None
-            except OSError as exc:  # PeerClosed included
-                raise BulkUnreachable(f"bulk receive failed: {exc}") from None
+        self._read_ahead(n, what, deadline)
         view = self._ahead_view[self._start : self._start + n]
         self._start += n
         return view
