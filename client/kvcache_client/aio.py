@@ -23,14 +23,10 @@ from kvcache_client.calls import (
     DEFAULT_TARGET,
     Calls,
     NamespaceLike,
-    block_bytes,
     call_timeout_s,
-    check_destinations,
-    copied,
-    land_into,
-    payload_sinks,
 )
 from kvcache_client.connection import TLSConfig, aio_channel_factory, auth_metadata, describe
+from kvcache_client.copies import block_bytes, check_destinations, copied, land_into, payload_sinks
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import PrefetchResult
 from kvcache_client.retry import RetryPolicy

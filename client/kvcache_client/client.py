@@ -40,12 +40,9 @@ from kvcache_client.calls import (
     Calls,
     NamespaceLike,
     call_timeout_s,
-    check_destinations,
-    copied,
-    land_into,
-    payload_sinks,
 )
 from kvcache_client.connection import TLSConfig, auth_metadata, describe, make_channel
+from kvcache_client.copies import check_destinations, copied, land_into, payload_sinks
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import PrefetchResult
 from kvcache_client.retry import RetryPolicy
