@@ -29,6 +29,9 @@ Then ratios to memcpy, to the raw socket and to each peer, and the concurrency s
 processes (`--sweep`) each putting and getting its own prompt (`--sweep-chunk-mib`) for
 `--sweep-rounds`, aggregate GB/s (all bytes moved / wall time) and p99 of one call, for the SDK with
 shm on and off. Figures only: nothing here is a pass/fail threshold.
+
+(Over 500 lines: one script, each compared path a small class driven by the same rounds, and
+the tables; the peers' drivers are bench/peers/*.py.)
 """
 
 from __future__ import annotations
