@@ -220,26 +220,53 @@ def read_process_into(pid: int, pidfd: int, name: str, address: int, buffer: mem
             FAILED_PRECONDITION when the process exited or may no longer be read (the client then
             sends the bytes another way).
     """
-    length = len(buffer)
-    if address < 0 or address + length > 1 << 64:
-        raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"address range {address:#x}+{length} of {name} is not valid")
-    base = ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if length else 0
-    done = 0
-    while done < length:
-        local = _Iovec(base + done, length - done)
-        remote = _Iovec(address + done, length - done)
-        n = _readv(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)  # type: ignore[misc]
-        if n <= 0:
-            err = ctypes.get_errno() if n < 0 else errno.EFAULT
-            if err == errno.EFAULT:
-                raise ShmError(
-                    grpc.StatusCode.INVALID_ARGUMENT,
-                    f"{name}: [{address + done:#x}, {address + length:#x}) is not readable memory of the client",
-                )
+    ProcessCopy(pid, pidfd, name, address, buffer).read(0, len(buffer), check_exit=True)
+
+
+class ProcessCopy:
+    """One block's copy out of a registered process's memory into `buffer` (an arena slot), in
+    pieces: the ctypes set-up made once per block, not per piece (each piece is a process_vm_readv
+    that drops the GIL; a put's lanes share one GIL, so what they do holding it is kept small)."""
+
+    def __init__(self, pid: int, pidfd: int, name: str, address: int, buffer: memoryview) -> None:
+        """Raises ShmError (INVALID_ARGUMENT) when [address, address + len(buffer)) is no address range."""
+        length = len(buffer)
+        if address < 0 or address + length > 1 << 64:
             raise ShmError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"{name}: the client process cannot be read ({os.strerror(err)}): send the bytes another way",
+                grpc.StatusCode.INVALID_ARGUMENT, f"address range {address:#x}+{length} of {name} is not valid"
             )
-        done += n
-    if exited(pidfd):
-        raise ShmError(grpc.StatusCode.FAILED_PRECONDITION, f"{name}: the client process exited")
+        self._pid, self._pidfd, self._name, self._address, self._length = pid, pidfd, name, address, length
+        self._base = ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if length else 0
+        self._local, self._remote = _Iovec(), _Iovec()
+        self._local_ref, self._remote_ref = ctypes.byref(self._local), ctypes.byref(self._remote)
+
+    def read(self, start: int, end: int, *, check_exit: bool) -> None:
+        """Copies bytes [start, end) of the range into the same bytes of the buffer; with
+        `check_exit`, then checks that the process has not exited (a caller checks after the piece
+        anything is parsed from, and after the last: a piece read meanwhile from a process that
+        got the pid is then never used, since its block fails that last check).
+
+        Raises:
+            ShmError: as read_process_into.
+        """
+        local, remote = self._local, self._remote
+        done = start
+        while done < end:
+            local.iov_base, local.iov_len = self._base + done, end - done
+            remote.iov_base, remote.iov_len = self._address + done, end - done
+            n = _readv(self._pid, self._local_ref, 1, self._remote_ref, 1, 0)  # type: ignore[misc]
+            if n <= 0:
+                err = ctypes.get_errno() if n < 0 else errno.EFAULT
+                if err == errno.EFAULT:
+                    raise ShmError(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"{self._name}: [{self._address + done:#x}, {self._address + end:#x}) is not readable "
+                        "memory of the client",
+                    )
+                raise ShmError(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{self._name}: the client process cannot be read ({os.strerror(err)}): send the bytes another way",
+                )
+            done += n
+        if check_exit and exited(self._pidfd):
+            raise ShmError(grpc.StatusCode.FAILED_PRECONDITION, f"{self._name}: the client process exited")

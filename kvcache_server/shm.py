@@ -247,10 +247,18 @@ def _filler(where: int, fd: int, size: int, ref: ShmRange, buffer: memoryview) -
     """fill(start, end) for one block: bytes [start, end) of the block (ref.head, then the range) into
     buffer[start:end]. `size` < 0: the range is in the memory of the client process -size (fd its pidfd)."""
     head = ref.head
+    copy = None
     if size < 0:
-        from kvcache_server.procmem import read_process_into  # it builds on ShmError
+        from kvcache_server.procmem import ProcessCopy  # it builds on ShmError
+
+        try:
+            copy = ProcessCopy(-size, fd, ref.segment, ref.offset, buffer[len(head) :])
+        except ShmError as exc:
+            raise ShmError(exc.code, f"block {where}: {exc.message}") from None
+    first = True  # the first bytes read from a process are checked at once (the header is parsed from them)
 
     def fill(start: int, end: int) -> None:
+        nonlocal first
         try:
             if start < len(head):
                 upto = min(end, len(head))
@@ -258,11 +266,11 @@ def _filler(where: int, fd: int, size: int, ref: ShmRange, buffer: memoryview) -
                 start = upto
             if start >= end:
                 return
-            offset = ref.offset + start - len(head)
-            if size < 0:
-                read_process_into(-size, fd, ref.segment, offset, buffer[start:end])
+            if copy is not None:
+                copy.read(start - len(head), end - len(head), check_exit=first or end == len(buffer))
+                first = False
             else:
-                read_range_into(fd, size, ref.segment, offset, buffer[start:end])
+                read_range_into(fd, size, ref.segment, ref.offset + start - len(head), buffer[start:end])
         except ShmError as exc:
             raise ShmError(exc.code, f"block {where}: {exc.message}") from None
         except OSError as exc:

@@ -528,3 +528,39 @@ def test_a_registration_dropped_during_a_put_ends_it_and_never_reads_on_the_shar
     looked = stub(server).Lookup(pb.LookupRequest(namespace=NS, keys=[k]), timeout=10)
     assert looked.prefix_length == 0
     assert stub(server).Stats(pb.StatsRequest(), timeout=10).arena_reservations == 0
+
+
+def test_a_blocks_reads_check_the_process_after_its_first_and_its_last_piece() -> None:
+    """kvcache_server.shm._filler over a registered process: the pidfd's exit check, made once per
+    piece before, runs after the first piece (the header is parsed from it) and after the last
+    (before the checksum's verdict); pieces between are only hashed, and a block read meanwhile from a
+    process that got the pid fails at its last piece. Here the pid is this process's own (readable)
+    and the pidfd a child's that exited: the reuse case, made on purpose."""
+    from kvcache_server.procmem import ProcessCopy
+    from kvcache_server.shm import ShmError, _filler
+
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    pidfd = os.pidfd_open(child.pid)
+    child.wait(30)
+    try:
+        source = np.arange(1 << 16, dtype=np.uint8)  # this process's memory, read as a client's
+        ref = ShmRange(segment="p", offset=source.ctypes.data, length=len(source), head=b"HEAD")
+        slot = memoryview(bytearray(4 + len(source)))
+        fill = _filler(7, pidfd, -os.getpid(), ref, slot)
+        with pytest.raises(ShmError) as first:
+            fill(0, 1024)  # the first piece: checked at once
+        assert first.value.code is grpc.StatusCode.FAILED_PRECONDITION and "block 7" in first.value.message
+        assert "exited" in first.value.message
+        fill = _filler(7, pidfd, -os.getpid(), ref, slot)
+        fill(0, 2)  # inside the head: nothing read from the process, nothing to check yet
+        assert bytes(slot[:2]) == b"HE"
+        # ProcessCopy itself: a middle piece is copied unchecked, the last one is checked.
+        copy = ProcessCopy(os.getpid(), pidfd, "p", source.ctypes.data, slot[4:])
+        copy.read(1024, 2048, check_exit=False)
+        assert bytes(slot[4 + 1024 : 4 + 2048]) == source[1024:2048].tobytes()
+        with pytest.raises(ShmError, match="exited"):
+            copy.read(2048, len(source), check_exit=True)
+        with pytest.raises(ShmError, match="not valid"):
+            ProcessCopy(os.getpid(), pidfd, "p", -1, slot)
+    finally:
+        os.close(pidfd)
