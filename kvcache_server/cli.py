@@ -143,7 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr)
         return 2
     setup_logging(config)
-    tune_malloc(config.server.malloc_mmap_threshold_bytes)  # before the first block is allocated
+    # before the first block is allocated
+    tune_malloc(config.server.malloc_mmap_threshold_bytes, config.server.malloc_trim_threshold_bytes)
     try:
         asyncio.run(serve(config))
     except OSError as exc:

@@ -55,6 +55,10 @@ class ServerSection:
     # and, when set, give every allocation of this size or more its own mapping (tighter RSS, slower).
     malloc_trim_interval_s: float = 1.0
     malloc_mmap_threshold_bytes: int = 0
+    # Otherwise (glibc only): free memory at the heap's top is kept for reuse up to this much between
+    # those trims, and blocks up to 32 MiB come from the heap, instead of being handed back and faulted
+    # in again at every message (0: glibc's own self-adjusting thresholds).
+    malloc_trim_threshold_bytes: int = 256 * _MiB
     # How long a thread holding the GIL keeps it while another waits (sys.setswitchinterval; 0: CPython's
     # 5 ms): the event loop waits at most this behind a worker thread (docs/limits.md).
     switch_interval_s: float = 0.001
@@ -77,6 +81,8 @@ class ServerSection:
             raise ConfigError("server.switch_interval_s must be in [0, 0.1] (0 keeps CPython's 5 ms)")
         if not 0 <= self.malloc_mmap_threshold_bytes <= 32 * _MiB:
             raise ConfigError("server.malloc_mmap_threshold_bytes must be in [0, 32 MiB] (glibc's range)")
+        if not 0 <= self.malloc_trim_threshold_bytes < 2 * _GiB:
+            raise ConfigError("server.malloc_trim_threshold_bytes must be in [0, 2 GiB) (a C int)")
         if self.shutdown_grace_s < 0 or self.drain_deadline_s < 0:
             raise ConfigError("server.shutdown_grace_s and server.drain_deadline_s must be >= 0")
         if self.log_level.lower() not in {"debug", "info", "warning", "error", "critical"}:
