@@ -243,16 +243,27 @@ Fill = Callable[[int, int], None]
 # its descriptor a pidfd and -size its pid; a range's offset is then an address in that process.
 
 
+_ProcessCopy: Any = None
+
+
+def _process_copy() -> Any:
+    """procmem.ProcessCopy, imported at the first use (procmem builds on ShmError), not per block."""
+    global _ProcessCopy
+    if _ProcessCopy is None:
+        from kvcache_server.procmem import ProcessCopy
+
+        _ProcessCopy = ProcessCopy
+    return _ProcessCopy
+
+
 def _filler(where: int, fd: int, size: int, ref: ShmRange, buffer: memoryview) -> Fill:
     """fill(start, end) for one block: bytes [start, end) of the block (ref.head, then the range) into
     buffer[start:end]. `size` < 0: the range is in the memory of the client process -size (fd its pidfd)."""
     head = ref.head
     copy = None
     if size < 0:
-        from kvcache_server.procmem import ProcessCopy  # it builds on ShmError
-
         try:
-            copy = ProcessCopy(-size, fd, ref.segment, ref.offset, buffer[len(head) :])
+            copy = _process_copy()(-size, fd, ref.segment, ref.offset, buffer[len(head) :])
         except ShmError as exc:
             raise ShmError(exc.code, f"block {where}: {exc.message}") from None
     first = True  # the first bytes read from a process are checked at once (the header is parsed from them)
