@@ -5,8 +5,8 @@ what landed, not what it read from: land() copies the payload piece by piece (nu
 lets go of the GIL), hashing each piece right after it landed, while it is still in cache, under the
 block's key-bound checksum (kvcache_core.format). Several blocks go to a few threads at once: both
 the copy and xxh3 run without the GIL, so on this project's 2-core VM two threads moved 4 x 32 MiB
-at 8.9 GB/s against 5.2 in one (copy + hash in 256 KiB pieces, PIECE_BYTES below), where a copy through memoryview
-(GIL held) and a separate verify pass managed 4.2.
+at 8.9 GB/s against 5.2 in one (copy + hash in 256 KiB pieces; 1 MiB pieces since, PIECE_BYTES
+below), where a copy through memoryview (GIL held) and a separate verify pass managed 4.2.
 
 Outcomes per block, as the SDK's other landing paths have them: None (verified), or why not: a
 header that fails leaves the destination untouched; a checksum that fails leaves the copy in it.

@@ -32,6 +32,10 @@ import ctypes
 import functools
 import logging
 import platform
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kvcache_server.config import ServerSection
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,14 @@ async def trim_forever(interval_s: float) -> None:
     while True:
         await asyncio.sleep(interval_s)
         await asyncio.to_thread(malloc_trim)
+
+
+def malloc_thresholds(server: ServerSection) -> tuple[int, int]:
+    """tune_malloc's arguments for the server's settings: (mmap threshold, trim threshold). Without
+    the periodic trim (malloc_trim_interval_s 0) a fixed trim threshold would keep its bytes for good,
+    so glibc keeps its own thresholds then."""
+    keep = server.malloc_trim_threshold_bytes if server.malloc_trim_interval_s > 0 else 0
+    return server.malloc_mmap_threshold_bytes, keep
 
 
 def tune_malloc(mmap_threshold_bytes: int, trim_threshold_bytes: int = 0) -> bool:

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 from typing import Any
 
-from kvcache_server.allocator import tune_malloc
+from kvcache_server.allocator import malloc_thresholds, tune_malloc
 from kvcache_server.app import STARTUP_LOGGER, serve
 from kvcache_server.config import (
     DEFAULT_HOST,
@@ -143,8 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         print(message, file=sys.stderr)
         return 2
     setup_logging(config)
-    # before the first block is allocated
-    tune_malloc(config.server.malloc_mmap_threshold_bytes, config.server.malloc_trim_threshold_bytes)
+    tune_malloc(*malloc_thresholds(config.server))  # before the first block is allocated
     try:
         asyncio.run(serve(config))
     except OSError as exc:

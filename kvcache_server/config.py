@@ -57,7 +57,7 @@ class ServerSection:
     malloc_mmap_threshold_bytes: int = 0
     # Otherwise (glibc only): free memory at the heap's top is kept for reuse up to this much between
     # those trims, and blocks up to 32 MiB come from the heap, instead of being handed back and faulted
-    # in again at every message (0: glibc's own self-adjusting thresholds).
+    # in again at every message (0, or no periodic trim: glibc's own self-adjusting thresholds).
     malloc_trim_threshold_bytes: int = 256 * _MiB
     # How long a thread holding the GIL keeps it while another waits (sys.setswitchinterval; 0: CPython's
     # 5 ms): the event loop waits at most this behind a worker thread (docs/limits.md).

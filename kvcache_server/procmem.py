@@ -236,19 +236,33 @@ class ProcessCopy:
                 grpc.StatusCode.INVALID_ARGUMENT, f"address range {address:#x}+{length} of {name} is not valid"
             )
         self._pid, self._pidfd, self._name, self._address, self._length = pid, pidfd, name, address, length
+        self._buffer = buffer  # kept: the kernel writes through a raw pointer into it
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(buffer)) if length else 0
         self._local, self._remote = _Iovec(), _Iovec()
         self._local_ref, self._remote_ref = ctypes.byref(self._local), ctypes.byref(self._remote)
+        self._started = False
 
     def read(self, start: int, end: int, *, check_exit: bool) -> None:
         """Copies bytes [start, end) of the range into the same bytes of the buffer; with
         `check_exit`, then checks that the process has not exited (a caller checks after the piece
         anything is parsed from, and after the last: a piece read meanwhile from a process that
-        got the pid is then never used, since its block fails that last check).
+        got the pid is then never used, since its block fails that last check). The first read
+        also checks before it starts, so a registration whose process is already gone reads
+        nothing; and an exit found after a read wipes what the buffer received, so no byte of a
+        process that took the pid stays in the slot (clients of a shared arena map it read-only).
 
         Raises:
-            ShmError: as read_process_into.
+            ValueError: [start, end) is not inside the buffer (nothing is read: the kernel would write
+                past it, into a neighbouring slot).
+            ShmError: as read_process_into; FAILED_PRECONDITION whenever the process has exited by
+                the time a read fails (its pid may be another's: the bytes are not its).
         """
+        if not 0 <= start <= end <= self._length:
+            raise ValueError(f"bytes [{start}, {end}) of a {self._length}-byte buffer")
+        if not self._started:
+            self._started = True
+            if exited(self._pidfd):
+                raise ShmError(grpc.StatusCode.FAILED_PRECONDITION, f"{self._name}: the client process exited")
         local, remote = self._local, self._remote
         done = start
         while done < end:
@@ -257,6 +271,8 @@ class ProcessCopy:
             n = _readv(self._pid, self._local_ref, 1, self._remote_ref, 1, 0)  # type: ignore[misc]
             if n <= 0:
                 err = ctypes.get_errno() if n < 0 else errno.EFAULT
+                if exited(self._pidfd):
+                    self._exited(done)
                 if err == errno.EFAULT:
                     raise ShmError(
                         grpc.StatusCode.INVALID_ARGUMENT,
@@ -269,4 +285,11 @@ class ProcessCopy:
                 )
             done += n
         if check_exit and exited(self._pidfd):
-            raise ShmError(grpc.StatusCode.FAILED_PRECONDITION, f"{self._name}: the client process exited")
+            self._exited(end)
+
+    def _exited(self, upto: int) -> None:
+        """Wipes the buffer's first `upto` bytes (all a block's reads may have written, in order) and
+        raises ShmError FAILED_PRECONDITION: the process exited."""
+        if upto:
+            ctypes.memset(self._base, 0, upto)
+        raise ShmError(grpc.StatusCode.FAILED_PRECONDITION, f"{self._name}: the client process exited")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from kvcache_server.allocator import malloc_thresholds
 from kvcache_server.config import ServerSection
 
 pytestmark = [
@@ -87,3 +88,11 @@ def test_the_default_keeps_freed_message_memory_for_the_next_messages_and_the_tr
     # The memory-tight setting: every allocation of 128 KiB or more its own mapping, faulted each time.
     tight = run_child(128 << 10, default)
     assert tight["tuned"] == 1 and tight["again"] > 4 * window_pages // 2, tight
+
+
+def test_the_servers_settings_map_to_thresholds_and_no_periodic_trim_keeps_glibcs_own() -> None:
+    assert malloc_thresholds(ServerSection()) == (0, 256 << 20)
+    # No periodic trim: a fixed trim threshold would keep up to 256 MiB for good.
+    assert malloc_thresholds(ServerSection(malloc_trim_interval_s=0)) == (0, 0)
+    assert malloc_thresholds(ServerSection(malloc_trim_threshold_bytes=0)) == (0, 0)
+    assert malloc_thresholds(ServerSection(malloc_mmap_threshold_bytes=128 << 10)) == (128 << 10, 256 << 20)

@@ -530,37 +530,55 @@ def test_a_registration_dropped_during_a_put_ends_it_and_never_reads_on_the_shar
     assert stub(server).Stats(pb.StatsRequest(), timeout=10).arena_reservations == 0
 
 
-def test_a_blocks_reads_check_the_process_after_its_first_and_its_last_piece() -> None:
-    """kvcache_server.shm._filler over a registered process: the pidfd's exit check, made once per
-    piece before, runs after the first piece (the header is parsed from it) and after the last
-    (before the checksum's verdict); pieces between are only hashed, and a block read meanwhile from a
-    process that got the pid fails at its last piece. Here the pid is this process's own (readable)
-    and the pidfd a child's that exited: the reuse case, made on purpose."""
+def test_a_blocks_reads_check_the_process_before_and_after_its_first_piece_and_after_its_last() -> None:
+    """kvcache_server.shm._filler over a registered process: the pidfd's exit check runs before the
+    block's first read and after its first piece (the header is parsed from it) and its last (before
+    the checksum's verdict); pieces between are only hashed. An exit found wipes what the slot
+    received. Here the memory read is this process's own and the pidfd a child's: the child exiting
+    mid-block is the registered process exiting and its pid going to another process (the pid-reuse
+    case, made on purpose)."""
     from kvcache_server.procmem import ProcessCopy
     from kvcache_server.shm import ShmError, _filler
 
-    child = subprocess.Popen([sys.executable, "-c", "pass"])
-    pidfd = os.pidfd_open(child.pid)
-    child.wait(30)
+    source = (np.arange(1 << 16) % 251 + 1).astype(np.uint8)  # no zero byte: a wipe shows
+    ref = ShmRange(segment="p", offset=source.ctypes.data, length=len(source), head=b"HEAD")
+
+    def child() -> tuple[subprocess.Popen[bytes], int]:
+        proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+        return proc, os.pidfd_open(proc.pid)
+
+    def end(proc: subprocess.Popen[bytes]) -> None:
+        proc.kill()
+        proc.wait(30)
+
+    proc, pidfd = child()
     try:
-        source = np.arange(1 << 16, dtype=np.uint8)  # this process's memory, read as a client's
-        ref = ShmRange(segment="p", offset=source.ctypes.data, length=len(source), head=b"HEAD")
-        slot = memoryview(bytearray(4 + len(source)))
+        slot = memoryview(bytearray(b"\xaa" * (4 + len(source))))
         fill = _filler(7, pidfd, -os.getpid(), ref, slot)
-        with pytest.raises(ShmError) as first:
-            fill(0, 1024)  # the first piece: checked at once
-        assert first.value.code is grpc.StatusCode.FAILED_PRECONDITION and "block 7" in first.value.message
-        assert "exited" in first.value.message
-        fill = _filler(7, pidfd, -os.getpid(), ref, slot)
-        fill(0, 2)  # inside the head: nothing read from the process, nothing to check yet
-        assert bytes(slot[:2]) == b"HE"
-        # ProcessCopy itself: a middle piece is copied unchecked, the last one is checked.
-        copy = ProcessCopy(os.getpid(), pidfd, "p", source.ctypes.data, slot[4:])
-        copy.read(1024, 2048, check_exit=False)
-        assert bytes(slot[4 + 1024 : 4 + 2048]) == source[1024:2048].tobytes()
+        fill(0, 2)  # inside the head: nothing read from the process
+        fill(2, 1024)  # the first piece from the process: checked before and after, alive
+        assert bytes(slot[:1024]) == b"HEAD" + source[:1020].tobytes()
+        end(proc)  # the registered process exits mid-block
+        fill(1024, 2048)  # a middle piece: read, not checked (only hashed by the caller)
+        with pytest.raises(ShmError) as last:
+            fill(2048, len(slot))  # the last piece: checked, the exit found
+        assert last.value.code is grpc.StatusCode.FAILED_PRECONDITION and "block 7" in last.value.message
+        assert "exited" in last.value.message
+        assert bytes(slot[:4]) == b"HEAD" and not any(slot[4:]), "what the slot received is wiped"
+
+        # Already gone before the block's first read: nothing is read at all.
+        slot = memoryview(bytearray(b"\xaa" * (4 + len(source))))
         with pytest.raises(ShmError, match="exited"):
-            copy.read(2048, len(source), check_exit=True)
+            _filler(7, pidfd, -os.getpid(), ref, slot)(0, 4096)
+        assert bytes(slot[:4]) == b"HEAD" and set(bytes(slot[4:])) == {0xAA}
+
+        # ProcessCopy itself: its reads stay inside the buffer, and the address range is checked.
+        copy = ProcessCopy(os.getpid(), pidfd, "p", source.ctypes.data, slot[4:])
+        with pytest.raises(ValueError):
+            copy.read(0, len(source) + 1, check_exit=False)
         with pytest.raises(ShmError, match="not valid"):
             ProcessCopy(os.getpid(), pidfd, "p", -1, slot)
     finally:
+        if proc.poll() is None:
+            end(proc)
         os.close(pidfd)

@@ -48,8 +48,8 @@ async def verify_block_for_put(index: int, key: bytes, data: bytes | memoryview,
 SLOT_PIECE_BYTES = 2 << 20
 """A same-host put's block is read into its slot (process_vm_readv, pread) and hashed this much at a
 time. Each read and each hash lets go of the GIL and takes it back, and a put's lanes share one GIL:
-with 256 KiB pieces a 16 x 2 MiB put spent 5.6-5.9 ms in each of its two lanes, with 2 MiB pieces
-4.7-4.9 (a piece still lies in the core's 2 MiB L2, or the L3, when it is hashed)."""
+with 256 KiB pieces a 16 x 2 MiB put spent 5.6-6.9 ms in each of its two lanes, with 2 MiB pieces
+4.7-5.6 (five alternating runs; a piece still lies in the core's 2 MiB L2, or the L3, when it is hashed)."""
 
 
 def check_block_for_put(
