@@ -225,6 +225,41 @@ def encode_block_parts(
     return header.pack(), view
 
 
+def encode_bytes_parts(keys: Sequence[bytes], payloads: Sequence[bytes | bytearray | memoryview]) -> list[BlockParts]:
+    """[encode_block_parts(p, key=k, dtype=DType.UINT8, shape=(len(p),)) for k, p in zip(keys, payloads)],
+    byte for byte, for the engines' opaque chunks (LMCache's objects, SGLang's page segments, vLLM's
+    offload blocks): the descriptor made once per payload size and the header packed in one call, not
+    a BlockHeader per block (a store of 128 SGLang MHA segments of 384 KiB spent 3.3 ms encoding, 2.4
+    this way). Keep each payload unchanged until its put returns.
+
+    Raises:
+        ValueError: not one payload per key.
+        BlockFormatError: a key is not 16 bytes.
+    """
+    if len(keys) != len(payloads):
+        raise ValueError(f"{len(keys)} keys for {len(payloads)} payloads")
+    descriptors: dict[int, bytes] = {}
+    out: list[BlockParts] = []
+    for key, payload in zip(keys, payloads, strict=True):
+        view = payload if isinstance(payload, bytes) else memoryview(payload).cast("B")
+        n = len(view)
+        descriptor = descriptors.get(n)
+        if descriptor is None:
+            descriptor = descriptors[n] = _descriptor(DType.UINT8, Layout.RAW, (n,), n)
+        h = xxhash.xxh3_64(_check_key(key) + descriptor)
+        h.update(view)
+        header = _FIXED.pack(
+            MAGIC, FORMAT_VERSION, _RAW_1D_HEADER_BYTES, DType.UINT8, Layout.RAW, Compression.NONE, 1, 0, n, n,
+            h.intdigest(),
+        ) + _DIM.pack(n)  # fmt: skip
+        out.append((header, view))
+    return out
+
+
+_RAW_1D_HEADER_BYTES = FIXED_HEADER_BYTES + 8
+_DIM = struct.Struct("<Q")
+
+
 def encode_block(
     payload: bytes | bytearray | memoryview,
     *,

@@ -269,3 +269,27 @@ def test_verify_in_pieces_hashes_what_landed_not_what_the_source_holds_later() -
 
     verify_block_in_pieces(memoryview(dest), KEY, fill, piece_bytes=1024)
     assert verify_block(bytes(dest), KEY).payload_len == len(payload)
+
+
+def test_encode_bytes_parts_is_encode_block_parts_of_each_uint8_payload() -> None:
+    """The connectors' batch encoder: the same header and payload view as encode_block_parts with
+    dtype uint8 and shape (len,), for every buffer kind and size (the descriptor is made once per size)."""
+    import numpy as np
+
+    from kvcache_core.format import encode_block_parts, encode_bytes_parts
+
+    payloads: list[bytes | bytearray | memoryview] = []
+    for n in (0, 1, 17, 4096, 4096, 384 << 10):
+        raw = os.urandom(n)
+        payloads += [raw, bytearray(raw), memoryview(np.frombuffer(raw, np.uint8)), memoryview(raw)]
+    keys = [os.urandom(16) for _ in payloads]
+    got = encode_bytes_parts(keys, payloads)
+    pairs = zip(keys, payloads, strict=True)
+    want = [encode_block_parts(p, key=k, dtype=DType.UINT8, shape=(len(p),)) for k, p in pairs]
+    assert [(bytes(h), bytes(v)) for h, v in got] == [(bytes(h), bytes(v)) for h, v in want]
+    for key, (header, view) in zip(keys, got, strict=True):
+        verify_block(bytes(header) + bytes(view), key)
+    with pytest.raises(BlockFormatError):
+        encode_bytes_parts([b"short"], [b"abc"])
+    with pytest.raises(ValueError):
+        encode_bytes_parts(keys[:1], [])

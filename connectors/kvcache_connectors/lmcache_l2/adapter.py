@@ -48,7 +48,7 @@ from lmcache.lmcache_native import Bitmap
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 
-from kvcache_client import DType, KVCacheClient, KVCacheError, encode_block_parts
+from kvcache_client import KVCacheClient, KVCacheError
 from kvcache_client.retry import NO_RETRY
 from kvcache_connectors.lmcache_l2.config import KVCacheL2Config
 from kvcache_connectors.lmcache_l2.counters import Counters
@@ -57,7 +57,7 @@ from kvcache_connectors.lmcache_l2.lanes import Lane, Task
 from kvcache_connectors.lmcache_l2.locks import Hold, LockTable
 from kvcache_core.breaker import BreakerState, CircuitBreaker
 from kvcache_core.errors import BlockFormatError
-from kvcache_core.format import payload_view
+from kvcache_core.format import encode_bytes_parts, payload_view
 from kvcache_core.landing import land
 
 if TYPE_CHECKING:
@@ -185,10 +185,11 @@ class KVCacheL2Adapter(L2AdapterInterface):
             ok = False
             try:
                 for ns, positions, kv_keys in self._keys.group(keys):
-                    items = [
-                        (k, encode_block_parts(objects[i].byte_array, key=k, dtype=DType.UINT8, shape=(sizes[i],)))
-                        for k, i in zip(kv_keys, positions, strict=True)
-                    ]
+                    payloads = [objects[i].byte_array for i in positions]
+                    for i, payload in zip(positions, payloads, strict=True):
+                        if memoryview(payload).nbytes != sizes[i]:
+                            raise BlockFormatError(f"chunk {i}: {memoryview(payload).nbytes} bytes for {sizes[i]}")
+                    items = list(zip(kv_keys, encode_bytes_parts(kv_keys, payloads), strict=True))
                     result = self._guarded(
                         lambda ns=ns, items=items, ttl=self.config.retain_ttl_s: self._client.put_many(
                             ns, items, retain_ttl_s=ttl

@@ -41,7 +41,7 @@ from kvcache_connectors.sglang_hicache.config import HiCacheBackendConfig
 from kvcache_connectors.sglang_hicache.namespace import segment_engine_keys, sglang_namespace
 from kvcache_connectors.sglang_hicache.pages import PageMap
 from kvcache_core.breaker import CircuitBreaker
-from kvcache_core.format import DType, encode_block_parts
+from kvcache_core.format import encode_bytes_parts
 
 log = logging.getLogger(__name__)
 
@@ -370,10 +370,8 @@ class KVCacheHiCacheStorage(HiCacheStorage):
     def _put(self, keys: Sequence[str], views: Sequence[torch.Tensor]) -> list[bool]:
         started = time.monotonic()
         try:
-            items = [
-                (k, encode_block_parts(memoryview(v.numpy()), key=k, dtype=DType.UINT8, shape=(v.numel(),)))
-                for k, v in zip(self._keys(keys), views, strict=True)
-            ]
+            kv_keys = self._keys(keys)
+            items = list(zip(kv_keys, encode_bytes_parts(kv_keys, [memoryview(v.numpy()) for v in views]), strict=True))
             result = self._client.put_many(
                 self._ns, items, timeout_s=self.config.timeout_s, retain_ttl_s=self.config.retain_ttl_s
             )

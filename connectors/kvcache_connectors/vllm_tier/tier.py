@@ -58,7 +58,8 @@ from kvcache_connectors.vllm.transfers import Job, JobThread
 from kvcache_connectors.vllm_tier.config import KVCacheTierConfig
 from kvcache_connectors.vllm_tier.namespace import vllm_namespace
 from kvcache_core.breaker import CircuitBreaker
-from kvcache_core.format import DType, encode_block_parts
+from kvcache_core.errors import BlockFormatError
+from kvcache_core.format import encode_bytes_parts
 
 log = logging.getLogger(__name__)
 
@@ -264,10 +265,12 @@ class KVCacheTier(SecondaryTierManager):
             try:
                 if not self._allow():
                     raise ServerSkipped(f"server {self.config.target} failed recently (breaker open)")
-                items = [
-                    (k, encode_block_parts(self._row(r), key=k, dtype=DType.UINT8, shape=(self.block_size_bytes,)))
-                    for k, r in zip(self.namespace.keys(keys), rows, strict=True)
-                ]
+                kv_keys = self.namespace.keys(keys)
+                payloads = [self._row(r) for r in rows]
+                for payload in payloads:
+                    if len(payload) != self.block_size_bytes:
+                        raise BlockFormatError(f"a row of {len(payload)} bytes for blocks of {self.block_size_bytes}")
+                items = list(zip(kv_keys, encode_bytes_parts(kv_keys, payloads), strict=True))
                 try:
                     result = self._client.put_many(
                         self._ns,
