@@ -226,14 +226,17 @@ def encode_block_parts(
 
 
 def encode_bytes_parts(keys: Sequence[bytes], payloads: Sequence[bytes | bytearray | memoryview]) -> list[BlockParts]:
-    """[encode_block_parts(p, key=k, dtype=DType.UINT8, shape=(len(p),)) for k, p in zip(keys, payloads)],
-    byte for byte, for the engines' opaque chunks (LMCache's objects, SGLang's page segments, vLLM's
+    """[encode_block_parts(p, key=k, dtype=DType.UINT8, shape=(memoryview(p).nbytes,)) for k, p in ...],
+    byte for byte: each payload's bytes as one flat uint8 block, whatever its buffer's format or
+    dimensions, for the engines' opaque chunks (LMCache's objects, SGLang's page segments, vLLM's
     offload blocks): the descriptor made once per payload size and the header packed in one call, not
     a BlockHeader per block (a store of 128 SGLang MHA segments of 384 KiB spent 3.3 ms encoding, 2.4
-    this way). Keep each payload unchanged until its put returns.
+    this way). No size is checked against anything: a caller that expects a size checks it. Keep each
+    payload unchanged until its put returns.
 
     Raises:
         ValueError: not one payload per key.
+        TypeError: a payload is not C-contiguous.
         BlockFormatError: a key is not 16 bytes.
     """
     if len(keys) != len(payloads):

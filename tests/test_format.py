@@ -273,7 +273,10 @@ def test_verify_in_pieces_hashes_what_landed_not_what_the_source_holds_later() -
 
 def test_encode_bytes_parts_is_encode_block_parts_of_each_uint8_payload() -> None:
     """The connectors' batch encoder: the same header and payload view as encode_block_parts with
-    dtype uint8 and shape (len,), for every buffer kind and size (the descriptor is made once per size)."""
+    dtype uint8 and shape (nbytes,), for every buffer kind (LMCache's ctypes views, 2-D and non-byte formats, flat)
+    and size (the descriptor is made once per size); a non-contiguous buffer is a TypeError."""
+    import ctypes
+
     import numpy as np
 
     from kvcache_core.format import encode_block_parts, encode_bytes_parts
@@ -281,11 +284,15 @@ def test_encode_bytes_parts_is_encode_block_parts_of_each_uint8_payload() -> Non
     payloads: list[bytes | bytearray | memoryview] = []
     for n in (0, 1, 17, 4096, 4096, 384 << 10):
         raw = os.urandom(n)
-        payloads += [raw, bytearray(raw), memoryview(np.frombuffer(raw, np.uint8)), memoryview(raw)]
+        payloads += [raw, bytearray(raw), memoryview(np.frombuffer(raw, np.uint8)), memoryview(raw)[: n // 2]]
+        payloads.append(memoryview((ctypes.c_ubyte * n).from_buffer_copy(raw)))  # LMCache's byte_array ('<B')
+    raw = os.urandom(4096)
+    payloads.append(memoryview(np.frombuffer(raw, np.uint8).reshape(64, 64)))  # 2-D: its bytes, flat
+    payloads.append(memoryview(np.frombuffer(raw, np.float16)))  # another format: its bytes, flat
     keys = [os.urandom(16) for _ in payloads]
     got = encode_bytes_parts(keys, payloads)
     pairs = zip(keys, payloads, strict=True)
-    want = [encode_block_parts(p, key=k, dtype=DType.UINT8, shape=(len(p),)) for k, p in pairs]
+    want = [encode_block_parts(p, key=k, dtype=DType.UINT8, shape=(memoryview(p).nbytes,)) for k, p in pairs]
     assert [(bytes(h), bytes(v)) for h, v in got] == [(bytes(h), bytes(v)) for h, v in want]
     for key, (header, view) in zip(keys, got, strict=True):
         verify_block(bytes(header) + bytes(view), key)
@@ -293,3 +300,5 @@ def test_encode_bytes_parts_is_encode_block_parts_of_each_uint8_payload() -> Non
         encode_bytes_parts([b"short"], [b"abc"])
     with pytest.raises(ValueError):
         encode_bytes_parts(keys[:1], [])
+    with pytest.raises(TypeError):  # not C-contiguous
+        encode_bytes_parts(keys[:1], [memoryview(np.frombuffer(raw, np.uint8)[::2])])

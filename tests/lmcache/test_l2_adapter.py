@@ -274,6 +274,26 @@ def test_a_block_of_another_size_is_a_miss(server, make_adapter, buffers) -> Non
     adapter.submit_unlock(keys)
 
 
+def test_an_object_whose_bytes_are_not_its_size_fails_its_store_and_puts_nothing(server, make_adapter, buffers) -> None:
+    """An object whose byte_array is not get_size() bytes (a buggy engine buffer): the task fails and
+    no chunk of it is put, as when the block encoder refused it (a wrong size is never stored)."""
+
+    class Misfit:  # only what the adapter reads of a MemoryObj on a store
+        def __init__(self, obj: object, size: int) -> None:
+            self.byte_array, self._size = obj.byte_array, size  # type: ignore[attr-defined]
+
+        def get_size(self) -> int:
+            return self._size
+
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(2, first=90)
+    good, other = buffers.filled([3, 4])
+    result = store(adapter, keys, [good, Misfit(other, memoryview(other.byte_array).nbytes - 1)])
+    assert not result.is_successful()
+    assert adapter.counters.snapshot()["store_failed_tasks"] == 1
+    assert lookup(adapter, keys) == [0, 0]  # neither chunk: one put per namespace, refused before it
+
+
 def test_the_load_verifies_its_copy_so_bytes_changed_after_the_lookup_are_a_miss(server, make_adapter, buffers) -> None:
     """The lookup leases without reading the blocks (one round trip); the load checks each copy
     where it landed in LMCache's buffer. A block changed in its slot after the lookup (here by the

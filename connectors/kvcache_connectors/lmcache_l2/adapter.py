@@ -185,10 +185,10 @@ class KVCacheL2Adapter(L2AdapterInterface):
             ok = False
             try:
                 for ns, positions, kv_keys in self._keys.group(keys):
-                    payloads = [objects[i].byte_array for i in positions]
+                    payloads = [memoryview(objects[i].byte_array) for i in positions]
                     for i, payload in zip(positions, payloads, strict=True):
-                        if memoryview(payload).nbytes != sizes[i]:
-                            raise BlockFormatError(f"chunk {i}: {memoryview(payload).nbytes} bytes for {sizes[i]}")
+                        if payload.nbytes != sizes[i]:  # the object's own size: a mismatch is no put
+                            raise BlockFormatError(f"chunk {i}: {payload.nbytes} bytes for {sizes[i]}")
                     items = list(zip(kv_keys, encode_bytes_parts(kv_keys, payloads), strict=True))
                     result = self._guarded(
                         lambda ns=ns, items=items, ttl=self.config.retain_ttl_s: self._client.put_many(
