@@ -109,10 +109,10 @@ def main() -> None:
     cap = args.ram_mib * MiB
     rows = []
     configs = {
-        "trim threshold 256 MiB (default)": [],
+        "malloc_trim every 1 s (default)": [],
+        "trim threshold 256 MiB": ["server.malloc_trim_threshold_bytes=268435456"],
         "mmap threshold 128 KiB": ["server.malloc_mmap_threshold_bytes=131072"],
-        "glibc's own thresholds": ["server.malloc_trim_threshold_bytes=0"],
-        "malloc left alone": ["server.malloc_trim_interval_s=0", "server.malloc_trim_threshold_bytes=0"],
+        "malloc left alone": ["server.malloc_trim_interval_s=0"],
     }
     print(f"RAM cap {args.ram_mib} MiB, flood {args.flood_x}x, blocks of 1/2/4 MiB in batches of 8")
     print(f"{'allocator':<36} {'path':<5} {'start MiB':>9} {'peak MiB':>9} {'growth MiB':>10} {'growth/cap':>10}")

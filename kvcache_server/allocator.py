@@ -14,13 +14,16 @@ Two remedies, measured by bench/bench_memory.py (RSS) and bench/bench_throughput
   that size or more is its own mapping, unmapped when freed. RSS follows the RAM cap most closely,
   but every new block is fresh memory that page-faults in: puts over gRPC ran 2-3x slower with
   128 KiB. For memory-tight deployments only (a preallocated block arena is the real cure).
-- otherwise (the default) a fixed trim threshold (server.malloc_trim_threshold_bytes, 256 MiB) and
-  the mmap threshold at its ceiling (32 MiB). glibc's own trim threshold follows the mmap threshold
-  (twice it): with gRPC's messages of a few MiB it handed the heap's top back to the OS at nearly
-  every free, and the next message's bytes (gRPC's own copies, the reply's join) faulted in page by
-  page. With the fixed thresholds a Get over pure gRPC (16 x 2 MiB) cost the server 18-19 ms of
-  CPU instead of 39-40 and moved 1.21 GB/s instead of 0.81; the periodic malloc_trim still returns
-  what is free to the OS every interval, so RSS comes back as before (bench/bench_memory.py).
+- or, opt-in, a fixed trim threshold (server.malloc_trim_threshold_bytes, e.g. 256 MiB; default 0 =
+  off) and the mmap threshold at its ceiling (32 MiB). glibc's own trim threshold follows its
+  self-raised mmap threshold (twice it): with gRPC's messages of a few MiB it hands the heap's top
+  back to the OS at nearly every free, and the next message's bytes (gRPC's own copies, the reply's
+  join) fault in page by page. With the fixed thresholds a Get over pure gRPC (16 x 2 MiB) cost the
+  server 18-19 ms of CPU instead of 39-40 and moved 1.21 GB/s instead of 0.81. Not the default:
+  with every allocation up to 32 MiB on the heap, freed holes stay resident until the next periodic
+  trim, and under tests/test_budget_shares.py's stalled callers peak RSS rose from 357-370 MiB to
+  391-436 against the documented bound of 412 (with 64 MiB, or an 8-16 MiB mmap threshold: 394-422).
+  For servers whose clients use pure gRPC (no bulk port) and that have memory to spare.
 
 Only glibc has mallopt and malloc_trim; elsewhere this does nothing (and says so once).
 """

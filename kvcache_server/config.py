@@ -55,10 +55,12 @@ class ServerSection:
     # and, when set, give every allocation of this size or more its own mapping (tighter RSS, slower).
     malloc_trim_interval_s: float = 1.0
     malloc_mmap_threshold_bytes: int = 0
-    # Otherwise (glibc only): free memory at the heap's top is kept for reuse up to this much between
-    # those trims, and blocks up to 32 MiB come from the heap, instead of being handed back and faulted
-    # in again at every message (0, or no periodic trim: glibc's own self-adjusting thresholds).
-    malloc_trim_threshold_bytes: int = 256 * _MiB
+    # Otherwise, when set (glibc only): free memory at the heap's top is kept for reuse up to this much
+    # between those trims, and blocks up to 32 MiB come from the heap, instead of being handed back and
+    # faulted in again at every message: pure-gRPC calls cost the server about half the CPU, but peak
+    # RSS under churn rises past docs/limits.md's bound (0, the default, or no periodic trim: glibc's
+    # own self-adjusting thresholds).
+    malloc_trim_threshold_bytes: int = 0
     # How long a thread holding the GIL keeps it while another waits (sys.setswitchinterval; 0: CPython's
     # 5 ms): the event loop waits at most this behind a worker thread (docs/limits.md).
     switch_interval_s: float = 0.001
