@@ -220,7 +220,7 @@ def read_process_into(pid: int, pidfd: int, name: str, address: int, buffer: mem
             FAILED_PRECONDITION when the process exited or may no longer be read (the client then
             sends the bytes another way).
     """
-    ProcessCopy(pid, pidfd, name, address, buffer).read(0, len(buffer), check_exit=True)
+    ProcessCopy(pid, pidfd, name, address, buffer).read(0, len(buffer))
 
 
 class ProcessCopy:
@@ -242,14 +242,14 @@ class ProcessCopy:
         self._local_ref, self._remote_ref = ctypes.byref(self._local), ctypes.byref(self._remote)
         self._started = False
 
-    def read(self, start: int, end: int, *, check_exit: bool) -> None:
-        """Copies bytes [start, end) of the range into the same bytes of the buffer; with
-        `check_exit`, then checks that the process has not exited (a caller checks after the piece
-        anything is parsed from, and after the last: a piece read meanwhile from a process that
-        got the pid is then never used, since its block fails that last check). The first read
-        also checks before it starts, so a registration whose process is already gone reads
-        nothing; and an exit found after a read wipes what the buffer received, so no byte of a
-        process that took the pid stays in the slot (clients of a shared arena map it read-only).
+    def read(self, start: int, end: int) -> None:
+        """Copies bytes [start, end) of the range into the same bytes of the buffer (a block's pieces,
+        in order). The pidfd says whether the process has exited: before the first read (a
+        registration whose process is already gone reads nothing), after the first (a caller parses
+        the header from it) and after the one that reaches the buffer's end (before the checksum's
+        verdict): a piece read in between from a process that got the pid is never used, since its
+        block fails that last check; and an exit found wipes what the buffer received, so no byte of
+        a process that took the pid stays in the slot (clients of a shared arena map it read-only).
 
         Raises:
             ValueError: [start, end) is not inside the buffer (nothing is read: the kernel would write
@@ -259,7 +259,8 @@ class ProcessCopy:
         """
         if not 0 <= start <= end <= self._length:
             raise ValueError(f"bytes [{start}, {end}) of a {self._length}-byte buffer")
-        if not self._started:
+        first = not self._started
+        if first:
             self._started = True
             if exited(self._pidfd):
                 raise ShmError(grpc.StatusCode.FAILED_PRECONDITION, f"{self._name}: the client process exited")
@@ -284,7 +285,7 @@ class ProcessCopy:
                     f"{self._name}: the client process cannot be read ({os.strerror(err)}): send the bytes another way",
                 )
             done += n
-        if check_exit and exited(self._pidfd):
+        if (first or end == self._length) and exited(self._pidfd):
             self._exited(end)
 
     def _exited(self, upto: int) -> None:

@@ -266,10 +266,8 @@ def _filler(where: int, fd: int, size: int, ref: ShmRange, buffer: memoryview) -
             copy = _process_copy()(-size, fd, ref.segment, ref.offset, buffer[len(head) :])
         except ShmError as exc:
             raise ShmError(exc.code, f"block {where}: {exc.message}") from None
-    first = True  # the first bytes read from a process are checked at once (the header is parsed from them)
 
     def fill(start: int, end: int) -> None:
-        nonlocal first
         try:
             if start < len(head):
                 upto = min(end, len(head))
@@ -277,9 +275,8 @@ def _filler(where: int, fd: int, size: int, ref: ShmRange, buffer: memoryview) -
                 start = upto
             if start >= end:
                 return
-            if copy is not None:
-                copy.read(start - len(head), end - len(head), check_exit=first or end == len(buffer))
-                first = False
+            if copy is not None:  # it checks the process after its first piece and its last
+                copy.read(start - len(head), end - len(head))
             else:
                 read_range_into(fd, size, ref.segment, ref.offset + start - len(head), buffer[start:end])
         except ShmError as exc:

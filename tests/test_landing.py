@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -61,17 +62,21 @@ def test_large_batches_are_shared_among_threads_and_end_before_the_call_does() -
     assert all(t.tobytes() == bytes(b[-4 * MiB :]) for (_, b), t in zip(items, targets, strict=True))
 
 
+def two_shares(monkeypatch: pytest.MonkeyPatch) -> tuple[list[landing.Job], Callable[..., str | None]]:
+    """Two blocks of 4 MiB landing on two threads (one share each), and the real _land_one."""
+    monkeypatch.setattr(landing, "THREADS", 2)
+    jobs = [(b, k, memoryview(bytearray(4 * MiB))) for k, b in (block(4 * MiB) for _ in range(2))]
+    return jobs, landing._land_one
+
+
 def test_a_failing_share_raises_only_once_every_thread_has_ended(monkeypatch: pytest.MonkeyPatch) -> None:
     """What one thread raises comes out of land() only after the other threads' copies ended: a
     caller that goes on (releases its leases, reuses its buffers) never races a copy still running."""
     import threading
     import time
 
-    monkeypatch.setattr(landing, "THREADS", 2)
-    items = [block(4 * MiB) for _ in range(2)]
-    targets = [bytearray(4 * MiB) for _ in items]
+    jobs, real = two_shares(monkeypatch)
     ended: list[str] = []
-    real = landing._land_one
 
     def slow_or_failing(job, header):  # type: ignore[no-untyped-def]
         if threading.current_thread() is threading.main_thread():
@@ -83,7 +88,7 @@ def test_a_failing_share_raises_only_once_every_thread_has_ended(monkeypatch: py
 
     monkeypatch.setattr(landing, "_land_one", slow_or_failing)
     with pytest.raises(RuntimeError, match="fails at once"):
-        landing.land([(b, k, memoryview(t)) for (k, b), t in zip(items, targets, strict=True)])
+        landing.land(jobs)
     assert ended == ["other share"]
 
 
@@ -128,11 +133,8 @@ def test_an_interrupt_while_waiting_for_the_other_threads_is_raised_only_once_th
     def interrupt(signum, frame):  # type: ignore[no-untyped-def]
         raise Interrupt
 
-    monkeypatch.setattr(landing, "THREADS", 2)
-    items = [block(4 * MiB) for _ in range(2)]
-    targets = [bytearray(4 * MiB) for _ in items]
+    jobs, real = two_shares(monkeypatch)
     ended: list[str] = []
-    real = landing._land_one
 
     def other_share_slow(job, header):  # type: ignore[no-untyped-def]
         if threading.current_thread() is not threading.main_thread():
@@ -145,7 +147,7 @@ def test_an_interrupt_while_waiting_for_the_other_threads_is_raised_only_once_th
     try:
         signal.setitimer(signal.ITIMER_REAL, 0.15)  # while this thread waits for the other share
         with pytest.raises(Interrupt):
-            landing.land([(b, k, memoryview(t)) for (k, b), t in zip(items, targets, strict=True)])
+            landing.land(jobs)
         assert ended == ["other share"]
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

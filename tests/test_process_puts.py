@@ -572,10 +572,25 @@ def test_a_blocks_reads_check_the_process_before_and_after_its_first_piece_and_a
             _filler(7, pidfd, -os.getpid(), ref, slot)(0, 4096)
         assert bytes(slot[:4]) == b"HEAD" and set(bytes(slot[4:])) == {0xAA}
 
+        # Exited during the first read (scripted: alive before it, gone after): the first piece is
+        # checked before the caller parses the header from it, and wiped.
+        import kvcache_server.procmem as procmem
+
+        answers = iter([False, True])
+        real_exited = procmem.exited
+        procmem.exited = lambda fd: next(answers)  # type: ignore[assignment]
+        try:
+            slot = memoryview(bytearray(b"\xaa" * (4 + len(source))))
+            with pytest.raises(ShmError, match="exited"):
+                _filler(7, pidfd, -os.getpid(), ref, slot)(0, 4096)
+            assert bytes(slot[:4]) == b"HEAD" and not any(slot[4:4096]), "the first piece read is wiped"
+        finally:
+            procmem.exited = real_exited
+
         # ProcessCopy itself: its reads stay inside the buffer, and the address range is checked.
         copy = ProcessCopy(os.getpid(), pidfd, "p", source.ctypes.data, slot[4:])
         with pytest.raises(ValueError):
-            copy.read(0, len(source) + 1, check_exit=False)
+            copy.read(0, len(source) + 1)
         with pytest.raises(ShmError, match="not valid"):
             ProcessCopy(os.getpid(), pidfd, "p", -1, slot)
     finally:
