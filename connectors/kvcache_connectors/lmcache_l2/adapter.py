@@ -37,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
-import math
 import os
 import threading
 from collections.abc import Callable, Mapping
@@ -318,10 +317,9 @@ class KVCacheL2Adapter(L2AdapterInterface):
         except BaseException:
             stack.close()
             raise
-        # Leases (a finite expiry): some blocks are views of the server's arena, not read yet. Without,
-        # they are copies in this process, verified as they arrived.
-        unverified = not math.isinf(getattr(blocks, "expires_at", math.inf))
-        hits, held = self._locks.lock(keys, stack, blocks, kv_keys, unverified)
+        # Leased views of the server's arena not read yet, or copies in this process: a load verifies
+        # what it copies either way.
+        hits, held = self._locks.lock(keys, stack, blocks, kv_keys)
         for j, block in enumerate(blocks):
             if block is not None:
                 bitmap.set(positions[j])

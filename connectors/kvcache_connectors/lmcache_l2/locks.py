@@ -32,10 +32,8 @@ class Hold:
     nbytes: int
     refs: int = 0
     kv_keys: Sequence[bytes] = ()
-    """Each block's kvcache key, for a hold of unverified views (a load verifies its copy under it)."""
-    unverified: bool = False
-    """The blocks are leased views not read yet (KVCacheClient.leased(verify=False)): a load must
-    check what it copies (kvcache_core.landing) before it reports the chunk loaded."""
+    """Each block's kvcache key: a load verifies its copy under it (kvcache_core.landing), whether the
+    block is a leased view of the server's arena or a copy this process received."""
 
     def expired(self) -> bool:
         """Whether the server may have ended the leases (its slots may hold other blocks by now)."""
@@ -64,7 +62,6 @@ class LockTable:
         stack: contextlib.ExitStack,
         blocks: Sequence[memoryview | None],
         kv_keys: Sequence[bytes] = (),
-        unverified: bool = False,
     ) -> tuple[int, bool]:
         """Takes a lock on each key whose block is not None: (locks taken, whether `stack` became
         their hold). It does when the blocks fit in max_bytes; otherwise (or when nothing was
@@ -73,7 +70,7 @@ class LockTable:
         nbytes = sum(len(blocks[j]) for j in hits)
         with self._mutex:
             fits = bool(hits) and self._bytes + nbytes <= self._max_bytes
-            hold = Hold(stack, blocks, nbytes, len(hits), kv_keys, unverified) if fits else None
+            hold = Hold(stack, blocks, nbytes, len(hits), kv_keys) if fits else None
             if hold is not None:
                 self._bytes += nbytes
             for j in hits:
