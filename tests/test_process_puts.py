@@ -584,6 +584,16 @@ def test_a_blocks_reads_check_the_process_before_and_after_its_first_piece_and_a
             with pytest.raises(ShmError, match="exited"):
                 _filler(7, pidfd, -os.getpid(), ref, slot)(0, 4096)
             assert bytes(slot[:4]) == b"HEAD" and not any(slot[4:4096]), "the first piece read is wiped"
+            # A read that fails (EFAULT here: an unmapped address) after the process exited is the exit
+            # (FAILED_PRECONDITION), never INVALID_ARGUMENT: its pid may be another process's by then.
+            answers = iter([False, True])
+            with pytest.raises(ShmError) as gone:
+                ProcessCopy(os.getpid(), pidfd, "p", 4096, memoryview(bytearray(64))).read(0, 64)
+            assert gone.value.code is grpc.StatusCode.FAILED_PRECONDITION and "exited" in gone.value.message
+            answers = iter([False, False])
+            with pytest.raises(ShmError) as bad:  # alive: the bad address is the client's error
+                ProcessCopy(os.getpid(), pidfd, "p", 4096, memoryview(bytearray(64))).read(0, 64)
+            assert bad.value.code is grpc.StatusCode.INVALID_ARGUMENT
         finally:
             procmem.exited = real_exited
 
