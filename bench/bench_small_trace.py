@@ -15,8 +15,9 @@ id: one key, one prefix; their load_trace and chain_keys):
     fetch     keys[:p] when p > 0; g = the leading blocks that came back
               (kvcache: get_into, prefix_only, into warm destinations, verified by the SDK under the key's
               checksum, or get_many with --get; Mooncake: get_batch, a value counted when of full length);
-    put       keys[g:], --block-kib of payload each (kvcache: put_many of encode_block_parts, the encoding
-              inside the timed call; Mooncake: put_batch of raw values).
+    put       keys[g:], --block-kib of payload each (kvcache: put_many of format.encode_bytes_parts, the
+              batch encoder the engines' connectors call, the encoding inside the timed call; Mooncake:
+              put_batch of raw values).
 
 Systems (each replays the whole trace from an empty store, then is stopped):
 
@@ -68,7 +69,7 @@ from bench_tiers import percentile, render_table, start_kvcaches
 from bench_trace_replay import BLOCK_TOKENS, chain_keys, leading, load_trace
 
 from kvcache_client import KVCacheClient
-from kvcache_core.format import encode_block, encode_block_parts
+from kvcache_core.format import encode_block, encode_bytes_parts
 from kvcache_core.keys import Namespace
 from kvcache_server.tiers.ram import RamTier
 
@@ -167,10 +168,8 @@ def replay_kvcache(name: str, shm: bool, s: Setup, args: argparse.Namespace) -> 
                     run.fetch_s.append(time.perf_counter() - t1)
                 if g < len(keys):
                     t2 = time.perf_counter()
-                    items = [
-                        (k, encode_block_parts(filler, key=k, dtype="uint8", shape=(s.payload_bytes,)))
-                        for k in keys[g:]
-                    ]
+                    rest = keys[g:]
+                    items = list(zip(rest, encode_bytes_parts(rest, [filler] * len(rest)), strict=True))
                     run.put_failed += client.put_many(s.namespace, items).rejected
                     run.put_s.append(time.perf_counter() - t2)
                 run.blocks += len(keys)

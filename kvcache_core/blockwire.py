@@ -252,11 +252,13 @@ PutData = BlockData | ShmRange | BlockPart
 
 def data_len(data: PutData) -> int:
     """The bytes a Block carries (for a ShmRange, the length of its range; for a part, its bytes)."""
+    if type(data) is tuple:  # (header, payload): the commonest, first
+        return sum(map(len, data))
     if isinstance(data, ShmRange):
         return data.block_length
     if isinstance(data, BlockPart):
         data = data.data
-    return sum(len(p) for p in data) if isinstance(data, tuple) else len(data)
+    return sum(map(len, data)) if isinstance(data, tuple) else len(data)
 
 
 def split_block(data: BlockData, part_bytes: int) -> list[BlockPart]:

@@ -21,8 +21,10 @@ import enum
 import socket
 import ssl
 import struct
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 MAGIC = b"KVB1"
 VERSION = 1
@@ -422,12 +424,14 @@ def send_buffers(sock: socket.socket, buffers: Sequence[bytes | memoryview]) -> 
 
 
 def drop_sent(pending: list[memoryview], sent: int) -> None:
-    """Removes the first `sent` bytes from the buffers still to send (after a partial send)."""
-    while sent and pending:
-        first = pending[0]
-        if sent >= len(first):
-            sent -= len(first)
-            pending.pop(0)
-        else:
-            pending[0] = first[sent:]
-            sent = 0
+    """Removes the first `sent` bytes (at most all there are) from the buffers still to send: those
+    sent whole, and the sent head of the next. Its ends found in C (a put of 16 small blocks is 50
+    buffers: a pop(0) each cost the client more than its sendmsg's bookkeeping)."""
+    if not sent:
+        return
+    ends = list(accumulate(map(len, pending)))
+    whole = bisect_right(ends, sent)
+    rest = sent - ends[whole - 1] if whole else sent
+    del pending[:whole]
+    if rest and pending:
+        pending[0] = pending[0][rest:]
