@@ -1,25 +1,20 @@
 """The server's side of the same-host shared-memory data path (docs/shm.md).
 
-A client on the same host creates a *segment* (a file in the server's shm
-directory, on tmpfs) and names byte ranges of it in Put and Get instead of
-sending block bytes through gRPC. The server only ever `pread`s and `pwrite`s
-segment files, never maps them, so a client that truncates or deletes its
-segment mid-call causes an error for that call, never a SIGBUS in the server.
+A client on the same host creates a *segment* (a file in the server's shm directory, on tmpfs) and names
+byte ranges of it in Put and Get instead of sending block bytes through gRPC. The server only ever `pread`s
+and `pwrite`s segment files, never maps them, so a client that truncates or deletes its segment mid-call
+causes an error for that call, never a SIGBUS in the server.
 
-Who owns a descriptor: a handler opens a segment once per call and closes it
-when the call ends, after every worker thread of the call has returned; a
-worker thread works on its own duplicate of the descriptor and closes it
-itself, and stops at the next block once its call is cancelled. So no write
-can land, through a descriptor number reused by a later open, in another
-call's segment, and no write happens after the call that named the segment
-has ended.
+Who owns a descriptor: a handler opens a segment once per call and closes it when the call ends, after every
+worker thread of the call has returned; a worker thread works on its own duplicate of the descriptor and
+closes it itself, and stops at the next block once its call is cancelled. So no write can land, through a
+descriptor number reused by a later open, in another call's segment, and no write happens after the call
+that named the segment has ended.
 
-Who can use it: the directory is created owner-only (0700), so only processes
-of the server's own user can create, list or open segments in it. A remote
-client cannot create a segment, and cannot learn another client's segment
-name (128 random bits, in a directory it cannot list). The server refuses
-names that are not "kvcache-" + 32 hex digits (no paths), files that are not
-regular files owned by its user, and symlinks.
+Who can use it: the directory is created owner-only (0700), so only processes of the server's own user can
+create, list or open segments in it. A remote client cannot create a segment, and cannot learn another
+client's segment name (128 random bits, in a directory it cannot list). The server refuses names that are
+not "kvcache-" + 32 hex digits (no paths), files that are not regular files owned by its user, and symlinks.
 """
 
 from __future__ import annotations
