@@ -181,7 +181,8 @@ def replay_kvcache(name: str, shm: bool, s: Setup, args: argparse.Namespace) -> 
             run.held = int(ram.blocks)
             c = client.presence.counters
             run.notes = (
-                f"presence {client.presence.state}: Lookups local {c.local:,}, partial {c.partial:,}, rpc {c.rpc:,}; "
+                f"presence {client.presence.state}: Lookups local {c.local:,}, partial {c.partial:,}, rpc {c.rpc:,}, "
+                f"blocks read in place {c.read_in_place:,} (read again {c.read_again:,}); "
                 f"RAM evictions {int(ram.evictions):,}; corrupt {client.corrupt_blocks}"
             )
         if not servers[-1].alive():

@@ -63,6 +63,8 @@ class FrameType(enum.IntEnum):
     RELEASED = 0x33  # server -> client: how many of them were live
     LOOKUP = 0x40  # client -> server: namespace, the caller's time left, keys
     LOOKED_UP = 0x41  # server -> client: the stored prefix's length and each of its keys' tier
+    TOUCH = 0x50  # client -> server, same host: namespace, keys read out of the arena (counted as read)
+    TOUCHED = 0x51  # server -> client: how many of them RAM still held
 
 
 class FrameError(Exception):
@@ -367,6 +369,34 @@ def parse_looked_up(payload: bytes) -> list[int]:
     if len(payload) != _COUNT.size + n:
         raise FrameError(f"LOOKED_UP frame announces {n} tiers but its length disagrees")
     return list(payload[_COUNT.size :])
+
+
+def touch(namespace: str, keys: Sequence[bytes]) -> bytes:
+    """A TOUCH payload: the keys a same-host client read straight out of the arena (the server counts
+    them as read: hits, most recently used). Only to a server whose presence index has FLAG_LOCATIONS."""
+    return b"".join([_namespace(namespace), _COUNT.pack(len(keys)), *keys])
+
+
+def parse_touch(payload: bytes) -> tuple[str, list[bytes]]:
+    """(namespace, keys). Raises FrameError when malformed."""
+    namespace, at = _read_namespace(payload, "TOUCH")
+    if len(payload) < at + _COUNT.size:
+        raise FrameError("TOUCH frame too short")
+    (count,) = _COUNT.unpack_from(payload, at)
+    at += _COUNT.size
+    if len(payload) != at + count * KEY_BYTES:
+        raise FrameError(f"TOUCH frame announces {count} keys but its length disagrees")
+    return namespace, [payload[at + i * KEY_BYTES : at + (i + 1) * KEY_BYTES] for i in range(count)]
+
+
+def touched(count: int) -> bytes:
+    return _COUNT.pack(count)
+
+
+def parse_touched(payload: bytes) -> int:
+    if len(payload) != _COUNT.size:
+        raise FrameError("TOUCHED frame has the wrong length")
+    return _COUNT.unpack(payload)[0]
 
 
 def control_limit(max_keys: int) -> int:

@@ -407,6 +407,12 @@ def parse_header_for_payload(data: bytes | memoryview, payload_len: int) -> Bloc
     return parse_header(data, block_len=header_len + payload_len)
 
 
+def payload_seed(header: BlockHeader) -> bytes:
+    """What a block's checksum hashes between its key and its payload (its dtype, layout, shape and
+    raw length): the checksum is XXH3-64 of key + payload_seed(header) + payload."""
+    return _descriptor(header.dtype, header.layout, header.shape, header.payload_len)
+
+
 def payload_hasher(header: BlockHeader, key: bytes) -> xxhash.xxh3_64:
     """The hash a block's checksum is, seeded for its key and descriptor, to feed its payload to
     (in pieces, as they arrive); then matched(header, key, hasher.intdigest())."""

@@ -5,14 +5,21 @@ block arena (docs/presence.md). Every word is a little-endian uint64, every stor
 8-byte store, so a reader needs no lock: racing a change, it sees the word before or after it.
 
 ```
- offset 0        64                                      64 + 64 x buckets
- +---------------+----------------+-----+----------------+------------------+
- | header 8 x u64| bucket 0       | ... | bucket n-1     | overflow: n x u8 |
- +---------------+----------------+-----+----------------+------------------+
+ offset 0        64                                      64 + 64 x n        locations_at(n)
+ +---------------+----------------+-----+----------------+------------------+--------+-------------------+
+ | header 8 x u64| bucket 0       | ... | bucket n-1     | overflow: n x u8 | (pad 8)| locations: 8n x u64|
+ +---------------+----------------+-----+----------------+------------------+--------+-------------------+
    header: MAGIC, VERSION, instance id, FLAGS, n (a power of two), seed, fingerprints, 0
    bucket: 8 fingerprints (one cache line); 0 = an empty slot
    overflow[b] != 0: bucket b was full when a fingerprint was added, so "not in bucket b" is not certain
+   locations[8b + j] (with FLAG_LOCATIONS): where the block of bucket b's slot j lies in the arena,
+           pack_location(offset, length); 0 = not known. Written before its fingerprint.
 ```
+
+A location is a hint as the fingerprint is: a reader copies the block from the arena it maps and
+keeps it only if it verifies under its own key where it landed (the slot may have been reused, or be
+being written, by the time it reads: kvcache_client.local_reads). A reader of a table without
+FLAG_LOCATIONS (an older server) ignores the region, as an older reader ignores the flag.
 
 A fingerprint is fingerprint(seed, namespace, key): XXH3-64 of the namespace (as the server scopes it:
 "tenant:ns" with auth), a NUL and the key, seeded with the table's random seed; 0 is mapped to 1. The
@@ -42,6 +49,13 @@ FLAG_LOWER_TIERS = 1
 """Tiers below RAM exist: a key absent here may still be stored (ask the server)."""
 FLAG_CLOSED = 2
 """The server closed the table (it stopped): trust nothing in it."""
+FLAG_LOCATIONS = 4
+"""The table has a location word per slot (this server also answers the bulk port's TOUCH frame)."""
+
+LOCATION_LENGTH_BITS = 30
+"""A location word: the block's arena offset in 64-byte units above these bits, its length in bytes below."""
+MAX_LOCATED_BYTES = (1 << LOCATION_LENGTH_BITS) - 1
+MAX_LOCATED_OFFSET = (1 << (64 - LOCATION_LENGTH_BITS)) * 64 - 64
 
 _HEADER = struct.Struct("<8Q")
 
@@ -49,6 +63,29 @@ _HEADER = struct.Struct("<8Q")
 def table_bytes(buckets: int) -> int:
     """Bytes of a file of `buckets` buckets: the header, the buckets and their overflow flags."""
     return HEADER_BYTES + buckets * BUCKET_SLOTS * 8 + buckets
+
+
+def locations_at(buckets: int) -> int:
+    """Byte offset of the locations region: after the overflow flags, 8-byte aligned."""
+    return -(-table_bytes(buckets) // 8) * 8
+
+
+def file_bytes(buckets: int) -> int:
+    """Bytes of a file with a location word per slot."""
+    return locations_at(buckets) + buckets * BUCKET_SLOTS * 8
+
+
+def pack_location(offset: int, length: int) -> int:
+    """The location word of a block at arena `offset` (a multiple of 64) of `length` bytes; 0 (not known)
+    when it does not fit a word (an arena over 1 TiB, a block of 1 GiB or more)."""
+    if offset % 64 or offset > MAX_LOCATED_OFFSET or not 0 < length <= MAX_LOCATED_BYTES:
+        return 0
+    return (offset // 64) << LOCATION_LENGTH_BITS | length
+
+
+def unpack_location(word: int) -> tuple[int, int]:
+    """(offset, length) of a location word; (0, 0) for 0."""
+    return (word >> LOCATION_LENGTH_BITS) * 64, word & MAX_LOCATED_BYTES
 
 
 def buckets_for(blocks: int) -> int:

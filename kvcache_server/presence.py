@@ -6,18 +6,26 @@ kvcache_core.presence's). The RAM tier calls add() and remove() under its lock o
 (an entry indexed, evicted, deleted or replaced), so the table holds exactly the fingerprints of the
 entries the tier indexes, with three exceptions a reader knows how to treat:
 
-- a full bucket: the fingerprint is kept here (`_spilled`) and the bucket's overflow flag set, so a
-  reader takes "not in this bucket" as unknown and asks the server; a removal from the bucket moves a
-  spilled fingerprint into the freed slot (the slot first, then the flag cleared once none is left);
+- a full bucket: the fingerprint (and its location) is kept here (`_spilled`) and the bucket's
+  overflow flag set, so a reader takes "not in this bucket" as unknown and asks the server; a removal
+  from the bucket moves a spilled fingerprint into the freed slot (its location, then the slot, then
+  the flag cleared once none is left);
 - two keys of one fingerprint (2^-64 per pair): counted (`_counts`), stored once, removed with the last;
 - a 64-bit fingerprint that another key shares: a false "present" for that key, a hint that a Get
   then answers as a miss (never wrong bytes: blocks are verified under their own key).
 
+Beside each fingerprint slot the table keeps where the entry's block lies in the arena (FLAG_LOCATIONS),
+so a same-host client can copy a block straight out of the arena it maps and verify it where it landed
+(kvcache_client.local_reads).
+
 Every store into the table is one aligned 8-byte store (a memoryview cast to "Q": CPython packs one
-unsigned long long), the fingerprint before the overflow flag changes, so a reader racing a change
-sees the table before or after it. The file is created 0600, made 0400 at once (as the arena: the
-server's descriptor stays writable, every other open is read-only) and flock'd while the server
-lives: a reader that can take the lock knows the server is gone.
+unsigned long long), a location before its fingerprint and the fingerprint before the overflow flag
+changes, so a reader racing a change sees the table before or after it, and a fingerprint it sees with
+the location written for it or a later one (x86-64 keeps stores, and loads, in program order).
+
+The file is created 0600, made 0400 at once (as the arena: the server's descriptor stays writable, every
+other open is read-only) and flock'd while the server lives: a reader that can take the lock knows the
+server is gone.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import secrets
 from kvcache_core.presence import (
     BUCKET_SLOTS,
     FLAG_CLOSED,
+    FLAG_LOCATIONS,
     FLAG_LOWER_TIERS,
     HEADER_BYTES,
     MAGIC,
@@ -42,8 +51,9 @@ from kvcache_core.presence import (
     W_SEED,
     W_VERSION,
     buckets_for,
+    file_bytes,
     fingerprint,
-    table_bytes,
+    locations_at,
 )
 from kvcache_server.arena import create_shared_file
 
@@ -61,24 +71,27 @@ class PresenceTable:
         nbytes: bytes of the file.
     """
 
-    def __init__(self, directory: str, blocks: int, *, instance_id: int, lower_tiers: bool) -> None:
+    def __init__(
+        self, directory: str, blocks: int, *, instance_id: int, lower_tiers: bool, locations: bool = True
+    ) -> None:
         """Creates the file, sized for `blocks` fingerprints (kvcache_core.presence.buckets_for).
 
         Raises:
             OSError: the file cannot be created or its space reserved (a full tmpfs).
         """
         self.buckets = buckets_for(blocks)
-        self.nbytes = table_bytes(self.buckets)
+        self.nbytes = file_bytes(self.buckets)
         self._seed = secrets.randbits(64)
         self._counts: dict[int, int] = {}
-        self._spilled: dict[int, set[int]] = {}
+        self._spilled: dict[int, dict[int, int]] = {}  # bucket -> {fingerprint: location} kept here
         self._fd, self.path, self._map = create_shared_file(directory, PRESENCE_PREFIX, self.nbytes)
         self._words = memoryview(self._map).cast("Q")
         self._slots = HEADER_BYTES // 8  # the word index of bucket 0's first slot
         self._overflow = HEADER_BYTES + self.buckets * BUCKET_SLOTS * 8  # byte offset of the flags
+        self._located = locations_at(self.buckets) // 8 - self._slots  # slot word + this: its location's
         w = self._words
         w[W_VERSION], w[W_INSTANCE], w[W_BUCKETS], w[W_SEED] = VERSION, instance_id, self.buckets, self._seed
-        w[W_FLAGS] = FLAG_LOWER_TIERS if lower_tiers else 0
+        w[W_FLAGS] = (FLAG_LOCATIONS if locations else 0) | (FLAG_LOWER_TIERS if lower_tiers else 0)
         w[W_MAGIC] = MAGIC  # last: a reader that sees it sees the rest of the header
 
     def set_lower_tiers(self, lower_tiers: bool) -> None:
@@ -92,8 +105,9 @@ class PresenceTable:
         _, scoped, name = namespace.partition(":")
         return fingerprint(self._seed, (name if scoped else namespace).encode(), key)
 
-    def add(self, namespace: str, key: bytes) -> None:
-        """(namespace, key) is indexed now."""
+    def add(self, namespace: str, key: bytes, location: int = 0) -> None:
+        """(namespace, key) is indexed now, its block where `location` says (kvcache_core.presence.
+        pack_location; 0: not known)."""
         fp = self._fp(namespace, key)
         n = self._counts.get(fp, 0)
         self._counts[fp] = n + 1
@@ -104,10 +118,11 @@ class PresenceTable:
         base = self._slots + bucket * BUCKET_SLOTS
         for i in range(base, base + BUCKET_SLOTS):
             if w[i] == 0:
+                w[i + self._located] = location
                 w[i] = fp
                 w[W_COUNT] += 1
                 return
-        self._spilled.setdefault(bucket, set()).add(fp)
+        self._spilled.setdefault(bucket, {})[fp] = location
         self._map[self._overflow + bucket] = 1
 
     def remove(self, namespace: str, key: bytes) -> None:
@@ -123,14 +138,15 @@ class PresenceTable:
         bucket = fp & (self.buckets - 1)
         spilled = self._spilled.get(bucket)
         if spilled is not None and fp in spilled:
-            spilled.discard(fp)
+            del spilled[fp]
         else:
             w = self._words
             base = self._slots + bucket * BUCKET_SLOTS
             for i in range(base, base + BUCKET_SLOTS):
                 if w[i] == fp:
-                    if spilled:
-                        w[i] = spilled.pop()  # the freed slot takes a spilled one: still flagged meanwhile
+                    if spilled:  # the freed slot takes a spilled one (its location first): still flagged meanwhile
+                        moved, w[i + self._located] = spilled.popitem()
+                        w[i] = moved
                     else:
                         w[i] = 0
                         w[W_COUNT] -= 1

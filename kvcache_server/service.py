@@ -363,8 +363,11 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         return self._counters.failed_requests + bulk
 
     def _bytes_leased(self) -> int:
-        """Blocks read in place: under LeaseGet's leases and the bulk port's LEASE frames'."""
-        bulk = self.bulk.counters.get("bytes_leased") if self.bulk is not None else 0
+        """Blocks read in place: under LeaseGet's leases and the bulk port's LEASE frames', and those a
+        same-host client copied straight out of the arena and then named in a TOUCH frame."""
+        bulk = 0
+        if self.bulk is not None:
+            bulk = self.bulk.counters.get("bytes_leased") + self.bulk.counters.get("bytes_touched")
         return self.inplace_bytes_leased + bulk
 
     def _bulk_stats(self) -> dict[str, int]:

@@ -744,6 +744,15 @@ class TierStack:
         self._ram_counters.bytes_read += read  # one add, no call between its read and its write
         return [Found(lease.view, TierKind.RAM, lease) for lease in leases]
 
+    def touch_ram(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Blocks a same-host client read straight out of the arena, counted as RAM hits and used
+        (RamTier.touch_many); returns their bytes. Thread-safe, no I/O: a bulk session's TOUCH."""
+        start = time.perf_counter()
+        read = self._ram.touch_many(namespace, keys)
+        self._ram_op("get", start)
+        self._ram_counters.bytes_read += read  # one add, no call between its read and its write
+        return read
+
     def release(self, found: Iterable[Found | None]) -> None:
         """Hands back the leases of RAM hits that get() returned (each at most once)."""
         ids = [f.lease.id for f in found if f is not None and f.lease is not None]

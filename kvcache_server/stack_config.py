@@ -149,7 +149,8 @@ def build_stack(
         )
         # Same-host Lookups without an RPC, where the arena is shared (docs/presence.md).
         block_bytes = config.ram.presence_block_bytes if config.ram.presence_index else 0
-        built.ram.enable_presence(block_bytes, lower_tiers=bool(lower))
+        # Locations only where the arena is one tenant's (docs/presence.md, "Reads straight out of the arena").
+        built.ram.enable_presence(block_bytes, lower_tiers=bool(lower), locations=len(tenants) <= 1)
         return built
 
     tenants = sorted({t.principal.tenant for t in tokens.tokens}) if tokens else []

@@ -112,13 +112,15 @@ def _child_server(tmp_path: Path) -> tuple[ChildServer, int]:
 
 def test_same_host_reads_lease_over_the_bulk_port_not_grpc(make_server, tmp_path: Path) -> None:
     """get_many, get_into and leased() each take one LEASE frame and one RELEASE frame on the bulk
-    port; the bytes are the stored ones; nothing stays leased once each call returned."""
+    port (get_into with its reads straight out of the arena off: test_local_reads.py has those); the
+    bytes are the stored ones; nothing stays leased once each call returned."""
     server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"dir": str(tmp_path / "shm")})
     items = _blocks(16, 64 << 10)
     keys = [k for k, _ in items]
     total = sum(len(b) for _, b in items)
     with KVCacheClient(server.target, timeout_s=10) as client:
         client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
+        client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
         assert client.put_many("n", items).stored == 16
         assert [bytes(b) for b in client.get_many("n", keys)] == [b for _, b in items]
         assert _open_leases(server) == 0
@@ -145,6 +147,7 @@ def test_a_lease_answer_nobody_waits_for_is_released_not_left_to_expire(tmp_path
         keys = [k for k, _ in items]
         with KVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
             client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
+            client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
             assert client.put_many("n", items).stored == 8
             buffers = [bytearray(32 << 10) for _ in keys]
             assert client.get_into("n", keys, buffers) == [True] * 8  # warm: Info asked, arena mapped
@@ -278,6 +281,7 @@ def test_the_asyncio_face_leases_and_puts_small_over_the_bulk_port(make_server, 
         ended = {"ok": 0, "deadline": 0, "cancelled": 0}
         async with AsyncKVCacheClient(server.target, timeout_s=10) as client:
             client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
+            client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
             assert (await client.put_many("n", small)).stored == 20
             assert counters.get("puts") == 1
             assert client.bulk.counters.bulk_bytes_sent == sum(len(b) for _, b in small)
@@ -330,6 +334,7 @@ def test_the_asyncio_face_releases_a_lease_answer_nobody_waits_for(tmp_path: Pat
     async def run() -> None:
         async with AsyncKVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
             client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
+            client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
             assert (await client.put_many("n", items)).stored == 8
             buffers = [bytearray(32 << 10) for _ in keys]
             assert await client.get_into("n", keys, buffers) == [True] * 8  # warm: Info asked, arena mapped
@@ -372,6 +377,7 @@ def test_asyncio_leases_nobody_waits_for_leave_the_default_executor_free(tmp_pat
     async def run() -> None:
         async with AsyncKVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
             client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
+            client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
             assert (await client.put_many("n", items)).stored == 2
             buffers = [bytearray(32 << 10) for _ in keys]
             assert await client.get_into("n", keys, buffers) == [True] * 2  # warm
@@ -399,7 +405,8 @@ def test_small_same_host_gets_are_one_bulk_get_and_large_ones_lease(make_server,
     """A same-host get expected (its keys times the last get's mean block) to move less than
     bulk.SAME_HOST_BULK_GET_BYTES is one GET frame, its payloads received into the caller's memory
     and verified there: no LEASE, no RELEASE, no lease left. Larger ones, and every get with
-    same_host_get_bytes = 0, lease in place. Both faces; the bytes exact every time."""
+    same_host_get_bytes = 0, lease in place. Both faces; the bytes exact every time. (get_into's
+    copies straight out of the arena are off here: tests/test_local_reads.py has those.)"""
     server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"dir": str(tmp_path / "shm")})
     counters = server.running.bulk.counters
     small, large = _blocks(8, 16 << 10), _blocks(4, 2 << 20)
@@ -413,6 +420,7 @@ def test_small_same_host_gets_are_one_bulk_get_and_large_ones_lease(make_server,
         return [bytes(payload_view(b)) for _, b in items]
 
     with KVCacheClient(server.target, timeout_s=10) as client:
+        client.bulk.read_in_place = False
         assert client.put_many("n", small + large).stored == 12
         dst = [bytearray(16 << 10) for _ in sk]
         before = frames()
@@ -441,6 +449,7 @@ def test_small_same_host_gets_are_one_bulk_get_and_large_ones_lease(make_server,
 
     async def run() -> None:
         async with AsyncKVCacheClient(server.target, timeout_s=10) as aclient:
+            aclient.bulk.read_in_place = False
             assert await aclient.get_into("n", sk, [bytearray(16 << 10) for _ in sk]) == [True] * 8
             start = frames()
             dst = [bytearray(16 << 10) for _ in sk]

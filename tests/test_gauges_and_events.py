@@ -46,6 +46,7 @@ def test_expired_leases_leave_stats_and_the_scrape_without_another_call(
     keys = [k for k, _ in items]
     with KVCacheClient(server.target) as client, KVCacheClient(server.target, shm=False) as watcher:
         client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
+        client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
         assert client.put_many(NS, items).stored == 6
 
         with expired_leases(client, watcher, keys[:3]):

@@ -99,6 +99,7 @@ def test_puts_and_gets_move_no_byte_through_grpc(arena_server: ServerThread) -> 
     total = sum(len(b) for _, b in data)
     with KVCacheClient(arena_server.target) as client:
         client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
+        client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
         wire = count_grpc_block_traffic(client)
         result = client.put_many(NS, data)
         assert (result.stored, result.bytes_sent) == (4, total)

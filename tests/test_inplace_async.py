@@ -88,6 +88,7 @@ def test_puts_and_gets_move_no_byte_through_grpc(arena_server: ServerThread) -> 
     async def run() -> None:
         async with AsyncKVCacheClient(arena_server.target) as client:
             client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
+            client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
             wire = count_grpc_block_traffic(client)
             result = await client.put_many(NS, data)
             assert (result.stored, result.bytes_sent) == (4, total)
@@ -154,6 +155,7 @@ def test_a_wrong_destination_or_an_exception_in_the_block_releases_the_leases(ar
     async def run() -> None:
         async with AsyncKVCacheClient(arena_server.target) as client:
             client.bulk.same_host_get_bytes = 0  # this test is about leases: no get as one bulk GET
+            client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
             await client.put_many(NS, data)
             with pytest.raises(ValueError, match="destination holds"):
                 await client.get_into(NS, keys, [bytearray(10), bytearray(10)])

@@ -361,6 +361,7 @@ def test_every_lease_and_reservation_is_handed_back(
         face = FACES[face_name](arena_server.target)
         if scenario.leases_only:
             face.client.bulk.same_host_get_bytes = 0
+            face.client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
         try:
             return await _scenario(face, scenario, arena_server)
         finally:
@@ -438,6 +439,7 @@ def test_both_faces_drive_the_same_steps(arena_server: ServerThread, monkeypatch
 
     with KVCacheClient(arena_server.target) as client:
         client.bulk.same_host_get_bytes = 0  # every get through the core's lease steps, none as one bulk GET
+        client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
         client.put_many(NS, data)
         with client.leased(NS, keys) as views:
             assert all(v is not None for v in views)
@@ -447,6 +449,7 @@ def test_both_faces_drive_the_same_steps(arena_server: ServerThread, monkeypatch
     async def run() -> None:
         async with AsyncKVCacheClient(arena_server.target) as client:
             client.bulk.same_host_get_bytes = 0
+            client.bulk.read_in_place = False  # nor get_into's copies straight out of the arena
             await client.put_many(NS, data)
             async with client.leased(NS, keys) as views:
                 assert all(v is not None for v in views)

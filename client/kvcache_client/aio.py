@@ -282,7 +282,8 @@ class AsyncKVCacheClient:
         """Copies each key's verified block payload once into its destination; True where found.
 
         As KVCacheClient.get_into (torch tensors on any device, or writable buffers of exactly the
-        payload's size; on the same host straight from the server's arena under read leases; from a
+        payload's size; on the same host straight from the server's arena, copied where the presence
+        index locates every key and under read leases otherwise; from a
         remote server's bulk port received straight into CPU destinations). Large copies and those
         receives run in a worker thread; a cancelled call waits for it before the leases are released
         and before it returns, so nothing writes into a destination after the call.

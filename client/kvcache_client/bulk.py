@@ -35,12 +35,14 @@ from typing import TypeVar
 
 import grpc
 
-from kvcache_client.arena import Leased
+from kvcache_client.arena import ArenaLink, Leased
 from kvcache_client.bufpool import BufferPool
 from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, Received, stripes
 from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.errors import RPCError
 from kvcache_client.inplace_core import BulkRefusal
+from kvcache_client.local_reads import land_jobs, located_jobs
+from kvcache_client.presence import PresenceLink
 from kvcache_client.results import (
     TIER_NAMES,
     Fetched,
@@ -163,6 +165,7 @@ class BulkLink:
         self._block_bytes = 0  # the mean block size of the last get that found any (its lanes)
         self.same_host_put_bytes = SAME_HOST_BULK_PUT_BYTES  # 0: every same-host put through a segment
         self.same_host_get_bytes = SAME_HOST_BULK_GET_BYTES  # 0: every same-host get leases in place
+        self.read_in_place = True  # get_into copies straight out of the arena where blocks are located
         """Same host (shared memory on): where LEASE and RELEASE go (InPlaceCalls.bulk); None: gRPC."""
         self._lock = threading.Lock()
 
@@ -343,6 +346,47 @@ class BulkLink:
                     pool.close()
             self.pool = self.lease_pool = None
 
+    def get_in_place(
+        self,
+        pool: BulkPool | None,
+        presence: PresenceLink,
+        arena: ArenaLink,
+        namespace: str,
+        keys: Sequence[bytes],
+        sinks: Sequence[memoryview | None],
+        timeout_s: float,
+    ) -> Received:
+        """get_into's blocks copied straight out of the server's arena where its presence index locates
+        every one, each verified where it landed, and named to the server in one TOUCH on `pool` (the
+        leases' pool: kvcache_client.local_reads); empty (the usual path then) without such a pool, with a key
+        not located, or a block that does not verify. A TOUCH the server refuses raises its status, as
+        the Get would have; a port that fails takes the leases' pool down and the usual path.
+
+        Raises:
+            RPCError: the server refused the TOUCH (PermissionDenied without the read right, ...).
+        """
+        if pool is None or not self.read_in_place or not presence.locates:
+            return Received()
+        jobs = located_jobs(presence, arena, namespace, keys, sinks)
+        if not jobs:
+            return Received()
+        deadline = time.monotonic() + timeout_s
+
+        def touched(conn: BulkConnection) -> Received:
+            # The TOUCH goes first and its answer is read after the copies: one round trip, overlapped
+            # with them. Should a block then fail its check (a slot reused meanwhile, rare), the usual
+            # path reads the keys again and the server counts them read twice.
+            conn.send_touch(namespace, keys[: len(jobs)], deadline)
+            got = land_jobs(jobs, presence.counters)
+            conn.read_touched(deadline)
+            return got
+
+        try:
+            return pool.run(touched, deadline)
+        except BulkUnreachable as exc:
+            self.lease_down(str(exc))
+            return Received()
+
     def small_same_host_pool(self, nkeys: int) -> BulkPool | None:
         """The pool a same-host get of `nkeys` goes to as a bulk GET (SAME_HOST_BULK_GET_BYTES), or
         None: it leases in place (a large get, a block size not seen yet, no bulk port)."""
@@ -499,6 +543,11 @@ class BulkTransport:
         self.inner.info(timeout_s)
         same_host = self.inner.arena.on
         if same_host:
+            pool = self._lease_pool(timeout_s) if self.link.read_in_place and self.presence.locates else None
+            left = timeout_s - (time.monotonic() - start)
+            local = self.link.get_in_place(pool, self.presence, self.inner.arena, namespace, keys, sinks, left)
+            if local.landed:
+                return local
             pool = self.link.small_same_host_pool(len(keys))  # a small get: one GET beats LEASE + RELEASE
         else:
             pool = self._pool(self.link.min_bytes, timeout_s - (time.monotonic() - start))
@@ -684,6 +733,13 @@ class AsyncBulkTransport:
         await self.inner.info(timeout_s)
         same_host = self.inner.arena.on
         if same_host:
+            pool = await self._lease_pool(timeout_s) if self.link.read_in_place and self.presence.locates else None
+            left = timeout_s - (time.monotonic() - start)
+            local = await run_to_end(
+                lambda _: self.link.get_in_place(pool, self.presence, self.inner.arena, namespace, keys, sinks, left)
+            )
+            if local.landed:
+                return local
             pool = self.link.small_same_host_pool(len(keys))  # a small get: one GET beats LEASE + RELEASE
         else:
             pool = await self._pool(self.link.min_bytes, timeout_s - (time.monotonic() - start))

@@ -255,6 +255,16 @@ class BulkConnection:
         limit = max(1 << 20, 4 + len(keys))
         return self._answer(bw.FrameType.LOOKED_UP, bw.parse_looked_up, "LOOKUP", deadline, limit)
 
+    def send_touch(self, namespace: str, keys: Sequence[bytes], deadline: float) -> None:
+        """Sends a TOUCH (blocks this client reads straight out of the server's arena, counted there as
+        read: kvcache_client.local_reads); its answer is read_touched's."""
+        payload = bw.touch(namespace, keys)
+        self.send([bw.header(bw.FrameType.TOUCH, len(payload)), payload], deadline)
+
+    def read_touched(self, deadline: float) -> int:
+        """A TOUCH's answer: how many keys it named. A refusal (the read right) is raised as its status."""
+        return self._answer(bw.FrameType.TOUCHED, bw.parse_touched, "TOUCH", deadline)
+
     def get(
         self,
         namespace: str,
@@ -304,7 +314,7 @@ class BulkConnection:
             size = length - bw.GET_ITEM.size
             tier_name = TIER_NAMES.get(tier, "unknown")
             sink = sinks[index] if index < len(sinks) else None
-            if sink is not None and size - len(sink) in _HEADER_LENS:
+            if sink is not None and size - len(sink) in HEADER_LENS:
                 self._land(keys[index], index, tier_name, size, sink, got, deadline)
                 continue
             # written once, whole, by the receive: never read uninitialised
@@ -387,7 +397,7 @@ _LAND_PIECE = 1 << 20
 """Bytes received into a sink, then hashed, at a time: 16 x 2 MiB get_into 1.41-2.08 GB/s against
 1.25-1.57 in pieces of 256 KiB (one recv call and one hash update per piece; same run, this VM)."""
 
-_HEADER_LENS = frozenset(FIXED_HEADER_BYTES + 8 * ndim for ndim in range(MAX_NDIM + 1))
+HEADER_LENS = frozenset(FIXED_HEADER_BYTES + 8 * ndim for ndim in range(MAX_NDIM + 1))
 """What a block's header may measure: a GET_ITEM whose length over its sink's is none of these is
 not that sink's block (another size: received as get receives it, and refused by the copy)."""
 

@@ -112,6 +112,8 @@ class BulkCounters:
         "releases",  # RELEASE frames answered
         "lookups",  # LOOKUP frames answered
         "lookups_on_loop",  # of them, those RAM alone could not answer (the lower tiers were asked)
+        "touches",  # TOUCH frames answered (blocks a same-host client read straight out of the arena)
+        "bytes_touched",  # the blocks of them RAM held
         "bytes_received",
         "bytes_sent",
         "errors",
@@ -347,6 +349,8 @@ class Session:
                     self._release_leases(length, deadline)
                 elif kind is bw.FrameType.LOOKUP:
                     self._lookup(length, deadline)
+                elif kind is bw.FrameType.TOUCH:
+                    self._touch(length, deadline)
                 else:
                     raise bw.FrameError(f"unexpected {kind.name} frame where a request must start")
         except Refused as exc:
@@ -645,6 +649,20 @@ class Session:
         self._s.counters.add("lookups")
         payload = bw.looked_up([int(t) for t in tiers])
         deadline.send(self.sock, [bw.header(bw.FrameType.LOOKED_UP, len(payload)), payload])
+
+    def _touch(self, length: int, deadline: Deadline) -> None:
+        """Blocks a same-host client read straight out of the arena (kvcache_client.local_reads),
+        with the read right, counted as a Get of RAM hits is: a hit each, most recently used (so
+        what is read locally is not evicted first). Entirely in this thread (the RAM tier's lock)."""
+        namespace, keys = bw.parse_touch(self._control(bw.FrameType.TOUCH, length, deadline))
+        self._authorize("Get")
+        scoped = self._namespace(namespace)
+        self._check_keys(keys)
+        held = self._s.stack.touch_ram(scoped, keys)
+        self._s.counters.add("touches")
+        self._s.counters.add("bytes_touched", held)
+        payload = bw.touched(len(keys))
+        deadline.send(self.sock, [bw.header(bw.FrameType.TOUCHED, len(payload)), payload])
 
     async def _lookup_lower(self, namespace: str, keys: list[bytes], left_s: float | None) -> list[TierKind]:
         answer_by = None

@@ -50,7 +50,7 @@ from typing import Protocol
 
 import numpy as np
 
-from kvcache_core.presence import PRESENCE_PREFIX
+from kvcache_core.presence import PRESENCE_PREFIX, pack_location
 from kvcache_server.arena import Extents, Lease, Region, Reservation, Slot, align, new_id, remove_dead_arenas
 from kvcache_server.presence import PresenceTable
 from kvcache_server.tiers.base import Tier, TierKind, TierStats
@@ -290,6 +290,7 @@ class RamTier(Tier):
         self.instance_id = secrets.randbits(63) or 1  # names this server's presence tables (a restart: another)
         self._presence_block_bytes = 0  # 0: no presence tables (enable_presence)
         self._presence_lower = False
+        self._presence_locations = True
 
     @staticmethod
     def entry_cost(block: bytes | memoryview) -> int:
@@ -322,7 +323,7 @@ class RamTier(Tier):
 
     # -- the presence index (docs/presence.md) ------------------------------------------------------
 
-    def enable_presence(self, block_bytes: int, *, lower_tiers: bool) -> None:
+    def enable_presence(self, block_bytes: int, *, lower_tiers: bool, locations: bool = True) -> None:
         """Keeps a presence table per tenant partition beside the shared arena, sized for blocks of
         `block_bytes` filling the tenant's quota (or the capacity), so same-host clients that map the
         arena answer Lookups of blocks RAM holds without an RPC. A no-op where the arena is not
@@ -331,24 +332,34 @@ class RamTier(Tier):
         Args:
             block_bytes: the block size a table is sized for (ram.presence_block_bytes).
             lower_tiers: tiers below RAM exist (a RAM miss is then not a definite miss).
+            locations: say where each block lies, so clients copy small gets straight out of the arena
+                (kvcache_client.local_reads); off where tenants share the arena (a slot reused by
+                another tenant's block of the same key would verify under it).
         """
         if not self.region.path or block_bytes <= 0:
             return
         remove_dead_arenas(os.path.dirname(self.region.path), PRESENCE_PREFIX)
         with self._lock:
             self._presence_block_bytes, self._presence_lower = block_bytes, lower_tiers
+            self._presence_locations = locations
             for tenant, part in self._partitions.items():
                 if part.presence is None and self._open_presence(tenant, part):
-                    for entry in self._blocks:
+                    for entry, slot in self._blocks.items():
                         if tenant_of(entry[0]) == tenant:
-                            part.presence.add(*entry)  # type: ignore[union-attr]
+                            part.presence.add(*entry, pack_location(slot.offset, slot.length))  # type: ignore[union-attr]
 
     def _open_presence(self, tenant: str, part: _Partition) -> bool:
         """Creates the partition's table (under the lock); False (logged) when the tmpfs has no room."""
         blocks = (part.quota or self._capacity) // self._presence_block_bytes
         try:
             where = os.path.dirname(self.region.path)
-            part.presence = PresenceTable(where, blocks, instance_id=self.instance_id, lower_tiers=self._presence_lower)
+            part.presence = PresenceTable(
+                where,
+                blocks,
+                instance_id=self.instance_id,
+                lower_tiers=self._presence_lower,
+                locations=self._presence_locations,
+            )
         except OSError as exc:
             log.warning("presence index of tenant %r not created (Lookups stay RPCs): %s", tenant, exc)
             return False
@@ -456,6 +467,26 @@ class RamTier(Tier):
                 self._retention.touched(entry, now)
                 out.append(self._lease_locked(part, namespace, slot, now + ttl_s))
         return out
+
+    def touch_many(self, namespace: str, keys: Sequence[bytes]) -> int:
+        """Counts the blocks RAM holds of `keys` as read (a hit each, most recently used, their
+        retention renewed) without handing anything out: a same-host client read them straight out
+        of the arena (kvcache_client.local_reads); returns their bytes. Keys it does not hold are
+        not counted (the client copied them before they left, or failed and asked again)."""
+        read = 0
+        with self._lock:
+            now = self._clock()
+            part = self._partition(namespace)
+            for key in keys:
+                entry = (namespace, key)
+                slot = self._blocks.get(entry)
+                if slot is None:
+                    continue
+                self._stats.hits += 1
+                part.policy.accessed(entry)
+                self._retention.touched(entry, now)
+                read += slot.length
+        return read
 
     def _lease_locked(self, part: _Partition, namespace: str, slot: Slot, expires: float) -> Lease:
         """A new read lease on `slot` (under the lock): pinned until released or expired."""
@@ -827,7 +858,7 @@ class RamTier(Tier):
         slot.indexed = True
         self._blocks[entry] = slot
         if part.presence is not None:
-            part.presence.add(*entry)
+            part.presence.add(*entry, pack_location(slot.offset, slot.length))
         part.policy.inserted(entry)
         cost = self.entry_cost_of(slot.length)
         part.used += cost
