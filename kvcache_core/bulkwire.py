@@ -64,7 +64,7 @@ class FrameType(enum.IntEnum):
     LOOKUP = 0x40  # client -> server: namespace, the caller's time left, keys
     LOOKED_UP = 0x41  # server -> client: the stored prefix's length and each of its keys' tier
     TOUCH = 0x50  # client -> server, same host: namespace, keys read out of the arena (counted as read)
-    TOUCHED = 0x51  # server -> client: how many of them RAM still held
+    TOUCHED = 0x51  # server -> client: how many keys the TOUCH named
 
 
 class FrameError(Exception):

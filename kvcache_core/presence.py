@@ -5,21 +5,28 @@ block arena (docs/presence.md). Every word is a little-endian uint64, every stor
 8-byte store, so a reader needs no lock: racing a change, it sees the word before or after it.
 
 ```
- offset 0        64                                      64 + 64 x n        locations_at(n)
- +---------------+----------------+-----+----------------+------------------+--------+-------------------+
- | header 8 x u64| bucket 0       | ... | bucket n-1     | overflow: n x u8 | (pad 8)| locations: 8n x u64|
- +---------------+----------------+-----+----------------+------------------+--------+-------------------+
+ offset 0        64                                   64 + 64 x n      locations_at(n)       versions_at(n)
+ +---------------+-------------+-----+-------------+----------------+-----+-----------------+---------------+
+ | header 8 x u64| bucket 0    | ... | bucket n-1  | overflow n x u8| pad | locations 8n u64| versions n u64|
+ +---------------+-------------+-----+-------------+----------------+-----+-----------------+---------------+
    header: MAGIC, VERSION, instance id, FLAGS, n (a power of two), seed, fingerprints, 0
    bucket: 8 fingerprints (one cache line); 0 = an empty slot
    overflow[b] != 0: bucket b was full when a fingerprint was added, so "not in bucket b" is not certain
    locations[8b + j] (with FLAG_LOCATIONS): where the block of bucket b's slot j lies in the arena,
-           pack_location(offset, length); 0 = not known. Written before its fingerprint.
+           pack_location(offset, length); 0 = not known
+   versions[b] (with FLAG_LOCATIONS): bucket b's change count, odd while the server changes the bucket
 ```
 
-A location is a hint as the fingerprint is: a reader copies the block from the arena it maps and
-keeps it only if it verifies under its own key where it landed (the slot may have been reused, or be
-being written, by the time it reads: kvcache_client.local_reads). A reader of a table without
-FLAG_LOCATIONS (an older server) ignores the region, as an older reader ignores the flag.
+Every change to a bucket's slots is made between two increments of its version (a seqlock), so a
+reader (kvcache_client.local_reads) that reads a bucket's version, then the fingerprint and its
+location, copies the block and reads the version again, and finds it even and unchanged, knows the
+entry was indexed at that location the whole time: its slot cannot have been freed and reused (the
+RAM tier drops an entry from the index, and so from this table, before it frees its slot). That
+binds the copy to the (namespace, key) the fingerprint names, which the block's checksum (key-bound,
+not namespace-bound) alone does not; the checksum is still verified where the block landed. A reader
+of a table without FLAG_LOCATIONS (an older server) ignores both regions, as an older reader ignores
+the flag. The orders of stores and loads this relies on are x86-64's (stores, and loads, are not
+reordered with their own kind).
 
 A fingerprint is fingerprint(seed, namespace, key): XXH3-64 of the namespace (as the server scopes it:
 "tenant:ns" with auth), a NUL and the key, seeded with the table's random seed; 0 is mapped to 1. The
@@ -50,7 +57,8 @@ FLAG_LOWER_TIERS = 1
 FLAG_CLOSED = 2
 """The server closed the table (it stopped): trust nothing in it."""
 FLAG_LOCATIONS = 4
-"""The table has a location word per slot (this server also answers the bulk port's TOUCH frame)."""
+"""The table has a location word per slot and a version per bucket (this server also answers the bulk
+port's TOUCH frame)."""
 
 LOCATION_LENGTH_BITS = 30
 """A location word: the block's arena offset in 64-byte units above these bits, its length in bytes below."""
@@ -70,9 +78,14 @@ def locations_at(buckets: int) -> int:
     return -(-table_bytes(buckets) // 8) * 8
 
 
-def file_bytes(buckets: int) -> int:
-    """Bytes of a file with a location word per slot."""
+def versions_at(buckets: int) -> int:
+    """Byte offset of the buckets' versions: after the locations."""
     return locations_at(buckets) + buckets * BUCKET_SLOTS * 8
+
+
+def file_bytes(buckets: int) -> int:
+    """Bytes of a file with a location word per slot and a version per bucket."""
+    return versions_at(buckets) + buckets * 8
 
 
 def pack_location(offset: int, length: int) -> int:

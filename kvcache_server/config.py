@@ -115,7 +115,7 @@ class RamSection:
     max_keys_per_lease: int = 16384
     # A per-tenant presence index of the blocks RAM holds, beside the shared arena, that same-host
     # clients read to answer Lookups, and locate blocks to copy, without an RPC (docs/presence.md);
-    # sized for blocks of presence_block_bytes filling the tenant's quota or the capacity: 32-64
+    # sized for blocks of presence_block_bytes filling the tenant's quota or the capacity: 34-68
     # bytes per such block.
     presence_index: bool = True
     presence_block_bytes: int = 64 << 10

@@ -186,11 +186,15 @@ class _StatsCollector(Collector):
         )
         family = CounterMetricFamily(
             "kvcache_bulk_requests",
-            "Bulk requests answered, by frame: put, get, lookup, and a same-host client's lease and release",
+            "Bulk requests answered, by frame: put, get, lookup, and a same-host client's lease, release and "
+            "touch (blocks it read straight out of the arena)",
             labels=["kind"],
         )
-        for kind in ("puts", "gets", "leases", "releases", "lookups"):
-            family.add_metric([kind[:-1]], service[f"bulk_{kind}"])
+        for kind, label in (
+            ("puts", "put"), ("gets", "get"), ("leases", "lease"), ("releases", "release"), ("lookups", "lookup"),
+            ("touches", "touch"),
+        ):  # fmt: skip
+            family.add_metric([label], service[f"bulk_{kind}"])
         yield family
         yield CounterMetricFamily(
             "kvcache_bulk_cut_off",

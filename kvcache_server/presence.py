@@ -20,8 +20,10 @@ so a same-host client can copy a block straight out of the arena it maps and ver
 
 Every store into the table is one aligned 8-byte store (a memoryview cast to "Q": CPython packs one
 unsigned long long), a location before its fingerprint and the fingerprint before the overflow flag
-changes, so a reader racing a change sees the table before or after it, and a fingerprint it sees with
-the location written for it or a later one (x86-64 keeps stores, and loads, in program order).
+changes, so a reader racing a change sees the table before or after it; every change of a bucket's
+slots lies between two increments of the bucket's version (a seqlock: kvcache_core.presence), so a
+reader can tell that an entry it located stayed indexed while it copied the block (x86-64 keeps
+stores, and loads, in program order).
 
 The file is created 0600, made 0400 at once (as the arena: the server's descriptor stays writable, every
 other open is read-only) and flock'd while the server lives: a reader that can take the lock knows the
@@ -54,6 +56,7 @@ from kvcache_core.presence import (
     file_bytes,
     fingerprint,
     locations_at,
+    versions_at,
 )
 from kvcache_server.arena import create_shared_file
 
@@ -72,7 +75,7 @@ class PresenceTable:
     """
 
     def __init__(
-        self, directory: str, blocks: int, *, instance_id: int, lower_tiers: bool, locations: bool = True
+        self, directory: str, blocks: int, *, instance_id: int, lower_tiers: bool, locations: bool = False
     ) -> None:
         """Creates the file, sized for `blocks` fingerprints (kvcache_core.presence.buckets_for).
 
@@ -89,6 +92,7 @@ class PresenceTable:
         self._slots = HEADER_BYTES // 8  # the word index of bucket 0's first slot
         self._overflow = HEADER_BYTES + self.buckets * BUCKET_SLOTS * 8  # byte offset of the flags
         self._located = locations_at(self.buckets) // 8 - self._slots  # slot word + this: its location's
+        self._versions = versions_at(self.buckets) // 8  # + bucket: the bucket's version word
         w = self._words
         w[W_VERSION], w[W_INSTANCE], w[W_BUCKETS], w[W_SEED] = VERSION, instance_id, self.buckets, self._seed
         w[W_FLAGS] = (FLAG_LOCATIONS if locations else 0) | (FLAG_LOWER_TIERS if lower_tiers else 0)
@@ -118,38 +122,50 @@ class PresenceTable:
         base = self._slots + bucket * BUCKET_SLOTS
         for i in range(base, base + BUCKET_SLOTS):
             if w[i] == 0:
+                version = self._versions + bucket
+                w[version] += 1  # odd: the bucket is changing
                 w[i + self._located] = location
                 w[i] = fp
+                w[version] += 1
                 w[W_COUNT] += 1
                 return
         self._spilled.setdefault(bucket, {})[fp] = location
         self._map[self._overflow + bucket] = 1
 
     def remove(self, namespace: str, key: bytes) -> None:
-        """(namespace, key) left the index (evicted, deleted, replaced)."""
+        """(namespace, key) left the index (evicted, deleted, replaced). Before the RAM tier frees its
+        slot: a reader that saw the bucket's version unchanged across its copy copied this entry."""
         fp = self._fp(namespace, key)
         n = self._counts.get(fp, 0)
-        if n > 1:
-            self._counts[fp] = n - 1
-            return
         if n == 0:
             return
-        del self._counts[fp]
+        w = self._words
         bucket = fp & (self.buckets - 1)
+        base = self._slots + bucket * BUCKET_SLOTS
+        version = self._versions + bucket
+        if n > 1:  # another (namespace, key) of this fingerprint stays: which one the location was is not kept
+            self._counts[fp] = n - 1
+            for i in range(base, base + BUCKET_SLOTS):
+                if w[i] == fp:
+                    w[version] += 1
+                    w[i + self._located] = 0
+                    w[version] += 1
+            return
+        del self._counts[fp]
         spilled = self._spilled.get(bucket)
         if spilled is not None and fp in spilled:
             del spilled[fp]
         else:
-            w = self._words
-            base = self._slots + bucket * BUCKET_SLOTS
             for i in range(base, base + BUCKET_SLOTS):
                 if w[i] == fp:
+                    w[version] += 1
                     if spilled:  # the freed slot takes a spilled one (its location first): still flagged meanwhile
                         moved, w[i + self._located] = spilled.popitem()
                         w[i] = moved
                     else:
                         w[i] = 0
                         w[W_COUNT] -= 1
+                    w[version] += 1
                     break
         if spilled is not None and not spilled:
             del self._spilled[bucket]

@@ -125,7 +125,9 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             **{f"arena_{name}": n for name, n in self._stack.ram.arena_stats().items()},
             **dict.fromkeys(_BULK_STATS, 0),
             **self._bulk_stats(),
-            **dict.fromkeys(("bulk_puts", "bulk_gets", "bulk_leases", "bulk_releases", "bulk_lookups"), 0),
+            **dict.fromkeys(
+                ("bulk_puts", "bulk_gets", "bulk_leases", "bulk_releases", "bulk_lookups", "bulk_touches"), 0
+            ),
             **self._bulk_requests(),
             **self._retention_prefetch_stats(),
         }
@@ -387,7 +389,7 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         if self.bulk is None:
             return {}
         c = self.bulk.counters.snapshot()
-        return {f"bulk_{kind}": c[kind] for kind in ("puts", "gets", "leases", "releases", "lookups")}
+        return {f"bulk_{kind}": c[kind] for kind in ("puts", "gets", "leases", "releases", "lookups", "touches")}
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         principal = current_principal.get()  # the caller's tenant: only its own presence index is named

@@ -107,20 +107,20 @@ def _entry_cost(block: bytes) -> int:
 
 
 def test_a_stale_location_is_never_wrong_bytes_and_the_server_answers_instead(make_server) -> None:
-    """The race a lease would have kept out, made certain: key A's location read, then A deleted and
-    B (same size) put into A's slot, then A's get_into copies from that stale location. B's bytes do
-    not verify under A: the get goes the usual way (A missing: False; A put again elsewhere: its own
-    bytes), counted as read_again, never as corruption."""
+    """The race a lease would have kept out, made certain: key A's location read (with its bucket's
+    version), then A deleted and B (same size) put into A's slot, then A's get_into copies from what
+    it read. B's bytes do not verify under A, and A's bucket changed: the get goes the usual way (A
+    missing: False; A put again elsewhere: its own bytes), counted as read_again, never as corruption."""
     server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
     (a, block_a), (b, block_b) = _items(2)
     with KVCacheClient(server.target, timeout_s=10) as client:
         assert client.put_many("ns", [(a, block_a)]).stored == 1
-        (stale,) = client.presence.locate("ns", [a])
+        stale = client.presence.locate("ns", [a])
         client.delete("ns", [a])
         assert client.put_many("ns", [(b, block_b)]).stored == 1
-        assert client.presence.locate("ns", [b]) == [stale]  # B took A's slot: the location is B's now
+        assert client.presence.locate("ns", [b]).words == stale.words  # B took A's slot
         real = client.presence.locate
-        client.presence.locate = lambda ns, keys: [stale] * len(keys)  # type: ignore[method-assign]
+        client.presence.locate = lambda ns, keys: stale  # type: ignore[method-assign]
         try:
             dst = [bytearray(16 * KiB)]
             assert client.get_into("ns", [a], dst) == [False]
@@ -139,6 +139,32 @@ def test_a_stale_location_is_never_wrong_bytes_and_the_server_answers_instead(ma
         assert client.presence.counters.read_in_place == 2
 
 
+def test_another_namespaces_block_of_the_same_key_in_the_slot_is_never_returned(make_server) -> None:
+    """A block's checksum binds it to its key, not to its namespace: (ns "a", K) located, then
+    deleted, and (ns "b", K) with other bytes put into the same slot, verifies under K. The bucket's
+    version (the index's seqlock) changed meanwhile, so the copy is not used: get_into("a", K) is a
+    miss, not b's bytes (before the versions it returned b's bytes as a's)."""
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    key = os.urandom(16)
+    block_a, block_b = raw_block(key, os.urandom(16 * KiB)), raw_block(key, os.urandom(16 * KiB))
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        assert client.put_many("a", [(key, block_a)]).stored == 1
+        stale = client.presence.locate("a", [key])
+        client.delete("a", [key])
+        assert client.put_many("b", [(key, block_b)]).stored == 1
+        assert client.presence.locate("b", [key]).words == stale.words  # b's block in a's old slot
+        real = client.presence.locate
+        client.presence.locate = lambda ns, keys: stale  # type: ignore[method-assign]
+        try:
+            dst = [bytearray(16 * KiB)]
+            assert client.get_into("a", [key], dst) == [False]
+            assert client.presence.counters.read_again == 1 and client.presence.counters.read_in_place == 0
+        finally:
+            client.presence.locate = real  # type: ignore[method-assign]
+        dst = [bytearray(16 * KiB)]
+        assert client.get_into("b", [key], dst) == [True] and bytes(dst[0]) == bytes(payload_view(block_b))
+
+
 def test_keys_not_all_located_or_destinations_of_another_size_take_the_usual_path(make_server) -> None:
     """A key RAM lacks, or a destination of the wrong size: no read in place at all (so no destination
     is written before the usual path's ValueError, and a prefix stops where the server says)."""
@@ -151,10 +177,15 @@ def test_keys_not_all_located_or_destinations_of_another_size_take_the_usual_pat
         assert client.get_into("ns", keys, dst, prefix_only=True) == [True, True, False]
         assert client.presence.counters.read_in_place == 0
         client.put_many("ns", items[2:])
-        dst = [bytearray(16 * KiB), bytearray(16 * KiB), bytearray(16 * KiB - 1)]
-        with pytest.raises(ValueError):
-            client.get_into("ns", keys, dst)
-        assert client.presence.counters.read_in_place == 0 and server.running.bulk.counters.get("touches") == 0
+        # 1 byte short; 8 bytes over (what a header of one more dimension measures: the block's own
+        # header decides, not the difference of sizes). Nothing is read in place (no TOUCH, no copy):
+        # the usual path's ValueError, as before.
+        for wrong in (16 * KiB - 1, 16 * KiB + 8):
+            dst = [bytearray(16 * KiB), bytearray(wrong), bytearray(16 * KiB)]
+            with pytest.raises(ValueError):
+                client.get_into("ns", keys, dst)
+        assert client.presence.counters.read_in_place == 0 and client.presence.counters.read_again == 0
+        assert server.running.bulk.counters.get("touches") == 0
 
 
 def _tokens(tmp: Path, rights: dict[str, str]) -> str:
@@ -186,10 +217,12 @@ def test_the_touch_needs_the_read_right(make_server, tmp_path: Path) -> None:
         assert rw.presence.counters.read_in_place == 2
     with KVCacheClient(server.target, token="kvc_w_token_of_t", timeout_s=10) as writer:
         writer.put_many("ns", _items(1))  # Info asked, the index mapped
-        assert writer.presence.locates and len(writer.presence.locate("ns", keys)) == 2
+        assert writer.presence.locates and len(writer.presence.locate("ns", keys).words) == 2
+        dst = [bytearray(b"\xff" * (16 * KiB)) for _ in keys]
         with pytest.raises(PermissionDenied):
-            writer.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys])
-        assert writer.presence.counters.read_in_place == 2  # copied, then refused: the call failed
+            writer.get_into("ns", keys, dst)
+        assert all(d == bytes(16 * KiB) for d in dst)  # what was copied is wiped, not handed over
+        assert writer.presence.counters.read_in_place == 0
         assert server.running.bulk.counters.get("touches") == 1  # rw's; the writer's was refused
 
 
@@ -220,7 +253,7 @@ def test_the_table_keeps_each_fingerprints_location_through_spills(tmp_path: Pat
     from kvcache_client.presence import PresenceLink
     from kvcache_core.presence import BUCKET_SLOTS, fingerprint
 
-    table = PresenceTable(str(tmp_path), 64 * 4, instance_id=7, lower_tiers=False)
+    table = PresenceTable(str(tmp_path), 64 * 4, instance_id=7, lower_tiers=False, locations=True)
     link = PresenceLink()
     link.configure(table.path, 7)
     assert link.locates
@@ -232,17 +265,19 @@ def test_the_table_keeps_each_fingerprints_location_through_spills(tmp_path: Pat
             crowd.append(k)
     for i, k in enumerate(crowd):
         table.add("ns", k, pack_location(64 * (i + 1), 1000 + i))
-    located = [link.locate("ns", [k]) for k in crowd]
+    located = [link.locate("ns", [k]).words for k in crowd]
     assert [unpack_location(w) for (w,) in located[:BUCKET_SLOTS]] == [
         (64 * (i + 1), 1000 + i) for i in range(BUCKET_SLOTS)
     ]
     assert located[BUCKET_SLOTS] == []  # spilled: kept by the server, not in the table
-    assert len(link.locate("ns", crowd)) == BUCKET_SLOTS  # the prefix stops at the spilled one
+    before = link.locate("ns", crowd)
+    assert len(before.words) == BUCKET_SLOTS and link.unchanged(before)  # the prefix stops at the spilled one
     table.remove("ns", crowd[0])  # its slot takes the spilled key, with its location
-    assert link.locate("ns", [crowd[0]]) == []
-    assert [unpack_location(w) for w in link.locate("ns", crowd[1:])] == [
-        (64 * (i + 1), 1000 + i) for i in range(1, BUCKET_SLOTS + 1)
-    ]
+    assert not link.unchanged(before)  # the bucket changed: what was located may have moved
+    assert link.locate("ns", [crowd[0]]).words == []
+    after = link.locate("ns", crowd[1:])
+    assert [unpack_location(w) for w in after.words] == [(64 * (i + 1), 1000 + i) for i in range(1, BUCKET_SLOTS + 1)]
+    assert link.unchanged(after)
     table.close()
 
 
@@ -288,44 +323,99 @@ def test_touch_frames_count_only_the_callers_own_blocks_and_refuse_bad_input(mak
         assert client.get_into("n", [items[0][0]], [bytearray(16 * KiB)]) == [True]  # the server goes on
 
 
-def test_landing_small_blocks_checks_every_header_byte_but_the_checksum_against_the_last_parsed() -> None:
-    """land_jobs' shortcut (a header equal to the last one parsed, all but its checksum, is not
-    parsed again) never lets through what parse_header or the checksum would refuse: a changed
-    dtype byte, non-zero reserved bytes, another key, a short block. All or nothing, counted."""
-    from kvcache_client.local_reads import land_jobs
-    from kvcache_client.presence import PresenceCounters
+def test_the_header_shortcut_checks_every_byte_but_the_checksum_against_the_last_parsed() -> None:
+    """local_reads' shortcut (a header equal to the last one parsed, all but its checksum, is not
+    parsed again) never lets through what parse_header, the size or the checksum would refuse: a
+    changed dtype byte, non-zero reserved bytes, a shape dimension, another key, a block shorter or
+    longer than its header says."""
+    from kvcache_client.local_reads import _copied, _Headers
     from kvcache_core.format import encode_bytes_parts
 
     keys = [os.urandom(16) for _ in range(3)]
     payloads = [os.urandom(4096) for _ in keys]
-    blocks = [bytearray(h + bytes(p)) for h, p in encode_bytes_parts(keys, payloads)]
+    blocks = [bytes(h + bytes(p)) for h, p in encode_bytes_parts(keys, payloads)]
 
-    def run(
-        mutate: int | None = None, at: int = 0, key_of_last: bytes | None = None, cut: bool = False, grow: bool = False
-    ) -> bool:
-        bs = [bytearray(b) for b in blocks]
+    def lands(mutate: int | None = None, at: int = 0, key: bytes | None = None, cut: int = 0, grow: int = 0) -> bool:
+        headers = _Headers()
+        for block, k, payload in zip(blocks[:2], keys[:2], payloads[:2], strict=True):  # parsed: the memo
+            parsed = headers.parse(memoryview(block))
+            sink = memoryview(bytearray(4096))
+            assert parsed is not None and _copied(memoryview(block), k, sink, parsed) and bytes(sink) == payload
+        last = bytearray(blocks[2])
         if mutate is not None:
-            bs[2][at] ^= mutate
-        if cut:
-            bs[2] = bs[2][:-64]
-        if grow:  # a location's length past its block: the header's payload length disagrees with it
-            bs[2] += bytes(64)
-        ks = [*keys[:2], key_of_last or keys[2]]
-        sinks = [memoryview(bytearray(len(p) - (64 if cut and i == 2 else 0))) for i, p in enumerate(payloads)]
-        counters = PresenceCounters()
-        got = land_jobs([(memoryview(b), k, s) for b, k, s in zip(bs, ks, sinks, strict=True)], counters)
-        landed = len(got.landed) == 3
-        assert landed or (not got.landed and counters.read_again == 1)
-        if landed:
-            assert [bytes(s) for s in sinks] == payloads and counters.read_in_place == 3
-        return landed
+            last[at] ^= mutate
+        last = last[: len(last) - cut] + bytes(grow)
+        parsed = headers.parse(memoryview(bytes(last)))
+        if parsed is None or parsed.payload_len != 4096:
+            return False
+        sink = memoryview(bytearray(4096))
+        ok = _copied(memoryview(bytes(last)), key or keys[2], sink, parsed)
+        assert not ok or bytes(sink) == payloads[2]
+        return ok
 
-    assert run()
-    assert not run(mutate=0x01, at=8)  # the dtype byte (uint8 -> another): the checksum covers it
-    assert not run(mutate=0x01, at=12)  # a reserved byte: parse_header refuses it
-    assert not run(mutate=0x01, at=50)  # a payload byte
-    assert not run(mutate=0x01, at=33)  # a checksum byte
-    assert not run(mutate=0x01, at=40)  # the shape's dimension, after the checksum: raw_len disagrees
-    assert not run(key_of_last=keys[0])  # another key's block
-    assert not run(cut=True)  # a shorter block: parsed in full, its payload_len disagrees
-    assert not run(grow=True)  # a longer one, its sink the payload's size: refused, not a ValueError
+    assert lands()
+    assert not lands(mutate=0x01, at=8)  # the dtype byte (uint8 -> another): the checksum covers it
+    assert not lands(mutate=0x01, at=12)  # a reserved byte: parse_header refuses it
+    assert not lands(mutate=0x01, at=50)  # a payload byte
+    assert not lands(mutate=0x01, at=33)  # a checksum byte
+    assert not lands(mutate=0x01, at=40)  # the shape's dimension, after the checksum: raw_len disagrees
+    assert not lands(key=keys[0])  # another key's block
+    assert not lands(cut=64)  # a shorter block: parsed in full, its payload_len disagrees
+    assert not lands(grow=64)  # a longer one (a location's length past its block): refused, not a ValueError
+
+
+def test_reads_in_place_racing_a_writer_that_swaps_namespaces_never_return_the_other_block(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer thread deletes and puts one key in two namespaces with different bytes as fast as it
+    can (each put takes the slot the delete freed), while this thread get_into's it from namespace
+    "a" for two seconds, each block's header read out of the arena 1 ms after its location (the race
+    window made wide): every True holds a's bytes, exactly. Bounded in time; the counts add up. With
+    the version check removed, b's bytes came back as a's within the two seconds."""
+    import threading
+    import time
+
+    import kvcache_client.local_reads as local_reads
+
+    parse = local_reads._Headers.parse
+
+    def late(self: object, block: memoryview) -> object:
+        time.sleep(0.001)
+        return parse(self, block)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(local_reads._Headers, "parse", late)
+
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    key = os.urandom(16)
+    block_a, block_b = raw_block(key, os.urandom(16 * KiB)), raw_block(key, os.urandom(16 * KiB))
+    want = bytes(payload_view(block_a))
+    stop = threading.Event()
+    swaps = [0]
+
+    def writer() -> None:
+        with KVCacheClient(server.target, timeout_s=10) as w:
+            w.bulk.read_in_place = False
+            while not stop.is_set():
+                w.put_many("a", [(key, block_a)])
+                w.delete("a", [key])
+                w.put_many("b", [(key, block_b)])
+                w.delete("b", [key])
+                swaps[0] += 1
+
+    thread = threading.Thread(target=writer, daemon=True)
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        client.put_many("a", [(key, block_a)])
+        thread.start()
+        found = calls = 0
+        end = time.monotonic() + 2.0
+        while time.monotonic() < end:
+            dst = [bytearray(16 * KiB)]
+            if client.get_into("a", [key], dst) == [True]:
+                assert bytes(dst[0]) == want
+                found += 1
+            calls += 1
+        stop.set()
+        thread.join(10)
+        c = client.presence.counters
+        assert not thread.is_alive() and swaps[0] > 10 and calls > 10
+        assert client.corrupt_blocks == 0 and c.read_in_place <= found <= calls and c.read_again > 0

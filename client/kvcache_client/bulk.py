@@ -41,7 +41,7 @@ from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, Bulk
 from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.errors import RPCError
 from kvcache_client.inplace_core import BulkRefusal
-from kvcache_client.local_reads import land_jobs, located_jobs
+from kvcache_client.local_reads import land_plan, plan
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import (
     TIER_NAMES,
@@ -162,11 +162,11 @@ class BulkLink:
         self._retry_at = 0.0
         self.pool: BulkPool | None = None
         self.lease_pool: BulkPool | None = None
+        """Same host (shared memory on): where LEASE, RELEASE and TOUCH go (InPlaceCalls.bulk); None: gRPC."""
         self._block_bytes = 0  # the mean block size of the last get that found any (its lanes)
         self.same_host_put_bytes = SAME_HOST_BULK_PUT_BYTES  # 0: every same-host put through a segment
         self.same_host_get_bytes = SAME_HOST_BULK_GET_BYTES  # 0: every same-host get leases in place
         self.read_in_place = True  # get_into copies straight out of the arena where blocks are located
-        """Same host (shared memory on): where LEASE and RELEASE go (InPlaceCalls.bulk); None: gRPC."""
         self._lock = threading.Lock()
 
     @property
@@ -367,25 +367,32 @@ class BulkLink:
         """
         if pool is None or not self.read_in_place or not presence.locates:
             return Received()
-        jobs = located_jobs(presence, arena, namespace, keys, sinks)
-        if not jobs:
+        copies = plan(presence, arena, namespace, keys, sinks)
+        if copies is None:
             return Received()
         deadline = time.monotonic() + timeout_s
 
         def touched(conn: BulkConnection) -> Received:
             # The TOUCH goes first and its answer is read after the copies: one round trip, overlapped
-            # with them. Should a block then fail its check (a slot reused meanwhile, rare), the usual
-            # path reads the keys again and the server counts them read twice.
-            conn.send_touch(namespace, keys[: len(jobs)], deadline)
-            got = land_jobs(jobs, presence.counters)
-            conn.read_touched(deadline)
+            # with them. Should the copies not hold (a slot reused meanwhile, rare), the usual path
+            # reads the keys again and the server counts them read twice.
+            conn.send_touch(namespace, keys, deadline)
+            got = land_plan(copies, presence)
+            try:
+                conn.read_touched(deadline)
+            except RPCError:  # refused (the read right): the bytes are not the caller's to keep
+                for _, _, sink, _ in copies.jobs:
+                    sink[:] = bytes(len(sink))
+                raise
             return got
 
         try:
-            return pool.run(touched, deadline)
+            got = pool.run(touched, deadline)
         except BulkUnreachable as exc:
             self.lease_down(str(exc))
             return Received()
+        presence.counters.read_in_place += len(got.landed)
+        return got
 
     def small_same_host_pool(self, nkeys: int) -> BulkPool | None:
         """The pool a same-host get of `nkeys` goes to as a bulk GET (SAME_HOST_BULK_GET_BYTES), or
@@ -535,10 +542,11 @@ class BulkTransport:
         prefix_only: bool,
         timeout_s: float,
     ) -> Received | None:
-        """get_into's one-copy path for a client the server's arena is not shared with: a bulk GET whose
-        payloads land in their sinks (BulkLink.get_into). None where it does not apply (the arena is
-        shared: leases are one copy already; no usable bulk port; the port failed: the caller then
-        takes the lease path, which goes over gRPC)."""
+        """get_into's one-copy paths. On the same host: copies straight out of the arena where the
+        presence index locates every key (BulkLink.get_in_place), else a small get as one bulk GET,
+        else None (the caller leases in place). Elsewhere: a bulk GET whose payloads land in their
+        sinks (BulkLink.get_into), else gRPC's; None where neither applies (the caller then takes the
+        lease path, which goes over gRPC)."""
         start = time.monotonic()
         self.inner.info(timeout_s)
         same_host = self.inner.arena.on

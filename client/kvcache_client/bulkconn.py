@@ -332,10 +332,21 @@ class BulkConnection:
         if size * 2 <= len(self._ahead):  # small: the whole frame out of the read-ahead, one copy
             whole = self._buffered(size, f"block {index}", deadline)
             if whole is not None:
+                if _header_len(whole) != size - len(sink):  # not its sink's size: received as get does
+                    block = memoryview(np.empty(size, np.uint8))
+                    block[:] = whole
+                    got.found[index] = (block.toreadonly(), tier)
+                    return
                 self._land_whole(key, index, tier, whole, sink, got)
                 return
         head = memoryview(bytearray(size - len(sink)))
         self.recv(head, f"block {index}'s header", deadline)
+        if _header_len(head) != len(head):  # its payload is not its sink's size: received as get does
+            block = memoryview(np.empty(size, np.uint8))
+            block[: len(head)] = head
+            self.recv(block[len(head) :], f"block {index}", deadline)
+            got.found[index] = (block.toreadonly(), tier)
+            return
         try:
             header = parse_header(head, block_len=size)
         except BlockFormatError as exc:
@@ -389,6 +400,13 @@ class BulkConnection:
         got.landed_bytes += size
 
 
+def _header_len(block: memoryview) -> int:
+    """The header length a block's first bytes announce (kvcache_core.format: a u16 at offset 6); -1
+    when too short. Whether a block's payload is its sink's size is this, not a guess from sizes: a
+    sink 8 bytes over a block's payload is what a header of one more dimension would leave."""
+    return int.from_bytes(block[6:8], "little") if len(block) >= 8 else -1
+
+
 def _landed(start: int, end: int) -> None:
     """verify_payload_in_pieces' fill for a payload already copied whole."""
 
@@ -399,7 +417,8 @@ _LAND_PIECE = 1 << 20
 
 HEADER_LENS = frozenset(FIXED_HEADER_BYTES + 8 * ndim for ndim in range(MAX_NDIM + 1))
 """What a block's header may measure: a GET_ITEM whose length over its sink's is none of these is
-not that sink's block (another size: received as get receives it, and refused by the copy)."""
+not that sink's block (another size: received as get receives it, and refused by the copy); one
+whose is, is that sink's block if its header says that length (_header_len)."""
 
 
 @dataclass(slots=True)

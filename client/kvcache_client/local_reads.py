@@ -9,85 +9,127 @@ checked, a RAM hit and most recently used each, as a Get of them would count the
 of a few bytes, overlapped with the copies, and no block bytes through a socket, a lease or the
 server's CPU.
 
-Nothing is leased, so a slot may be evicted and reused, or be being written, while it is copied. That
-is why a location is only a hint and the copy is the thing checked: a block verifies under its key,
-whose checksum covers the key, its descriptor and its payload, or it is not used (a reused slot holds
-another key's block, or a torn mix; the chance that such bytes pass a 64-bit check is 2^-64). If one
-does not verify, the whole get goes the usual way (counted in PresenceLink.counters.read_again, not
-as corruption: nothing was damaged). A key deleted before the call is absent from the index, so it
-is not read here; one deleted while the call copies it may be returned, as a Get that began before
-the Delete may return it. The server offers locations only where the arena is one tenant's: another
-tenant's block of the same key could verify in a reused slot (stack_config).
+Nothing is leased, so a slot may be evicted and reused, or be being written, while it is copied. Two
+checks decide whether a copy is kept. The index's seqlock (kvcache_core.presence): each key's bucket
+version is read before its location and again after every copy; unchanged, the entry stayed indexed
+at that location throughout, so its slot was not freed, let alone reused; this is what binds a copy
+to its namespace, which a block's checksum does not cover (another namespace's block of the same key
+in a reused slot would verify). And each block verifies under its key where it landed (its checksum
+covers the key, its descriptor and its payload). If either fails, the whole get goes the usual way
+(counted in PresenceLink.counters.read_again, not as corruption: nothing was damaged). A key deleted
+before the call is absent from the index, so it is not read here; one deleted while the call copies
+it is read again the usual way (its bucket changed). A TOUCH the server refuses (no read right)
+fails the call with its status, and what was copied into the destinations is zeroed first. The
+server offers locations only where the arena is one tenant's: another tenant's block of the same
+key could verify in a reused slot (stack_config).
 
 The usual path instead: another host or user, a server without locations (older), an index in doubt
 (PresenceLink._trusted: stopped, restarted), no bulk port for the TOUCH, a key the index does not
-locate (not in RAM, a full bucket), a destination without a byte view (a GPU tensor), a block of
-another size than its destination (whose ValueError the usual path raises before writing anything).
+locate (not in RAM, a full bucket's spilled key, a bucket being changed), a destination without a
+byte view (a GPU tensor), a block whose payload is not its destination's size (the usual path's
+ValueError; nothing is copied here first).
 """
 
 from __future__ import annotations
 
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
 from kvcache_client.arena import ArenaLink
-from kvcache_client.bulkconn import HEADER_LENS, Received
+from kvcache_client.bulkconn import Received
 from kvcache_client.inplace_core import ArenaMoved
-from kvcache_client.presence import PresenceCounters, PresenceLink
+from kvcache_client.presence import Located, PresenceLink
 from kvcache_core.format import FIXED_HEADER_BYTES, BlockFormatError, Compression, parse_header, payload_seed
 from kvcache_core.landing import land
 from kvcache_core.presence import unpack_location
 
-Job = tuple[memoryview, bytes, memoryview]
-"""(the block's bytes in the arena, its key, its destination's byte view)."""
+
+@dataclass(frozen=True, slots=True)
+class Parsed:
+    """What a block's header says that its copy needs: where its payload starts, how long it is, and
+    its checksum with what the hash takes before the payload (key + seed)."""
+
+    header_len: int
+    payload_len: int
+    seed: bytes
+    checksum: int
+
+
+Job = tuple[memoryview, bytes, memoryview, Parsed]
+"""(the block's bytes in the arena, its key, its destination's byte view, its header)."""
+
+
+@dataclass(slots=True)
+class Plan:
+    """A get_into to read in place: a job per key, and what locate() read (PresenceLink.unchanged)."""
+
+    jobs: list[Job]
+    located: Located
+
 
 SMALL_BYTES = 1 << 20
 """Jobs of less than this in all are copied and hashed one by one here; more go to
 kvcache_core.landing (pieces, a few threads), whose set-up costs more than a few small blocks do."""
 
 
-def located_jobs(
+def plan(
     presence: PresenceLink, arena: ArenaLink, namespace: str, keys: Sequence[bytes], sinks: Sequence[memoryview | None]
-) -> list[Job]:
-    """A copy for each key, when the index locates every one of them inside the arena and each one's
-    block fits its sink (a byte view of the payload's size); else [] (the usual path then takes the
-    whole get, with its own rules for sizes, misses and destinations without a byte view)."""
+) -> Plan | None:
+    """The copies of a get_into, when the index locates every key inside the arena and each block's
+    header is sound, uncompressed and says its payload is its sink's size (a byte view); else None (the
+    usual path then takes the whole get, with its own rules for sizes, misses and destinations
+    without a byte view: a ValueError for a sink of another size before anything is written)."""
     if not arena.on or len(sinks) != len(keys):
-        return []
+        return None
     located = presence.locate(namespace, keys)
-    if len(located) != len(keys):
-        return []
+    if len(located.words) != len(keys):
+        return None
+    headers = _Headers()
     jobs: list[Job] = []
-    for key, sink, word in zip(keys, sinks, located, strict=True):
+    for key, sink, word in zip(keys, sinks, located.words, strict=True):
         offset, length = unpack_location(word)
-        if sink is None or length - len(sink) not in HEADER_LENS:
-            return []
+        if sink is None:
+            return None
         try:
-            jobs.append((arena.view(offset, length), key, sink))
+            block = arena.view(offset, length)
         except (ValueError, ArenaMoved):  # a location past the arena (a torn read of it), or unmapped
-            return []
-    return jobs
+            return None
+        parsed = headers.parse(block)
+        if parsed is None or parsed.payload_len != len(sink):
+            return None
+        jobs.append((block, key, sink, parsed))
+    return Plan(jobs, located)
 
 
-def land_jobs(jobs: Sequence[Job], counters: PresenceCounters) -> Received:
-    """Every job's payload copied into its sink and verified there under its key: all `landed` (by
-    index), or, if one does not verify (a slot reused or being written meanwhile), none: the caller
-    takes the usual path for the whole get (the sinks may hold what was copied)."""
-    if sum(len(block) for block, _, _ in jobs) < SMALL_BYTES:
-        headers = _Headers()
-        ok = all(headers.landed(*job) for job in jobs)
+def land_plan(plan: Plan, presence: PresenceLink) -> Received:
+    """Every job's payload copied into its sink and verified there under its key, then the index's
+    buckets found unchanged since locate() (every entry stayed indexed at its location throughout:
+    the copies are those (namespace, key)s' blocks): all `landed`, by index. Else none (a slot
+    reused or being written meanwhile, counted in read_again): the caller takes the usual path for
+    the whole get, and the sinks may hold what was copied."""
+    jobs = plan.jobs
+    if sum(len(block) for block, _, _, _ in jobs) < SMALL_BYTES:
+        ok = all(_copied(*job) for job in jobs)
     else:
         try:
-            ok = all(why is None for why in land(jobs))
-        except ValueError:  # a header rewritten between the size check and the copy: its size changed
+            ok = all(why is None for why in land([(block, key, sink) for block, key, sink, _ in jobs]))
+        except ValueError:  # a header rewritten since it was parsed: its size changed
             ok = False
-    if not ok:
-        counters.read_again += 1
+    if not (ok and presence.unchanged(plan.located)):
+        presence.counters.read_again += 1
         return Received()
-    counters.read_in_place += len(jobs)
-    return Received(landed=dict.fromkeys(range(len(jobs)), "ram"), landed_bytes=sum(len(b) for b, _, _ in jobs))
+    return Received(landed=dict.fromkeys(range(len(jobs)), "ram"), landed_bytes=sum(len(j[0]) for j in jobs))
+
+
+def _copied(block: memoryview, key: bytes, sink: memoryview, parsed: Parsed) -> bool:
+    """`block`'s payload copied into `sink`, True if it verifies there under `key`."""
+    sink[:] = block[parsed.header_len : parsed.header_len + parsed.payload_len]
+    hasher = xxhash.xxh3_64(key + parsed.seed)
+    hasher.update(sink)
+    return hasher.intdigest() == parsed.checksum
 
 
 _CHECKSUM = struct.Struct("<Q")
@@ -96,41 +138,35 @@ _CHECKSUM_AT = FIXED_HEADER_BYTES - _CHECKSUM.size
 
 
 class _Headers:
-    """A get's small blocks copied and verified one by one. Their headers (one model's blocks: one
-    shape) usually differ only in their checksums, so each is compared byte for byte, all but its
-    checksum, with the last one parse_header validated, and parsed in full only where it differs:
-    4.8 of a 16 KiB block's 5.6 us here were parsing, seeding the hash and matching."""
+    """parse_header for a get's blocks. Their headers (one model's blocks: one shape) usually differ
+    only in their checksums, so each is compared byte for byte, all but its checksum, with the last
+    one parse_header validated, and parsed in full only where it differs: 4.8 of a 16 KiB block's
+    5.6 us of copying and verifying here were parsing, seeding the hash and matching."""
 
-    __slots__ = ("_dims", "_fixed", "_header_len", "_length", "_payload_len", "_seed")
+    __slots__ = ("_dims", "_fixed", "_last")
 
     def __init__(self) -> None:
-        self._fixed = self._dims = self._seed = b""
-        self._length = self._header_len = self._payload_len = -1
+        self._fixed = self._dims = b""
+        self._last: tuple[int, Parsed] | None = None  # (block length, its header)
 
-    def landed(self, block: memoryview, key: bytes, sink: memoryview) -> bool:
-        """`block`'s payload copied into `sink`, True if it verifies there under `key`."""
+    def parse(self, block: memoryview) -> Parsed | None:
+        """`block`'s header, or None if it is not a sound uncompressed block's."""
+        last = self._last
         try:
             if (
-                len(block) == self._length
+                last is not None
+                and len(block) == last[0]
                 and block[:_CHECKSUM_AT] == self._fixed
-                and (block[FIXED_HEADER_BYTES : self._header_len] == self._dims)
+                and block[FIXED_HEADER_BYTES : last[1].header_len] == self._dims
             ):
                 (checksum,) = _CHECKSUM.unpack_from(block, _CHECKSUM_AT)
-            else:
-                header = parse_header(block)
-                if header.compression is not Compression.NONE:
-                    return False
-                self._fixed, self._dims = (
-                    bytes(block[:_CHECKSUM_AT]),
-                    bytes(block[FIXED_HEADER_BYTES : header.header_len]),
-                )
-                self._length, self._header_len, self._payload_len = len(block), header.header_len, header.payload_len
-                self._seed, checksum = payload_seed(header), header.checksum
+                return Parsed(last[1].header_len, last[1].payload_len, last[1].seed, checksum)
+            header = parse_header(block)
         except BlockFormatError:
-            return False
-        if self._payload_len != len(sink):
-            return False
-        sink[:] = block[self._header_len :]
-        hasher = xxhash.xxh3_64(key + self._seed)
-        hasher.update(sink)
-        return hasher.intdigest() == checksum
+            return None
+        if header.compression is not Compression.NONE:
+            return None
+        parsed = Parsed(header.header_len, header.payload_len, payload_seed(header), header.checksum)
+        self._fixed, self._dims = bytes(block[:_CHECKSUM_AT]), bytes(block[FIXED_HEADER_BYTES : header.header_len])
+        self._last = (len(block), parsed)
+        return parsed

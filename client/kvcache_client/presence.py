@@ -27,7 +27,7 @@ import stat
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import xxhash
@@ -49,6 +49,7 @@ from kvcache_core.presence import (
     file_bytes,
     locations_at,
     table_bytes,
+    versions_at,
 )
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,16 @@ class PresenceCounters:
     rpc: int = 0
     read_in_place: int = 0
     read_again: int = 0
+
+
+@dataclass(slots=True)
+class Located:
+    """PresenceLink.locate's answer for a prefix of keys: each one's location word, its bucket and
+    that bucket's version as read before the location (for PresenceLink.unchanged)."""
+
+    words: list[int] = field(default_factory=list)
+    buckets: list[int] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 KEY_BYTES = 16
@@ -120,7 +131,9 @@ class PresenceLink:
         self._table: np.ndarray | None = None  # the buckets, (n, 8) uint64
         self._overflow: np.ndarray | None = None  # n x uint8
         self._locations: np.ndarray | None = None  # (n, 8) uint64, with FLAG_LOCATIONS
+        self._versions: np.ndarray | None = None  # n uint64, with FLAG_LOCATIONS
         self._located = 0  # a slot's word index + this: its location's
+        self._versions_at = 0  # the word index of bucket 0's version
         self._mask = 0
         self._seed = 0
         self._stale_since = 0.0
@@ -186,14 +199,15 @@ class PresenceLink:
         if words[W_FLAGS] & FLAG_LOCATIONS and st.st_size >= file_bytes(buckets):
             at = locations_at(buckets)
             self._locations = np.frombuffer(mapped, np.uint64, buckets * BUCKET_SLOTS, at).reshape(buckets, -1)
-            self._located = at // 8 - HEADER_BYTES // 8
+            self._versions = np.frombuffer(mapped, np.uint64, buckets, versions_at(buckets))
+            self._located, self._versions_at = at // 8 - HEADER_BYTES // 8, versions_at(buckets) // 8
         self._set("on", "")
 
     def _unmap(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
         self._fd, self._words, self._table, self._overflow, self.path = -1, None, None, None, ""
-        self._locations = None
+        self._locations = self._versions = None
 
     def _trusted(self) -> bool:
         """The header names the instance Info named, is not closed, and its server holds its lock."""
@@ -223,42 +237,61 @@ class PresenceLink:
         """Whether the mapped index says where blocks lie (a server with FLAG_LOCATIONS)."""
         return self.state == "on" and self._locations is not None
 
-    def locate(self, namespace: str, keys: Sequence[bytes]) -> list[int]:
+    def locate(self, namespace: str, keys: Sequence[bytes]) -> Located:
         """The location words (kvcache_core.presence.unpack_location) of the longest prefix of `keys`
-        the index holds and locates; [] when it is not to be trusted or has no locations. A hint:
-        the slot may be reused by the time it is read, so what is copied from it is verified.
-
-        Each fingerprint is read before its location (the server writes them the other way round), so
-        a location read is the one written for that fingerprint or a later one."""
+        the index holds and locates, with their buckets' versions as read before them; empty when
+        the index is not to be trusted or has no locations, and it stops at a bucket the server is
+        changing. A copy made from a location is this (namespace, key)'s block if unchanged() still
+        holds after the copy (the seqlock of kvcache_core.presence)."""
         if not self.locates or not well_formed(namespace, keys, self.max_keys) or not self._trusted():
-            return []
-        words, table, locations = self._words, self._table, self._locations
-        if words is None or table is None or locations is None:  # unmapped by another thread meanwhile
-            return []
+            return Located()
+        words, table, locations, versions = self._words, self._table, self._locations, self._versions
+        if words is None or table is None or locations is None or versions is None:  # unmapped meanwhile
+            return Located()
         ns, seed, mask, located = namespace.encode() + b"\x00", self._seed, self._mask, self._located
-        out: list[int] = []
+        out = Located()
         if len(keys) <= _SCALAR_KEYS:
+            at_versions = self._versions_at
             for key in keys:
                 fp = xxhash.xxh3_64_intdigest(ns + key, seed=seed) or 1
-                base = HEADER_BYTES // 8 + (fp & mask) * BUCKET_SLOTS
+                bucket = fp & mask
+                version = words[at_versions + bucket]  # first: then the slots, then the copy
+                base = HEADER_BYTES // 8 + bucket * BUCKET_SLOTS
                 try:
                     at = base + words[base : base + BUCKET_SLOTS].tolist().index(fp)
                 except ValueError:
                     break
                 word = words[at + located]
-                if not word:
+                if not word or version & 1:
                     break
-                out.append(word)
+                out.words.append(word)
+                out.buckets.append(bucket)
+                out.versions.append(version)
             return out
         n = len(keys)
         fps = np.fromiter((xxhash.xxh3_64_intdigest(ns + k, seed=seed) or 1 for k in keys), np.uint64, n)
         buckets = fps & np.uint64(mask)
+        seen = versions[buckets]  # first: then the slots, then the copy
         match = table[buckets] == fps[:, None]
         hit = match.any(axis=1)
         found = n if hit.all() else int(hit.argmin())
         words_at = locations[buckets[:found], match[:found].argmax(axis=1)]
-        unknown = np.flatnonzero(words_at == 0)
-        return words_at[: unknown[0] if unknown.size else found].tolist()
+        stop = np.flatnonzero((words_at == 0) | ((seen[:found] & np.uint64(1)) == 1))
+        end = int(stop[0]) if stop.size else found
+        out.words, out.buckets, out.versions = words_at[:end].tolist(), buckets[:end].tolist(), seen[:end].tolist()
+        return out
+
+    def unchanged(self, located: Located) -> bool:
+        """Whether no bucket of `located` changed since locate() read it: every entry it located stayed
+        indexed, at its location, all along (its slot not freed, so not reused). Read after the copy."""
+        words, versions = self._words, self._versions
+        if words is None or versions is None:  # unmapped meanwhile: nothing is known
+            return False
+        if len(located.buckets) <= _SCALAR_KEYS:
+            at = self._versions_at
+            return all(words[at + b] == v for b, v in zip(located.buckets, located.versions, strict=True))
+        now = versions[np.asarray(located.buckets, dtype=np.int64)]
+        return bool((now == np.asarray(located.versions, dtype=np.uint64)).all())
 
     def prefix(self, namespace: str, keys: Sequence[bytes]) -> tuple[int, bool] | None:
         """The longest prefix of `keys` the index holds, and whether that is the whole answer (every

@@ -290,7 +290,7 @@ class RamTier(Tier):
         self.instance_id = secrets.randbits(63) or 1  # names this server's presence tables (a restart: another)
         self._presence_block_bytes = 0  # 0: no presence tables (enable_presence)
         self._presence_lower = False
-        self._presence_locations = True
+        self._presence_locations = False
 
     @staticmethod
     def entry_cost(block: bytes | memoryview) -> int:
@@ -323,7 +323,7 @@ class RamTier(Tier):
 
     # -- the presence index (docs/presence.md) ------------------------------------------------------
 
-    def enable_presence(self, block_bytes: int, *, lower_tiers: bool, locations: bool = True) -> None:
+    def enable_presence(self, block_bytes: int, *, lower_tiers: bool, locations: bool = False) -> None:
         """Keeps a presence table per tenant partition beside the shared arena, sized for blocks of
         `block_bytes` filling the tenant's quota (or the capacity), so same-host clients that map the
         arena answer Lookups of blocks RAM holds without an RPC. A no-op where the arena is not
