@@ -145,6 +145,9 @@ class PresenceTable:
         version = self._versions + bucket
         if n > 1:  # another (namespace, key) of this fingerprint stays: which one the location was is not kept
             self._counts[fp] = n - 1
+            waiting = self._spilled.get(bucket)
+            if waiting is not None and fp in waiting:
+                waiting[fp] = 0
             for i in range(base, base + BUCKET_SLOTS):
                 if w[i] == fp:
                     w[version] += 1
@@ -164,6 +167,7 @@ class PresenceTable:
                         w[i] = moved
                     else:
                         w[i] = 0
+                        w[i + self._located] = 0
                         w[W_COUNT] -= 1
                     w[version] += 1
                     break

@@ -8,6 +8,7 @@ boto3 or the disk tier). kvcache_server.app builds the rest of the server around
 from __future__ import annotations
 
 import logging
+import platform
 import socket
 from urllib.parse import unquote, urlsplit
 
@@ -149,8 +150,10 @@ def build_stack(
         )
         # Same-host Lookups without an RPC, where the arena is shared (docs/presence.md).
         block_bytes = config.ram.presence_block_bytes if config.ram.presence_index else 0
-        # Locations only where the arena is one tenant's (docs/presence.md, "Reads straight out of the arena").
-        built.ram.enable_presence(block_bytes, lower_tiers=bool(lower), locations=len(tenants) <= 1)
+        # Locations only where the arena is one tenant's, and where stores and loads keep their order
+        # (x86-64: the index's seqlock relies on it; docs/presence.md, "Reads straight out of the arena").
+        locations = len(tenants) <= 1 and platform.machine() in ("x86_64", "AMD64")
+        built.ram.enable_presence(block_bytes, lower_tiers=bool(lower), locations=locations)
         return built
 
     tenants = sorted({t.principal.tenant for t in tokens.tokens}) if tokens else []

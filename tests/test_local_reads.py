@@ -419,3 +419,29 @@ def test_reads_in_place_racing_a_writer_that_swaps_namespaces_never_return_the_o
         c = client.presence.counters
         assert not thread.is_alive() and swaps[0] > 10 and calls > 10
         assert client.corrupt_blocks == 0 and c.read_in_place <= found <= calls and c.read_again > 0
+
+
+def test_no_reads_in_place_off_x86_or_with_another_arena_mapped(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index's seqlock relies on x86-64 keeping stores and loads in order: elsewhere the server
+    offers no locations. And a client whose arena mapping is not the one its Info named (it followed
+    a restarted server's arena) does not pair the two: the usual path, the bytes exact either way."""
+    items = _items(2)
+    keys = [k for k, _ in items]
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    with KVCacheClient(server.target, timeout_s=10) as client:
+        assert client.put_many("ns", items).stored == 2
+        client.lookup("ns", keys)
+        monkeypatch.setattr(client._transport.inner.arena, "path", "/dev/shm/another-arena")
+        dst = [bytearray(16 * KiB) for _ in keys]
+        assert client.get_into("ns", keys, dst) == [True, True]
+        assert [bytes(d) for d in dst] == [bytes(payload_view(b)) for _, b in items]
+        assert client.presence.counters.read_in_place == 0
+    import platform
+
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    other: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    with KVCacheClient(other.target, timeout_s=10) as client:
+        assert client.put_many("ns", items).stored == 2
+        assert client.presence.state == "on" and not client.presence.locates
+        assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        assert client.presence.counters.read_in_place == 0

@@ -351,6 +351,7 @@ class BulkLink:
         pool: BulkPool | None,
         presence: PresenceLink,
         arena: ArenaLink,
+        arena_path: str,
         namespace: str,
         keys: Sequence[bytes],
         sinks: Sequence[memoryview | None],
@@ -367,7 +368,7 @@ class BulkLink:
         """
         if pool is None or not self.read_in_place or not presence.locates:
             return Received()
-        copies = plan(presence, arena, namespace, keys, sinks)
+        copies = plan(presence, arena, arena_path, namespace, keys, sinks)
         if copies is None:
             return Received()
         deadline = time.monotonic() + timeout_s
@@ -380,7 +381,7 @@ class BulkLink:
             got = land_plan(copies, presence)
             try:
                 conn.read_touched(deadline)
-            except RPCError:  # refused (the read right): the bytes are not the caller's to keep
+            except BaseException:  # refused (the read right), or no answer: not the caller's to keep
                 for _, _, sink, _ in copies.jobs:
                     sink[:] = bytes(len(sink))
                 raise
@@ -391,7 +392,10 @@ class BulkLink:
         except BulkUnreachable as exc:
             self.lease_down(str(exc))
             return Received()
-        presence.counters.read_in_place += len(got.landed)
+        if got.landed:
+            presence.counters.read_in_place += len(got.landed)
+        else:
+            presence.counters.read_again += 1
         return got
 
     def small_same_host_pool(self, nkeys: int) -> BulkPool | None:
@@ -552,8 +556,9 @@ class BulkTransport:
         same_host = self.inner.arena.on
         if same_host:
             pool = self._lease_pool(timeout_s) if self.link.read_in_place and self.presence.locates else None
-            left = timeout_s - (time.monotonic() - start)
-            local = self.link.get_in_place(pool, self.presence, self.inner.arena, namespace, keys, sinks, left)
+            left, info = timeout_s - (time.monotonic() - start), self.inner.info_response
+            where = info.arena_path if info is not None else ""
+            local = self.link.get_in_place(pool, self.presence, self.inner.arena, where, namespace, keys, sinks, left)
             if local.landed:
                 return local
             pool = self.link.small_same_host_pool(len(keys))  # a small get: one GET beats LEASE + RELEASE
@@ -743,8 +748,12 @@ class AsyncBulkTransport:
         if same_host:
             pool = await self._lease_pool(timeout_s) if self.link.read_in_place and self.presence.locates else None
             left = timeout_s - (time.monotonic() - start)
+            info = self.inner.info_response
+            where = info.arena_path if info is not None else ""
             local = await run_to_end(
-                lambda _: self.link.get_in_place(pool, self.presence, self.inner.arena, namespace, keys, sinks, left)
+                lambda _: self.link.get_in_place(
+                    pool, self.presence, self.inner.arena, where, namespace, keys, sinks, left
+                )
             )
             if local.landed:
                 return local

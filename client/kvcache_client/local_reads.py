@@ -76,13 +76,19 @@ kvcache_core.landing (pieces, a few threads), whose set-up costs more than a few
 
 
 def plan(
-    presence: PresenceLink, arena: ArenaLink, namespace: str, keys: Sequence[bytes], sinks: Sequence[memoryview | None]
+    presence: PresenceLink,
+    arena: ArenaLink,
+    arena_path: str,
+    namespace: str,
+    keys: Sequence[bytes],
+    sinks: Sequence[memoryview | None],
 ) -> Plan | None:
     """The copies of a get_into, when the index locates every key inside the arena and each block's
     header is sound, uncompressed and says its payload is its sink's size (a byte view); else None (the
     usual path then takes the whole get, with its own rules for sizes, misses and destinations
-    without a byte view: a ValueError for a sink of another size before anything is written)."""
-    if not arena.on or len(sinks) != len(keys):
+    without a byte view: a ValueError for a sink of another size before anything is written). Only
+    while `arena` maps `arena_path`, the arena of the Info answer that named the index's table."""
+    if not arena.on or arena.path != arena_path or len(sinks) != len(keys):
         return None
     located = presence.locate(namespace, keys)
     if len(located.words) != len(keys):
@@ -119,7 +125,6 @@ def land_plan(plan: Plan, presence: PresenceLink) -> Received:
         except ValueError:  # a header rewritten since it was parsed: its size changed
             ok = False
     if not (ok and presence.unchanged(plan.located)):
-        presence.counters.read_again += 1
         return Received()
     return Received(landed=dict.fromkeys(range(len(jobs)), "ram"), landed_bytes=sum(len(j[0]) for j in jobs))
 

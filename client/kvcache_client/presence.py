@@ -74,8 +74,9 @@ class PresenceCounters:
             overflowed bucket, a stale or unmapped index).
         read_in_place: blocks get_into copied straight out of the arena where the index located
             them, verified where they landed (kvcache_client.local_reads).
-        read_again: located blocks that did not verify there (their slot reused or being written
-            meanwhile), asked of the server instead.
+        read_again: get_into calls whose copies out of the arena did not hold (a slot reused or being
+            written meanwhile: the index's bucket changed, or a block did not verify), asked of the
+            server instead; counted once a call.
     """
 
     local: int = 0
@@ -93,6 +94,7 @@ class Located:
     words: list[int] = field(default_factory=list)
     buckets: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    instance: int = 0  # the server instance whose table was read
 
 
 KEY_BYTES = 16
@@ -249,7 +251,7 @@ class PresenceLink:
         if words is None or table is None or locations is None or versions is None:  # unmapped meanwhile
             return Located()
         ns, seed, mask, located = namespace.encode() + b"\x00", self._seed, self._mask, self._located
-        out = Located()
+        out = Located(instance=self._instance)
         if len(keys) <= _SCALAR_KEYS:
             at_versions = self._versions_at
             for key in keys:
@@ -283,9 +285,10 @@ class PresenceLink:
 
     def unchanged(self, located: Located) -> bool:
         """Whether no bucket of `located` changed since locate() read it: every entry it located stayed
-        indexed, at its location, all along (its slot not freed, so not reused). Read after the copy."""
+        indexed, at its location, all along (its slot not freed, so not reused). Read after the copy;
+        False if the table is no longer the one read, or no longer trusted (its server gone)."""
         words, versions = self._words, self._versions
-        if words is None or versions is None:  # unmapped meanwhile: nothing is known
+        if words is None or versions is None or located.instance != self._instance or not self._trusted():
             return False
         if len(located.buckets) <= _SCALAR_KEYS:
             at = self._versions_at
