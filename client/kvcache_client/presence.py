@@ -286,9 +286,12 @@ class PresenceLink:
     def unchanged(self, located: Located) -> bool:
         """Whether no bucket of `located` changed since locate() read it: every entry it located stayed
         indexed, at its location, all along (its slot not freed, so not reused). Read after the copy;
-        False if the table is no longer the one read, or no longer trusted (its server gone)."""
+        False if the table is no longer the one read (another instance mapped, or closed by its server).
+        A server killed meanwhile changes nothing more: what was indexed at its death was copied."""
         words, versions = self._words, self._versions
-        if words is None or versions is None or located.instance != self._instance or not self._trusted():
+        if words is None or versions is None or located.instance != self._instance:
+            return False
+        if words[W_FLAGS] & FLAG_CLOSED or words[W_INSTANCE] != located.instance:
             return False
         if len(located.buckets) <= _SCALAR_KEYS:
             at = self._versions_at
