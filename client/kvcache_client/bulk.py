@@ -35,14 +35,13 @@ from typing import TypeVar
 
 import grpc
 
-from kvcache_client.arena import ArenaLink, Leased
+from kvcache_client.arena import Leased
 from kvcache_client.bufpool import BufferPool
 from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, BulkUnreachable, Received, stripes
 from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.errors import RPCError
 from kvcache_client.inplace_core import BulkRefusal
 from kvcache_client.local_reads import land_plan, plan
-from kvcache_client.presence import PresenceLink
 from kvcache_client.results import (
     TIER_NAMES,
     Fetched,
@@ -349,9 +348,7 @@ class BulkLink:
     def get_in_place(
         self,
         pool: BulkPool | None,
-        presence: PresenceLink,
-        arena: ArenaLink,
-        arena_path: str,
+        same_host: GrpcTransport | AsyncGrpcTransport,
         namespace: str,
         keys: Sequence[bytes],
         sinks: Sequence[memoryview | None],
@@ -359,16 +356,19 @@ class BulkLink:
     ) -> Received:
         """get_into's blocks copied straight out of the server's arena where its presence index locates
         every one, each verified where it landed, and named to the server in one TOUCH on `pool` (the
-        leases' pool: kvcache_client.local_reads); empty (the usual path then) without such a pool, with a key
-        not located, or a block that does not verify. A TOUCH the server refuses raises its status, as
-        the Get would have; a port that fails takes the leases' pool down and the usual path.
+        leases' pool: kvcache_client.local_reads). `same_host` is the gRPC transport whose Info answer
+        mapped the arena and the index: they are paired only while that answer named the arena mapped.
+        Empty (the usual path then) without such a pool, with a key not located, or a block that does
+        not verify. A TOUCH the server refuses raises its status, as the Get would have; a port that
+        fails takes the leases' pool down and the usual path.
 
         Raises:
             RPCError: the server refused the TOUCH (PermissionDenied without the read right, ...).
         """
-        if pool is None or not self.read_in_place or not presence.locates:
+        presence, info = same_host.presence, same_host.info_response
+        if pool is None or info is None or not self.read_in_place or not presence.locates:
             return Received()
-        copies = plan(presence, arena, arena_path, namespace, keys, sinks)
+        copies = plan(presence, same_host.arena, info.arena_path, namespace, keys, sinks)
         if copies is None:
             return Received()
         deadline = time.monotonic() + timeout_s
@@ -556,9 +556,8 @@ class BulkTransport:
         same_host = self.inner.arena.on
         if same_host:
             pool = self._lease_pool(timeout_s) if self.link.read_in_place and self.presence.locates else None
-            left, info = timeout_s - (time.monotonic() - start), self.inner.info_response
-            where = info.arena_path if info is not None else ""
-            local = self.link.get_in_place(pool, self.presence, self.inner.arena, where, namespace, keys, sinks, left)
+            left = timeout_s - (time.monotonic() - start)
+            local = self.link.get_in_place(pool, self.inner, namespace, keys, sinks, left)
             if local.landed:
                 return local
             pool = self.link.small_same_host_pool(len(keys))  # a small get: one GET beats LEASE + RELEASE
@@ -748,13 +747,7 @@ class AsyncBulkTransport:
         if same_host:
             pool = await self._lease_pool(timeout_s) if self.link.read_in_place and self.presence.locates else None
             left = timeout_s - (time.monotonic() - start)
-            info = self.inner.info_response
-            where = info.arena_path if info is not None else ""
-            local = await run_to_end(
-                lambda _: self.link.get_in_place(
-                    pool, self.presence, self.inner.arena, where, namespace, keys, sinks, left
-                )
-            )
+            local = await run_to_end(lambda _: self.link.get_in_place(pool, self.inner, namespace, keys, sinks, left))
             if local.landed:
                 return local
             pool = self.link.small_same_host_pool(len(keys))  # a small get: one GET beats LEASE + RELEASE
