@@ -51,14 +51,16 @@ class Block(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRange, _Mapping]] = ..., more: _Optional[bool] = ..., total_length: _Optional[int] = ...) -> None: ...
 
 class ShmRange(_message.Message):
-    __slots__ = ("segment", "offset", "length")
+    __slots__ = ("segment", "offset", "length", "seal")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
+    SEAL_FIELD_NUMBER: _ClassVar[int]
     segment: str
     offset: int
     length: int
-    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+    seal: bool
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., seal: _Optional[bool] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("namespace", "blocks", "retain_ttl_s")
@@ -295,7 +297,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls", "arena_path", "arena_bytes", "shm_socket", "server_uid", "presence_path", "instance_id")
+    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls", "arena_path", "arena_bytes", "shm_socket", "server_uid", "presence_path", "instance_id", "sealed_puts")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -310,6 +312,7 @@ class InfoResponse(_message.Message):
     SERVER_UID_FIELD_NUMBER: _ClassVar[int]
     PRESENCE_PATH_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEALED_PUTS_FIELD_NUMBER: _ClassVar[int]
     version: str
     max_block_bytes: int
     max_keys_per_request: int
@@ -324,7 +327,8 @@ class InfoResponse(_message.Message):
     server_uid: int
     presence_path: str
     instance_id: int
-    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., shm_socket: _Optional[str] = ..., server_uid: _Optional[int] = ..., presence_path: _Optional[str] = ..., instance_id: _Optional[int] = ...) -> None: ...
+    sealed_puts: bool
+    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., shm_socket: _Optional[str] = ..., server_uid: _Optional[int] = ..., presence_path: _Optional[str] = ..., instance_id: _Optional[int] = ..., sealed_puts: _Optional[bool] = ...) -> None: ...
 
 class ArenaReserveRequest(_message.Message):
     __slots__ = ("namespace", "lengths")

@@ -408,4 +408,5 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             server_uid=os.geteuid(),
             presence_path=self._stack.ram.presence_path(principal.tenant if principal is not None else ""),
             instance_id=self._stack.ram.instance_id,
+            sealed_puts=self.handoff is not None,
         )

@@ -20,7 +20,7 @@ MAX_FIELD = 2**29 - 1
 
 # -- comparing both decoders ----------------------------------------------------------------------
 
-ShmValues = tuple[str, int, int] | None
+ShmValues = tuple[str, int, int, bool] | None
 BlockValues = tuple[bytes, bytes, ShmValues, bool, int]  # key, data, shm, more, total_length
 ItemValues = tuple[int, bool, bytes, int, ShmValues, bool]  # index, found, data, tier, shm, more
 
@@ -28,11 +28,11 @@ ItemValues = tuple[int, bool, bytes, int, ShmValues, bool]  # index, found, data
 def _pb_shm(message: pb.Block | pb.GetItem) -> ShmValues:
     if not message.HasField("shm"):
         return None
-    return (message.shm.segment, message.shm.offset, message.shm.length)
+    return (message.shm.segment, message.shm.offset, message.shm.length, message.shm.seal)
 
 
 def _bw_shm(shm: bw.ShmRange | None) -> ShmValues:
-    return None if shm is None else (shm.segment, shm.offset, shm.length)
+    return None if shm is None else (shm.segment, shm.offset, shm.length, shm.seal)
 
 
 def _pb_put(data: bytes) -> tuple[str, list[BlockValues]] | None:
@@ -86,7 +86,8 @@ def check_put(data: bytes) -> tuple[str, list[BlockValues]] | None:
         assert not checked.error and (checked.namespace, len(checked.blocks)) == (expected[0], len(expected[1]))
         for (_, d, shm, _, _), (_, got) in zip(expected[1], checked.blocks, strict=True):
             if shm is not None:  # data beside shm is the block's head
-                assert isinstance(got, bw.ShmRange) and (got.segment, got.offset, got.length, got.head) == (*shm, d)
+                assert isinstance(got, bw.ShmRange)
+                assert (got.segment, got.offset, got.length, got.seal, got.head) == (*shm, d)
     return expected
 
 
@@ -188,7 +189,7 @@ def foreign_fields(draw: st.DrawFn, known: dict[int, int], in_group: bool = Fals
     return head + b"".join(inner) + draw(tags(number, 4))
 
 
-SHM_FIELDS = {1: 2, 2: 0, 3: 0}
+SHM_FIELDS = {1: 2, 2: 0, 3: 0, 4: 0}
 BLOCK_FIELDS = {1: 2, 2: 2, 3: 2, 4: 0, 5: 0}
 PUT_FIELDS = {1: 2, 2: 2}
 ITEM_FIELDS = {1: 0, 2: 0, 3: 2, 4: 0, 5: 2, 6: 0}
@@ -208,13 +209,13 @@ def messages(draw: st.DrawFn, chunks: st.SearchStrategy[bytes], known: dict[int,
 @st.composite
 def shm_chunks(draw: st.DrawFn) -> bytes:
     """Fields of a ShmRange: serialised by the generated code, or by hand (explicit zeros, wide varints)."""
-    kind = draw(st.sampled_from(["pb", "segment", "offset", "length"]))
+    kind = draw(st.sampled_from(["pb", "segment", "offset", "length", "seal"]))
     if kind == "pb":
-        msg = pb.ShmRange(segment=draw(texts), offset=draw(u64), length=draw(u64))
+        msg = pb.ShmRange(segment=draw(texts), offset=draw(u64), length=draw(u64), seal=draw(st.booleans()))
         return msg.SerializeToString()
     if kind == "segment":
         return draw(length_delimited(1, draw(texts).encode()))
-    return draw(tags(2 if kind == "offset" else 3, 0)) + draw(varint_values)
+    return draw(tags({"offset": 2, "length": 3, "seal": 4}[kind], 0)) + draw(varint_values)
 
 
 shm_bodies = messages(shm_chunks(), SHM_FIELDS)
@@ -447,7 +448,7 @@ def test_crafted_encodings_cut_short_decode_or_fail_like_generated_code() -> Non
 
 # -- blockwire -> generated -----------------------------------------------------------------------
 
-shm_ranges = st.builds(bw.ShmRange, texts, u64, u64)
+shm_ranges = st.builds(bw.ShmRange, texts, u64, u64, seal=st.booleans())
 block_data = st.one_of(st.binary(max_size=200), st.lists(st.binary(max_size=50), max_size=3).map(tuple))
 put_data = st.one_of(block_data, shm_ranges, st.builds(bw.BlockPart, block_data, st.booleans(), u64))
 

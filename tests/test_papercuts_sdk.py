@@ -166,7 +166,7 @@ def test_every_public_method_documents_what_it_raises(cls: type) -> None:
     names = sorted(n for n, v in vars(cls).items() if callable(getattr(cls, n)) and not n.startswith("_"))
     assert names == sorted([
         "chunk_keys", "close", "connect", "delete", "get_into", "get_many", "get_tensors",
-        "leased", "lookup", "prefetch", "put_many", "put_tensors", "stats",
+        "leased", "lookup", "prefetch", "put_many", "put_payloads", "put_tensors", "stats",
     ])  # fmt: skip
     for name in [*names, "__init__"]:
         doc = inspect.getdoc(getattr(cls, name)) or ""

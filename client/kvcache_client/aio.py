@@ -40,7 +40,7 @@ from kvcache_client.transport import (
     PutResult,
     ServerStats,
 )
-from kvcache_core.blockwire import BlockData
+from kvcache_core.blockwire import BlockData, Buffer
 from kvcache_core.format import Layout
 
 if TYPE_CHECKING:
@@ -203,6 +203,27 @@ class AsyncKVCacheClient:
                 Unavailable, DeadlineExceeded, ...).
         """
         return await self._run(self._calls.put_many(namespace, items, timeout_s, retain_ttl_s))
+
+    async def put_payloads(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        *,
+        timeout_s: float | None = None,
+        retain_ttl_s: float | None = None,
+    ) -> PutResult:
+        """Stores each payload as one flat uint8 block under its key (as KVCacheClient.put_payloads:
+        on the server's host the server computes the checksums as it reads the bytes).
+
+        Raises:
+            ValueError: `timeout_s` is not positive, or as KVCacheClient.put_payloads.
+            BlockFormatError, TypeError: as KVCacheClient.put_payloads.
+            RuntimeError: the client is bound to another event loop.
+            RPCError: as KVCacheClient.put_many (InvalidRequest, ResourceExhausted, Unavailable,
+                DeadlineExceeded, ...).
+        """
+        return await self._run(self._calls.put_payloads(namespace, keys, payloads, timeout_s, retain_ttl_s))
 
     async def prefetch(
         self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None

@@ -42,6 +42,7 @@ from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.errors import RPCError
 from kvcache_client.inplace_core import BulkRefusal
 from kvcache_client.local_reads import land_plan, plan
+from kvcache_client.messages import payload_items
 from kvcache_client.results import (
     TIER_NAMES,
     Fetched,
@@ -54,7 +55,7 @@ from kvcache_client.results import (
 from kvcache_client.shm import run_to_end
 from kvcache_client.transport import AsyncGrpcTransport, GrpcTransport
 from kvcache_core import bulkwire as bw
-from kvcache_core.blockwire import BlockData, data_len
+from kvcache_core.blockwire import BlockData, Buffer, data_len
 from kvcache_proto import kvcache_pb2 as pb
 
 T = TypeVar("T")
@@ -521,6 +522,27 @@ class BulkTransport:
         self.link.counters.add("grpc_bytes_sent", nbytes)
         return result
 
+    def put_payloads(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        timeout_s: float,
+        *,
+        retain_ttl_s: float = 0.0,
+    ) -> PutResult:
+        """As put() of format.encode_bytes_parts(keys, payloads); where put() would take gRPC on the
+        same host, GrpcTransport.put_payloads (the server checksums what it reads)."""
+        nbytes = sum(memoryview(p).nbytes for p in payloads)
+        start = time.monotonic()
+        if retain_ttl_s or (self._pool(nbytes, timeout_s) is None and nbytes >= self.link.same_host_put_bytes):
+            left = timeout_s - (time.monotonic() - start)
+            result = self.inner.put_payloads(namespace, keys, payloads, left, retain_ttl_s=retain_ttl_s)
+            self.link.counters.add("grpc_bytes_sent", nbytes)
+            return result
+        left = timeout_s - (time.monotonic() - start)
+        return self.put(namespace, payload_items(keys, payloads), left, retain_ttl_s=retain_ttl_s)
+
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
         start = time.monotonic()
         pool = self._pool(self.link.min_bytes, timeout_s)  # a get's size is known only once it is answered
@@ -710,6 +732,26 @@ class AsyncBulkTransport:
         result = await self.inner.put(namespace, items, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_sent", nbytes)
         return result
+
+    async def put_payloads(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        timeout_s: float,
+        *,
+        retain_ttl_s: float = 0.0,
+    ) -> PutResult:
+        """As BulkTransport.put_payloads."""
+        nbytes = sum(memoryview(p).nbytes for p in payloads)
+        start = time.monotonic()
+        if retain_ttl_s or (await self._pool(nbytes, timeout_s) is None and nbytes >= self.link.same_host_put_bytes):
+            left = timeout_s - (time.monotonic() - start)
+            result = await self.inner.put_payloads(namespace, keys, payloads, left, retain_ttl_s=retain_ttl_s)
+            self.link.counters.add("grpc_bytes_sent", nbytes)
+            return result
+        left = timeout_s - (time.monotonic() - start)
+        return await self.put(namespace, payload_items(keys, payloads), left, retain_ttl_s=retain_ttl_s)
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float

@@ -28,12 +28,13 @@ from kvcache_client.arena import LeasedBlocks
 from kvcache_client.copies import copy_into, verified
 from kvcache_client.errors import DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.inplace_core import Leased
+from kvcache_client.messages import payload_items
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import LookupResult, PrefetchResult, PutResult, ServerStats
 from kvcache_client.retry import RetryPolicy
 from kvcache_client.steps import Steps
-from kvcache_core.blockwire import BlockData
-from kvcache_core.format import Layout
+from kvcache_core.blockwire import BlockData, Buffer
+from kvcache_core.format import Layout, check_key
 
 if TYPE_CHECKING:
     import torch
@@ -232,6 +233,34 @@ class Calls:
             if ttl_s:  # only transports that carry the hint take it (a custom one without it fails loudly)
                 return tr.put(ns, items, t, retain_ttl_s=ttl_s)  # type: ignore[no-any-return]
             return tr.put(ns, items, t)  # type: ignore[no-any-return]
+
+        result: PutResult = yield from self.retrying(timeout_s, put)
+        return result
+
+    def put_payloads(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        timeout_s: float | None,
+        retain_ttl_s: float | None = None,
+    ) -> Steps[PutResult]:
+        timeout_s = call_timeout_s(timeout_s, self.timeout_s)
+        ttl_s = retain_ttl(retain_ttl_s)
+        if len(keys) != len(payloads):
+            raise ValueError(f"{len(keys)} keys for {len(payloads)} payloads")
+        for key in keys:  # what encode_bytes_parts checks, before any path is chosen
+            check_key(key)
+        if not keys:
+            return PutResult(0, 0, 0)
+        ns = namespace_name(namespace)
+
+        def put(tr: Any, t: float) -> PutResult:
+            put_payloads = getattr(tr, "put_payloads", None)
+            if put_payloads is None:  # a transport of the caller's own: the blocks encoded here
+                items = payload_items(keys, payloads)
+                return tr.put(ns, items, t, retain_ttl_s=ttl_s) if ttl_s else tr.put(ns, items, t)  # type: ignore[no-any-return]
+            return put_payloads(ns, keys, payloads, t, retain_ttl_s=ttl_s)  # type: ignore[no-any-return]
 
         result: PutResult = yield from self.retrying(timeout_s, put)
         return result

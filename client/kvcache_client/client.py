@@ -54,7 +54,7 @@ from kvcache_client.transport import (
     ServerStats,
     Transport,
 )
-from kvcache_core.blockwire import BlockData
+from kvcache_core.blockwire import BlockData, Buffer
 from kvcache_core.format import Layout
 
 if TYPE_CHECKING:
@@ -247,6 +247,31 @@ class KVCacheClient:
             RPCError: any other status (Unauthenticated, PermissionDenied, ...), as kvcache_client.errors maps it.
         """
         return self._run(self._calls.put_many(namespace, items, timeout_s, retain_ttl_s))
+
+    def put_payloads(
+        self,
+        namespace: NamespaceLike,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        *,
+        timeout_s: float | None = None,
+        retain_ttl_s: float | None = None,
+    ) -> PutResult:
+        """Stores each payload's bytes as one flat uint8 block under its key: put_many of
+        format.encode_bytes_parts(keys, payloads), what the engines' connectors store (opaque pages).
+        Stored byte for byte as put_many would store them; on the server's host, where the server
+        reads the payloads out of this process's memory, it also computes their checksums as it
+        reads them, so this process makes no pass over the bytes (docs/shm.md, "Checksums computed
+        by the server"). Keep each payload alive and unchanged until this returns.
+
+        Raises:
+            ValueError: `timeout_s` is not positive, `retain_ttl_s` not a positive, finite number, or
+                not one payload per key.
+            BlockFormatError: a key is not 16 bytes.
+            TypeError: a payload is not C-contiguous.
+            RPCError: as put_many.
+        """
+        return self._run(self._calls.put_payloads(namespace, keys, payloads, timeout_s, retain_ttl_s))
 
     def prefetch(
         self, namespace: NamespaceLike, keys: Sequence[bytes], *, timeout_s: float | None = None

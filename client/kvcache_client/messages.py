@@ -29,6 +29,7 @@ from kvcache_client.steps import Do, Steps
 from kvcache_core.blockwire import (
     BlockData,
     BlockPart,
+    Buffer,
     GetItem,
     PutData,
     ShmRange,
@@ -37,7 +38,13 @@ from kvcache_core.blockwire import (
     split_block,
 )
 from kvcache_core.errors import BlockFormatError
-from kvcache_core.format import BlockHeader, matched, parse_header_for_payload, payload_hasher
+from kvcache_core.format import (
+    BlockHeader,
+    encode_bytes_parts,
+    matched,
+    parse_header_for_payload,
+    payload_hasher,
+)
 from kvcache_proto import kvcache_pb2 as pb
 
 DEFAULT_MESSAGE_BYTES = 4 << 20
@@ -342,6 +349,39 @@ def through_process(
         grpc.RpcError: what the call raised, when it is not such a refusal.
     """
     refs = link.process.ranges(items) if sum(data_len(d) for _, d in items) >= MIN_PUT_BYTES else None
+    return (yield from through_ranges(link, refs, send, otherwise))
+
+
+def sealed_ranges(
+    link: ShmLink, keys: Sequence[bytes], payloads: Sequence[Buffer]
+) -> list[tuple[bytes, ShmRange]] | None:
+    """A put_payloads's blocks as ranges of this process's memory that the server checksums as it
+    reads them (ProcessLink.sealed_ranges), or None: too small, or the path is not there."""
+    if len(keys) != len(payloads):
+        raise ValueError(f"{len(keys)} keys for {len(payloads)} payloads")
+    if sum(memoryview(p).nbytes for p in payloads) < MIN_PUT_BYTES:
+        return None
+    return link.process.sealed_ranges(keys, payloads)
+
+
+def payload_items(keys: Sequence[bytes], payloads: Sequence[Buffer]) -> list[tuple[bytes, BlockData]]:
+    """put_payloads's blocks encoded here (format.encode_bytes_parts: the checksum computed in this
+    process), for every path but a sealed one."""
+    return list(zip(keys, encode_bytes_parts(keys, payloads), strict=True))
+
+
+def through_ranges(
+    link: ShmLink,
+    refs: list[tuple[bytes, ShmRange]] | None,
+    send: Callable[[list[tuple[bytes, ShmRange]]], Any],
+    otherwise: Callable[[], Any],
+) -> Steps[Any]:
+    """send(refs), ranges of this process's memory, or otherwise() when there are none or the server
+    refuses them in a way another path avoids (through_process).
+
+    Raises:
+        grpc.RpcError: what the call raised, when it is not such a refusal.
+    """
     if refs is not None:
         try:
             return (yield Do(lambda: send(refs)))
@@ -359,6 +399,7 @@ def apply_info(link: ShmLink, info: pb.InfoResponse | None) -> int:
         return 0
     if link.needs_info:
         link.configure(info.shm_dir, info.max_block_bytes)
+    link.process.sealing = info.sealed_puts
     return DEFAULT_PART_BYTES if info.block_parts else 0
 
 

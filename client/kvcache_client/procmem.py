@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 import grpc
 import numpy as np
 
-from kvcache_core.blockwire import BlockData, ShmRange
+from kvcache_core.blockwire import BlockData, Buffer, ShmRange
+from kvcache_core.format import unsealed_bytes_header
 
 if TYPE_CHECKING:
     from kvcache_client.handoff import Handoff
@@ -61,6 +62,7 @@ class ProcessLink:
         self._name = ""
         self._generation = -1
         self._pid = -1
+        self.sealing = False  # the server's Info says sealed_puts: sealed_ranges may be used
 
     def configure(self, handoff: Handoff | None) -> None:
         """Takes the connection to the server's segment socket (None: there is none) and registers."""
@@ -137,6 +139,33 @@ class ProcessLink:
             except (ValueError, TypeError, BufferError):  # not contiguous, or not a buffer numpy takes
                 return None
             out.append((key, ShmRange(name, int(tail.ctypes.data), tail.nbytes, head)))
+        return out
+
+    def sealed_ranges(self, keys: Sequence[bytes], payloads: Sequence[Buffer]) -> list[tuple[bytes, ShmRange]] | None:
+        """The payloads as flat uint8 blocks (format.encode_bytes_parts's) whose checksums the server
+        computes as it reads them (ShmRange.seal; each head a header with checksum 0): no pass over
+        the bytes here. None when the server does not seal, the path is off, or a payload is not one
+        contiguous buffer. As for ranges(), the buffers stay alive and unchanged until the put
+        returns: the server stores what it read (a buffer changed meanwhile is stored as read)."""
+        if not self.sealing:
+            return None
+        name = self.name()
+        if name is None:
+            return None
+        out: list[tuple[bytes, ShmRange]] = []
+        headers: dict[int, bytes] = {}
+        for key, payload in zip(keys, payloads, strict=True):
+            try:
+                tail = np.frombuffer(payload, dtype=np.uint8)  # type: ignore[call-overload]
+            except (ValueError, TypeError, BufferError):  # not contiguous, or not a buffer numpy takes
+                return None
+            n = tail.nbytes
+            if not n:
+                return None
+            head = headers.get(n)
+            if head is None:
+                head = headers[n] = unsealed_bytes_header(n)
+            out.append((key, ShmRange(name, int(tail.ctypes.data), n, head, seal=True)))
         return out
 
     def refused(self, exc: BaseException) -> bool:

@@ -36,19 +36,30 @@ from kvcache_client.messages import (
     LandingCollector,
     apply_info,
     lookup_result,
+    payload_items,
     prefetch_result,
     put_messages,
     put_result,
+    sealed_ranges,
     server_stats,
     shm_get_request,
     through_process,
+    through_ranges,
     through_segment,
 )
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import Fetched, LookupResult, PrefetchResult, PutResult, ServerStats
 from kvcache_client.shm import Segment, ShmLink, env_allows_shm, run_to_end
 from kvcache_client.steps import arun, run
-from kvcache_core.blockwire import BlockData, PutData, ShmRange, data_len, decode_get_response, encode_put_request
+from kvcache_core.blockwire import (
+    BlockData,
+    Buffer,
+    PutData,
+    ShmRange,
+    data_len,
+    decode_get_response,
+    encode_put_request,
+)
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 
@@ -213,6 +224,28 @@ class GrpcTransport(_Channel):
                 items,
                 lambda refs: self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES),
                 lambda: self._put_through_segment(namespace, items, timeout_s, retain_ttl_s),
+            )
+        )
+
+    def put_payloads(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        timeout_s: float,
+        *,
+        retain_ttl_s: float = 0.0,
+    ) -> PutResult:
+        """put() of format.encode_bytes_parts(keys, payloads), except that a same-host put out of this
+        process's memory leaves the checksums to the server, which computes them as it reads the
+        bytes (ShmRange.seal): no pass over them here."""
+        self._check_info(timeout_s)
+        return run(
+            through_ranges(
+                self.shm,
+                sealed_ranges(self.shm, keys, payloads),
+                lambda refs: self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES),
+                lambda: self.put(namespace, payload_items(keys, payloads), timeout_s, retain_ttl_s=retain_ttl_s),
             )
         )
 
@@ -417,6 +450,28 @@ class AsyncGrpcTransport(_Channel):
                 items,
                 lambda refs: self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES),
                 lambda: self._put_through_segment(namespace, items, timeout_s, retain_ttl_s),
+            )
+        )
+
+    async def put_payloads(
+        self,
+        namespace: str,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        timeout_s: float,
+        *,
+        retain_ttl_s: float = 0.0,
+    ) -> PutResult:
+        """As GrpcTransport.put_payloads."""
+        await self._check_info(timeout_s)
+        if self.shm.process.stale():  # registering again is socket I/O: never on the event loop
+            await asyncio.to_thread(self.shm.process.name)
+        return await arun(
+            through_ranges(
+                self.shm,
+                sealed_ranges(self.shm, keys, payloads),
+                lambda refs: self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES),
+                lambda: self.put(namespace, payload_items(keys, payloads), timeout_s, retain_ttl_s=retain_ttl_s),
             )
         )
 

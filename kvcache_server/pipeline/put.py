@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import grpc
 
 from kvcache_core.blockwire import BlockPart, PutMessage, ShmRange, data_len, decode_put_request
+from kvcache_core.errors import UnknownFormatVersion
+from kvcache_core.format import BlockFormatError, seal_block
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.budget import Holding
 from kvcache_server.parts import BlockAssembler
@@ -278,6 +280,7 @@ class PutStages:
             ]
             try:
                 keys = {first_index + i: key for i, (key, _) in enumerate(blocks)}
+                sealed = {first_index + i for i, (_, ref) in enumerate(blocks) if ref.seal}
                 limit = self._limits.max_block_bytes
 
                 landed: list[int] = []  # bytes read out of the segment, block by block
@@ -287,8 +290,8 @@ class PutStages:
                         fill(start, end)
                         landed.append(end - start)
 
-                    # verified where it lies, each piece right after its copy (in cache)
-                    check_block_for_put(where, keys[where], slot, limit, counted)
+                    # verified (or sealed) where it lies, each piece right after its copy (in cache)
+                    check_block_for_put(where, keys[where], slot, limit, counted, seal=where in sealed)
 
                 try:
                     if _off_the_loop(reads):  # one thread hop for reads and checks (a few, for many bytes)
@@ -370,6 +373,12 @@ class PutStages:
                 segments[ref.segment] = self._open_segment(ref.segment, writable=False)
         except ShmError as exc:
             await self._abort(context, exc.code, f"block {where}: {exc.message}")
+        if ref.seal and segments[ref.segment][1] >= 0:
+            await self._abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"block {where}: seal is for ranges of a registered process's memory, not of segment {ref.segment}",
+            )
 
     async def _read_shm_blocks(
         self,
@@ -398,6 +407,13 @@ class PutStages:
         except ShmError as exc:
             await self._abort(context, exc.code, exc.message)
         self._counters.shm_bytes_received += sum(len(c) for c in contents)
+        for (where, _, _, ref), content in zip(reads, contents, strict=True):
+            if ref.seal:  # read into a buffer of the server's own (shm.read_ranges): checksummed there
+                try:
+                    seal_block(content, blocks[where - first_index][0])  # type: ignore[arg-type]
+                except (BlockFormatError, UnknownFormatVersion) as exc:
+                    message = f"block {where}: malformed block: {exc}"
+                    await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, message)
         it = iter(contents)
         return [(key, next(it) if isinstance(data, ShmRange) else data) for key, data in blocks]
 

@@ -59,11 +59,15 @@ def check_block_for_put(
     max_block_bytes: int,
     fill: Callable[[int, int], None] | None = None,
     piece_bytes: int = SLOT_PIECE_BYTES,
+    *,
+    seal: bool = False,
 ) -> None:
     """verify_block_for_put's checks, here and now (blocking: for a caller already in a worker thread).
     With `fill`, `data` is an empty slot that fill(start, end) reads the block into, piece by piece
     (`piece_bytes` at a time), each piece verified as it lands (format.verify_block_in_pieces); the
-    key and size are checked first.
+    key and size are checked first. With `seal` (and `fill`) the block's header carries checksum 0
+    and the checksum of what landed is written into it instead of checked (ShmRange.seal: a range
+    of a registered client's memory, read where no client can write).
 
     Raises:
         BlockRefused: INVALID_ARGUMENT (bad key, malformed block, unknown version, compressed),
@@ -78,9 +82,11 @@ def check_block_for_put(
         )
     try:
         if fill is None:
+            if seal:
+                raise ValueError("seal needs fill: a block is sealed as it is read into its slot")
             header = verify_block(data, key)
         else:
-            header = verify_block_in_pieces(memoryview(data), key, fill, piece_bytes)
+            header = verify_block_in_pieces(memoryview(data), key, fill, piece_bytes, seal=seal)
     except ChecksumMismatch as exc:
         raise BlockRefused(grpc.StatusCode.DATA_LOSS, f"{where}: {exc}", checksum=True) from None
     except UnknownFormatVersion as exc:

@@ -4,7 +4,7 @@ LMCache's store controller and prefetch controller call the adapter from their o
 poll its three eventfds; every method here returns at once. The calls to the server run on four
 lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
 
-    store     submit_store_task: one put_many per namespace of LMCache's buffers
+    store     submit_store_task: one put_payloads per namespace of LMCache's buffers
     lookup    submit_lookup_and_lock_task: one leased(verify=False) per namespace; the hits stay
               held (locked)
     load      submit_load_task: copies from the held blocks into LMCache's buffers, each copy
@@ -56,7 +56,7 @@ from kvcache_connectors.lmcache_l2.lanes import Lane, Task
 from kvcache_connectors.lmcache_l2.locks import Hold, LockTable
 from kvcache_core.breaker import BreakerState, CircuitBreaker
 from kvcache_core.errors import BlockFormatError
-from kvcache_core.format import encode_bytes_parts, payload_view
+from kvcache_core.format import payload_view
 from kvcache_core.landing import land
 
 if TYPE_CHECKING:
@@ -188,16 +188,16 @@ class KVCacheL2Adapter(L2AdapterInterface):
                     for i, payload in zip(positions, payloads, strict=True):
                         if payload.nbytes != sizes[i]:  # the object's own size: a mismatch is no put
                             raise BlockFormatError(f"chunk {i}: {payload.nbytes} bytes for {sizes[i]}")
-                    items = list(zip(kv_keys, encode_bytes_parts(kv_keys, payloads), strict=True))
+                    # one flat uint8 block per chunk; on the same host the server checksums what it reads
                     result = self._guarded(
-                        lambda ns=ns, items=items, ttl=self.config.retain_ttl_s: self._client.put_many(
-                            ns, items, retain_ttl_s=ttl
+                        lambda ns=ns, kv_keys=kv_keys, payloads=payloads, ttl=self.config.retain_ttl_s: (
+                            self._client.put_payloads(ns, kv_keys, payloads, retain_ttl_s=ttl)
                         )
                     )
-                    if result.stored == len(items):
+                    if result.stored == len(kv_keys):
                         stored.extend(positions)
                     else:
-                        log.warning("kvcache stored %d of %d chunks (task %d)", result.stored, len(items), task_id)
+                        log.warning("kvcache stored %d of %d chunks (task %d)", result.stored, len(kv_keys), task_id)
                 ok = len(stored) == len(keys)
             except (*CALL_ERRORS, ServerSkipped) as exc:
                 log.warning("kvcache store of %d chunks failed (task %d): %s", len(keys), task_id, exc)

@@ -41,7 +41,6 @@ from kvcache_connectors.sglang_hicache.config import HiCacheBackendConfig
 from kvcache_connectors.sglang_hicache.namespace import segment_engine_keys, sglang_namespace
 from kvcache_connectors.sglang_hicache.pages import PageMap
 from kvcache_core.breaker import CircuitBreaker
-from kvcache_core.format import encode_bytes_parts
 
 log = logging.getLogger(__name__)
 
@@ -371,9 +370,12 @@ class KVCacheHiCacheStorage(HiCacheStorage):
         started = time.monotonic()
         try:
             kv_keys = self._keys(keys)
-            items = list(zip(kv_keys, encode_bytes_parts(kv_keys, [memoryview(v.numpy()) for v in views]), strict=True))
-            result = self._client.put_many(
-                self._ns, items, timeout_s=self.config.timeout_s, retain_ttl_s=self.config.retain_ttl_s
+            result = self._client.put_payloads(  # on the same host the server checksums what it reads
+                self._ns,
+                kv_keys,
+                [memoryview(v.numpy()) for v in views],
+                timeout_s=self.config.timeout_s,
+                retain_ttl_s=self.config.retain_ttl_s,
             )
         except CALL_ERRORS as exc:
             self._failed(Counters.STORE_FAILURES, {Counters.PAGES_NOT_STORED: len(keys)})
@@ -382,11 +384,11 @@ class KVCacheHiCacheStorage(HiCacheStorage):
                 len(keys), time.monotonic() - started, exc,
             )  # fmt: skip
             return [False] * len(keys)
-        if result.stored != len(items):  # PutResult does not say which: none is trusted
+        if result.stored != len(kv_keys):  # PutResult does not say which: none is trusted
             self._succeeded({Counters.PAGES_NOT_STORED: len(keys)})
             self._log.warning(
                 "store", "kvcache stored %d of %d blocks of %d pages (server limits; none counted as stored)",
-                result.stored, len(items), len(keys),
+                result.stored, len(kv_keys), len(keys),
             )  # fmt: skip
             return [False] * len(keys)
         self._succeeded({Counters.PAGES_STORED: len(keys)})

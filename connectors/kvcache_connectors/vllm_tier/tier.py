@@ -59,7 +59,6 @@ from kvcache_connectors.vllm_tier.config import KVCacheTierConfig
 from kvcache_connectors.vllm_tier.namespace import vllm_namespace
 from kvcache_core.breaker import CircuitBreaker
 from kvcache_core.errors import BlockFormatError
-from kvcache_core.format import encode_bytes_parts
 
 log = logging.getLogger(__name__)
 
@@ -270,21 +269,21 @@ class KVCacheTier(SecondaryTierManager):
                 for payload in payloads:
                     if len(payload) != self.block_size_bytes:
                         raise BlockFormatError(f"a row of {len(payload)} bytes for blocks of {self.block_size_bytes}")
-                items = list(zip(kv_keys, encode_bytes_parts(kv_keys, payloads), strict=True))
                 try:
-                    result = self._client.put_many(
+                    result = self._client.put_payloads(  # on the same host the server checksums what it reads
                         self._ns,
-                        items,
-                        timeout_s=self._job_timeout_s(len(items) * self.block_size_bytes),
+                        kv_keys,
+                        payloads,
+                        timeout_s=self._job_timeout_s(len(kv_keys) * self.block_size_bytes),
                         retain_ttl_s=self.config.retain_ttl_s,
                     )
                 except CALL_ERRORS:
                     self._failed()
                     raise
                 self._succeeded()
-                ok = result.stored == len(items)
+                ok = result.stored == len(kv_keys)
                 if not ok:
-                    log.warning("kvcache stored %d of %d chunks (job %d)", result.stored, len(items), job_id)
+                    log.warning("kvcache stored %d of %d chunks (job %d)", result.stored, len(kv_keys), job_id)
             except (*CALL_ERRORS, ServerSkipped) as exc:
                 log.warning("kvcache store of %d chunks failed (job %d): %s", len(keys), job_id, exc)
             finally:  # always a result, even on a bug (re-raised after, JobThread logs it)
