@@ -11,7 +11,7 @@ received message).
 
     PutRequest  { string namespace = 1; repeated Block blocks = 2; double retain_ttl_s = 3; }
     Block       { bytes key = 1; bytes data = 2; ShmRange shm = 3; bool more = 4; uint64 total_length = 5; }
-    ShmRange    { string segment = 1; uint64 offset = 2; uint64 length = 3; bool seal = 4; }
+    ShmRange    { string segment = 1; uint64 offset = 2; uint64 length = 3; uint64 seal_before_ns = 4; }
     GetResponse { repeated GetItem items = 1; }
     GetItem     { uint32 index = 1; bool found = 2; bytes data = 3; Tier tier = 4; ShmRange shm = 5;
                   bool more = 6; }
@@ -186,14 +186,20 @@ class ShmRange:
 
     `head`, in a PutRequest only: the block's first bytes, sent inline (Block.data beside Block.shm),
     followed by the range: the block is head + range (a header built apart from its payload).
-    `seal`, in a PutRequest only: the server computes the block's checksum from what it read and
-    writes it into the header, whose checksum field is 0 (docs/shm.md)."""
+    `seal_before_ns`, in a PutRequest only, nonzero: the server computes the block's checksum from
+    what it read and writes it into the header, whose checksum field is 0, and stores it only if it
+    read it before this CLOCK_MONOTONIC time (docs/shm.md, "Checksums computed by the server")."""
 
     segment: str
     offset: int
     length: int
     head: bytes = b""
-    seal: bool = False
+    seal_before_ns: int = 0
+
+    @property
+    def seal(self) -> bool:
+        """Whether the server is to compute the block's checksum (seal_before_ns is set)."""
+        return self.seal_before_ns != 0
 
     @property
     def block_length(self) -> int:
@@ -207,16 +213,16 @@ class ShmRange:
                 b"\x0a" + _varint(len(seg)) + seg if seg else b"",
                 b"\x10" + _varint(self.offset) if self.offset else b"",
                 b"\x18" + _varint(self.length) if self.length else b"",
-                b"\x20\x01" if self.seal else b"",
+                b"\x20" + _varint(self.seal_before_ns) if self.seal_before_ns else b"",
             )
         )
 
 
 def _decode_shm_range(buf: Buffer, pos: int, end: int, into: ShmRange | None, depth: int) -> ShmRange:
     """Parses one occurrence of a ShmRange field; a later occurrence merges into the earlier (`into`)."""
-    segment, offset, length, seal = ("", 0, 0, False)
+    segment, offset, length, seal_before_ns = ("", 0, 0, 0)
     if into is not None:
-        segment, offset, length, seal = into.segment, into.offset, into.length, into.seal
+        segment, offset, length, seal_before_ns = into.segment, into.offset, into.length, into.seal_before_ns
     while pos < end:
         tag = buf[pos]
         if tag < 0x80:
@@ -232,11 +238,10 @@ def _decode_shm_range(buf: Buffer, pos: int, end: int, into: ShmRange | None, de
         elif tag == 0x18:
             length, pos = _read_varint(buf, pos, end)
         elif tag == 0x20:
-            value, pos = _read_varint(buf, pos, end)
-            seal = value != 0
+            seal_before_ns, pos = _read_varint(buf, pos, end)
         else:
             pos = _skip_field(buf, pos, end, tag, depth)
-    return ShmRange(segment, offset, length, seal=seal)
+    return ShmRange(segment, offset, length, seal_before_ns=seal_before_ns)
 
 
 # -- PutRequest ------------------------------------------------------------------------------------
@@ -377,7 +382,7 @@ def check_put_message(msg: PutMessage) -> PutMessage:
             if data.more or data.total_length:
                 return PutMessage(error="malformed PutRequest: Block sets shm with more or total_length")
             shm = data.shm
-            msg.blocks[i] = (key, ShmRange(shm.segment, shm.offset, shm.length, bytes(data.data), shm.seal))
+            msg.blocks[i] = (key, ShmRange(shm.segment, shm.offset, shm.length, bytes(data.data), shm.seal_before_ns))
     return msg
 
 

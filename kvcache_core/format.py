@@ -396,7 +396,7 @@ def verify_block_in_pieces(
     return _matched(header, key, h.intdigest(), "the block is damaged")
 
 
-_CHECKSUM_AT = 32
+CHECKSUM_AT = 32
 """Where a header's checksum field lies (the table above)."""
 
 
@@ -431,7 +431,7 @@ def _check_unsealed(header: BlockHeader) -> None:
 
 
 def _sealed(data: memoryview, header: BlockHeader, checksum: int) -> BlockHeader:
-    struct.pack_into("<Q", data, _CHECKSUM_AT, checksum)
+    struct.pack_into("<Q", data, CHECKSUM_AT, checksum)
     return dataclasses.replace(header, checksum=checksum)
 
 

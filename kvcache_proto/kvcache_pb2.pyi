@@ -51,16 +51,16 @@ class Block(_message.Message):
     def __init__(self, key: _Optional[bytes] = ..., data: _Optional[bytes] = ..., shm: _Optional[_Union[ShmRange, _Mapping]] = ..., more: _Optional[bool] = ..., total_length: _Optional[int] = ...) -> None: ...
 
 class ShmRange(_message.Message):
-    __slots__ = ("segment", "offset", "length", "seal")
+    __slots__ = ("segment", "offset", "length", "seal_before_ns")
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     LENGTH_FIELD_NUMBER: _ClassVar[int]
-    SEAL_FIELD_NUMBER: _ClassVar[int]
+    SEAL_BEFORE_NS_FIELD_NUMBER: _ClassVar[int]
     segment: str
     offset: int
     length: int
-    seal: bool
-    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., seal: _Optional[bool] = ...) -> None: ...
+    seal_before_ns: int
+    def __init__(self, segment: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ..., seal_before_ns: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("namespace", "blocks", "retain_ttl_s")

@@ -166,6 +166,16 @@ class _StatsCollector(Collector):
             "Blocks refused on Put for failing their checksum",
             value=service["put_checksum_failures"],
         )
+        yield CounterMetricFamily(
+            "kvcache_sealed_blocks",
+            "Blocks of same-host Puts whose checksums the server computed as it read them (docs/shm.md)",
+            value=service["sealed_blocks"],
+        )
+        yield CounterMetricFamily(
+            "kvcache_sealed_too_late",
+            "Puts ended ABORTED because a sealed block was read after its client's seal_before_ns",
+            value=service["sealed_too_late"],
+        )
         family = CounterMetricFamily(
             "kvcache_shm_bytes", "Block bytes moved through shared-memory segments", labels=["direction"]
         )

@@ -114,6 +114,8 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
         return {
             "failed_requests": self._failed_requests(),
             "put_checksum_failures": self._counters.put_checksum_failures,
+            "sealed_blocks": self._counters.sealed_blocks,
+            "sealed_too_late": self._counters.sealed_too_late,
             "shm_bytes_received": self._counters.shm_bytes_received,
             "shm_bytes_sent": self._counters.shm_bytes_sent,
             "inplace_bytes_received": self.inplace_bytes_received,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import logging
 import os
 import re
@@ -384,9 +385,13 @@ def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:
 
 
 def read_ranges(
-    reads: Sequence[tuple[int, int, int, ShmRange]], stop: threading.Event | None = None
+    reads: Sequence[tuple[int, int, int, ShmRange]],
+    stop: threading.Event | None = None,
+    seal: Callable[[int, memoryview], None] | None = None,
 ) -> list[bytes | memoryview]:
     """Reads (block index, fd, segment size, range) in order (blocking; one worker-thread hop for all).
+    A sealed range (ShmRange.seal) is handed to seal(block index, its bytes) once read, in the same
+    thread: its checksum written into its header there (a sealed range without `seal` is refused).
 
     Raises:
         ShmError: as read_range, naming the block.
@@ -406,7 +411,11 @@ def read_ranges(
             continue
         whole = memoryview(bytearray(ref.block_length))  # a head, or a client's memory: into a buffer of its own
         _filler(where, fd, size, ref, whole)(0, len(whole))
-        out.append(whole if ref.seal else whole.toreadonly())  # sealed: the caller writes its checksum
+        if ref.seal:
+            if seal is None:
+                raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: a sealed range where none is taken")
+            seal(where, whole)
+        out.append(whole.toreadonly())
     return out
 
 
@@ -440,7 +449,9 @@ def _duplicates(fds: Sequence[int]) -> dict[int, int]:
 
 
 async def read_ranges_in_thread(
-    reads: Sequence[tuple[int, int, int, ShmRange]], executor: Executor | None = None
+    reads: Sequence[tuple[int, int, int, ShmRange]],
+    executor: Executor | None = None,
+    seal: Callable[[int, memoryview], None] | None = None,
 ) -> list[bytes | memoryview]:
     """read_ranges in a worker thread that owns duplicates of the segments' descriptors (see _run_to_end).
 
@@ -449,7 +460,7 @@ async def read_ranges_in_thread(
     """
     own = _duplicates([fd for _, fd, _, _ in reads])
     mine = [(where, own[fd], size, ref) for where, fd, size, ref in reads]
-    return await _run_to_end(read_ranges, (mine,), list(own.values()), executor)
+    return await _run_to_end(functools.partial(read_ranges, seal=seal), (mine,), list(own.values()), executor)
 
 
 async def write_ranges_in_thread(fd: int, writes: Sequence[tuple[bytes | memoryview, int]]) -> None:

@@ -20,7 +20,7 @@ MAX_FIELD = 2**29 - 1
 
 # -- comparing both decoders ----------------------------------------------------------------------
 
-ShmValues = tuple[str, int, int, bool] | None
+ShmValues = tuple[str, int, int, int] | None
 BlockValues = tuple[bytes, bytes, ShmValues, bool, int]  # key, data, shm, more, total_length
 ItemValues = tuple[int, bool, bytes, int, ShmValues, bool]  # index, found, data, tier, shm, more
 
@@ -28,11 +28,11 @@ ItemValues = tuple[int, bool, bytes, int, ShmValues, bool]  # index, found, data
 def _pb_shm(message: pb.Block | pb.GetItem) -> ShmValues:
     if not message.HasField("shm"):
         return None
-    return (message.shm.segment, message.shm.offset, message.shm.length, message.shm.seal)
+    return (message.shm.segment, message.shm.offset, message.shm.length, message.shm.seal_before_ns)
 
 
 def _bw_shm(shm: bw.ShmRange | None) -> ShmValues:
-    return None if shm is None else (shm.segment, shm.offset, shm.length, shm.seal)
+    return None if shm is None else (shm.segment, shm.offset, shm.length, shm.seal_before_ns)
 
 
 def _pb_put(data: bytes) -> tuple[str, list[BlockValues]] | None:
@@ -87,7 +87,7 @@ def check_put(data: bytes) -> tuple[str, list[BlockValues]] | None:
         for (_, d, shm, _, _), (_, got) in zip(expected[1], checked.blocks, strict=True):
             if shm is not None:  # data beside shm is the block's head
                 assert isinstance(got, bw.ShmRange)
-                assert (got.segment, got.offset, got.length, got.seal, got.head) == (*shm, d)
+                assert (got.segment, got.offset, got.length, got.seal_before_ns, got.head) == (*shm, d)
     return expected
 
 
@@ -211,7 +211,7 @@ def shm_chunks(draw: st.DrawFn) -> bytes:
     """Fields of a ShmRange: serialised by the generated code, or by hand (explicit zeros, wide varints)."""
     kind = draw(st.sampled_from(["pb", "segment", "offset", "length", "seal"]))
     if kind == "pb":
-        msg = pb.ShmRange(segment=draw(texts), offset=draw(u64), length=draw(u64), seal=draw(st.booleans()))
+        msg = pb.ShmRange(segment=draw(texts), offset=draw(u64), length=draw(u64), seal_before_ns=draw(u64))
         return msg.SerializeToString()
     if kind == "segment":
         return draw(length_delimited(1, draw(texts).encode()))
@@ -448,7 +448,7 @@ def test_crafted_encodings_cut_short_decode_or_fail_like_generated_code() -> Non
 
 # -- blockwire -> generated -----------------------------------------------------------------------
 
-shm_ranges = st.builds(bw.ShmRange, texts, u64, u64, seal=st.booleans())
+shm_ranges = st.builds(bw.ShmRange, texts, u64, u64, seal_before_ns=u64)
 block_data = st.one_of(st.binary(max_size=200), st.lists(st.binary(max_size=50), max_size=3).map(tuple))
 put_data = st.one_of(block_data, shm_ranges, st.builds(bw.BlockPart, block_data, st.booleans(), u64))
 

@@ -8,6 +8,7 @@ import os
 import shutil
 import struct
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ from kvcache_core.errors import BlockFormatError
 from kvcache_core.format import encode_bytes_parts, parse_header, unsealed_bytes_header
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+from kvcache_server.pipeline import put as put_stage
+from kvcache_server.pipeline import verify
 from tests.conftest import ServerThread
 
 pytestmark = pytest.mark.timeout(120)
@@ -75,14 +78,21 @@ class _Sent:
             monkeypatch.setattr(cls, "_send_put", spy)
 
 
+def _counters(server: ServerThread) -> dict[str, int]:
+    return server.running.service.counters()  # type: ignore[no-any-return]
+
+
 def test_put_payloads_on_the_same_host_leaves_the_checksums_to_the_server(
     make_server: Any, place: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Blocking and asyncio: every range sent is sealed with a header of checksum 0, the SDK never
+    """Every range the blocking face sends is sealed with a header of checksum 0, the SDK never
     encodes (never hashes) a payload, and what the server stores is byte for byte what put_many of
-    encode_bytes_parts stores (a block sealed wrongly would fail get_many's check of its checksum)."""
+    encode_bytes_parts stores (a block sealed wrongly would fail get_many's check of its checksum).
+    The asyncio face never seals (a cancelled task returns before the server's reads end): its
+    ranges carry the SDK's checksums, and the blocks are the same."""
     server = _server(make_server, place)
     sent = _Sent(monkeypatch)
+    encode = messages.encode_bytes_parts
 
     def no_encoding(*args: Any) -> Any:
         raise AssertionError("the SDK hashed a payload of a sealed put")
@@ -95,6 +105,10 @@ def test_put_payloads_on_the_same_host_leaves_the_checksums_to_the_server(
         assert client._transport.shm.process.state == "on"
         got = [bytes(g) for g in client.get_many(NS, keys)]  # type: ignore[arg-type]
     assert got == _expected(keys, payloads)
+    assert len(sent.ranges) == 6 and all(r.seal for r in sent.ranges)
+    assert {parse_header(r.head, block_len=r.block_length).checksum for r in sent.ranges} == {0}
+    assert _counters(server)["sealed_blocks"] == 6
+    monkeypatch.setattr(messages, "encode_bytes_parts", encode)
 
     async def from_asyncio() -> list[bytes]:
         async with AsyncKVCacheClient(server.target) as c:
@@ -104,10 +118,9 @@ def test_put_payloads_on_the_same_host_leaves_the_checksums_to_the_server(
     akeys = [os.urandom(16) for _ in range(3)]
     apayloads = _payloads(3, 1 << 20, 3)
     assert asyncio.run(from_asyncio()) == _expected(akeys, apayloads)
-    assert len(sent.ranges) == 9 and all(r.seal for r in sent.ranges)
-    assert {parse_header(r.head, block_len=r.block_length).checksum for r in sent.ranges} == {0}
+    assert len(sent.ranges) == 9 and not any(r.seal for r in sent.ranges[6:])
     s = _stats(server)
-    assert (s.put_checksum_failures, s.shm_bytes_received) == (0, sum(len(b) for b in got) + 3 * ((1 << 20) + 48))
+    assert (s.put_checksum_failures, _counters(server)["sealed_blocks"]) == (0, 6)
 
 
 def test_a_server_without_sealed_puts_gets_the_clients_checksums(
@@ -149,21 +162,27 @@ def test_put_payloads_refuses_what_put_many_would_before_any_path(make_server: A
     assert server.stack.ram.used_bytes == 0
 
 
-def _put(server: ServerThread, key: bytes, ref: ShmRange) -> grpc.RpcError | None:
+def _put(server: ServerThread, blocks: list[tuple[bytes, Any]]) -> grpc.RpcError | None:
     put = grpc.insecure_channel(server.target).stream_unary(
         "/kvcache.v1.KVCache/Put", lambda b: b, pb.PutResponse.FromString
     )
     try:
-        put(iter([encode_put_request(NS, [(key, ref)])]), timeout=10)
+        put(iter([encode_put_request(NS, blocks)]), timeout=10)
     except grpc.RpcError as exc:
         return exc
     return None
 
 
-def test_the_server_seals_only_what_it_read_from_a_process_with_checksum_zero(make_server: Any, place: Path) -> None:
-    """A sealed head with a checksum: INVALID_ARGUMENT; seal on a client's segment file (which the
-    client can write while the server reads it): INVALID_ARGUMENT; neither stores anything nor keeps a
-    slot. A right one is stored, sealed."""
+LATER = 1 << 62  # a seal_before_ns decades away
+
+
+def test_the_server_seals_only_what_it_read_in_time_from_a_process_with_checksum_zero(
+    make_server: Any, place: Path
+) -> None:
+    """A sealed head with a checksum, or none inline: INVALID_ARGUMENT before anything is reserved;
+    seal on a client's segment file (which the client can write while the server reads it):
+    INVALID_ARGUMENT; a block read at or after its seal_before_ns: ABORTED. None of them stores
+    anything or keeps a slot. A right one is stored, sealed."""
     server = _server(make_server, place)
     info = pb_grpc.KVCacheStub(grpc.insecure_channel(server.target)).Info(pb.InfoRequest(), timeout=10)
     assert info.sealed_puts
@@ -172,35 +191,122 @@ def test_the_server_seals_only_what_it_read_from_a_process_with_checksum_zero(ma
     try:
         key = os.urandom(16)
         payload = _payloads(1, 200_000, 5)[0]
+        block = np.concatenate([np.frombuffer(unsealed_bytes_header(payload.nbytes), np.uint8), payload])
         head = unsealed_bytes_header(payload.nbytes)
         marked = head[:32] + struct.pack("<Q", 12345) + head[40:]
-        bad = _put(server, key, ShmRange(name, payload.ctypes.data, payload.nbytes, marked, seal=True))
+        bad = _put(server, [(key, ShmRange(name, payload.ctypes.data, payload.nbytes, marked, LATER))])
         assert bad is not None and bad.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "checksum 0" in bad.details()
+        no_head = _put(server, [(key, ShmRange(name, block.ctypes.data, block.nbytes, b"", LATER))])
+        assert no_head is not None and no_head.code() is grpc.StatusCode.INVALID_ARGUMENT
         segment = "kvcache-" + os.urandom(16).hex()
-        (place / "shm" / segment).write_bytes(head + payload.tobytes())
-        file_range = _put(server, key, ShmRange(segment, 0, len(head) + payload.nbytes, seal=True))
+        (place / "shm" / segment).write_bytes(payload.tobytes())
+        file_range = _put(server, [(key, ShmRange(segment, 0, payload.nbytes, head, LATER))])
         assert file_range is not None and file_range.code() is grpc.StatusCode.INVALID_ARGUMENT
         assert "registered process" in file_range.details()
-        assert server.stack.ram.used_bytes == 0
-        assert _put(server, key, ShmRange(name, payload.ctypes.data, payload.nbytes, head, seal=True)) is None
+        late = _put(server, [(key, ShmRange(name, payload.ctypes.data, payload.nbytes, head, time.monotonic_ns()))])
+        assert late is not None and late.code() is grpc.StatusCode.ABORTED, late
+        assert _counters(server)["sealed_too_late"] == 1
+        assert _put(server, [(key, ShmRange(name, payload.ctypes.data, payload.nbytes, head, LATER))]) is None
     finally:
         handoff.close()
+    ram = server.stack.ram
+    assert ram.used_bytes == ram.entry_cost_of(len(head) + payload.nbytes)  # the good block alone
     s = _stats(server)
     assert (s.put_checksum_failures, s.arena_reservations) == (0, 0)
+    assert _counters(server)["sealed_blocks"] == 1
     with KVCacheClient(server.target) as client:
         assert [bytes(g) for g in client.get_many(NS, [key])] == _expected([key], [payload])  # type: ignore[arg-type]
 
 
-def test_a_sealed_put_ram_cannot_reserve_is_sealed_where_the_server_reads_it(make_server: Any, place: Path) -> None:
-    """Blocks whose slots RAM cannot reserve all at once are read into the server's own memory
-    instead (put.py, _read_shm_blocks): sealed there, then verified and stored as any block."""
+def test_sealed_blocks_read_into_the_servers_memory_are_sealed_there(make_server: Any, place: Path) -> None:
+    """Blocks the server reads into memory of its own instead of arena slots (a message that also
+    carries an inline block; RAM that cannot reserve every slot at once) are sealed in the reading
+    thread, then verified and stored as any block; a late one there is ABORTED too."""
     server = _server(make_server, place, ram_bytes=5 << 20)
-    keys = [os.urandom(16) for _ in range(3)]
-    payloads = _payloads(3, 2 << 20, 6)
+    info = pb_grpc.KVCacheStub(grpc.insecure_channel(server.target)).Info(pb.InfoRequest(), timeout=10)
+    handoff = Handoff(str(place / "seg.sock"), info.server_uid, "")
+    name, _ = handoff.register_process()
+    try:
+        keys = [os.urandom(16) for _ in range(3)]
+        payloads = _payloads(3, 700_000, 7)
+        inline = _expected(keys[:1], payloads[:1])[0]
+        refs = [
+            (k, ShmRange(name, p.ctypes.data, p.nbytes, unsealed_bytes_header(p.nbytes), LATER))
+            for k, p in zip(keys[1:], payloads[1:], strict=True)
+        ]
+        assert _put(server, [(keys[0], inline), *refs]) is None  # mixed: read into memory
+        assert _counters(server)["sealed_blocks"] == 2
+        late = [(k, ShmRange(r.segment, r.offset, r.length, r.head, 1)) for k, r in refs]
+        other = os.urandom(16)
+        gone = _put(server, [(other, _expected([other], payloads[:1])[0]), *late])
+        assert gone is not None and gone.code() is grpc.StatusCode.ABORTED
+    finally:
+        handoff.close()
     with KVCacheClient(server.target) as client:
-        assert client.put_payloads(NS, keys, payloads).stored >= 1
-        got = client.get_many(NS, keys)
-        found = [(bytes(g), e) for g, e in zip(got, _expected(keys, payloads), strict=True) if g is not None]
+        assert [bytes(g) for g in client.get_many(NS, keys)] == _expected(keys, payloads)  # type: ignore[arg-type]
+        assert client.lookup(NS, [other]).prefix_length == 0
+        big = [os.urandom(16) for _ in range(3)]
+        big_payloads = _payloads(3, 2 << 20, 8)  # more than RAM reserves at once
+        assert client.put_payloads(NS, big, big_payloads).stored >= 1
+        got = client.get_many(NS, big)
+        found = [(bytes(g), e) for g, e in zip(got, _expected(big, big_payloads), strict=True) if g is not None]
     assert found and all(g == e for g, e in found)
-    assert _stats(server).put_checksum_failures == 0
+    assert _counters(server)["sealed_blocks"] == 5 and _stats(server).put_checksum_failures == 0
+
+
+def test_a_sealed_put_the_server_cannot_take_is_put_again_checksummed_by_the_sdk(
+    make_server: Any, place: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window too short for the server's reads (ABORTED or the call's deadline), and a server that
+    takes checksum 0 for a checksum (one without sealing behind an Info that said otherwise:
+    DATA_LOSS, and sealing goes off): the SDK puts the same blocks again, checksummed by itself,
+    and what is stored is the same."""
+    server = _server(make_server, place)
+    sent = _Sent(monkeypatch)
+    monkeypatch.setattr(messages, "SEAL_MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(messages, "SEAL_WINDOW_BYTES_PER_S", 1e15)  # a window of microseconds
+    keys = [os.urandom(16) for _ in range(4)]
+    payloads = _payloads(4, 1 << 20, 9)
+    with KVCacheClient(server.target) as client:
+        assert client.put_payloads(NS, keys, payloads).stored == 4
+        assert [bytes(g) for g in client.get_many(NS, keys)] == _expected(keys, payloads)  # type: ignore[arg-type]
+        assert [r.seal for r in sent.ranges] == [True] * 4 + [False] * 4
+        assert client._transport.shm.process.sealing
+    monkeypatch.undo()
+    sent = _Sent(monkeypatch)
+
+    def unsealing(*args: Any, seal: bool = False, **kw: Any) -> None:
+        verify.check_block_for_put(*args, **kw)  # as a server that never heard of seal_before_ns
+
+    monkeypatch.setattr(put_stage, "check_block_for_put", unsealing)
+    keys = [os.urandom(16) for _ in range(4)]
+    with KVCacheClient(server.target) as client:
+        assert client.put_payloads(NS, keys, payloads).stored == 4
+        assert not client._transport.shm.process.sealing
+        assert client.put_payloads(NS, keys[:2], payloads[:2]).stored == 2  # not sealed again
+        assert [bytes(g) for g in client.get_many(NS, keys)] == _expected(keys, payloads)  # type: ignore[arg-type]
+    assert [r.seal for r in sent.ranges] == [True] * 4 + [False] * 6
+    assert _stats(server).put_checksum_failures == 1
+
+
+def test_a_sealed_put_interrupted_in_the_client_returns_only_once_the_server_may_store_nothing_of_it(
+    make_server: Any, place: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KeyboardInterrupt inside a sealed put: the server may still be reading the payloads, so the
+    SDK raises it only once their seal_before_ns has passed (after it the server stores nothing
+    it read): the caller cannot reuse a buffer the server then seals."""
+    server = _server(make_server, place)
+    seen: list[int] = []
+
+    def interrupted(tr: Any, namespace: str, items: Any, *args: Any, **kw: Any) -> Any:
+        seen.extend(d.seal_before_ns for _, d in items if isinstance(d, ShmRange))
+        raise KeyboardInterrupt
+
+    with KVCacheClient(server.target) as client:
+        client.lookup(NS, [os.urandom(16)])  # Info taken, the process registered
+        monkeypatch.setattr(transport.GrpcTransport, "_send_put", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            client.put_payloads(NS, [os.urandom(16)], _payloads(1, 1 << 20, 10))
+        done = time.monotonic_ns()
+    assert len(seen) == 1 and done >= seen[0]

@@ -213,8 +213,9 @@ class AsyncKVCacheClient:
         timeout_s: float | None = None,
         retain_ttl_s: float | None = None,
     ) -> PutResult:
-        """Stores each payload as one flat uint8 block under its key (as KVCacheClient.put_payloads:
-        on the server's host the server computes the checksums as it reads the bytes).
+        """Stores each payload as one flat uint8 block under its key (as KVCacheClient.put_payloads),
+        encoded in a worker thread when large. The server never computes these checksums for this
+        face (a cancelled task returns at once, while the server may still read the payloads).
 
         Raises:
             ValueError: `timeout_s` is not positive, or as KVCacheClient.put_payloads.

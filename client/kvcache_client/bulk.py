@@ -42,7 +42,7 @@ from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.errors import RPCError
 from kvcache_client.inplace_core import BulkRefusal
 from kvcache_client.local_reads import land_plan, plan
-from kvcache_client.messages import payload_items
+from kvcache_client.messages import encoded_off_loop, payload_items
 from kvcache_client.results import (
     TIER_NAMES,
     Fetched,
@@ -742,16 +742,8 @@ class AsyncBulkTransport:
         *,
         retain_ttl_s: float = 0.0,
     ) -> PutResult:
-        """As BulkTransport.put_payloads."""
-        nbytes = sum(memoryview(p).nbytes for p in payloads)
-        start = time.monotonic()
-        if retain_ttl_s or (await self._pool(nbytes, timeout_s) is None and nbytes >= self.link.same_host_put_bytes):
-            left = timeout_s - (time.monotonic() - start)
-            result = await self.inner.put_payloads(namespace, keys, payloads, left, retain_ttl_s=retain_ttl_s)
-            self.link.counters.add("grpc_bytes_sent", nbytes)
-            return result
-        left = timeout_s - (time.monotonic() - start)
-        return await self.put(namespace, payload_items(keys, payloads), left, retain_ttl_s=retain_ttl_s)
+        """As AsyncGrpcTransport.put_payloads: encoded (off the loop when large), then put()."""
+        return await self.put(namespace, await encoded_off_loop(keys, payloads), timeout_s, retain_ttl_s=retain_ttl_s)
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float

@@ -262,7 +262,8 @@ class KVCacheClient:
         Stored byte for byte as put_many would store them; on the server's host, where the server
         reads the payloads out of this process's memory, it also computes their checksums as it
         reads them, so this process makes no pass over the bytes (docs/shm.md, "Checksums computed
-        by the server"). Keep each payload alive and unchanged until this returns.
+        by the server"). Keep each payload alive and unchanged until this returns: it returns only
+        once the server can no longer read them (an interrupted call waits for that first).
 
         Raises:
             ValueError: `timeout_s` is not positive, `retain_ttl_s` not a positive, finite number, or

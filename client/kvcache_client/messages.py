@@ -7,7 +7,10 @@ segment resolved to views of it; the server's Info answer decides which of these
 
 from __future__ import annotations
 
+import asyncio
+import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -352,22 +355,72 @@ def through_process(
     return (yield from through_ranges(link, refs, send, otherwise))
 
 
-def sealed_ranges(
-    link: ShmLink, keys: Sequence[bytes], payloads: Sequence[Buffer]
-) -> list[tuple[bytes, ShmRange]] | None:
+SEAL_MIN_WINDOW_S = 1.0
+SEAL_WINDOW_BYTES_PER_S = 200e6
+"""A sealed put gives the server until now + max(SEAL_MIN_WINDOW_S, its bytes at this rate), or the
+call's deadline if sooner, to have read its blocks (ShmRange.seal_before_ns): its gRPC deadline
+too, so the SDK never returns (and its caller never reuses a buffer) before the server's reads
+are over or refused. A server too slow for it answers ABORTED (or the call its deadline) and the
+SDK puts the blocks again, checksummed by itself, within what is left of the caller's deadline."""
+
+
+@dataclass
+class Sealed:
+    """A put_payloads's blocks as sealed ranges of this process's memory (ProcessLink.sealed_ranges)."""
+
+    refs: list[tuple[bytes, ShmRange]]
+    held: list[Any]  # each payload's buffer, exported until the put returns
+    before_ns: int  # CLOCK_MONOTONIC: the server stores nothing it read from then on
+    window_s: float  # the call's timeout: it ends no earlier than before_ns
+
+
+def sealed_ranges(link: ShmLink, keys: Sequence[bytes], payloads: Sequence[Buffer], timeout_s: float) -> Sealed | None:
     """A put_payloads's blocks as ranges of this process's memory that the server checksums as it
-    reads them (ProcessLink.sealed_ranges), or None: too small, or the path is not there."""
+    reads them, or None: too small, or the path is not there."""
     if len(keys) != len(payloads):
         raise ValueError(f"{len(keys)} keys for {len(payloads)} payloads")
-    if sum(memoryview(p).nbytes for p in payloads) < MIN_PUT_BYTES:
+    nbytes = sum(memoryview(p).nbytes for p in payloads)
+    if nbytes < MIN_PUT_BYTES or not link.process.sealing:
         return None
-    return link.process.sealed_ranges(keys, payloads)
+    window_s = min(timeout_s, max(SEAL_MIN_WINDOW_S, nbytes / SEAL_WINDOW_BYTES_PER_S))
+    before_ns = time.monotonic_ns() + int(window_s * 1e9)
+    found = link.process.sealed_ranges(keys, payloads, before_ns)
+    return None if found is None else Sealed(found[0], found[1], before_ns, window_s)
+
+
+def sealed_refused(link: ShmLink, exc: grpc.RpcError) -> bool:
+    """Whether a sealed put failed in a way the same put checksummed by the SDK avoids: the server
+    read too late (ABORTED, or the window's deadline), refused the process (ProcessLink.refused), or
+    does not seal (DATA_LOSS: a server that took checksum 0 for a checksum; sealing goes off)."""
+    code = exc.code()
+    if code is grpc.StatusCode.DATA_LOSS:
+        link.process.sealing = False
+        return True
+    return code in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED) or link.process.refused(exc)
+
+
+def wait_out(sealed: Sealed) -> None:
+    """Blocks until the server can no longer store what it reads of `sealed` (its before_ns): for a
+    put interrupted in this process (KeyboardInterrupt) while the server may still be reading."""
+    time.sleep(max(0.0, (sealed.before_ns - time.monotonic_ns()) / 1e9))
 
 
 def payload_items(keys: Sequence[bytes], payloads: Sequence[Buffer]) -> list[tuple[bytes, BlockData]]:
     """put_payloads's blocks encoded here (format.encode_bytes_parts: the checksum computed in this
     process), for every path but a sealed one."""
     return list(zip(keys, encode_bytes_parts(keys, payloads), strict=True))
+
+
+ENCODE_OFF_LOOP_BYTES = 1 << 20
+"""The asyncio face encodes put_payloads's blocks in a worker thread from this many bytes (XXH3 lets
+go of the GIL): never a hash of MiBs on the event loop."""
+
+
+async def encoded_off_loop(keys: Sequence[bytes], payloads: Sequence[Buffer]) -> list[tuple[bytes, BlockData]]:
+    """payload_items, in a worker thread when the payloads are large."""
+    if sum(memoryview(p).nbytes for p in payloads) >= ENCODE_OFF_LOOP_BYTES:
+        return await asyncio.to_thread(payload_items, keys, payloads)
+    return payload_items(keys, payloads)
 
 
 def through_ranges(

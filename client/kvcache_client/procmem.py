@@ -141,18 +141,22 @@ class ProcessLink:
             out.append((key, ShmRange(name, int(tail.ctypes.data), tail.nbytes, head)))
         return out
 
-    def sealed_ranges(self, keys: Sequence[bytes], payloads: Sequence[Buffer]) -> list[tuple[bytes, ShmRange]] | None:
+    def sealed_ranges(
+        self, keys: Sequence[bytes], payloads: Sequence[Buffer], seal_before_ns: int
+    ) -> tuple[list[tuple[bytes, ShmRange]], list[np.ndarray]] | None:
         """The payloads as flat uint8 blocks (format.encode_bytes_parts's) whose checksums the server
-        computes as it reads them (ShmRange.seal; each head a header with checksum 0): no pass over
-        the bytes here. None when the server does not seal, the path is off, or a payload is not one
-        contiguous buffer. As for ranges(), the buffers stay alive and unchanged until the put
-        returns: the server stores what it read (a buffer changed meanwhile is stored as read)."""
+        computes as it reads them (ShmRange.seal_before_ns; each head a header with checksum 0): no
+        pass over the bytes here. Also the arrays that hold each payload's buffer exported (keep
+        them until the put returns: a bytearray cannot be resized or freed meanwhile). None when the
+        server does not seal, the path is off, or a payload is not one contiguous buffer. As for
+        ranges(), the buffers stay alive and unchanged until the put returns."""
         if not self.sealing:
             return None
         name = self.name()
         if name is None:
             return None
         out: list[tuple[bytes, ShmRange]] = []
+        held: list[np.ndarray] = []
         headers: dict[int, bytes] = {}
         for key, payload in zip(keys, payloads, strict=True):
             try:
@@ -165,8 +169,9 @@ class ProcessLink:
             head = headers.get(n)
             if head is None:
                 head = headers[n] = unsealed_bytes_header(n)
-            out.append((key, ShmRange(name, int(tail.ctypes.data), n, head, seal=True)))
-        return out
+            held.append(tail)
+            out.append((key, ShmRange(name, int(tail.ctypes.data), n, head, seal_before_ns)))
+        return out, held
 
     def refused(self, exc: BaseException) -> bool:
         """Whether a put through this path failed in a way a put through a segment avoids (the server

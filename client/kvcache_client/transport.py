@@ -20,6 +20,7 @@ they decide is written once, in kvcache_client.messages (through_segment, throug
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
@@ -35,17 +36,19 @@ from kvcache_client.messages import (
     GetCollector,
     LandingCollector,
     apply_info,
+    encoded_off_loop,
     lookup_result,
     payload_items,
     prefetch_result,
     put_messages,
     put_result,
     sealed_ranges,
+    sealed_refused,
     server_stats,
     shm_get_request,
     through_process,
-    through_ranges,
     through_segment,
+    wait_out,
 )
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import Fetched, LookupResult, PrefetchResult, PutResult, ServerStats
@@ -62,6 +65,8 @@ from kvcache_core.blockwire import (
 )
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
 
 Metadata = Sequence[tuple[str, str]]
 """gRPC metadata sent with every call (the authorization header)."""
@@ -238,16 +243,26 @@ class GrpcTransport(_Channel):
     ) -> PutResult:
         """put() of format.encode_bytes_parts(keys, payloads), except that a same-host put out of this
         process's memory leaves the checksums to the server, which computes them as it reads the
-        bytes (ShmRange.seal): no pass over them here."""
+        bytes (ShmRange.seal_before_ns): no pass over them here. A sealed put the server refuses
+        in a way this avoids (kvcache_client.messages.sealed_refused) is put again so, within what
+        is left of `timeout_s`."""
+        start = time.monotonic()
         self._check_info(timeout_s)
-        return run(
-            through_ranges(
-                self.shm,
-                sealed_ranges(self.shm, keys, payloads),
-                lambda refs: self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES),
-                lambda: self.put(namespace, payload_items(keys, payloads), timeout_s, retain_ttl_s=retain_ttl_s),
-            )
-        )
+        sealed = sealed_ranges(self.shm, keys, payloads, timeout_s - (time.monotonic() - start))
+        if sealed is not None:
+            try:
+                return self._send_put(namespace, sealed.refs, sealed.window_s, retain_ttl_s, PROCESS_MESSAGE_BYTES)
+            except grpc.RpcError as exc:
+                if not sealed_refused(self.shm, exc):
+                    raise
+                log.debug("sealed put refused (%s): the SDK checksums it", exc.code())
+            except BaseException:  # interrupted here: the server may read until before_ns
+                wait_out(sealed)
+                raise
+            finally:
+                del sealed  # the payloads' exports, held until the server's reads are over
+        left = max(timeout_s - (time.monotonic() - start), 1e-3)
+        return self.put(namespace, payload_items(keys, payloads), left, retain_ttl_s=retain_ttl_s)
 
     def _put_through_segment(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, retain_ttl_s: float = 0.0
@@ -462,18 +477,10 @@ class AsyncGrpcTransport(_Channel):
         *,
         retain_ttl_s: float = 0.0,
     ) -> PutResult:
-        """As GrpcTransport.put_payloads."""
-        await self._check_info(timeout_s)
-        if self.shm.process.stale():  # registering again is socket I/O: never on the event loop
-            await asyncio.to_thread(self.shm.process.name)
-        return await arun(
-            through_ranges(
-                self.shm,
-                sealed_ranges(self.shm, keys, payloads),
-                lambda refs: self._send_put(namespace, refs, timeout_s, retain_ttl_s, PROCESS_MESSAGE_BYTES),
-                lambda: self.put(namespace, payload_items(keys, payloads), timeout_s, retain_ttl_s=retain_ttl_s),
-            )
-        )
+        """put() of format.encode_bytes_parts(keys, payloads), encoded in a worker thread when large.
+        Never sealed (ShmRange.seal_before_ns) on this face: a cancelled task would return to its
+        caller, who may reuse a buffer, while the server still reads it."""
+        return await self.put(namespace, await encoded_off_loop(keys, payloads), timeout_s, retain_ttl_s=retain_ttl_s)
 
     async def _put_through_segment(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, retain_ttl_s: float = 0.0

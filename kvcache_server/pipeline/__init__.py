@@ -14,5 +14,7 @@ class Counters:
     def __init__(self) -> None:
         self.failed_requests = 0
         self.put_checksum_failures = 0
+        self.sealed_blocks = 0  # blocks whose checksums the server computed (ShmRange.seal_before_ns)
+        self.sealed_too_late = 0  # Puts ended ABORTED: a sealed block read after its client's deadline
         self.shm_bytes_received = 0
         self.shm_bytes_sent = 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -22,7 +23,7 @@ import grpc
 
 from kvcache_core.blockwire import BlockPart, PutMessage, ShmRange, data_len, decode_put_request
 from kvcache_core.errors import UnknownFormatVersion
-from kvcache_core.format import BlockFormatError, seal_block
+from kvcache_core.format import CHECKSUM_AT, FIXED_HEADER_BYTES, BlockFormatError, seal_block
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.budget import Holding
 from kvcache_server.parts import BlockAssembler
@@ -304,6 +305,8 @@ class PutStages:
                     self._counters.shm_bytes_received += sum(landed)
                     await self._refuse_block(context, exc)
                 self._counters.shm_bytes_received += sum(landed)
+                await self._sealed_in_time(context, [ref for _, ref in blocks])
+                self._counters.sealed_blocks += len(sealed)
                 self.block_sizes.saw(namespace, max(r.length for r in made))
                 outcome = await self._stack.put_reserved(
                     namespace,
@@ -373,12 +376,13 @@ class PutStages:
                 segments[ref.segment] = self._open_segment(ref.segment, writable=False)
         except ShmError as exc:
             await self._abort(context, exc.code, f"block {where}: {exc.message}")
-        if ref.seal and segments[ref.segment][1] >= 0:
-            await self._abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"block {where}: seal is for ranges of a registered process's memory, not of segment {ref.segment}",
-            )
+        if ref.seal:
+            if segments[ref.segment][1] >= 0:
+                message = f"seal is for ranges of a registered process's memory, not of segment {ref.segment}"
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: {message}")
+            if len(ref.head) < FIXED_HEADER_BYTES or any(ref.head[CHECKSUM_AT : CHECKSUM_AT + 8]):
+                message = "a sealed block sends its header inline, with checksum 0"
+                await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: {message}")
 
     async def _read_shm_blocks(
         self,
@@ -398,24 +402,37 @@ class PutStages:
             await self._segment_of(context, where, data, segments)
             reads.append((where, *segments[data.segment], data))
         process = await self._reads_of(context, blocks, segments)
+
+        def seal(where: int, block: memoryview) -> None:  # in the reading thread (sealed: a process's)
+            try:
+                seal_block(block, blocks[where - first_index][0])
+            except (BlockFormatError, UnknownFormatVersion) as exc:
+                raise ShmError(grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: malformed block: {exc}") from None
+
         try:
             async with process.stage if process is not None else contextlib.nullcontext():
                 if _off_the_loop(reads):
-                    contents = await read_ranges_in_thread(reads, process.executor if process else None)
+                    contents = await read_ranges_in_thread(reads, process.executor if process else None, seal)
                 else:
-                    contents = read_ranges(reads)
+                    contents = read_ranges(reads, seal=seal)
         except ShmError as exc:
             await self._abort(context, exc.code, exc.message)
         self._counters.shm_bytes_received += sum(len(c) for c in contents)
-        for (where, _, _, ref), content in zip(reads, contents, strict=True):
-            if ref.seal:  # read into a buffer of the server's own (shm.read_ranges): checksummed there
-                try:
-                    seal_block(content, blocks[where - first_index][0])  # type: ignore[arg-type]
-                except (BlockFormatError, UnknownFormatVersion) as exc:
-                    message = f"block {where}: malformed block: {exc}"
-                    await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, message)
+        await self._sealed_in_time(context, [ref for *_, ref in reads])
+        self._counters.sealed_blocks += sum(1 for *_, ref in reads if ref.seal)
         it = iter(contents)
         return [(key, next(it) if isinstance(data, ShmRange) else data) for key, data in blocks]
+
+    async def _sealed_in_time(self, context: grpc.aio.ServicerContext, refs: Sequence[ShmRange]) -> None:
+        """Ends the call (ABORTED) when a sealed block of it was read at or after its client's
+        seal_before_ns: the client may have given up on the call by then and reused the buffer the
+        server read, and a checksum computed over such bytes would bind them to the key. Called once
+        every read of the message has ended, before anything of it is stored."""
+        due = min((ref.seal_before_ns for ref in refs if ref.seal), default=0)
+        if due and time.monotonic_ns() >= due:
+            self._counters.sealed_too_late += 1
+            message = "sealed blocks read after the client's seal_before_ns: not stored (the client puts them again)"
+            await self._abort(context, grpc.StatusCode.ABORTED, message)
 
     async def _block(self, context: grpc.aio.ServicerContext, index: int, key: bytes, data: bytes | memoryview) -> None:
         """The verify stage (kvcache_server.pipeline.verify); a refused block ends the call with its status."""
