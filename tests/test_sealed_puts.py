@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
 import shutil
 import struct
@@ -20,6 +21,7 @@ import pytest
 import kvcache_client.messages as messages
 import kvcache_client.transport as transport
 from kvcache_client import AsyncKVCacheClient, KVCacheClient
+from kvcache_client.errors import KVCacheError
 from kvcache_client.handoff import Handoff
 from kvcache_core.blockwire import ShmRange, encode_put_request
 from kvcache_core.errors import BlockFormatError
@@ -310,3 +312,36 @@ def test_a_sealed_put_interrupted_in_the_client_returns_only_once_the_server_may
             client.put_payloads(NS, [os.urandom(16)], _payloads(1, 1 << 20, 10))
         done = time.monotonic_ns()
     assert len(seen) == 1 and done >= seen[0]
+
+
+class _Unavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return "connection lost (raised by the client side)"
+
+
+def test_a_sealed_put_gRPC_ended_on_the_client_side_waits_out_the_servers_reads_before_any_retry(
+    make_server: Any, place: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """UNAVAILABLE (or CANCELLED) can be the client's view while the server's handler still reads:
+    each attempt's seal_before_ns passes before the SDK retries, and before it raises at last, so no
+    earlier attempt's reads can meet a buffer the caller already has back."""
+    server = _server(make_server, place)
+    attempts: list[tuple[int, int]] = []  # (seal_before_ns, when the attempt was made)
+
+    def lost(tr: Any, namespace: str, items: Any, *args: Any, **kw: Any) -> Any:
+        attempts.extend((d.seal_before_ns, time.monotonic_ns()) for _, d in items if isinstance(d, ShmRange))
+        raise _Unavailable()
+
+    with KVCacheClient(server.target) as client:
+        client.lookup(NS, [os.urandom(16)])
+        monkeypatch.setattr(transport.GrpcTransport, "_send_put", lost)
+        with pytest.raises(KVCacheError):
+            client.put_payloads(NS, [os.urandom(16)], _payloads(1, 1 << 20, 11), timeout_s=2.5)
+        done = time.monotonic_ns()
+    assert len(attempts) >= 2
+    for (before, _), (_, next_made) in itertools.pairwise(attempts):
+        assert next_made >= before
+    assert done >= attempts[-1][0]

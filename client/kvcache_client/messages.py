@@ -399,6 +399,23 @@ def sealed_refused(link: ShmLink, exc: grpc.RpcError) -> bool:
     return code in (grpc.StatusCode.ABORTED, grpc.StatusCode.DEADLINE_EXCEEDED) or link.process.refused(exc)
 
 
+SERVER_ENDED = frozenset(
+    {
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.DATA_LOSS,
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.PERMISSION_DENIED,
+        grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    }
+)
+"""Statuses of a sealed put after which the server reads nothing more of it: the server's own
+answers (its handler has ended, its reads with it), and the deadline, which is before_ns or later.
+Any other (UNAVAILABLE, CANCELLED, ... which gRPC may raise here while the server's handler still
+runs) is followed by wait_out before the SDK retries, falls back or returns."""
+
+
 def wait_out(sealed: Sealed) -> None:
     """Blocks until the server can no longer store what it reads of `sealed` (its before_ns): for a
     put interrupted in this process (KeyboardInterrupt) while the server may still be reading."""

@@ -33,6 +33,7 @@ from kvcache_client.bufpool import BufferPool
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
     PROCESS_MESSAGE_BYTES,
+    SERVER_ENDED,
     GetCollector,
     LandingCollector,
     apply_info,
@@ -253,6 +254,8 @@ class GrpcTransport(_Channel):
             try:
                 return self._send_put(namespace, sealed.refs, sealed.window_s, retain_ttl_s, PROCESS_MESSAGE_BYTES)
             except grpc.RpcError as exc:
+                if exc.code() not in SERVER_ENDED:  # the call may have ended here only: the server reads on
+                    wait_out(sealed)
                 if not sealed_refused(self.shm, exc):
                     raise
                 log.debug("sealed put refused (%s): the SDK checksums it", exc.code())
