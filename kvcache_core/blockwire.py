@@ -11,7 +11,7 @@ received message).
 
     PutRequest  { string namespace = 1; repeated Block blocks = 2; double retain_ttl_s = 3; }
     Block       { bytes key = 1; bytes data = 2; ShmRange shm = 3; bool more = 4; uint64 total_length = 5; }
-    ShmRange    { string segment = 1; uint64 offset = 2; uint64 length = 3; uint64 seal_before_ns = 4; }
+    ShmRange    { string segment = 1; uint64 offset = 2; uint64 length = 3; uint64 seal_before_ns = 5; }
     GetResponse { repeated GetItem items = 1; }
     GetItem     { uint32 index = 1; bool found = 2; bytes data = 3; Tier tier = 4; ShmRange shm = 5;
                   bool more = 6; }
@@ -213,7 +213,7 @@ class ShmRange:
                 b"\x0a" + _varint(len(seg)) + seg if seg else b"",
                 b"\x10" + _varint(self.offset) if self.offset else b"",
                 b"\x18" + _varint(self.length) if self.length else b"",
-                b"\x20" + _varint(self.seal_before_ns) if self.seal_before_ns else b"",
+                b"\x28" + _varint(self.seal_before_ns) if self.seal_before_ns else b"",
             )
         )
 
@@ -237,7 +237,7 @@ def _decode_shm_range(buf: Buffer, pos: int, end: int, into: ShmRange | None, de
             offset, pos = _read_varint(buf, pos, end)
         elif tag == 0x18:
             length, pos = _read_varint(buf, pos, end)
-        elif tag == 0x20:
+        elif tag == 0x28:
             seal_before_ns, pos = _read_varint(buf, pos, end)
         else:
             pos = _skip_field(buf, pos, end, tag, depth)

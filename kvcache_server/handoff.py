@@ -112,7 +112,7 @@ class HandoffRegistry:
         """Registers a client process whose memory Puts may name (kvcache_server.procmem); takes `pidfd`."""
         name = PROCESS_PREFIX + secrets.token_hex(16)
         with self._lock:
-            self._by_name[name] = _Handed(pidfd, tenant, uid, conn, pid, procmem.ProcessReads())
+            self._by_name[name] = _Handed(pidfd, tenant, uid, conn, pid, procmem.ProcessReads(procmem.same_clock(pid)))
         return name
 
     def reads(self, name: str) -> procmem.ProcessReads | None:

@@ -12,8 +12,11 @@ change after the check.
 What a client can do to this path, and what it cannot:
 - name an address it does not have, or free the memory mid-call: EFAULT, its call fails
   (INVALID_ARGUMENT); change the bytes mid-call: the checksum, verified in the slot, refuses the
-  block (DATA_LOSS). Never a wrong block stored, never a crash of the server (no mapping of the
-  client's memory is ever made; the kernel copies, and a fault is an error code).
+  block (DATA_LOSS), or, for a block the server seals (ShmRange.seal_before_ns: it computes the
+  checksum), the bytes as read are stored, what any put of changing bytes may store; never after
+  the client's call may have returned (docs/shm.md, "Checksums computed by the server"). Never a
+  crash of the server (no mapping of the client's memory is ever made; the kernel copies, and a
+  fault is an error code).
 - name another process: it cannot; a registration's process is the socket peer's, bound to the name
   the server hands back, which only that connection's tenant may use.
 - exit and have its pid reused: the pidfd taken when it connected says it exited (checked after
@@ -53,8 +56,9 @@ class ProcessReads:
     puts, which wait holding no arena room, and nobody else's; its stuck threads are daemons, so
     they never hold up the server's exit."""
 
-    def __init__(self) -> None:
+    def __init__(self, same_clock: bool = True) -> None:
         self.executor = DaemonThreads(READ_THREADS, "kvcache-process-read")
+        self.same_clock = same_clock  # its CLOCK_MONOTONIC is the server's: it may seal (same_clock())
         self._stage: asyncio.Semaphore | None = None  # made on the event loop, at its first use
 
     @property
@@ -68,6 +72,22 @@ class ProcessReads:
         """No new reads (submitting one raises RuntimeError: the call fails FAILED_PRECONDITION);
         reads already queued or running end on their own."""
         self.executor.shutdown(wait=False)
+
+
+def same_clock(pid: int) -> bool:
+    """Whether process `pid` reads the server's CLOCK_MONOTONIC: the same time namespace (Linux 5.6+),
+    or a kernel without them. A sealed put's deadline (ShmRange.seal_before_ns) is in the client's
+    clock; another namespace's may run ahead of the server's. False when it cannot be told."""
+    try:
+        mine = os.stat("/proc/self/ns/time").st_ino
+    except FileNotFoundError:
+        return True  # no time namespaces on this kernel: one clock
+    except OSError:
+        return False
+    try:
+        return os.stat(f"/proc/{pid}/ns/time").st_ino == mine
+    except OSError:
+        return False
 
 
 class DaemonThreads(Executor):

@@ -189,7 +189,7 @@ def foreign_fields(draw: st.DrawFn, known: dict[int, int], in_group: bool = Fals
     return head + b"".join(inner) + draw(tags(number, 4))
 
 
-SHM_FIELDS = {1: 2, 2: 0, 3: 0, 4: 0}
+SHM_FIELDS = {1: 2, 2: 0, 3: 0, 5: 0}
 BLOCK_FIELDS = {1: 2, 2: 2, 3: 2, 4: 0, 5: 0}
 PUT_FIELDS = {1: 2, 2: 2}
 ITEM_FIELDS = {1: 0, 2: 0, 3: 2, 4: 0, 5: 2, 6: 0}
@@ -215,7 +215,7 @@ def shm_chunks(draw: st.DrawFn) -> bytes:
         return msg.SerializeToString()
     if kind == "segment":
         return draw(length_delimited(1, draw(texts).encode()))
-    return draw(tags({"offset": 2, "length": 3, "seal": 4}[kind], 0)) + draw(varint_values)
+    return draw(tags({"offset": 2, "length": 3, "seal": 5}[kind], 0)) + draw(varint_values)
 
 
 shm_bodies = messages(shm_chunks(), SHM_FIELDS)

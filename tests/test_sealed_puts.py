@@ -7,8 +7,10 @@ import asyncio
 import itertools
 import os
 import shutil
+import signal
 import struct
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +30,7 @@ from kvcache_core.errors import BlockFormatError
 from kvcache_core.format import encode_bytes_parts, parse_header, unsealed_bytes_header
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+from kvcache_server import procmem
 from kvcache_server.pipeline import put as put_stage
 from kvcache_server.pipeline import verify
 from tests.conftest import ServerThread
@@ -345,3 +348,41 @@ def test_a_sealed_put_gRPC_ended_on_the_client_side_waits_out_the_servers_reads_
     for (before, _), (_, next_made) in itertools.pairwise(attempts):
         assert next_made >= before
     assert done >= attempts[-1][0]
+
+
+def test_waiting_out_a_window_holds_a_second_interrupt_until_it_is_over() -> None:
+    """wait_out keeps waiting through an exception raised by a signal handler meanwhile (a second
+    Ctrl-C), and raises it once the window is over."""
+    sealed = messages.Sealed([], [], time.monotonic_ns() + 300_000_000, 0.3)
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGUSR1, interrupt)
+    timer = threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGUSR1))
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            messages.wait_out(sealed)
+        assert time.monotonic_ns() >= sealed.before_ns
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_a_client_in_another_time_namespace_never_seals(
+    make_server: Any, place: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its seal_before_ns would be in another clock: the server answers ABORTED to its sealed puts and
+    the SDK stores the same blocks checksummed by itself."""
+    assert procmem.same_clock(os.getpid())
+    monkeypatch.setattr(procmem, "same_clock", lambda pid: False)
+    server = _server(make_server, place)
+    sent = _Sent(monkeypatch)
+    keys = [os.urandom(16) for _ in range(2)]
+    payloads = _payloads(2, 1 << 20, 12)
+    with KVCacheClient(server.target) as client:
+        assert client.put_payloads(NS, keys, payloads).stored == 2
+        assert [bytes(g) for g in client.get_many(NS, keys)] == _expected(keys, payloads)  # type: ignore[arg-type]
+    assert [r.seal for r in sent.ranges] == [True] * 2 + [False] * 2
+    assert _counters(server)["sealed_blocks"] == 0

@@ -743,7 +743,10 @@ class AsyncBulkTransport:
         retain_ttl_s: float = 0.0,
     ) -> PutResult:
         """As AsyncGrpcTransport.put_payloads: encoded (off the loop when large), then put()."""
-        return await self.put(namespace, await encoded_off_loop(keys, payloads), timeout_s, retain_ttl_s=retain_ttl_s)
+        start = time.monotonic()
+        items = await encoded_off_loop(keys, payloads)
+        left = max(timeout_s - (time.monotonic() - start), 1e-3)
+        return await self.put(namespace, items, left, retain_ttl_s=retain_ttl_s)
 
     async def get(
         self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float

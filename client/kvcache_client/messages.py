@@ -364,6 +364,12 @@ are over or refused. A server too slow for it answers ABORTED (or the call its d
 SDK puts the blocks again, checksummed by itself, within what is left of the caller's deadline."""
 
 
+MIN_FALLBACK_S = 0.05
+"""A refused sealed put is put again, checksummed by the SDK, only with at least this much of its
+deadline left; with less, the refusal is the call's outcome (a hash of every payload and an RPC
+sure to miss its deadline would be work for nothing)."""
+
+
 @dataclass
 class Sealed:
     """A put_payloads's blocks as sealed ranges of this process's memory (ProcessLink.sealed_ranges)."""
@@ -380,8 +386,8 @@ def sealed_ranges(link: ShmLink, keys: Sequence[bytes], payloads: Sequence[Buffe
     if len(keys) != len(payloads):
         raise ValueError(f"{len(keys)} keys for {len(payloads)} payloads")
     nbytes = sum(memoryview(p).nbytes for p in payloads)
-    if nbytes < MIN_PUT_BYTES or not link.process.sealing:
-        return None
+    if nbytes < MIN_PUT_BYTES or not link.process.sealing or link.process.name() is None:
+        return None  # name(): registered again first where needed, before the window starts
     window_s = min(timeout_s, max(SEAL_MIN_WINDOW_S, nbytes / SEAL_WINDOW_BYTES_PER_S))
     before_ns = time.monotonic_ns() + int(window_s * 1e9)
     found = link.process.sealed_ranges(keys, payloads, before_ns)
@@ -407,19 +413,33 @@ SERVER_ENDED = frozenset(
         grpc.StatusCode.INVALID_ARGUMENT,
         grpc.StatusCode.PERMISSION_DENIED,
         grpc.StatusCode.UNAUTHENTICATED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.NOT_FOUND,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
         grpc.StatusCode.DEADLINE_EXCEEDED,
     }
 )
 """Statuses of a sealed put after which the server reads nothing more of it: the server's own
-answers (its handler has ended, its reads with it), and the deadline, which is before_ns or later.
-Any other (UNAVAILABLE, CANCELLED, ... which gRPC may raise here while the server's handler still
-runs) is followed by wait_out before the SDK retries, falls back or returns."""
+answers (its handler has ended, its reads with it; gRPC raises RESOURCE_EXHAUSTED on the client's
+side only for a message over its size limits, and a sealed put's messages carry headers, not
+payloads), and the deadline, which is before_ns or later. Any other (UNAVAILABLE, CANCELLED,
+INTERNAL, ..., which gRPC may raise here while the server's handler still runs) is followed by
+wait_out before the SDK retries, falls back or returns."""
 
 
 def wait_out(sealed: Sealed) -> None:
     """Blocks until the server can no longer store what it reads of `sealed` (its before_ns): for a
-    put interrupted in this process (KeyboardInterrupt) while the server may still be reading."""
-    time.sleep(max(0.0, (sealed.before_ns - time.monotonic_ns()) / 1e9))
+    put cut off in this process while the server may still be reading. An exception raised meanwhile
+    (a second KeyboardInterrupt, a signal handler's) is held until then, and raised after."""
+    pending: BaseException | None = None
+    while (left_ns := sealed.before_ns - time.monotonic_ns()) > 0:
+        try:
+            time.sleep(left_ns / 1e9)
+        except BaseException as exc:
+            pending = pending or exc
+    if pending is not None:
+        raise pending
 
 
 def payload_items(keys: Sequence[bytes], payloads: Sequence[Buffer]) -> list[tuple[bytes, BlockData]]:

@@ -32,6 +32,7 @@ from kvcache_client.arena_aio import AsyncInPlaceCalls
 from kvcache_client.bufpool import BufferPool
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
+    MIN_FALLBACK_S,
     PROCESS_MESSAGE_BYTES,
     SERVER_ENDED,
     GetCollector,
@@ -256,7 +257,7 @@ class GrpcTransport(_Channel):
             except grpc.RpcError as exc:
                 if exc.code() not in SERVER_ENDED:  # the call may have ended here only: the server reads on
                     wait_out(sealed)
-                if not sealed_refused(self.shm, exc):
+                if not sealed_refused(self.shm, exc) or timeout_s - (time.monotonic() - start) < MIN_FALLBACK_S:
                     raise
                 log.debug("sealed put refused (%s): the SDK checksums it", exc.code())
             except BaseException:  # interrupted here: the server may read until before_ns
@@ -264,7 +265,7 @@ class GrpcTransport(_Channel):
                 raise
             finally:
                 del sealed  # the payloads' exports, held until the server's reads are over
-        left = max(timeout_s - (time.monotonic() - start), 1e-3)
+        left = timeout_s - (time.monotonic() - start)
         return self.put(namespace, payload_items(keys, payloads), left, retain_ttl_s=retain_ttl_s)
 
     def _put_through_segment(
@@ -483,7 +484,10 @@ class AsyncGrpcTransport(_Channel):
         """put() of format.encode_bytes_parts(keys, payloads), encoded in a worker thread when large.
         Never sealed (ShmRange.seal_before_ns) on this face: a cancelled task would return to its
         caller, who may reuse a buffer, while the server still reads it."""
-        return await self.put(namespace, await encoded_off_loop(keys, payloads), timeout_s, retain_ttl_s=retain_ttl_s)
+        start = time.monotonic()
+        items = await encoded_off_loop(keys, payloads)
+        left = max(timeout_s - (time.monotonic() - start), 1e-3)  # a put with no time left: its DEADLINE_EXCEEDED
+        return await self.put(namespace, items, left, retain_ttl_s=retain_ttl_s)
 
     async def _put_through_segment(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, retain_ttl_s: float = 0.0

@@ -272,6 +272,7 @@ class PutStages:
             ram = self._stack.ram
             # The slots come after what reserving them evicted is copied out (off the loop when large).
             sizes = [ref.block_length for _, ref in blocks]
+            await self._sealed_in_time(context, [ref for _, ref in blocks], process)
             made: list[Reservation] = await self._stack.reserve_many(namespace, sizes) or []
             if not made:
                 return None
@@ -305,7 +306,7 @@ class PutStages:
                     self._counters.shm_bytes_received += sum(landed)
                     await self._refuse_block(context, exc)
                 self._counters.shm_bytes_received += sum(landed)
-                await self._sealed_in_time(context, [ref for _, ref in blocks])
+                await self._sealed_in_time(context, [ref for _, ref in blocks], process)
                 self._counters.sealed_blocks += len(sealed)
                 self.block_sizes.saw(namespace, max(r.length for r in made))
                 outcome = await self._stack.put_reserved(
@@ -411,6 +412,7 @@ class PutStages:
 
         try:
             async with process.stage if process is not None else contextlib.nullcontext():
+                await self._sealed_in_time(context, [ref for *_, ref in reads], process)
                 if _off_the_loop(reads):
                     contents = await read_ranges_in_thread(reads, process.executor if process else None, seal)
                 else:
@@ -418,17 +420,24 @@ class PutStages:
         except ShmError as exc:
             await self._abort(context, exc.code, exc.message)
         self._counters.shm_bytes_received += sum(len(c) for c in contents)
-        await self._sealed_in_time(context, [ref for *_, ref in reads])
+        await self._sealed_in_time(context, [ref for *_, ref in reads], process)
         self._counters.sealed_blocks += sum(1 for *_, ref in reads if ref.seal)
         it = iter(contents)
         return [(key, next(it) if isinstance(data, ShmRange) else data) for key, data in blocks]
 
-    async def _sealed_in_time(self, context: grpc.aio.ServicerContext, refs: Sequence[ShmRange]) -> None:
+    async def _sealed_in_time(
+        self, context: grpc.aio.ServicerContext, refs: Sequence[ShmRange], process: ProcessReads | None
+    ) -> None:
         """Ends the call (ABORTED) when a sealed block of it was read at or after its client's
         seal_before_ns: the client may have given up on the call by then and reused the buffer the
         server read, and a checksum computed over such bytes would bind them to the key. Called once
-        every read of the message has ended, before anything of it is stored."""
+        every read of the message has ended, before anything of it is stored (and before they start,
+        so that a late message is not read for nothing). A client in another time namespace than the
+        server's (procmem.same_clock) may not seal: its deadline is in another clock."""
         due = min((ref.seal_before_ns for ref in refs if ref.seal), default=0)
+        if due and (process is None or not process.same_clock):
+            message = "sealed blocks from a process whose CLOCK_MONOTONIC is not the server's (a time namespace)"
+            await self._abort(context, grpc.StatusCode.ABORTED, message)
         if due and time.monotonic_ns() >= due:
             self._counters.sealed_too_late += 1
             message = "sealed blocks read after the client's seal_before_ns: not stored (the client puts them again)"
