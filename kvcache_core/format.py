@@ -204,12 +204,14 @@ def encode_block_parts(
     dtype: DType | str,
     shape: Sequence[int],
     layout: Layout = Layout.RAW,
+    checksum: bool = True,
 ) -> BlockParts:
     """The header of a block for `payload` under `key`, and the payload itself, without copying it.
 
     `KVCacheClient.put_many` takes parts as well as whole blocks: the payload is then
     copied once, straight into the gRPC message. Keep `payload` unchanged until the put returns.
-    The block is valid only when stored under `key` (its checksum covers it).
+    The block is valid only when stored under `key` (its checksum covers it). With checksum=False
+    the header's checksum field is 0, for a put the server seals (seal_parts computes it here).
 
     Raises:
         BlockFormatError: `key` is not 16 bytes, the shape and dtype disagree with the
@@ -230,8 +232,10 @@ def encode_block_parts(
         shape=shape,
         payload_len=raw_len,
         raw_len=raw_len,
-        checksum=compute_checksum(key, dt, layout, shape, view),
+        checksum=compute_checksum(key, dt, layout, shape, view) if checksum else 0,
     )
+    if not checksum:
+        check_key(key)
     return header.pack(), view
 
 
@@ -423,6 +427,23 @@ def seal_block(data: bytearray | memoryview, key: bytes) -> BlockHeader:
     h = _payload_hasher(header, key)
     h.update(view[header.header_len :])
     return _sealed(view, header, h.intdigest())
+
+
+def seal_parts(key: bytes, header: bytes, payload: bytes | bytearray | memoryview) -> bytes:
+    """`header` (checksum field 0, as encode_block_parts(checksum=False) makes it) with its block's
+    checksum under `key` written in: the parts of a block the server did not seal, sealed here.
+
+    Raises:
+        BlockFormatError: as seal_block.
+    """
+    view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
+    parsed = parse_header(header, block_len=len(header) + len(view))
+    _check_unsealed(parsed)
+    h = _payload_hasher(parsed, key)
+    h.update(view)
+    out = bytearray(header)
+    struct.pack_into("<Q", out, CHECKSUM_AT, h.intdigest())
+    return bytes(out)
 
 
 def _check_unsealed(header: BlockHeader) -> None:

@@ -386,3 +386,39 @@ def test_a_client_in_another_time_namespace_never_seals(
         assert [bytes(g) for g in client.get_many(NS, keys)] == _expected(keys, payloads)  # type: ignore[arg-type]
     assert [r.seal for r in sent.ranges] == [True] * 2 + [False] * 2
     assert _counters(server)["sealed_blocks"] == 0
+
+
+def test_put_tensors_on_the_same_host_is_sealed_by_the_server_and_stores_what_it_stored_before(
+    make_server: Any, place: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """put_tensors sends each tensor's own header (dtype, shape, layout) with checksum 0 and the
+    server seals it; the asyncio face seals the same headers in the SDK (format.seal_parts). Either
+    way the block is byte for byte tensor_block_parts's, and get_tensors returns the tensors."""
+    torch = pytest.importorskip("torch")
+    from kvcache_client.tensors import tensor_block_parts
+
+    server = _server(make_server, place)
+    sent = _Sent(monkeypatch)
+    generator = torch.Generator().manual_seed(13)
+    tensors = [
+        torch.randn(2, 2, 8, 64, 128, generator=generator, dtype=torch.float32).to(torch.bfloat16),
+        torch.randn(4, 2, 4, 64, 64, generator=generator),
+        torch.randint(0, 100, (1, 2, 2, 300, 128), generator=generator, dtype=torch.uint8),
+    ]
+    keys = [os.urandom(16) for _ in tensors]
+    expected = [b"".join(bytes(p) for p in tensor_block_parts(t, k)) for k, t in zip(keys, tensors, strict=True)]
+    with KVCacheClient(server.target) as client:
+        assert client.put_tensors(NS, keys, tensors).stored == 3
+        assert [bytes(g) for g in client.get_many(NS, keys)] == expected  # type: ignore[arg-type]
+        back = client.get_tensors(NS, keys)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, back, strict=True))  # type: ignore[arg-type]
+    assert len(sent.ranges) == 3 and all(r.seal for r in sent.ranges)
+    assert _counters(server)["sealed_blocks"] == 3
+
+    async def from_asyncio() -> list[bytes]:
+        async with AsyncKVCacheClient(server.target) as c:
+            assert (await c.put_tensors("async", keys, tensors)).stored == 3
+            return [bytes(g) for g in await c.get_many("async", keys)]  # type: ignore[arg-type]
+
+    assert asyncio.run(from_asyncio()) == expected
+    assert not any(r.seal for r in sent.ranges[3:]) and _counters(server)["sealed_blocks"] == 3

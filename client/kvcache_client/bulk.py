@@ -530,6 +530,7 @@ class BulkTransport:
         timeout_s: float,
         *,
         retain_ttl_s: float = 0.0,
+        headers: Sequence[bytes] | None = None,
     ) -> PutResult:
         """As put() of format.encode_bytes_parts(keys, payloads); where put() would take gRPC on the
         same host, GrpcTransport.put_payloads (the server checksums what it reads)."""
@@ -537,11 +538,13 @@ class BulkTransport:
         start = time.monotonic()
         if retain_ttl_s or (self._pool(nbytes, timeout_s) is None and nbytes >= self.link.same_host_put_bytes):
             left = timeout_s - (time.monotonic() - start)
-            result = self.inner.put_payloads(namespace, keys, payloads, left, retain_ttl_s=retain_ttl_s)
+            result = self.inner.put_payloads(
+                namespace, keys, payloads, left, retain_ttl_s=retain_ttl_s, headers=headers
+            )
             self.link.counters.add("grpc_bytes_sent", nbytes)
             return result
         left = timeout_s - (time.monotonic() - start)
-        return self.put(namespace, payload_items(keys, payloads), left, retain_ttl_s=retain_ttl_s)
+        return self.put(namespace, payload_items(keys, payloads, headers), left, retain_ttl_s=retain_ttl_s)
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
         start = time.monotonic()
@@ -741,10 +744,11 @@ class AsyncBulkTransport:
         timeout_s: float,
         *,
         retain_ttl_s: float = 0.0,
+        headers: Sequence[bytes] | None = None,
     ) -> PutResult:
         """As AsyncGrpcTransport.put_payloads: encoded (off the loop when large), then put()."""
         start = time.monotonic()
-        items = await encoded_off_loop(keys, payloads)
+        items = await encoded_off_loop(keys, payloads, headers)
         left = max(timeout_s - (time.monotonic() - start), 1e-3)
         return await self.put(namespace, items, left, retain_ttl_s=retain_ttl_s)
 

@@ -244,10 +244,14 @@ class Calls:
         payloads: Sequence[Buffer],
         timeout_s: float | None,
         retain_ttl_s: float | None = None,
+        headers: Sequence[bytes] | None = None,
     ) -> Steps[PutResult]:
+        """Each payload one block under its key: flat uint8 (format.encode_bytes_parts), or under its
+        own header of `headers` (checksum 0, format.encode_block_parts(checksum=False)); checksummed
+        by the server where it seals (same host, blocking face), else here."""
         timeout_s = call_timeout_s(timeout_s, self.timeout_s)
         ttl_s = retain_ttl(retain_ttl_s)
-        if len(keys) != len(payloads):
+        if len(keys) != len(payloads) or (headers is not None and len(headers) != len(keys)):
             raise ValueError(f"{len(keys)} keys for {len(payloads)} payloads")
         for key in keys:  # what encode_bytes_parts checks, before any path is chosen
             check_key(key)
@@ -258,8 +262,10 @@ class Calls:
         def put(tr: Any, t: float) -> PutResult:
             put_payloads = getattr(tr, "put_payloads", None)
             if put_payloads is None:  # a transport of the caller's own: the blocks encoded here
-                items = payload_items(keys, payloads)
+                items = payload_items(keys, payloads, headers)
                 return tr.put(ns, items, t, retain_ttl_s=ttl_s) if ttl_s else tr.put(ns, items, t)  # type: ignore[no-any-return]
+            if headers is not None:
+                return put_payloads(ns, keys, payloads, t, retain_ttl_s=ttl_s, headers=headers)  # type: ignore[no-any-return]
             return put_payloads(ns, keys, payloads, t, retain_ttl_s=ttl_s)  # type: ignore[no-any-return]
 
         result: PutResult = yield from self.retrying(timeout_s, put)
@@ -395,8 +401,10 @@ class Calls:
         if len(keys) != len(tensors):
             raise ValueError(f"{len(keys)} keys for {len(tensors)} tensors")
         retain_ttl(retain_ttl_s)  # checked before any tensor is encoded
-        items = [(k, tensor_block_parts(t, k, layout)) for k, t in zip(keys, tensors, strict=True)]
-        return (yield from self.put_many(namespace, items, timeout_s, retain_ttl_s))
+        # Headers without checksums: the server seals them where it can (same host), else put_payloads here.
+        parts = [tensor_block_parts(t, k, layout, checksum=False) for k, t in zip(keys, tensors, strict=True)]
+        headers, payloads = [h for h, _ in parts], [p for _, p in parts]
+        return (yield from self.put_payloads(namespace, keys, payloads, timeout_s, retain_ttl_s, headers))
 
     def get_tensors(
         self, namespace: NamespaceLike, keys: Sequence[bytes], prefix_only: bool, timeout_s: float | None

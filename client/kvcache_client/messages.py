@@ -47,6 +47,7 @@ from kvcache_core.format import (
     matched,
     parse_header_for_payload,
     payload_hasher,
+    seal_parts,
 )
 from kvcache_proto import kvcache_pb2 as pb
 
@@ -380,7 +381,13 @@ class Sealed:
     window_s: float  # the call's timeout: it ends no earlier than before_ns
 
 
-def sealed_ranges(link: ShmLink, keys: Sequence[bytes], payloads: Sequence[Buffer], timeout_s: float) -> Sealed | None:
+def sealed_ranges(
+    link: ShmLink,
+    keys: Sequence[bytes],
+    payloads: Sequence[Buffer],
+    timeout_s: float,
+    headers: Sequence[bytes] | None = None,
+) -> Sealed | None:
     """A put_payloads's blocks as ranges of this process's memory that the server checksums as it
     reads them, or None: too small, or the path is not there."""
     if len(keys) != len(payloads):
@@ -390,7 +397,7 @@ def sealed_ranges(link: ShmLink, keys: Sequence[bytes], payloads: Sequence[Buffe
         return None  # name(): registered again first where needed, before the window starts
     window_s = min(timeout_s, max(SEAL_MIN_WINDOW_S, nbytes / SEAL_WINDOW_BYTES_PER_S))
     before_ns = time.monotonic_ns() + int(window_s * 1e9)
-    found = link.process.sealed_ranges(keys, payloads, before_ns)
+    found = link.process.sealed_ranges(keys, payloads, before_ns, headers)
     return None if found is None else Sealed(found[0], found[1], before_ns, window_s)
 
 
@@ -442,10 +449,14 @@ def wait_out(sealed: Sealed) -> None:
         raise pending
 
 
-def payload_items(keys: Sequence[bytes], payloads: Sequence[Buffer]) -> list[tuple[bytes, BlockData]]:
-    """put_payloads's blocks encoded here (format.encode_bytes_parts: the checksum computed in this
-    process), for every path but a sealed one."""
-    return list(zip(keys, encode_bytes_parts(keys, payloads), strict=True))
+def payload_items(
+    keys: Sequence[bytes], payloads: Sequence[Buffer], headers: Sequence[bytes] | None = None
+) -> list[tuple[bytes, BlockData]]:
+    """put_payloads's blocks with their checksums computed in this process, for every path but a
+    sealed one: format.encode_bytes_parts, or each of `headers` (checksum 0) sealed here."""
+    if headers is None:
+        return list(zip(keys, encode_bytes_parts(keys, payloads), strict=True))
+    return [(k, (seal_parts(k, h, p), p)) for k, h, p in zip(keys, headers, payloads, strict=True)]
 
 
 ENCODE_OFF_LOOP_BYTES = 1 << 20
@@ -453,11 +464,13 @@ ENCODE_OFF_LOOP_BYTES = 1 << 20
 go of the GIL): never a hash of MiBs on the event loop."""
 
 
-async def encoded_off_loop(keys: Sequence[bytes], payloads: Sequence[Buffer]) -> list[tuple[bytes, BlockData]]:
+async def encoded_off_loop(
+    keys: Sequence[bytes], payloads: Sequence[Buffer], headers: Sequence[bytes] | None = None
+) -> list[tuple[bytes, BlockData]]:
     """payload_items, in a worker thread when the payloads are large."""
     if sum(memoryview(p).nbytes for p in payloads) >= ENCODE_OFF_LOOP_BYTES:
-        return await asyncio.to_thread(payload_items, keys, payloads)
-    return payload_items(keys, payloads)
+        return await asyncio.to_thread(payload_items, keys, payloads, headers)
+    return payload_items(keys, payloads, headers)
 
 
 def through_ranges(

@@ -142,14 +142,19 @@ class ProcessLink:
         return out
 
     def sealed_ranges(
-        self, keys: Sequence[bytes], payloads: Sequence[Buffer], seal_before_ns: int
+        self,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        seal_before_ns: int,
+        headers: Sequence[bytes] | None = None,
     ) -> tuple[list[tuple[bytes, ShmRange]], list[np.ndarray]] | None:
-        """The payloads as flat uint8 blocks (format.encode_bytes_parts's) whose checksums the server
-        computes as it reads them (ShmRange.seal_before_ns; each head a header with checksum 0): no
-        pass over the bytes here. Also the arrays that hold each payload's buffer exported (keep
-        them until the put returns: a bytearray cannot be resized or freed meanwhile). None when the
-        server does not seal, the path is off, or a payload is not one contiguous buffer. As for
-        ranges(), the buffers stay alive and unchanged until the put returns."""
+        """The payloads as blocks whose checksums the server computes as it reads them
+        (ShmRange.seal_before_ns; each head a header with checksum 0: `headers`' own, else
+        format.encode_bytes_parts's, one flat uint8 block per payload): no pass over the bytes
+        here. Also the arrays that hold each payload's buffer exported (keep them until the put
+        returns: a bytearray cannot be resized or freed meanwhile). None when the server does not
+        seal, the path is off, or a payload is not one contiguous buffer. As for ranges(), the
+        buffers stay alive and unchanged until the put returns."""
         if not self.sealing:
             return None
         name = self.name()
@@ -157,8 +162,8 @@ class ProcessLink:
             return None
         out: list[tuple[bytes, ShmRange]] = []
         held: list[np.ndarray] = []
-        headers: dict[int, bytes] = {}
-        for key, payload in zip(keys, payloads, strict=True):
+        flat: dict[int, bytes] = {}
+        for i, (key, payload) in enumerate(zip(keys, payloads, strict=True)):
             try:
                 tail = np.frombuffer(payload, dtype=np.uint8)  # type: ignore[call-overload]
             except (ValueError, TypeError, BufferError):  # not contiguous, or not a buffer numpy takes
@@ -166,9 +171,12 @@ class ProcessLink:
             n = tail.nbytes
             if not n:
                 return None
-            head = headers.get(n)
-            if head is None:
-                head = headers[n] = unsealed_bytes_header(n)
+            if headers is not None:
+                head = headers[i]
+                if len(head) > MAX_HEAD_BYTES:
+                    return None
+            elif (head := flat.get(n)) is None:
+                head = flat[n] = unsealed_bytes_header(n)
             held.append(tail)
             out.append((key, ShmRange(name, int(tail.ctypes.data), n, head, seal_before_ns)))
         return out, held

@@ -25,9 +25,11 @@ def block_dtype(dtype: torch.dtype) -> DType:
     return DType.from_name(str(dtype))
 
 
-def tensor_block_parts(tensor: torch.Tensor, key: bytes, layout: Layout = Layout.CANONICAL) -> BlockParts:
+def tensor_block_parts(
+    tensor: torch.Tensor, key: bytes, layout: Layout = Layout.CANONICAL, *, checksum: bool = True
+) -> BlockParts:
     """A tensor as the parts (header, payload view) of its block under `key`, reading a contiguous
-    CPU tensor in place.
+    CPU tensor in place (checksum=False: the header's checksum 0, for the server to seal).
 
     KVCacheClient.put_many sends parts with one copy of the payload, into the gRPC message.
     The view shares the tensor's memory: do not modify the tensor until the put returns.
@@ -37,7 +39,9 @@ def tensor_block_parts(tensor: torch.Tensor, key: bytes, layout: Layout = Layout
         t = t.cpu()
     t = t.contiguous()
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-    return encode_block_parts(memoryview(raw), key=key, dtype=block_dtype(t.dtype), shape=tuple(t.shape), layout=layout)
+    return encode_block_parts(
+        memoryview(raw), key=key, dtype=block_dtype(t.dtype), shape=tuple(t.shape), layout=layout, checksum=checksum
+    )
 
 
 def tensor_to_block(tensor: torch.Tensor, key: bytes, layout: Layout = Layout.CANONICAL) -> bytes:

@@ -242,6 +242,7 @@ class GrpcTransport(_Channel):
         timeout_s: float,
         *,
         retain_ttl_s: float = 0.0,
+        headers: Sequence[bytes] | None = None,
     ) -> PutResult:
         """put() of format.encode_bytes_parts(keys, payloads), except that a same-host put out of this
         process's memory leaves the checksums to the server, which computes them as it reads the
@@ -250,7 +251,7 @@ class GrpcTransport(_Channel):
         is left of `timeout_s`."""
         start = time.monotonic()
         self._check_info(timeout_s)
-        sealed = sealed_ranges(self.shm, keys, payloads, timeout_s - (time.monotonic() - start))
+        sealed = sealed_ranges(self.shm, keys, payloads, timeout_s - (time.monotonic() - start), headers)
         if sealed is not None:
             try:
                 return self._send_put(namespace, sealed.refs, sealed.window_s, retain_ttl_s, PROCESS_MESSAGE_BYTES)
@@ -266,7 +267,7 @@ class GrpcTransport(_Channel):
             finally:
                 del sealed  # the payloads' exports, held until the server's reads are over
         left = timeout_s - (time.monotonic() - start)
-        return self.put(namespace, payload_items(keys, payloads), left, retain_ttl_s=retain_ttl_s)
+        return self.put(namespace, payload_items(keys, payloads, headers), left, retain_ttl_s=retain_ttl_s)
 
     def _put_through_segment(
         self, namespace: str, items: Sequence[tuple[bytes, BlockData]], timeout_s: float, retain_ttl_s: float = 0.0
@@ -480,12 +481,13 @@ class AsyncGrpcTransport(_Channel):
         timeout_s: float,
         *,
         retain_ttl_s: float = 0.0,
+        headers: Sequence[bytes] | None = None,
     ) -> PutResult:
         """put() of format.encode_bytes_parts(keys, payloads), encoded in a worker thread when large.
         Never sealed (ShmRange.seal_before_ns) on this face: a cancelled task would return to its
         caller, who may reuse a buffer, while the server still reads it."""
         start = time.monotonic()
-        items = await encoded_off_loop(keys, payloads)
+        items = await encoded_off_loop(keys, payloads, headers)
         left = max(timeout_s - (time.monotonic() - start), 1e-3)  # a put with no time left: its DEADLINE_EXCEEDED
         return await self.put(namespace, items, left, retain_ttl_s=retain_ttl_s)
 
