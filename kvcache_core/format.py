@@ -434,7 +434,8 @@ def seal_parts(key: bytes, header: bytes, payload: bytes | bytearray | memoryvie
     checksum under `key` written in: the parts of a block the server did not seal, sealed here.
 
     Raises:
-        BlockFormatError: as seal_block.
+        BlockFormatError: as seal_block, or a payload of another length than the header's.
+        TypeError: the payload is not C-contiguous.
     """
     view = memoryview(payload).cast("B") if not isinstance(payload, bytes) else payload
     parsed = parse_header(header, block_len=len(header) + len(view))

@@ -27,7 +27,7 @@ from kvcache_client.errors import KVCacheError
 from kvcache_client.handoff import Handoff
 from kvcache_core.blockwire import ShmRange, encode_put_request
 from kvcache_core.errors import BlockFormatError
-from kvcache_core.format import encode_bytes_parts, parse_header, unsealed_bytes_header
+from kvcache_core.format import encode_block_parts, encode_bytes_parts, parse_header, seal_parts, unsealed_bytes_header
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from kvcache_server import procmem
@@ -422,3 +422,26 @@ def test_put_tensors_on_the_same_host_is_sealed_by_the_server_and_stores_what_it
 
     assert asyncio.run(from_asyncio()) == expected
     assert not any(r.seal for r in sent.ranges[3:]) and _counters(server)["sealed_blocks"] == 3
+
+
+def test_seal_parts_makes_the_header_encode_block_parts_makes_with_its_checksum() -> None:
+    """format.seal_parts of a header without a checksum is the header with it, for any payload buffer
+    and dtype; it refuses a header that has one, a payload of another length, and a short key."""
+    key = os.urandom(16)
+    for payload, dtype, shape in (
+        (np.arange(4096, dtype=np.float32), "float32", (4096,)),
+        (np.zeros((3, 5), np.float16), "float16", (15,)),
+        (b"", "uint8", (0,)),
+    ):
+        view = memoryview(payload).cast("B") if isinstance(payload, np.ndarray) else payload
+        sealed, _ = encode_block_parts(view, key=key, dtype=dtype, shape=shape)
+        bare, _ = encode_block_parts(view, key=key, dtype=dtype, shape=shape, checksum=False)
+        assert parse_header(bare, block_len=len(bare) + len(view)).checksum == 0
+        for given in (bytes(view), bytearray(view), memoryview(bytes(view))):
+            assert seal_parts(key, bare, given) == sealed
+    with pytest.raises(BlockFormatError, match="checksum 0"):
+        seal_parts(key, sealed, b"")
+    with pytest.raises(BlockFormatError):
+        seal_parts(key, encode_block_parts(b"abc", key=key, dtype="uint8", shape=(3,), checksum=False)[0], b"ab")
+    with pytest.raises(BlockFormatError):
+        seal_parts(b"short", encode_block_parts(b"abc", key=key, dtype="uint8", shape=(3,), checksum=False)[0], b"abc")

@@ -366,7 +366,8 @@ class AsyncKVCacheClient:
         timeout_s: float | None = None,
         retain_ttl_s: float | None = None,
     ) -> PutResult:
-        """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message.
+        """Stores one tensor per key (as KVCacheClient.put_tensors, checksummed by this process,
+        in a worker thread when large). Keep each tensor unchanged until this returns.
         `retain_ttl_s`: as put_many.
 
         Raises:

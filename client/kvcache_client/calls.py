@@ -251,8 +251,10 @@ class Calls:
         by the server where it seals (same host, blocking face), else here."""
         timeout_s = call_timeout_s(timeout_s, self.timeout_s)
         ttl_s = retain_ttl(retain_ttl_s)
-        if len(keys) != len(payloads) or (headers is not None and len(headers) != len(keys)):
+        if len(keys) != len(payloads):
             raise ValueError(f"{len(keys)} keys for {len(payloads)} payloads")
+        if headers is not None and len(headers) != len(keys):
+            raise ValueError(f"{len(keys)} keys for {len(headers)} headers")
         for key in keys:  # what encode_bytes_parts checks, before any path is chosen
             check_key(key)
         if not keys:

@@ -434,8 +434,12 @@ class KVCacheClient:
         timeout_s: float | None = None,
         retain_ttl_s: float | None = None,
     ) -> PutResult:
-        """Stores one tensor per key; a contiguous CPU tensor's bytes are copied once, into the message.
-        `retain_ttl_s`: as put_many.
+        """Stores one tensor per key; a contiguous CPU tensor's bytes are read in place: on the
+        server's host the server reads them out of this process's memory and computes their
+        checksums as it reads (as put_payloads), elsewhere they are copied once, into the message.
+        Keep each tensor unchanged (no write, no copy into it still running, such as a non_blocking
+        copy from a GPU) until this returns: it returns only once the server can no longer read
+        them. `retain_ttl_s`: as put_many.
 
         Raises:
             ValueError: not one tensor per key, a dtype the block format lacks, `timeout_s` not positive,
