@@ -15,6 +15,9 @@ Who can use it: the directory is created owner-only (0700), so only processes of
 create, list or open segments in it. A remote client cannot create a segment, and cannot learn another
 client's segment name (128 random bits, in a directory it cannot list). The server refuses names that are
 not "kvcache-" + 32 hex digits (no paths), files that are not regular files owned by its user, and symlinks.
+
+Just over the project's ~500-line guideline: the directory, the reads and writes of segments and the worker
+threads that own duplicates of their descriptors stay together, since the ownership rule above spans them.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import grpc
 import numpy as np
 import pytest
 
-import kvcache_client.messages as messages
+import kvcache_client.sealing as sealing
 import kvcache_client.transport as transport
 from kvcache_client import AsyncKVCacheClient, KVCacheClient
 from kvcache_client.errors import KVCacheError
@@ -97,12 +97,12 @@ def test_put_payloads_on_the_same_host_leaves_the_checksums_to_the_server(
     ranges carry the SDK's checksums, and the blocks are the same."""
     server = _server(make_server, place)
     sent = _Sent(monkeypatch)
-    encode = messages.encode_bytes_parts
+    encode = sealing.encode_bytes_parts
 
     def no_encoding(*args: Any) -> Any:
         raise AssertionError("the SDK hashed a payload of a sealed put")
 
-    monkeypatch.setattr(messages, "encode_bytes_parts", no_encoding)
+    monkeypatch.setattr(sealing, "encode_bytes_parts", no_encoding)
     keys = [os.urandom(16) for _ in range(6)]
     payloads = _payloads(4, 2 << 20, 1) + _payloads(2, 300_000, 2)  # two sizes: two headers
     with KVCacheClient(server.target) as client:
@@ -113,7 +113,7 @@ def test_put_payloads_on_the_same_host_leaves_the_checksums_to_the_server(
     assert len(sent.ranges) == 6 and all(r.seal for r in sent.ranges)
     assert {parse_header(r.head, block_len=r.block_length).checksum for r in sent.ranges} == {0}
     assert _counters(server)["sealed_blocks"] == 6
-    monkeypatch.setattr(messages, "encode_bytes_parts", encode)
+    monkeypatch.setattr(sealing, "encode_bytes_parts", encode)
 
     async def from_asyncio() -> list[bytes]:
         async with AsyncKVCacheClient(server.target) as c:
@@ -269,8 +269,8 @@ def test_a_sealed_put_the_server_cannot_take_is_put_again_checksummed_by_the_sdk
     and what is stored is the same."""
     server = _server(make_server, place)
     sent = _Sent(monkeypatch)
-    monkeypatch.setattr(messages, "SEAL_MIN_WINDOW_S", 0.0)
-    monkeypatch.setattr(messages, "SEAL_WINDOW_BYTES_PER_S", 1e15)  # a window of microseconds
+    monkeypatch.setattr(sealing, "SEAL_MIN_WINDOW_S", 0.0)
+    monkeypatch.setattr(sealing, "SEAL_WINDOW_BYTES_PER_S", 1e15)  # a window of microseconds
     keys = [os.urandom(16) for _ in range(4)]
     payloads = _payloads(4, 1 << 20, 9)
     with KVCacheClient(server.target) as client:
@@ -353,7 +353,7 @@ def test_a_sealed_put_gRPC_ended_on_the_client_side_waits_out_the_servers_reads_
 def test_waiting_out_a_window_holds_a_second_interrupt_until_it_is_over() -> None:
     """wait_out keeps waiting through an exception raised by a signal handler meanwhile (a second
     Ctrl-C), and raises it once the window is over."""
-    sealed = messages.Sealed([], [], time.monotonic_ns() + 300_000_000, 0.3)
+    sealed = sealing.Sealed([], [], time.monotonic_ns() + 300_000_000, 0.3)
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
@@ -363,7 +363,7 @@ def test_waiting_out_a_window_holds_a_second_interrupt_until_it_is_over() -> Non
     try:
         timer.start()
         with pytest.raises(KeyboardInterrupt):
-            messages.wait_out(sealed)
+            sealing.wait_out(sealed)
         assert time.monotonic_ns() >= sealed.before_ns
     finally:
         timer.cancel()

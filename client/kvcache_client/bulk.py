@@ -42,7 +42,6 @@ from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.errors import RPCError
 from kvcache_client.inplace_core import BulkRefusal
 from kvcache_client.local_reads import land_plan, plan
-from kvcache_client.messages import encoded_off_loop, payload_items
 from kvcache_client.results import (
     TIER_NAMES,
     Fetched,
@@ -52,6 +51,7 @@ from kvcache_client.results import (
     ServerStats,
     TierPutResult,
 )
+from kvcache_client.sealing import encoded_off_loop, payload_items
 from kvcache_client.shm import run_to_end
 from kvcache_client.transport import AsyncGrpcTransport, GrpcTransport
 from kvcache_core import bulkwire as bw

@@ -28,10 +28,10 @@ from kvcache_client.arena import LeasedBlocks
 from kvcache_client.copies import copy_into, verified
 from kvcache_client.errors import DeadlineExceeded, RPCError, from_rpc_error
 from kvcache_client.inplace_core import Leased
-from kvcache_client.messages import payload_items
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import LookupResult, PrefetchResult, PutResult, ServerStats
 from kvcache_client.retry import RetryPolicy
+from kvcache_client.sealing import payload_items
 from kvcache_client.steps import Steps
 from kvcache_core.blockwire import BlockData, Buffer
 from kvcache_core.format import Layout, check_key

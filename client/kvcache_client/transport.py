@@ -14,7 +14,8 @@ clients map, retry and time out.
 
 Longer than the project's ~500-line module guideline: the blocking and the asyncio transport are
 two faces of the same calls, kept side by side so a change to one is seen beside the other; what
-they decide is written once, in kvcache_client.messages (through_segment, through_process).
+they decide is written once, in kvcache_client.messages (through_segment, through_process) and
+kvcache_client.sealing.
 """
 
 from __future__ import annotations
@@ -32,28 +33,30 @@ from kvcache_client.arena_aio import AsyncInPlaceCalls
 from kvcache_client.bufpool import BufferPool
 from kvcache_client.messages import (
     DEFAULT_MESSAGE_BYTES,
-    MIN_FALLBACK_S,
     PROCESS_MESSAGE_BYTES,
-    SERVER_ENDED,
     GetCollector,
     LandingCollector,
     apply_info,
-    encoded_off_loop,
     lookup_result,
-    payload_items,
     prefetch_result,
     put_messages,
     put_result,
-    sealed_ranges,
-    sealed_refused,
     server_stats,
     shm_get_request,
     through_process,
     through_segment,
-    wait_out,
 )
 from kvcache_client.presence import PresenceLink
 from kvcache_client.results import Fetched, LookupResult, PrefetchResult, PutResult, ServerStats
+from kvcache_client.sealing import (
+    MIN_FALLBACK_S,
+    SERVER_ENDED,
+    encoded_off_loop,
+    payload_items,
+    sealed_ranges,
+    sealed_refused,
+    wait_out,
+)
 from kvcache_client.shm import Segment, ShmLink, env_allows_shm, run_to_end
 from kvcache_client.steps import arun, run
 from kvcache_core.blockwire import (
