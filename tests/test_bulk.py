@@ -820,7 +820,7 @@ def test_a_commit_the_loop_never_starts_frees_its_slots(make_server, monkeypatch
         return real(coro, loop)
 
     monkeypatch.setattr(session.asyncio, "run_coroutine_threadsafe", never_runs_commits)
-    data = blocks(4, 64 << 10)
+    data = blocks(4, session._STAGED_PUT_BYTES // 2)  # over it: its blocks land in their slots
     client = KVCacheClient(server.target, shm=False, bulk_connections=1)
     with client, pytest.raises(RPCError, match="INTERNAL"):
         client.put_many("ns", data)

@@ -47,7 +47,7 @@ from kvcache_server.config import BulkSection, LimitsSection
 from kvcache_server.pipeline.get import BlockSizes, locate_window
 from kvcache_server.pipeline.inplace import leading_leases, releasing_tenant
 from kvcache_server.refusal import Refused
-from kvcache_server.stack import Found, TierStack
+from kvcache_server.stack import Found, PutOutcome, TierStack
 from kvcache_server.tiers.base import TierKind
 
 from .admission import ConnectionAdmission
@@ -64,6 +64,10 @@ _BATCH_FRAMES = 128  # GET_ITEM frames per send: two buffers each, within sendms
 _BATCH_BYTES = 1 << 20
 _RESERVE_AT_ONCE_BYTES = 4 << 20
 """A PUT of at most this much reserves its budget and every slot in one trip to the event loop."""
+_STAGED_PUT_BYTES = 512 << 10
+"""A PUT of at most this much is received into the session's own memory first, then reserved, copied into its
+slots and committed in one trip to the event loop instead of two (Session._put_staged): the trip (two thread
+wake-ups, 90-170 us here) costs more than the copy on the loop (about 40 us for 512 KiB in cache)."""
 _LOOP_CALL_S = 120.0
 """Longest wait, beyond limits.admission_wait_s, for the event loop's part of a request (budget, stack
 put or get): a backstop only; the budget waits at most admission_wait_s, the tiers have their own timeouts."""
@@ -462,6 +466,9 @@ class Session:
                 f"PUT of {total} bytes exceeds max_put_stream_bytes={limits.max_put_stream_bytes}; split it",
             )
         held = self._s.budget.holding(self.tenant)
+        if total <= _STAGED_PUT_BYTES:  # small: received first, then one trip to the loop
+            self._put_staged(scoped, entries, total, held, deadline)
+            return
         slots: list[Slot] = []
         committed: bool | None = False
         started: list[bool] = []  # set by the commit on the loop as it starts
@@ -499,9 +506,61 @@ class Session:
             if committed is not True:  # else the commit released it on the loop: no wake-up of it for that
                 self._release(held)
         self._s.counters.add("puts")
+        self._put_done(outcome, len(entries), total, deadline)
+
+    def _put_staged(
+        self, namespace: str, entries: list[tuple[bytes, int]], total: int, held: Holding, deadline: Deadline
+    ) -> None:
+        """A small PUT in one trip to the event loop instead of two: its blocks are received into this
+        session's own memory (at most _STAGED_PUT_BYTES, no client maps it), each verified piece by
+        piece as it lands, and only then do the budget, the slots, the copy into them and the commit
+        run on the loop, in one coroutine (_commit_staged). A refusal or a lost client before that
+        trip has reserved nothing; whatever the trip reserved it frees however it ends."""
+        staged = memoryview(bytearray(total))
+        views: list[memoryview] = []
+        at = 0
+        for i, (key, n) in enumerate(entries):
+            kind, got = self._frame(deadline)
+            if kind is not bw.FrameType.DATA:
+                raise bw.FrameError(f"block {i}: expected a DATA frame, got {kind.name}")
+            if got != n:
+                raise bw.FrameError(f"block {i}: DATA frame of {got} bytes for a block announced as {n} bytes")
+            view = staged[at : at + n]
+            self._recv_verified(i, key, view, deadline)
+            self._s.counters.add("bytes_received", n)
+            views.append(view)
+            at += n
+        outcome = self._on_loop(self._commit_staged(held, namespace, [k for k, _ in entries], views, total))
+        self._s.block_sizes.saw(namespace, max(n for _, n in entries))
+        self._s.counters.add("puts")
+        self._put_done(outcome, len(entries), total, deadline)
+
+    async def _commit_staged(
+        self, held: Holding, namespace: str, keys: list[bytes], views: list[memoryview], total: int
+    ) -> PutOutcome:
+        """_put_staged's part on the loop. Cancelled (the session gave up waiting), it frees its slots
+        (or the commit, once started, frees what it does not keep) and its budget."""
+        sink = self._s.sink
+        try:
+            await held.reserve(total, "bulk PUT")
+            slots = await sink.reserve_many(namespace, [len(v) for v in views])
+            owned = True
+            try:
+                for slot, view in zip(slots, views, strict=True):
+                    slot.view[:] = view
+                owned = False  # the commit owns the slots from its first step (it frees what it does not keep)
+                return await sink.commit(namespace, list(zip(keys, slots, strict=True)))
+            finally:
+                if owned:
+                    for slot in slots:
+                        sink.abandon(slot)
+        finally:
+            held.release_all()
+
+    def _put_done(self, outcome: PutOutcome, blocks: int, total: int, deadline: Deadline) -> None:
         stored = sum(outcome.kept)
         tiers = tuple((int(t.kind), t.stored, t.queued, t.dropped, t.failed, t.deleted) for t in outcome.tiers)
-        payload = bw.put_done(bw.PutDone(stored, len(entries) - stored, total, tiers))
+        payload = bw.put_done(bw.PutDone(stored, blocks - stored, total, tiers))
         deadline.send(self.sock, [bw.header(bw.FrameType.PUT_DONE, len(payload)), payload])
 
     async def _admit(self, held: Holding, namespace: str, sizes: list[int], total: int) -> list[Slot]:

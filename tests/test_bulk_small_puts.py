@@ -1,0 +1,181 @@
+"""Small bulk PUTs (docs/bulk.md, "Inside the server"): received into the session's own memory first,
+then budget, slots, copy and commit in one trip to the event loop. Real servers, the SDK and raw frames."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import grpc
+import pytest
+
+from kvcache_client import KVCacheClient, RPCError
+from kvcache_core import bulkwire as bw
+from tests.backends import wait_for
+from tests.test_bulk import Raw, _hold, _release, blocks, bulk_server, counters, settled, stored
+
+pytestmark = pytest.mark.timeout(60)
+
+KIB = 1 << 10
+
+
+def trips(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The names of the coroutines the bulk sessions run on the event loop, in order."""
+    import kvcache_server.bulk.session as session
+
+    real = session.asyncio.run_coroutine_threadsafe
+    names: list[str] = []
+
+    def counted(coro, loop):  # type: ignore[no-untyped-def]
+        names.append(coro.__name__)
+        return real(coro, loop)
+
+    monkeypatch.setattr(session.asyncio, "run_coroutine_threadsafe", counted)
+    return names
+
+
+def test_a_small_put_takes_one_trip_to_the_loop_a_large_one_two(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16 blocks of 16 KiB (the median request of Mooncake's conversation trace) were two trips to
+    the event loop (budget and slots, then the commit), each two thread wake-ups; now one. A PUT over
+    _STAGED_PUT_BYTES keeps the two (its blocks land straight in their slots). Blocks byte-exact."""
+    import kvcache_server.bulk.session as session
+
+    server = bulk_server(make_server)
+    sink = server.running.bulk.sink
+    small, large = blocks(16, 16 * KIB), blocks(2, session._STAGED_PUT_BYTES // 2 + 4 * KIB)
+    with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
+        client.put_many("warm", blocks(1, 1 << 20))  # the bulk port on
+        names = trips(monkeypatch)
+        assert client.put_many("n", small).stored == 16
+        assert names == ["_commit_staged"]
+        names.clear()
+        assert client.put_many("n", large).stored == 2
+        assert names == ["_admit", "_then_release"]
+        got = client.get_many("n", [k for k, _ in small + large])
+        assert [bytes(g) for g in got] == [b for _, b in small + large]
+    assert (sink.reserved, sink.in_arena, sink.committed, sink.abandoned) == (19, 19, 19, 0)
+    settled(server, puts=3, errors=0)
+
+
+def test_a_small_put_whose_trip_never_runs_holds_nothing(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loop's part given up before it started (its future comes back cancelled, as a task
+    cancelled before its first step): nothing was reserved, nothing is stored, the put fails INTERNAL
+    and the server serves the next one."""
+    import kvcache_server.bulk.session as session
+
+    server = bulk_server(make_server)
+    real = session.asyncio.run_coroutine_threadsafe
+    dropped: list[str] = []
+
+    def never_runs(coro, loop):  # type: ignore[no-untyped-def]
+        if coro.__name__ == "_commit_staged" and not dropped:
+            dropped.append(coro.__name__)
+            coro.close()
+            future: Future = Future()
+            future.cancel()
+            return future
+        return real(coro, loop)
+
+    monkeypatch.setattr(session.asyncio, "run_coroutine_threadsafe", never_runs)
+    data = blocks(4, 16 * KIB)
+    with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
+        client.put_many("warm", blocks(1, 1 << 20))
+        with pytest.raises(RPCError, match="INTERNAL"):
+            client.put_many("n", data)
+        assert dropped == ["_commit_staged"]
+        sink = server.running.bulk.sink
+        assert (sink.reserved, sink.committed) == (1, 1)  # the warm-up's block only
+        assert stored(server, "n", [k for k, _ in data]) == 0
+        assert client.put_many("n", data).stored == 4
+    assert not server.stack.ram._reservations
+
+
+def test_a_small_put_whose_client_goes_mid_block_reserves_nothing(make_server) -> None:
+    """Before, a small PUT reserved its budget and every slot before its first byte came, and a
+    client gone mid-block left them to be abandoned; now nothing is reserved until every block has
+    come and passed its checksum."""
+    server = bulk_server(make_server)
+    (k1, b1), (k2, b2) = blocks(2, 64 * KIB)
+    raw = Raw(server)
+    raw.hello()
+    raw.send(bw.FrameType.PUT, bw.put("n", [(k1, len(b1)), (k2, len(b2))]))
+    raw.send(bw.FrameType.DATA, b1)
+    raw.send(bw.FrameType.DATA, b2[: len(b2) // 2], length=len(b2))
+    wait_for(lambda: counters(server)["bytes_received"] == len(b1), 10, "the first block to arrive")
+    raw.close()
+    settled(server, aborted=1, puts=0)
+    sink = server.running.bulk.sink
+    assert (sink.reserved, sink.committed, sink.abandoned) == (0, 0, 0)
+    assert stored(server, "n", [k1, k2]) == 0
+
+
+def test_a_damaged_small_block_is_refused_before_anything_is_reserved(make_server) -> None:
+    server = bulk_server(make_server)
+    (k1, b1), (k2, b2) = blocks(2, 32 * KIB)
+    damaged = bytearray(b2)
+    damaged[-1] ^= 0x01
+    raw = Raw(server)
+    raw.hello()
+    raw.send(bw.FrameType.PUT, bw.put("n", [(k1, len(b1)), (k2, len(b2))]))
+    raw.send(bw.FrameType.DATA, b1)
+    raw.send(bw.FrameType.DATA, bytes(damaged))
+    code, message = raw.error()
+    assert code is grpc.StatusCode.DATA_LOSS and "block 1" in message, message
+    assert raw.closed()
+    settled(server, errors=1, puts=0)
+    sink = server.running.bulk.sink
+    assert (sink.reserved, sink.committed, sink.abandoned) == (0, 0, 0)
+    assert counters(server)["checksum_failures"] == 1 and stored(server, "n", [k1, k2]) == 0
+
+
+def test_a_small_put_waits_for_the_budget_on_the_loop_then_is_refused(make_server) -> None:
+    """The budget is taken on the loop after the blocks came: with none free, the PUT waits
+    admission_wait_s there, is refused RESOURCE_EXHAUSTED holding nothing, and succeeds once room
+    is back."""
+    server = bulk_server(make_server, limits={"admission_wait_s": 0.3})
+    budget = server.running.bulk._budget
+    data = blocks(4, 16 * KIB)
+    with KVCacheClient(server.target, shm=False, bulk_connections=1, timeout_s=10) as client:
+        client.put_many("warm", blocks(1, 1 << 20))
+        server.call(_hold(budget, budget.capacity))
+        try:
+            with pytest.raises(RPCError, match="RESOURCE_EXHAUSTED"):
+                client.put_many("n", data)
+            assert budget.used == budget.capacity
+        finally:
+            server.call(_release(budget, budget.capacity))
+        assert stored(server, "n", [k for k, _ in data]) == 0
+        assert not server.stack.ram._reservations
+        assert client.put_many("n", data).stored == 4
+
+
+def test_a_small_put_given_up_while_its_trip_waits_frees_what_it_holds(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The session stops waiting for the loop (its backstop, shortened here) while the trip waits for
+    budget: the trip is cancelled there and reserves nothing later, the connection is closed, and the
+    budget is back to what the holder took."""
+    import kvcache_server.bulk.session as session
+
+    # The session waits admission_wait_s + _LOOP_CALL_S for the loop: 0.2 s here, the budget 2 s.
+    monkeypatch.setattr(session, "_LOOP_CALL_S", -1.8)
+    server = bulk_server(make_server, limits={"admission_wait_s": 2.0})
+    budget = server.running.bulk._budget
+    (k1, b1), (k2, b2) = blocks(2, 16 * KIB)
+    server.call(_hold(budget, budget.capacity))
+    raw = Raw(server)
+    raw.hello()
+    raw.send(bw.FrameType.PUT, bw.put("n", [(k1, len(b1)), (k2, len(b2))]))
+    raw.send(bw.FrameType.DATA, b1)
+    raw.send(bw.FrameType.DATA, b2)
+    assert raw.closed()  # the session gave up after 0.2 s
+    raw.close()
+    # Room comes back well inside the budget's own 2 s wait: a trip still waiting there would now
+    # take it, reserve and commit.
+    server.call(_release(budget, budget.capacity))
+    time.sleep(0.5)
+    settled(server, aborted=1, puts=0)
+    assert stored(server, "n", [k1, k2]) == 0
+    assert not server.stack.ram._reservations
+    sink = server.running.bulk.sink
+    assert (sink.reserved, sink.committed, sink.abandoned) == (0, 0, 0)
