@@ -1,4 +1,5 @@
-"""One byte budget for what calls in flight hold, so no client can make the server allocate first.
+"""One byte budget for what calls in flight hold, so no client can make the server allocate first
+(but a small bulk PUT: at most 512 KiB per connection before it is counted, docs/limits.md).
 
 What counts against it (limits.inflight_bytes): the bytes of Put messages while the server decodes,
 verifies and commits them, blocks sent in parts while they are assembled (as their bytes arrive,

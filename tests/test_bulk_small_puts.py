@@ -88,6 +88,73 @@ def test_a_small_put_whose_trip_never_runs_holds_nothing(make_server, monkeypatc
         assert stored(server, "n", [k for k, _ in data]) == 0
         assert client.put_many("n", data).stored == 4
     assert not server.stack.ram._reservations
+    settled(server, puts=2, aborted=1)
+
+
+def test_the_staged_limit_is_exact(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PUT of exactly _STAGED_PUT_BYTES is staged; one byte more takes the two trips."""
+    import kvcache_server.bulk.session as session
+
+    server = bulk_server(make_server)
+    limit = session._STAGED_PUT_BYTES
+    header = len(blocks(1, 1024)[0][1]) - 1024  # an encoded block's header, for any payload size here
+    at_limit, over = blocks(1, limit - header), blocks(1, limit - header + 1)
+    assert len(at_limit[0][1]) == limit and len(over[0][1]) == limit + 1
+    with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
+        client.put_many("warm", blocks(1, 1 << 20))
+        names = trips(monkeypatch)
+        assert client.put_many("n", at_limit).stored == 1
+        assert names == ["_commit_staged"]
+        names.clear()
+        assert client.put_many("n", over).stored == 1
+        assert names == ["_admit", "_then_release"]
+        got = client.get_many("n", [at_limit[0][0], over[0][0]])
+        assert [bytes(g) for g in got] == [at_limit[0][1], over[0][1]]
+
+
+def test_a_small_put_into_a_pinned_ram_falls_back_to_buffers(make_server) -> None:
+    """Readers lease nearly all of RAM: the staged PUT's slots cannot all be reserved, so its blocks
+    go through buffers and the stack's put (as a large PUT's would); what it reports stored is
+    byte-exact, nothing is reserved or budgeted after it, the readers' views never changed."""
+    server = bulk_server(make_server, ram={"capacity_bytes": 4 << 20})
+    sink = server.running.bulk.sink
+    first = blocks(3, (1 << 20) + (300 << 10))  # 3.9 of 4 MiB, then leased by readers
+    small = blocks(4, 100 * KIB)  # 400 KiB: staged; RAM has about 0.1 MiB free, not all four slots
+    with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
+        assert client.put_many("n", first).stored == 3
+        pinned = server.stack.lease("n", [k for k, _ in first], 60.0)
+        assert None not in pinned
+        in_arena = sink.in_arena
+        result = client.put_many("n", small)
+        assert result.stored + result.rejected == 4 and result.stored >= 1
+        assert sink.in_arena == in_arena  # no arena slot: buffers
+        got = client.get_many("n", [k for k, _ in small])  # the stack's put may evict its own first ones
+        assert 1 <= sum(g is not None for g in got) <= result.stored
+        assert all(bytes(g) == b for g, (_, b) in zip(got, small, strict=True) if g is not None)
+        for lease, (_, block) in zip(pinned, first, strict=True):
+            assert bytes(lease.view) == block
+        server.stack.ram.release([lease.id for lease in pinned])
+    settled(server, errors=0)
+    stats = server.stack.ram.arena_stats()
+    assert (stats["leases"], stats["reservations"]) == (0, 0)
+
+
+def test_a_small_put_reaches_a_lower_tier_byte_exact(make_server, redis_server) -> None:
+    """With Redis written through below RAM, a staged PUT's blocks are in both; read back from Redis
+    alone (RAM's copies deleted), byte-exact."""
+    server = bulk_server(
+        make_server, redis={"enabled": True, "url": redis_server.url, "write_mode": "through", "timeout_s": 10}
+    )
+    data = blocks(16, 16 * KIB)
+    keys = [k for k, _ in data]
+    with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
+        client.put_many("warm", blocks(1, 1 << 20))
+        result = client.put_many("n", data)
+        assert result.stored == 16 and result.tier("redis").stored == 16
+        assert server.stack.ram.delete_many_sync("n", keys) == 16
+        got = client.get_many("n", keys)
+        assert [bytes(g) for g in got] == [b for _, b in data]
+    settled(server, errors=0)
 
 
 def test_a_small_put_whose_client_goes_mid_block_reserves_nothing(make_server) -> None:

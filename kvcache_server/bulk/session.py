@@ -2,9 +2,10 @@
 the peer closes. (Over 500 lines: one connection's protocol, each request a method sharing the
 session's deadline, auth and error plumbing; splitting it would pass that state around.)
 
-The thread does the socket work (recv_into into sink slots, sendmsg from stored blocks, checksum
-verification: all release the GIL); everything that belongs to the server's event loop (the
-in-flight MemoryBudget, the tier stack's lower tiers) is called there with run_coroutine_threadsafe.
+The thread does the socket work (recv_into into sink slots, or for a PUT of at most _STAGED_PUT_BYTES
+into the session's own memory; sendmsg from stored blocks; checksum verification: all release the GIL);
+everything that belongs to the server's event loop (the in-flight MemoryBudget, the tier stack's lower
+tiers) is called there with run_coroutine_threadsafe.
 What RAM alone answers (a GET window of RAM hits, LEASE, RELEASE, a LOOKUP that RAM decides) runs
 here under the RAM tier's lock, without that hop.
 
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import grpc
+import numpy as np
 
 from kvcache_core import bulkwire as bw
 from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
@@ -66,8 +68,9 @@ _RESERVE_AT_ONCE_BYTES = 4 << 20
 """A PUT of at most this much reserves its budget and every slot in one trip to the event loop."""
 _STAGED_PUT_BYTES = 512 << 10
 """A PUT of at most this much is received into the session's own memory first, then reserved, copied into its
-slots and committed in one trip to the event loop instead of two (Session._put_staged): the trip (two thread
-wake-ups, 90-170 us here) costs more than the copy on the loop (about 40 us for 512 KiB in cache)."""
+slots and committed in one trip to the event loop instead of two (Session._put_staged): the trip saved (two
+thread wake-ups, 90-170 us here) costs more than the copy it adds on the loop (about 40 us for 512 KiB, in
+cache). This is the one block copy on the loop above stack.RAM_OFF_LOOP_BYTES, on purpose."""
 _LOOP_CALL_S = 120.0
 """Longest wait, beyond limits.admission_wait_s, for the event loop's part of a request (budget, stack
 put or get): a backstop only; the budget waits at most admission_wait_s, the tiers have their own timeouts."""
@@ -79,7 +82,7 @@ _DRAIN_BYTES = 1 << 16
 _READ_AHEAD = 64 << 10
 """Bytes one receive may take beyond the frame being read: a small request (its header and its payload,
 or several pipelined requests) arrives in one system call, and so one wake-up and one wait for the GIL,
-not one per frame part. Larger reads (a PUT's blocks) go straight into their slots."""
+not one per frame part. Larger reads (a PUT's blocks) go straight into where they land."""
 _CUT_COUNTERS = {STALL: "cut_off_stall", RATE: "cut_off_rate", REQUEST: "cut_off_request", HELLO: "cut_off_hello"}
 
 
@@ -516,7 +519,7 @@ class Session:
         piece as it lands, and only then do the budget, the slots, the copy into them and the commit
         run on the loop, in one coroutine (_commit_staged). A refusal or a lost client before that
         trip has reserved nothing; whatever the trip reserved it frees however it ends."""
-        staged = memoryview(bytearray(total))
+        staged = memoryview(np.empty(total, np.uint8))  # uninitialised: every byte is received once
         views: list[memoryview] = []
         at = 0
         for i, (key, n) in enumerate(entries):

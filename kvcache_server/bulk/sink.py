@@ -4,6 +4,8 @@ The session asks the sink for one slot per announced block before receiving it, 
 block's bytes with recv_into straight into `slot.view`, verifies it in place, and only then
 commits the request's slots under their keys (a put is visible all at once or not at all). A slot
 of a request that fails (a lying frame, a checksum mismatch, a peer gone mid-frame) is abandoned.
+A small PUT (session._STAGED_PUT_BYTES) is received and verified in the session's own memory first;
+its slots are reserved, written (a copy on the event loop) and committed in one coroutine there.
 
 ArenaSink (the server's) receives straight into slots of the RAM tier's block arena
 (kvcache_server.arena, docs/arena.md): a slot is reserved before its block's first byte arrives,
@@ -12,10 +14,11 @@ now (every slot leased or reserved), that block falls back to a fresh buffer, wh
 then stores as any other put. BufferSink is that fallback alone (tests, and a stack without an arena).
 
 Reservations are made on the event loop (reserving may evict, and eviction feeds demotions); the
-session thread only writes into the slot's memory, which nothing else touches until it is
-committed or abandoned: every path out of a PUT abandons what it did not commit, after the session
-thread has stopped writing. The reservations never expire (RamTier.reserve): one reclaimed while
-that thread still wrote would let its late bytes land in a slot reused for another key.
+session thread (or, for a small PUT, the loop's copy) only writes into the slot's memory, which
+nothing else touches until it is committed or abandoned: every path out of a PUT abandons what it
+did not commit, after the session thread has stopped writing. The reservations never expire
+(RamTier.reserve): one reclaimed while that thread still wrote would let its late bytes land in a
+slot reused for another key.
 """
 
 from __future__ import annotations
