@@ -132,12 +132,10 @@ class KVCacheServicer:
 
     def PutOne(self, request, context):
         """Stores the blocks of one PutRequest: exactly Put with a stream of that
-        one message (the same rules, right and answer), as a unary call. The
-        server serves it as a Put stream, so its checks and Put's idle cut-off
-        run as the call starts, not once the message has arrived. For clients
-        whose gRPC runs a thread per client-streaming call (Python's blocking
-        stubs: about 0.26 ms a call on a 2-core host). Servers that predate it
-        answer UNIMPLEMENTED: send the message as a Put then.
+        one message (the same rules, right and answer), as a unary call. For
+        clients whose gRPC runs a thread per client-streaming call (Python's
+        blocking stubs: about 0.26 ms a call on a 2-core host). Servers that
+        predate it answer UNIMPLEMENTED: send the message as a Put then.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,7 +3,7 @@
 The request id is the caller's `x-request-id` metadata when present (so a trace
 can follow a request from an engine into kvcache), else a fresh random one. It
 is echoed back in the trailing metadata of unary calls and in the initial
-metadata of streaming ones (Put, PutOne, Get, WatchEvents: sent when the call is
+metadata of streaming ones (Put, Get, WatchEvents: sent when the call is
 admitted), and in the trailing metadata of a call refused before it started and set in a context variable that the
 logging filter adds to every record logged while the RPC runs. Logs never carry
 block bytes or token ids: handlers log keys' hex at most.

@@ -5,7 +5,7 @@ bytes); the small RPCs use the generated classes. No parser raises: a malformed 
 handler as _Malformed and is answered INVALID_ARGUMENT, where gRPC would answer a raising
 deserializer with INTERNAL. Put messages reach the service as raw bytes: it decodes them itself,
 bounded by the stream's limits and off the event loop when large (gRPC would decode them on it,
-whole); PutOne is served as a Put. Get is a coroutine that sends with context.write, so a reader
+whole); PutOne's one message likewise. Get is a coroutine that sends with context.write, so a reader
 that stalls can be noticed.
 """
 
@@ -74,10 +74,7 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
     handlers = {
         "Lookup": unary(_unary(service.Lookup), _parser(pb.LookupRequest), pb.LookupResponse.SerializeToString),
         "Put": grpc.stream_unary_rpc_method_handler(service.Put, None, pb.PutResponse.SerializeToString),
-        # PutOne is a unary call on the wire, served as a Put stream (the same bytes): the interceptor
-        # (auth, admission) and Put's idle cut-off run as the call starts, not once its message has all
-        # arrived, as they would for a unary handler. A client that sends more than one gets a Put.
-        "PutOne": grpc.stream_unary_rpc_method_handler(service.Put, None, pb.PutResponse.SerializeToString),
+        "PutOne": unary(service.PutOne, None, pb.PutResponse.SerializeToString),
         "Get": stream(_coroutine_streaming(service.Get), _parser(pb.GetRequest), encode_get_response),
         "Delete": unary(_unary(service.Delete), _parser(pb.DeleteRequest), pb.DeleteResponse.SerializeToString),
         "Stats": unary(_unary(service.Stats), _parser(pb.StatsRequest), pb.StatsResponse.SerializeToString),

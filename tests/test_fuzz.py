@@ -54,7 +54,7 @@ def mutate(block: bytes, data: st.DataObject) -> bytes:
     return bytes(b)
 
 
-RAW_METHODS = ["Lookup", "Get", "Put", "PutOne", "Delete", "Stats", "WatchEvents"]
+RAW_METHODS = ["Lookup", "Get", "Put", "Delete", "Stats", "WatchEvents"]
 
 
 TOKEN = "kvc_fuzz_token"
@@ -125,7 +125,7 @@ def structured_payloads(draw: st.DrawFn, method: str) -> list[bytes]:
         return [pb.WatchEventsRequest(namespace=ns).SerializeToString()]
     data = draw(st.data())
     messages = []
-    for _ in range(1 if method == "PutOne" else draw(st.integers(0, 3))):  # PutOne: one message, unary
+    for _ in range(draw(st.integers(0, 3))):
         blocks = []
         for _ in range(draw(st.integers(0, 4))):
             key, other = draw(keys), draw(keys)

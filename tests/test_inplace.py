@@ -67,7 +67,7 @@ def count_grpc_block_traffic(client: KVCacheClient) -> dict[str, int]:
     calls it makes: the calls that would carry block bytes over gRPC."""
     inner = client._transport.inner
     counts = {"put_message_bytes": 0, "get_calls": 0}
-    put, put_one, get = inner._put, inner._put_one, inner._get
+    put, get = inner._put, inner._get
 
     def counted(messages: Iterator[bytes]) -> Iterator[bytes]:
         for message in messages:
@@ -78,12 +78,7 @@ def count_grpc_block_traffic(client: KVCacheClient) -> dict[str, int]:
         counts["get_calls"] += 1
         return get(request, **kwargs)
 
-    def counted_one(message: bytes, **kwargs: object) -> object:
-        counts["put_message_bytes"] += len(message)
-        return put_one(message, **kwargs)
-
     inner._put = lambda messages, **kwargs: put(counted(messages), **kwargs)
-    inner._put_one = counted_one  # a put of one message (PutOne)
     inner._get = counted_get
     return counts
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import os
 import re
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -16,6 +14,7 @@ from kvcache_client import KVCacheClient, PermissionDenied
 from kvcache_core.blockwire import encode_put_request
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_server.auth import METHOD_RIGHTS, Right
+from kvcache_server.service import KVCacheService
 from tests.conftest import keyed
 from tests.test_bulk import RO, RW, auth_config
 
@@ -109,23 +108,15 @@ def test_the_sdk_sends_one_message_as_put_one_and_more_as_put(make_server) -> No
 
 
 def test_a_server_without_put_one_gets_put_streams(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A server that predates PutOne (the method not registered: gRPC answers UNIMPLEMENTED, nothing
-    stored): the SDK sends the same message as a Put, and every later put as Put streams, without
-    asking again."""
-    import kvcache_server.registration as registration
+    """A server that predates PutOne answers UNIMPLEMENTED having stored nothing: the SDK sends the
+    same message as a Put, and every later put as Put streams, without asking again."""
 
-    real = registration.grpc.method_handlers_generic_handler
+    async def unimplemented(self, request, context):  # type: ignore[no-untyped-def]
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
 
-    def without_put_one(service: str, handlers: dict):  # type: ignore[no-untyped-def]
-        return real(service, {name: h for name, h in handlers.items() if name != "PutOne"})
-
-    monkeypatch.setattr(registration.grpc, "method_handlers_generic_handler", without_put_one)
+    monkeypatch.setattr(KVCacheService, "PutOne", unimplemented)
     server = make_server(ram={"capacity_bytes": 64 << 20}, **NO_BULK)
-    monkeypatch.undo()
     first, second = [keyed(os.urandom(4096)) for _ in range(2)], [keyed(os.urandom(4096)) for _ in range(2)]
-    with pytest.raises(grpc.RpcError) as err:
-        raw_put_one(server.target, encode_put_request("ns", first))
-    assert err.value.code() is grpc.StatusCode.UNIMPLEMENTED
     with KVCacheClient(server.target, shm=False) as client:
         counts = calls_of(client)
         assert client.put_many("ns", first).stored == 2
@@ -134,38 +125,3 @@ def test_a_server_without_put_one_gets_put_streams(make_server, monkeypatch: pyt
         assert counts == {"Put": 2, "PutOne": 1}
         got = client.get_many("ns", [k for k, _ in first + second])
     assert [bytes(g) for g in got] == [b for _, b in first + second]
-
-
-def stalled_put_one(target: str, metadata: tuple = ()) -> tuple[grpc.StatusCode, float]:
-    """A PutOne whose one message never comes (a client stalled mid-upload): the call's status and
-    how long it took. Sent as a client-streaming call of the same method, whose first message would
-    come after 20 s: on the wire, what a unary client stalled before its message's end looks like."""
-
-    def never() -> Iterator[bytes]:
-        time.sleep(20)
-        yield b""
-
-    start = time.monotonic()
-    with grpc.insecure_channel(target) as channel:
-        call = channel.stream_unary("/kvcache.v1.KVCache/PutOne", lambda b: b, pb.PutResponse.FromString)
-        with pytest.raises(grpc.RpcError) as err:
-            call(never(), timeout=15, metadata=metadata)
-    return err.value.code(), time.monotonic() - start
-
-
-def test_a_stalled_put_one_is_cut_off_as_a_put(make_server) -> None:
-    """Served as a Put stream, a PutOne whose message does not come is cut off after
-    limits.put_idle_timeout_s (DEADLINE_EXCEEDED, counted), where a unary handler would wait for the
-    whole message before anything of the server ran (the client's own deadline, or forever)."""
-    server = make_server(ram={"capacity_bytes": 64 << 20}, limits={"put_idle_timeout_s": 1.0}, **NO_BULK)
-    code, took = stalled_put_one(server.target)
-    assert code is grpc.StatusCode.DEADLINE_EXCEEDED and took < 8, (code, took)
-    assert server.running.service.cut_off == 1
-
-
-def test_a_put_one_without_a_token_is_refused_before_its_message(make_server, tmp_path: Path) -> None:
-    server = make_server(ram={"capacity_bytes": 64 << 20}, **NO_BULK, **auth_config(tmp_path))
-    code, took = stalled_put_one(server.target)
-    assert code is grpc.StatusCode.UNAUTHENTICATED and took < 8, (code, took)
-    code, took = stalled_put_one(server.target, (("authorization", f"Bearer {RO}"),))
-    assert code is grpc.StatusCode.PERMISSION_DENIED and took < 8, (code, took)

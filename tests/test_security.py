@@ -74,7 +74,6 @@ def stub_calls(stub: pb_grpc.KVCacheStub, metadata: tuple) -> dict[str, object]:
         "Lookup": lambda: stub.Lookup(pb.LookupRequest(namespace="n", keys=[key]), metadata=metadata, timeout=5),
         "Get": lambda: list(stub.Get(pb.GetRequest(namespace="n", keys=[key]), metadata=metadata, timeout=5)),
         "Put": lambda: stub.Put(iter([put]), metadata=metadata, timeout=5),
-        "PutOne": lambda: stub.PutOne(put, metadata=metadata, timeout=5),
         "Delete": lambda: stub.Delete(pb.DeleteRequest(namespace="n", keys=[key]), metadata=metadata, timeout=5),
         "Stats": lambda: stub.Stats(pb.StatsRequest(), metadata=metadata, timeout=5),
         "Info": lambda: stub.Info(pb.InfoRequest(), metadata=metadata, timeout=5),
@@ -93,13 +92,8 @@ def code_of(call) -> grpc.StatusCode:
 @pytest.mark.parametrize(
     ("metadata", "expected"),
     [
-        (
-            (),
-            dict.fromkeys(
-                ["Lookup", "Get", "Put", "PutOne", "Delete", "Stats", "Info", "WatchEvents"], "UNAUTHENTICATED"
-            ),
-        ),
-        ((("authorization", "Bearer wrong"),), dict.fromkeys(["Lookup", "Put", "PutOne", "Stats"], "UNAUTHENTICATED")),
+        ((), dict.fromkeys(["Lookup", "Get", "Put", "Delete", "Stats", "Info", "WatchEvents"], "UNAUTHENTICATED")),
+        ((("authorization", "Bearer wrong"),), dict.fromkeys(["Lookup", "Put", "Stats"], "UNAUTHENTICATED")),
         ((("authorization", "Basic " + TOKENS["a"]),), {"Lookup": "UNAUTHENTICATED"}),
         (
             (("authorization", "Bearer " + TOKENS["a-reader"]),),
@@ -107,7 +101,6 @@ def code_of(call) -> grpc.StatusCode:
                 "Lookup": "OK",
                 "Get": "OK",
                 "Put": "PERMISSION_DENIED",
-                "PutOne": "PERMISSION_DENIED",
                 "Delete": "PERMISSION_DENIED",
                 "Stats": "PERMISSION_DENIED",
                 "Info": "OK",
@@ -116,17 +109,11 @@ def code_of(call) -> grpc.StatusCode:
         ),
         (
             (("authorization", "Bearer " + TOKENS["a"]),),
-            {"Lookup": "OK", "Get": "OK", "Put": "OK", "PutOne": "OK", "Delete": "OK", "Stats": "PERMISSION_DENIED"},
+            {"Lookup": "OK", "Get": "OK", "Put": "OK", "Delete": "OK", "Stats": "PERMISSION_DENIED"},
         ),
         (
             (("authorization", "Bearer " + TOKENS["ops"]),),
-            {
-                "Stats": "OK",
-                "Info": "OK",
-                "Lookup": "PERMISSION_DENIED",
-                "Put": "PERMISSION_DENIED",
-                "PutOne": "PERMISSION_DENIED",
-            },
+            {"Stats": "OK", "Info": "OK", "Lookup": "PERMISSION_DENIED", "Put": "PERMISSION_DENIED"},
         ),
     ],
     ids=["no-token", "bad-token", "wrong-scheme", "read-only", "read-write", "admin"],

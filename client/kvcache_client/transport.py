@@ -154,7 +154,6 @@ class _Channel:
         self._stub = pb_grpc.KVCacheStub(channel)
         # Put and Get carry block bytes: blockwire instead of the generated classes (same wire format).
         self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
-        # The blocking transport's puts of one message (grpc.aio's client streams start no thread).
         self._put_one = channel.unary_unary(_PUT_ONE, _identity, pb.PutResponse.FromString)
         self.put_one = True  # off once the server answers PutOne UNIMPLEMENTED (it predates it)
         self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
