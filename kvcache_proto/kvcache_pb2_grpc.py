@@ -44,11 +44,6 @@ class KVCacheStub:
                 request_serializer=kvcache_dot_v1_dot_kvcache__pb2.PutRequest.SerializeToString,
                 response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.PutResponse.FromString,
                 _registered_method=True)
-        self.PutOne = channel.unary_unary(
-                '/kvcache.v1.KVCache/PutOne',
-                request_serializer=kvcache_dot_v1_dot_kvcache__pb2.PutRequest.SerializeToString,
-                response_deserializer=kvcache_dot_v1_dot_kvcache__pb2.PutResponse.FromString,
-                _registered_method=True)
         self.Get = channel.unary_stream(
                 '/kvcache.v1.KVCache/Get',
                 request_serializer=kvcache_dot_v1_dot_kvcache__pb2.GetRequest.SerializeToString,
@@ -125,17 +120,6 @@ class KVCacheServicer:
         with the status above, naming the block (its index in the stream);
         blocks of earlier messages stay stored (complete and valid), the failing
         message's blocks and everything after it are not stored.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def PutOne(self, request, context):
-        """Stores the blocks of one PutRequest: exactly Put with a stream of that
-        one message (the same rules, right and answer), as a unary call. For
-        clients whose gRPC runs a thread per client-streaming call (Python's
-        blocking stubs: about 0.26 ms a call on a 2-core host). Servers that
-        predate it answer UNIMPLEMENTED: send the message as a Put then.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -249,11 +233,6 @@ def add_KVCacheServicer_to_server(servicer, server):
                     request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.PutRequest.FromString,
                     response_serializer=kvcache_dot_v1_dot_kvcache__pb2.PutResponse.SerializeToString,
             ),
-            'PutOne': grpc.unary_unary_rpc_method_handler(
-                    servicer.PutOne,
-                    request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.PutRequest.FromString,
-                    response_serializer=kvcache_dot_v1_dot_kvcache__pb2.PutResponse.SerializeToString,
-            ),
             'Get': grpc.unary_stream_rpc_method_handler(
                     servicer.Get,
                     request_deserializer=kvcache_dot_v1_dot_kvcache__pb2.GetRequest.FromString,
@@ -357,33 +336,6 @@ class KVCache:
             request_iterator,
             target,
             '/kvcache.v1.KVCache/Put',
-            kvcache_dot_v1_dot_kvcache__pb2.PutRequest.SerializeToString,
-            kvcache_dot_v1_dot_kvcache__pb2.PutResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def PutOne(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/kvcache.v1.KVCache/PutOne',
             kvcache_dot_v1_dot_kvcache__pb2.PutRequest.SerializeToString,
             kvcache_dot_v1_dot_kvcache__pb2.PutResponse.FromString,
             options,

@@ -6,7 +6,7 @@ so a fast hash is enough; nothing at rest lets anyone call the server). Each
 token belongs to one tenant and carries rights:
 
     read   Lookup, Get, Prefetch, WatchEvents (only the tenant's own events), LeaseGet, LeaseRelease
-    write  Put, PutOne, Delete, ArenaReserve, ArenaCommit
+    write  Put, Delete, ArenaReserve, ArenaCommit
     admin  Stats (server-wide counters, all tenants); per-namespace series on the metrics port
 
 The health service and reflection need no token.
@@ -69,7 +69,6 @@ METHOD_RIGHTS: Mapping[str, Right] = {
     "Prefetch": Right.READ,
     "WatchEvents": Right.READ,
     "Put": Right.WRITE,
-    "PutOne": Right.WRITE,
     "Delete": Right.WRITE,
     "LeaseGet": Right.READ,
     "LeaseRelease": Right.READ,

@@ -1,12 +1,11 @@
 """Registering the KVCache service with a grpc.aio server: which codec each RPC uses.
 
-Put, PutOne and Get use the blockwire codec (same wire format as the generated code, fewer copies of block
+Put and Get use the blockwire codec (same wire format as the generated code, fewer copies of block
 bytes); the small RPCs use the generated classes. No parser raises: a malformed request reaches its
 handler as _Malformed and is answered INVALID_ARGUMENT, where gRPC would answer a raising
 deserializer with INTERNAL. Put messages reach the service as raw bytes: it decodes them itself,
 bounded by the stream's limits and off the event loop when large (gRPC would decode them on it,
-whole); PutOne's one message likewise. Get is a coroutine that sends with context.write, so a reader
-that stalls can be noticed.
+whole). Get is a coroutine that sends with context.write, so a reader that stalls can be noticed.
 """
 
 from __future__ import annotations
@@ -74,7 +73,6 @@ def add_to_server(service: KVCacheService, server: grpc.aio.Server) -> None:
     handlers = {
         "Lookup": unary(_unary(service.Lookup), _parser(pb.LookupRequest), pb.LookupResponse.SerializeToString),
         "Put": grpc.stream_unary_rpc_method_handler(service.Put, None, pb.PutResponse.SerializeToString),
-        "PutOne": unary(service.PutOne, None, pb.PutResponse.SerializeToString),
         "Get": stream(_coroutine_streaming(service.Get), _parser(pb.GetRequest), encode_get_response),
         "Delete": unary(_unary(service.Delete), _parser(pb.DeleteRequest), pb.DeleteResponse.SerializeToString),
         "Stats": unary(_unary(service.Stats), _parser(pb.StatsRequest), pb.StatsResponse.SerializeToString),

@@ -246,14 +246,6 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             for fd, _ in segments.values():
                 os.close(fd)
 
-    async def PutOne(self, request: bytes, context: grpc.aio.ServicerContext) -> pb.PutResponse:
-        """Put of a stream of this one message (a unary call: no client-streaming machinery)."""
-
-        async def one() -> AsyncIterator[bytes]:
-            yield request
-
-        return await self.Put(one(), context)
-
     def _process_reads(self, name: str) -> ProcessReads | None:
         """A registered client process's read threads (kvcache_server.procmem), by its name."""
         return self.handoff.registry.reads(name) if self.handoff is not None else None

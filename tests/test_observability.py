@@ -74,7 +74,7 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     def delta(name: str, **labels: str) -> float:
         return metric(after, name, **labels) - metric(before, name, **labels)
 
-    for method in ("PutOne", "Lookup", "Get", "Delete"):  # a put of one message is a PutOne call
+    for method in ("Put", "Lookup", "Get", "Delete"):
         assert delta("kvcache_requests_total", method=method, code="OK") == 1, method
     assert delta("kvcache_requests_total", method="Lookup", code="INVALID_ARGUMENT") == 1
     assert delta("kvcache_tier_puts_total", tier="ram") == 5
@@ -91,7 +91,7 @@ def test_metrics_move_by_the_right_amounts(make_server) -> None:
     assert delta("kvcache_namespace_lookup_keys_total", namespace=NS) == 7
     assert delta("kvcache_namespace_lookup_hit_keys_total", namespace=NS) == 5
     assert delta("kvcache_tier_operation_duration_seconds_count", tier="ram", op="get", ok="true") == 1
-    assert delta("kvcache_request_duration_seconds_count", method="PutOne") == 1
+    assert delta("kvcache_request_duration_seconds_count", method="Put") == 1
     # The client is on the server's host: its get's hits were read in place from the block arena (the
     # one miss asked Get, through a segment, which sent nothing); its small put went inline.
     assert delta("kvcache_inplace_bytes_total", direction="sent") == sum(len(b) for b in blocks)

@@ -7,7 +7,7 @@ segment resolved to views of it; the server's Info answer decides which of these
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -79,14 +79,6 @@ def put_messages(
     accept parts).
     Messages are built as gRPC asks for them, so building one overlaps sending the one before.
     """
-    return encoded_put(namespace, put_batches(items, message_bytes, part_bytes, range_bytes), retain_ttl_s)
-
-
-def put_batches(
-    items: Sequence[tuple[bytes, PutData]], message_bytes: int, part_bytes: int = 0, range_bytes: int = 0
-) -> Iterator[list[tuple[bytes, PutData]]]:
-    """put_messages' messages before they are encoded: the (key, block or part) of each, in order (at
-    least one, empty for no items). Cheap to look ahead in: no byte of a block is copied."""
     batch: list[tuple[bytes, PutData]] = []
     size = ranged = 0
     first = True
@@ -95,31 +87,22 @@ def put_batches(
         r = data.block_length if isinstance(data, ShmRange) else 0
         if part_bytes and n > max(part_bytes, PARTS_ABOVE_BYTES) and not isinstance(data, ShmRange | BlockPart):
             if batch:
-                yield batch
+                yield encode_put_request(namespace if first else "", batch, retain_ttl_s if first else 0.0)
                 first, batch, size = False, [], 0
             for i, part in enumerate(split_block(data, part_bytes)):
-                yield [(key if i == 0 else b"", part)]
+                yield encode_put_request(
+                    namespace if first else "", [(key if i == 0 else b"", part)], retain_ttl_s if first else 0.0
+                )
                 first = False
             continue
         if batch and (size + n > message_bytes or (range_bytes and ranged >= range_bytes)):
-            yield batch
+            yield encode_put_request(namespace if first else "", batch, retain_ttl_s if first else 0.0)
             first, batch, size, ranged = False, [], 0, 0
         batch.append((key, data))
         size += n
         ranged += r
     if batch or first:
-        yield batch
-
-
-def encoded_put(
-    namespace: str, batches: Iterable[list[tuple[bytes, PutData]]], retain_ttl_s: float = 0.0
-) -> Iterator[bytes]:
-    """Each batch of put_batches as a PutRequest, as it is asked for (the namespace and retain_ttl_s
-    in the first only)."""
-    first = True
-    for batch in batches:
         yield encode_put_request(namespace if first else "", batch, retain_ttl_s if first else 0.0)
-        first = False
 
 
 def lookup_result(response: pb.LookupResponse) -> LookupResult:

@@ -21,7 +21,6 @@ kvcache_client.sealing.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
@@ -38,10 +37,8 @@ from kvcache_client.messages import (
     GetCollector,
     LandingCollector,
     apply_info,
-    encoded_put,
     lookup_result,
     prefetch_result,
-    put_batches,
     put_messages,
     put_result,
     server_stats,
@@ -127,7 +124,6 @@ class AsyncTransport(Protocol):
 
 
 _PUT = "/kvcache.v1.KVCache/Put"
-_PUT_ONE = "/kvcache.v1.KVCache/PutOne"
 _GET = "/kvcache.v1.KVCache/Get"
 
 
@@ -154,8 +150,6 @@ class _Channel:
         self._stub = pb_grpc.KVCacheStub(channel)
         # Put and Get carry block bytes: blockwire instead of the generated classes (same wire format).
         self._put = channel.stream_unary(_PUT, _identity, pb.PutResponse.FromString)
-        self._put_one = channel.unary_unary(_PUT_ONE, _identity, pb.PutResponse.FromString)
-        self.put_one = True  # off once the server answers PutOne UNIMPLEMENTED (it predates it)
         self._get = channel.unary_stream(_GET, pb.GetRequest.SerializeToString, decode_get_response)
         self._message_bytes = message_bytes
         self.shm = ShmLink(shm)
@@ -309,30 +303,8 @@ class GrpcTransport(_Channel):
         retain_ttl_s: float = 0.0,
         range_bytes: int = 0,
     ) -> PutResult:
-        batches = put_batches(items, self._message_bytes, self.part_bytes, range_bytes)
-        first = next(batches)
-        second = next(batches, None)  # looking ahead copies nothing: the messages are encoded as sent
-        if second is None and self.put_one:
-            return self._send_one(encode_put_request(namespace, first, retain_ttl_s), timeout_s)
-        rest = batches if second is None else itertools.chain((second,), batches)
-        messages = encoded_put(namespace, itertools.chain((first,), rest), retain_ttl_s)
+        messages = put_messages(namespace, items, self._message_bytes, self.part_bytes, retain_ttl_s, range_bytes)
         return put_result(self._put(messages, timeout=timeout_s, metadata=self._md))
-
-    def _send_one(self, message: bytes, timeout_s: float) -> PutResult:
-        """A put of one message as a PutOne call: grpc's blocking client-streaming call starts a thread
-        per call to send its stream (about 0.26 ms here); a unary call does not. A server that predates
-        PutOne answers UNIMPLEMENTED, having done nothing: the message goes as a Put, and so do the
-        next ones."""
-        deadline = time.monotonic() + timeout_s
-        try:
-            return put_result(self._put_one(message, timeout=timeout_s, metadata=self._md))
-        except grpc.RpcError as exc:
-            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
-                raise
-        self.put_one = False
-        log.info("the server predates PutOne: puts go as Put streams")
-        left = max(0.001, deadline - time.monotonic())
-        return put_result(self._put(iter((message,)), timeout=left, metadata=self._md))
 
     def _send_staged(
         self,
