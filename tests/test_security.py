@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import ssl
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from kvcache_client import (
 from kvcache_core.format import decode_block
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
-from kvcache_server.auth import token_digest
+from kvcache_server.auth import METHOD_RIGHTS, token_digest
 from tests.backends import RedisProcess, S3Process, make_certs, wait_for
 from tests.conftest import ServerThread, keyed, raw_block
 
@@ -79,6 +80,18 @@ def stub_calls(stub: pb_grpc.KVCacheStub, metadata: tuple) -> dict[str, object]:
         "Info": lambda: stub.Info(pb.InfoRequest(), metadata=metadata, timeout=5),
         "WatchEvents": lambda: next(iter(stub.WatchEvents(pb.WatchEventsRequest(), metadata=metadata, timeout=0.5))),
     }
+
+
+def test_every_rpc_of_the_proto_has_a_right_but_info() -> None:
+    """Authenticator.check lets any valid token call a method missing from METHOD_RIGHTS: a write RPC
+    added to the proto without its entry would be open to read-only tokens. Every rpc the proto
+    declares has one, Info alone (every token may ask it) excepted, and no entry names a method the
+    proto does not have."""
+    proto = Path(__file__).resolve().parent.parent / "proto" / "kvcache" / "v1" / "kvcache.proto"
+    declared = set(re.findall(r"^\s*rpc (\w+)\(", proto.read_text(), re.M))
+    assert {"Lookup", "Put", "Get", "Info"} <= declared
+    assert declared - set(METHOD_RIGHTS) == {"Info"}
+    assert set(METHOD_RIGHTS) <= declared
 
 
 def code_of(call) -> grpc.StatusCode:
