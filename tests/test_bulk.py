@@ -798,20 +798,19 @@ def test_bulk_is_reconsidered_when_shared_memory_turns_off(make_server) -> None:
         assert client.bulk.counters.bulk_bytes_received == sum(len(b) for _, b in items)
 
 
-def test_a_commit_the_loop_never_starts_frees_its_slots(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A PUT whose commit is given up on before the event loop ran it (here: its future comes back
-    cancelled, as a task cancelled before its first step) abandons the arena slots it received into:
-    reservations never expire, and on the old code they stayed open for good. The put fails INTERNAL."""
+def never_runs_once(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
+    """The first coroutine called `name` that a bulk session sends to the event loop never runs: it
+    is closed and its future comes back cancelled, as a task cancelled before its first step. The
+    list names the coroutines dropped."""
     from concurrent.futures import Future
 
     import kvcache_server.bulk.session as session
 
-    server = bulk_server(make_server)
     real = session.asyncio.run_coroutine_threadsafe
     dropped: list[str] = []
 
-    def never_runs_commits(coro, loop):  # type: ignore[no-untyped-def]
-        if coro.__name__ == "_then_release" and not dropped:
+    def never_runs(coro, loop):  # type: ignore[no-untyped-def]
+        if coro.__name__ == name and not dropped:
             dropped.append(coro.__name__)
             coro.close()
             future: Future = Future()
@@ -819,7 +818,18 @@ def test_a_commit_the_loop_never_starts_frees_its_slots(make_server, monkeypatch
             return future
         return real(coro, loop)
 
-    monkeypatch.setattr(session.asyncio, "run_coroutine_threadsafe", never_runs_commits)
+    monkeypatch.setattr(session.asyncio, "run_coroutine_threadsafe", never_runs)
+    return dropped
+
+
+def test_a_commit_the_loop_never_starts_frees_its_slots(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PUT whose commit is given up on before the event loop ran it (here: its future comes back
+    cancelled, as a task cancelled before its first step) abandons the arena slots it received into:
+    reservations never expire, and on the old code they stayed open for good. The put fails INTERNAL."""
+    import kvcache_server.bulk.session as session
+
+    server = bulk_server(make_server)
+    dropped = never_runs_once(monkeypatch, "_then_release")
     data = blocks(4, session._STAGED_PUT_BYTES // 2)  # over it: its blocks land in their slots
     client = KVCacheClient(server.target, shm=False, bulk_connections=1)
     with client, pytest.raises(RPCError, match="INTERNAL"):

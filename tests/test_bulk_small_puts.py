@@ -4,7 +4,6 @@ then budget, slots, copy and commit in one trip to the event loop. Real servers,
 from __future__ import annotations
 
 import time
-from concurrent.futures import Future
 
 import grpc
 import pytest
@@ -12,11 +11,18 @@ import pytest
 from kvcache_client import KVCacheClient, RPCError
 from kvcache_core import bulkwire as bw
 from tests.backends import wait_for
-from tests.test_bulk import Raw, _hold, _release, blocks, bulk_server, counters, settled, stored
+from tests.test_bulk import Raw, _hold, _release, blocks, bulk_server, counters, never_runs_once, settled, stored
 
 pytestmark = pytest.mark.timeout(60)
 
 KIB = 1 << 10
+
+
+def put_trips(client: KVCacheClient, names: list[str], items: list[tuple[bytes, bytes]]) -> list[str]:
+    """Puts `items` (all stored) and returns the coroutines its PUT sent to the loop (`names`: trips())."""
+    names.clear()
+    assert client.put_many("n", items).stored == len(items)
+    return list(names)
 
 
 def trips(monkeypatch: pytest.MonkeyPatch) -> list[str]:
@@ -46,11 +52,8 @@ def test_a_small_put_takes_one_trip_to_the_loop_a_large_one_two(make_server, mon
     with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
         client.put_many("warm", blocks(1, 1 << 20))  # the bulk port on
         names = trips(monkeypatch)
-        assert client.put_many("n", small).stored == 16
-        assert names == ["_commit_staged"]
-        names.clear()
-        assert client.put_many("n", large).stored == 2
-        assert names == ["_admit", "_then_release"]
+        assert put_trips(client, names, small) == ["_commit_staged"]
+        assert put_trips(client, names, large) == ["_admit", "_then_release"]
         got = client.get_many("n", [k for k, _ in small + large])
         assert [bytes(g) for g in got] == [b for _, b in small + large]
     assert (sink.reserved, sink.in_arena, sink.committed, sink.abandoned) == (19, 19, 19, 0)
@@ -61,22 +64,8 @@ def test_a_small_put_whose_trip_never_runs_holds_nothing(make_server, monkeypatc
     """The loop's part given up before it started (its future comes back cancelled, as a task
     cancelled before its first step): nothing was reserved, nothing is stored, the put fails INTERNAL
     and the server serves the next one."""
-    import kvcache_server.bulk.session as session
-
     server = bulk_server(make_server)
-    real = session.asyncio.run_coroutine_threadsafe
-    dropped: list[str] = []
-
-    def never_runs(coro, loop):  # type: ignore[no-untyped-def]
-        if coro.__name__ == "_commit_staged" and not dropped:
-            dropped.append(coro.__name__)
-            coro.close()
-            future: Future = Future()
-            future.cancel()
-            return future
-        return real(coro, loop)
-
-    monkeypatch.setattr(session.asyncio, "run_coroutine_threadsafe", never_runs)
+    dropped = never_runs_once(monkeypatch, "_commit_staged")
     data = blocks(4, 16 * KIB)
     with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
         client.put_many("warm", blocks(1, 1 << 20))
@@ -103,11 +92,8 @@ def test_the_staged_limit_is_exact(make_server, monkeypatch: pytest.MonkeyPatch)
     with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
         client.put_many("warm", blocks(1, 1 << 20))
         names = trips(monkeypatch)
-        assert client.put_many("n", at_limit).stored == 1
-        assert names == ["_commit_staged"]
-        names.clear()
-        assert client.put_many("n", over).stored == 1
-        assert names == ["_admit", "_then_release"]
+        assert put_trips(client, names, at_limit) == ["_commit_staged"]
+        assert put_trips(client, names, over) == ["_admit", "_then_release"]
         got = client.get_many("n", [at_limit[0][0], over[0][0]])
         assert [bytes(g) for g in got] == [at_limit[0][1], over[0][1]]
 
