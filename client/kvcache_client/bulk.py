@@ -536,14 +536,14 @@ class BulkTransport:
         same host, GrpcTransport.put_payloads (the server checksums what it reads)."""
         nbytes = sum(memoryview(p).nbytes for p in payloads)
         start = time.monotonic()
-        if retain_ttl_s or (self._pool(nbytes, timeout_s) is None and nbytes >= self.link.same_host_put_bytes):
-            left = timeout_s - (time.monotonic() - start)
+        on_grpc = retain_ttl_s or (self._pool(nbytes, timeout_s) is None and nbytes >= self.link.same_host_put_bytes)
+        left = timeout_s - (time.monotonic() - start)
+        if on_grpc:
             result = self.inner.put_payloads(
                 namespace, keys, payloads, left, retain_ttl_s=retain_ttl_s, headers=headers
             )
             self.link.counters.add("grpc_bytes_sent", nbytes)
             return result
-        left = timeout_s - (time.monotonic() - start)
         return self.put(namespace, payload_items(keys, payloads, headers), left, retain_ttl_s=retain_ttl_s)
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:

@@ -250,7 +250,7 @@ class GrpcTransport(_Channel):
         """put() of format.encode_bytes_parts(keys, payloads), except that a same-host put out of this
         process's memory leaves the checksums to the server, which computes them as it reads the
         bytes (ShmRange.seal_before_ns): no pass over them here. A sealed put the server refuses
-        in a way this avoids (kvcache_client.messages.sealed_refused) is put again so, within what
+        in a way this avoids (kvcache_client.sealing.sealed_refused) is put again so, within what
         is left of `timeout_s`."""
         start = time.monotonic()
         self._check_info(timeout_s)
