@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 
 from kvcache_client import AsyncKVCacheClient, KVCacheClient, PermissionDenied
+from kvcache_core import bulkwire as bw
 from kvcache_core.format import payload_view
 from kvcache_core.presence import (
     FLAG_LOCATIONS,
@@ -26,6 +30,7 @@ from kvcache_core.presence import (
 )
 from kvcache_server.auth import token_digest
 from kvcache_server.presence import PresenceTable
+from kvcache_server.refusal import Refused
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(120)
@@ -224,6 +229,102 @@ def test_the_touch_needs_the_read_right(make_server, tmp_path: Path) -> None:
         assert all(d == bytes(16 * KiB) for d in dst)  # what was copied is wiped, not handed over
         assert writer.presence.counters.read_in_place == 0
         assert server.running.bulk.counters.get("touches") == 1  # rw's; the writer's was refused
+
+
+def _touch_gate(
+    monkeypatch: pytest.MonkeyPatch, then: Callable[[], None] | None = None
+) -> tuple[list, threading.Event]:
+    """Session._touch patched: the next `armed[0]` TOUCHes (armed by the test, counted down by the
+    server, since a client no longer waits for the answer) each wait (up to 60 s) for the event
+    before the server handles them (then `then()` runs in the session's thread in place of the
+    handling, when given: a refusal)."""
+    from kvcache_server.bulk.session import Session
+
+    touch, armed, release = Session._touch, [0], threading.Event()
+
+    def gated(self: Session, length: int, deadline: object) -> None:
+        if armed[0]:
+            armed[0] -= 1
+            release.wait(60)
+            if then is not None:
+                self._control(bw.FrameType.TOUCH, length, deadline)  # type: ignore[arg-type]
+                then()
+        touch(self, length, deadline)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Session, "_touch", gated)
+    return armed, release
+
+
+def _in_thread(call: Callable[[], object]) -> list:
+    """call() in a thread joined for at most 20 s: [its result], or [] while it still waits."""
+    out: list = []
+    thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
+    thread.start()
+    thread.join(20)
+    return out
+
+
+def test_a_touch_of_a_namespace_answered_before_does_not_wait_for_its_answer(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first get_into of a namespace on a connection waits for its TOUCHED (a refusal fails that
+    call); later ones leave the answer to the connection's next request: with the server holding the
+    second TOUCH unanswered, the get_into returns its exact bytes; the next request reads the answer
+    first, and every TOUCH is counted, exactly. The code before waited for each answer (the second
+    get_into hung until the server answered)."""
+    armed, release = _touch_gate(monkeypatch)
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    items = _items(4)
+    keys = [k for k, _ in items]
+    want = [bytes(payload_view(b)) for _, b in items]
+    with KVCacheClient(server.target, timeout_s=30) as client:
+        assert client.put_many("ns", items).stored == 4
+        dst = [bytearray(16 * KiB) for _ in keys]
+        assert client.get_into("ns", keys, dst) == [True] * 4
+        hits = _ram(client).hits
+        armed[0] = 1
+        dst = [bytearray(16 * KiB) for _ in keys]
+        assert _in_thread(lambda: client.get_into("ns", keys, dst)) == [[True] * 4], "waited for TOUCHED"
+        assert [bytes(d) for d in dst] == want
+        assert server.running.bulk.counters.get("touches") == 1  # the second one is held in the server
+        release.set()
+        dst = [bytearray(16 * KiB) for _ in keys]
+        assert client.get_into("ns", keys, dst) == [True] * 4  # its TOUCH after the held one's answer
+        assert [bytes(d) for d in dst] == want
+        assert client.put_many("ns", _items(1)).stored == 1  # a request on the connection: the answer read
+        assert server.running.bulk.counters.get("touches") == 3
+        assert _ram(client).hits == hits + 8
+        assert client.presence.counters.read_in_place == 12 and client.bulk.counters.reconnects == 0
+
+
+def test_a_late_refusal_of_a_touch_ends_the_connection_and_the_next_call_reconnects(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server that refuses a TOUCH it answered before on the same connection (it never does: the
+    read right stays the token's) ends that connection. The get_into that sent it has its bytes (the
+    client maps the arena: the answer decides counting, not access); the next call reads the
+    refusal first, drops the connection, and runs whole on a new one."""
+
+    def refuse() -> None:
+        raise Refused(grpc.StatusCode.PERMISSION_DENIED, "test: no read right any more")
+
+    armed, release = _touch_gate(monkeypatch, then=refuse)
+    release.set()
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    items = _items(2)
+    keys = [k for k, _ in items]
+    want = [bytes(payload_view(b)) for _, b in items]
+    with KVCacheClient(server.target, timeout_s=30) as client:
+        assert client.put_many("ns", items).stored == 2
+        assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        armed[0] = 1
+        dst = [bytearray(16 * KiB) for _ in keys]
+        assert client.get_into("ns", keys, dst) == [True, True] and [bytes(d) for d in dst] == want
+        dst = [bytearray(16 * KiB) for _ in keys]
+        assert client.get_into("ns", keys, dst) == [True, True] and [bytes(d) for d in dst] == want
+        assert client.bulk.counters.reconnects == 1
+        assert server.running.bulk.counters.get("touches") == 2  # the first and the last
+        assert client.presence.counters.read_in_place == 6 and client.presence.counters.read_again == 0
 
 
 def test_an_arena_shared_by_tenants_has_no_locations(make_server, tmp_path: Path) -> None:

@@ -360,8 +360,9 @@ class BulkLink:
         leases' pool: kvcache_client.local_reads). `same_host` is the gRPC transport whose Info answer
         mapped the arena and the index: they are paired only while that answer named the arena mapped.
         Empty (the usual path then) without such a pool, with a key not located, or a block that does
-        not verify. A TOUCH the server refuses raises its status, as the Get would have; a port that
-        fails takes the leases' pool down and the usual path.
+        not verify. A TOUCH the server refuses raises its status, as the Get would have (the first of
+        the namespace on its connection: later ones are not waited for, BulkConnection.touch_unanswered);
+        a port that fails takes the leases' pool down and the usual path.
 
         Raises:
             RPCError: the server refused the TOUCH (PermissionDenied without the read right, ...).
@@ -376,12 +377,18 @@ class BulkLink:
 
         def touched(conn: BulkConnection) -> Received:
             # The TOUCH goes first and its answer is read after the copies: one round trip, overlapped
-            # with them. Should the copies not hold (a slot reused meanwhile, rare), the usual path
-            # reads the keys again and the server counts them read twice.
+            # with them. Once a TOUCH of this namespace was answered on this connection, the answer
+            # waits for the connection's next request: no round trip at all. Should the copies not
+            # hold (a slot reused meanwhile, rare), the usual path reads the keys again and the
+            # server counts them read twice.
+            ahead = conn.touch_answered_before(namespace)
             conn.send_touch(namespace, keys, deadline)
             got = land_plan(copies, presence)
+            if ahead:
+                conn.touch_unanswered()
+                return got
             try:
-                conn.read_touched(deadline)
+                conn.read_touched(namespace, deadline)
             except BaseException:  # refused (the read right), or no answer: not the caller's to keep
                 for _, _, sink, _ in copies.jobs:
                     sink[:] = bytes(len(sink))

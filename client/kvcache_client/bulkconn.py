@@ -24,7 +24,7 @@ import grpc
 import numpy as np
 
 from kvcache_client.bufpool import BufferPool
-from kvcache_client.errors import DeadlineExceeded, ResourceExhausted, error_for
+from kvcache_client.errors import DeadlineExceeded, ResourceExhausted, RPCError, error_for
 from kvcache_client.results import TIER_NAMES, Fetched
 from kvcache_core import bulkwire as bw
 from kvcache_core.blockwire import BlockData, data_len
@@ -73,6 +73,11 @@ class BulkConnection:
         self._ahead_view = memoryview(self._ahead)
         self._start = self._end = 0
         self.handed_off = False  # taken over mid-request, for good: BulkPool.run neither closes nor keeps it
+        # TOUCHes whose answers are read before this connection's next request (touch_unanswered),
+        # and the namespaces a TOUCH of was answered TOUCHED here (the read right, which a server
+        # never takes back from a connection's token while the connection lasts).
+        self._touches_unread = 0
+        self._touched: set[str] = set()
 
     @classmethod
     def open(
@@ -115,6 +120,8 @@ class BulkConnection:
         self.sock.close()
 
     def send(self, buffers: list[bytes | memoryview], deadline: float) -> None:
+        if self._touches_unread:
+            self._read_unanswered(deadline)
         self.sock.settimeout(_remaining(deadline))
         try:
             bw.send_buffers(self.sock, buffers)
@@ -261,9 +268,32 @@ class BulkConnection:
         payload = bw.touch(namespace, keys)
         self.send([bw.header(bw.FrameType.TOUCH, len(payload)), payload], deadline)
 
-    def read_touched(self, deadline: float) -> int:
+    def read_touched(self, namespace: str, deadline: float) -> int:
         """A TOUCH's answer: how many keys it named. A refusal (the read right) is raised as its status."""
-        return self._answer(bw.FrameType.TOUCHED, bw.parse_touched, "TOUCH", deadline)
+        count = self._answer(bw.FrameType.TOUCHED, bw.parse_touched, "TOUCH", deadline)
+        self._touched.add(namespace)
+        return count
+
+    def touch_answered_before(self, namespace: str) -> bool:
+        """Whether a TOUCH of `namespace` was answered TOUCHED on this connection: the next one's
+        answer can wait (touch_unanswered), since the server checks only what that one passed (the
+        read right of the connection's token in the namespace, and well-formed keys)."""
+        return namespace in self._touched
+
+    def touch_unanswered(self) -> None:
+        """The TOUCH just sent has its answer read before this connection's next request (send), not
+        now: a get_into read in place then costs no round trip of its own."""
+        self._touches_unread += 1
+
+    def _read_unanswered(self, deadline: float) -> None:
+        """The TOUCHED answers still unread. Anything else (an ERROR frame: the server changed its mind
+        about a right it granted on this connection, which it does not do) ends the connection."""
+        while self._touches_unread:
+            try:
+                self._answer(bw.FrameType.TOUCHED, bw.parse_touched, "TOUCH", deadline)
+            except RPCError as exc:
+                raise BulkUnreachable(f"bulk server refused a TOUCH it had answered before: {exc.details}") from None
+            self._touches_unread -= 1
 
     def get(
         self,

@@ -6,8 +6,9 @@ host, same user, its tenant). When it locates every key of a get_into, the block
 out of the arena into their destinations, each verified where it landed under the key it was asked
 for, and the server is told which were read in one TOUCH frame on the bulk port (the read right
 checked, a RAM hit and most recently used each, as a Get of them would count them): one round trip
-of a few bytes, overlapped with the copies, and no block bytes through a socket, a lease or the
-server's CPU.
+of a few bytes, overlapped with the copies, for the first TOUCH of a namespace on a connection and
+none for later ones (BulkConnection.touch_unanswered), and no block bytes through a socket, a lease
+or the server's CPU.
 
 Nothing is leased, so a slot may be evicted and reused, or be being written, while it is copied. Two
 checks decide whether a copy is kept. The index's seqlock (kvcache_core.presence): each key's bucket
