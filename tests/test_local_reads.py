@@ -297,6 +297,35 @@ def test_a_touch_of_a_namespace_answered_before_does_not_wait_for_its_answer(
         assert client.presence.counters.read_in_place == 12 and client.bulk.counters.reconnects == 0
 
 
+def test_the_asyncio_face_does_not_wait_for_a_touch_answered_before_either(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AsyncKVCacheClient: the same rule, through its worker thread. The second get_into ends while
+    the server holds its TOUCH; the counts are exact once the next request on the connection ran."""
+    armed, release = _touch_gate(monkeypatch)
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    items = _items(3)
+    keys = [k for k, _ in items]
+    want = [bytes(payload_view(b)) for _, b in items]
+
+    async def run() -> None:
+        async with AsyncKVCacheClient(server.target, timeout_s=30) as client:
+            assert (await client.put_many("ns", items)).stored == 3
+            dst = [np.zeros(16 * KiB, np.uint8) for _ in keys]
+            assert await client.get_into("ns", keys, dst) == [True] * 3
+            armed[0] = 1
+            dst = [np.zeros(16 * KiB, np.uint8) for _ in keys]
+            assert await asyncio.wait_for(client.get_into("ns", keys, dst), 20) == [True] * 3
+            assert [d.tobytes() for d in dst] == want
+            assert server.running.bulk.counters.get("touches") == 1
+            release.set()
+            assert (await client.put_many("ns", _items(1))).stored == 1  # reads the held TOUCH's answer first
+            assert server.running.bulk.counters.get("touches") == 2
+            assert client.presence.counters.read_in_place == 6
+
+    asyncio.run(run())
+
+
 def test_a_late_refusal_of_a_touch_ends_the_connection_and_the_next_call_reconnects(
     make_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
