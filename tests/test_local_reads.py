@@ -255,12 +255,12 @@ def _touch_gate(
     return armed, release
 
 
-def _in_thread(call: Callable[[], object]) -> list:
-    """call() in a thread joined for at most 20 s: [its result], or [] while it still waits."""
+def _in_thread(call: Callable[[], object], join_s: float = 20) -> list:
+    """call() in a thread joined for at most `join_s`: [its result], or [] while it still waits."""
     out: list = []
     thread = threading.Thread(target=lambda: out.append(call()), daemon=True)
     thread.start()
-    thread.join(20)
+    thread.join(join_s)
     return out
 
 
@@ -354,6 +354,93 @@ def test_a_late_refusal_of_a_touch_ends_the_connection_and_the_next_call_reconne
         assert client.bulk.counters.reconnects == 1
         assert server.running.bulk.counters.get("touches") == 2  # the first and the last
         assert client.presence.counters.read_in_place == 6 and client.presence.counters.read_again == 0
+
+
+def test_touches_go_unanswered_back_to_back_and_never_on_a_connection_the_server_closed(make_server) -> None:
+    """Five get_intos on one connection: the first TOUCH waited for, the four after it not (each
+    reads the one before's answer first), every one counted. Then the server closes the idle
+    connection (bulk.idle_timeout_s) between get_intos, three times: each TOUCH is waited for, so
+    each goes to a new connection and is counted (sent unanswered on the closed one, every other
+    one was lost). A client closed with an answer unread reads it first: no connection reset (the
+    server's `aborted`)."""
+    import time
+
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB}, bulk={"idle_timeout_s": 0.3})
+    items = _items(2)
+    keys = [k for k, _ in items]
+    with KVCacheClient(server.target, timeout_s=30) as client:
+        assert client.put_many("ns", items).stored == 2
+        for _ in range(5):
+            assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        assert client.bulk.counters.touches_unanswered == 4
+        assert client.put_many("ns", _items(1)).stored == 1  # reads the last answer
+        assert server.running.bulk.counters.get("touches") == 5
+        for i in range(3):
+            time.sleep(0.8)  # the server closes the connection, idle
+            assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+            assert server.running.bulk.counters.get("touches") == 6 + i
+        assert client.bulk.counters.touches_unanswered == 4
+        assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        assert client.bulk.counters.touches_unanswered == 5
+    admission = server.running.bulk.admission
+    end = time.monotonic() + 10  # the server's connection threads see the client's closes
+    while admission.authenticated + admission.unauthenticated and time.monotonic() < end:
+        time.sleep(0.01)
+    assert admission.authenticated + admission.unauthenticated == 0
+    assert server.running.bulk.counters.get("aborted") == 0
+
+
+def test_a_client_with_a_token_waits_for_every_touch(
+    make_server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """With auth on, a TOUCH checks the token's read right and its tenant's rate, either of which a
+    later TOUCH may fail (the rate): a client with a token waits for each answer, so a refusal is
+    its own call's status (a tenant over its rate gets RESOURCE_EXHAUSTED where it went over, not
+    one call later)."""
+    armed, release = _touch_gate(monkeypatch)
+    tokens = _tokens(tmp_path, {"kvc_rw_token_of_t": ("t", '["read", "write"]')})
+    server: ServerThread = make_server(
+        ram={"capacity_bytes": 64 * MiB},
+        shm={"dir": str(tmp_path / "shm")},
+        auth={"enabled": True, "tokens_file": tokens},
+    )
+    items = _items(2)
+    keys = [k for k, _ in items]
+    with KVCacheClient(server.target, token="kvc_rw_token_of_t", timeout_s=30) as client:
+        assert client.put_many("ns", items).stored == 2
+        assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        armed[0] = 1
+        assert _in_thread(lambda: client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]), 2) == []
+        release.set()  # the TOUCH answered: the call returns
+        for _ in range(3):
+            assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        assert client.bulk.counters.touches_unanswered == 0
+        assert server.running.bulk.counters.get("touches") == 5
+
+
+def test_a_slow_touch_answer_fails_the_next_request_by_its_deadline_and_nothing_else(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server holds a TOUCH left unanswered past the next request's deadline: that request fails
+    DEADLINE_EXCEEDED, as it would waiting for its own answer, not as a refused TOUCH (no reconnect,
+    the idle pool kept); the calls after it run as usual."""
+    from kvcache_client import DeadlineExceeded
+
+    armed, release = _touch_gate(monkeypatch)
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    items = _items(2)
+    keys = [k for k, _ in items]
+    with KVCacheClient(server.target, timeout_s=1) as client:
+        assert client.put_many("ns", items).stored == 2
+        assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        armed[0] = 1
+        assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        with pytest.raises(DeadlineExceeded):
+            client.put_many("ns", _items(1))
+        release.set()
+        assert client.bulk.counters.reconnects == 0
+        assert client.put_many("ns", _items(1)).stored == 1
+        assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
 
 
 def test_an_arena_shared_by_tenants_has_no_locations(make_server, tmp_path: Path) -> None:

@@ -360,9 +360,10 @@ class BulkLink:
         leases' pool: kvcache_client.local_reads). `same_host` is the gRPC transport whose Info answer
         mapped the arena and the index: they are paired only while that answer named the arena mapped.
         Empty (the usual path then) without such a pool, with a key not located, or a block that does
-        not verify. A TOUCH the server refuses raises its status, as the Get would have (the first of
-        the namespace on its connection: later ones are not waited for, BulkConnection.touch_unanswered);
-        a port that fails takes the leases' pool down and the usual path.
+        not verify. A TOUCH the server refuses raises its status, as the Get would have (a client
+        without a token waits only for the first of a namespace on a connection: nothing in later
+        ones can be refused, BulkConnection.touch_may_go_unanswered); a port that fails takes the
+        leases' pool down and the usual path.
 
         Raises:
             RPCError: the server refused the TOUCH (PermissionDenied without the read right, ...).
@@ -377,15 +378,15 @@ class BulkLink:
 
         def touched(conn: BulkConnection) -> Received:
             # The TOUCH goes first and its answer is read after the copies: one round trip, overlapped
-            # with them. Once a TOUCH of this namespace was answered on this connection, the answer
-            # waits for the connection's next request: no round trip at all. Should the copies not
-            # hold (a slot reused meanwhile, rare), the usual path reads the keys again and the
-            # server counts them read twice.
-            ahead = conn.touch_answered_before(namespace)
+            # with them. Once a TOUCH of this namespace was answered on this (tokenless, open)
+            # connection, the answer waits for the connection's next request: no round trip at all.
+            # Should the copies not hold (a slot reused meanwhile, rare), the usual path reads the
+            # keys again and the server counts them read twice.
+            ahead = conn.touch_may_go_unanswered(namespace, deadline)
             conn.send_touch(namespace, keys, deadline)
             got = land_plan(copies, presence)
             if ahead:
-                conn.touch_unanswered()
+                conn.touch_unanswered(self.counters)
                 return got
             try:
                 conn.read_touched(namespace, deadline)

@@ -11,6 +11,8 @@ and its socket; the pool and the counters are beside it.)
 
 from __future__ import annotations
 
+import contextlib
+import select
 import socket
 import ssl
 import threading
@@ -39,7 +41,8 @@ class BulkUnreachable(Exception):
 
 @dataclass(slots=True)
 class BulkCounters:
-    """Which path moved this client's block bytes (block bytes only, no framing), and its bulk Lookups."""
+    """Which path moved this client's block bytes (block bytes only, no framing), its bulk Lookups, and its
+    TOUCHes left unanswered."""
 
     bulk_bytes_sent: int = 0
     bulk_bytes_received: int = 0
@@ -49,6 +52,7 @@ class BulkCounters:
     fallbacks: int = 0  # calls that tried the bulk path and went over gRPC
     reconnects: int = 0  # pooled connections found closed and replaced within a call
     bulk_lookups: int = 0  # Lookups answered over the bulk port (LOOKUP frames)
+    touches_unanswered: int = 0  # TOUCHes whose answers were left to the connection's next request
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, n: int) -> None:
@@ -58,6 +62,9 @@ class BulkCounters:
 
 _READ_AHEAD = 256 * 1024
 """Bytes one receive may take ahead of the frame being read (per connection)."""
+
+_CLOSE_READ_S = 0.1
+"""How long close() waits for TOUCH answers still unread before it closes anyway."""
 
 
 class BulkConnection:
@@ -74,10 +81,12 @@ class BulkConnection:
         self._start = self._end = 0
         self.handed_off = False  # taken over mid-request, for good: BulkPool.run neither closes nor keeps it
         # TOUCHes whose answers are read before this connection's next request (touch_unanswered),
-        # and the namespaces a TOUCH of was answered TOUCHED here (the read right, which a server
-        # never takes back from a connection's token while the connection lasts).
+        # the namespaces a TOUCH of was answered TOUCHED here, and whether a later one may go
+        # unanswered at all: only without a token (open()), where the server checks no right and no
+        # rate in a TOUCH, only what the SDK checked before sending it (a well-formed namespace and keys).
         self._touches_unread = 0
         self._touched: set[str] = set()
+        self.tokenless = False
 
     @classmethod
     def open(
@@ -102,6 +111,7 @@ class BulkConnection:
             if tls is not None:
                 sock = tls.wrap_socket(sock, server_hostname=server_name)
             conn = cls(sock, bw.Ready(1 << 20, 0, 0))
+            conn.tokenless = not token
             payload = bw.hello(token)
             conn.send([bw.header(bw.FrameType.HELLO, len(payload)), payload], deadline)
             kind, reply = conn.read_control(deadline)
@@ -117,6 +127,9 @@ class BulkConnection:
             raise
 
     def close(self) -> None:
+        if self._touches_unread:  # read first: a socket closed with bytes unread resets its connection
+            with contextlib.suppress(RPCError, BulkUnreachable, OSError):
+                self._read_unanswered(time.monotonic() + _CLOSE_READ_S)
         self.sock.close()
 
     def send(self, buffers: list[bytes | memoryview], deadline: float) -> None:
@@ -274,16 +287,33 @@ class BulkConnection:
         self._touched.add(namespace)
         return count
 
-    def touch_answered_before(self, namespace: str) -> bool:
-        """Whether a TOUCH of `namespace` was answered TOUCHED on this connection: the next one's
-        answer can wait (touch_unanswered), since the server checks only what that one passed (the
-        read right of the connection's token in the namespace, and well-formed keys)."""
-        return namespace in self._touched
+    def touch_may_go_unanswered(self, namespace: str, deadline: float) -> bool:
+        """Whether the next TOUCH of `namespace` may have its answer read later (touch_unanswered): a
+        connection without a token (no right, no rate to check: nothing the SDK did not check) on
+        which one was answered TOUCHED already, still open, with nothing unread once the answers
+        still owed are read (here). A connection the server closed (idle_timeout_s) or that has
+        bytes waiting is not one: its TOUCH is waited for, so that a closed one fails and the call
+        goes to a new connection, as before."""
+        if not (self.tokenless and namespace in self._touched):
+            return False
+        if self._touches_unread:
+            self._read_unanswered(deadline)
+        if self._end > self._start:
+            return False
+        if isinstance(self.sock, ssl.SSLSocket) and self.sock.pending():
+            return False
+        poll = select.poll()
+        poll.register(self.sock, select.POLLIN | select.POLLRDHUP)
+        try:
+            return not poll.poll(0)
+        except OSError:
+            return False
 
-    def touch_unanswered(self) -> None:
+    def touch_unanswered(self, counters: BulkCounters) -> None:
         """The TOUCH just sent has its answer read before this connection's next request (send), not
         now: a get_into read in place then costs no round trip of its own."""
         self._touches_unread += 1
+        counters.add("touches_unanswered", 1)
 
     def _read_unanswered(self, deadline: float) -> None:
         """The TOUCHED answers still unread. Anything else (an ERROR frame: the server changed its mind
@@ -291,6 +321,8 @@ class BulkConnection:
         while self._touches_unread:
             try:
                 self._answer(bw.FrameType.TOUCHED, bw.parse_touched, "TOUCH", deadline)
+            except DeadlineExceeded:  # the server is slow: this request's deadline, as its own answer's
+                raise
             except RPCError as exc:
                 raise BulkUnreachable(f"bulk server refused a TOUCH it had answered before: {exc.details}") from None
             self._touches_unread -= 1

@@ -371,10 +371,11 @@ class KVCacheClient:
         A destination is a torch tensor (a pinned host tensor, a GPU tensor: one copy each) or a
         writable buffer (bytearray, numpy array), of exactly the payload's size in bytes. On the same
         host, where the presence index locates every key, each block is copied straight out of the
-        server's arena into its buffer and verified there, the server told in one TOUCH round trip
-        (kvcache_client.local_reads); otherwise the bytes come from the arena under a read lease
-        (leased()), verified first; all are False (the destinations not to be used) if the copies
-        outlived the leases (LeasedBlocks). From a remote server's bulk port each payload is received straight into its
+        server's arena into its buffer and verified there, the server told in one TOUCH (its answer
+        overlapped with the copies, or left to the next request: kvcache_client.local_reads);
+        otherwise the bytes come from the arena under a read lease (leased()), verified first; all
+        are False (the destinations not to be used) if the copies outlived the leases
+        (LeasedBlocks). From a remote server's bulk port each payload is received straight into its
         destination (CPU buffers and tensors) and verified there (docs/bulk.md); elsewhere from what
         get_many receives. A destination of a key not found is untouched; use a destination only
         where this answered True (a block that failed its checksum as it landed, or a call that

@@ -6,9 +6,9 @@ host, same user, its tenant). When it locates every key of a get_into, the block
 out of the arena into their destinations, each verified where it landed under the key it was asked
 for, and the server is told which were read in one TOUCH frame on the bulk port (the read right
 checked, a RAM hit and most recently used each, as a Get of them would count them): one round trip
-of a few bytes, overlapped with the copies, for the first TOUCH of a namespace on a connection and
-none for later ones (BulkConnection.touch_unanswered), and no block bytes through a socket, a lease
-or the server's CPU.
+of a few bytes, overlapped with the copies (for a client without a token, only the first TOUCH of a
+namespace on a connection: BulkConnection.touch_may_go_unanswered), and no block bytes through a
+socket, a lease or the server's CPU.
 
 Nothing is leased, so a slot may be evicted and reused, or be being written, while it is copied. Two
 checks decide whether a copy is kept. The index's seqlock (kvcache_core.presence): each key's bucket
@@ -19,8 +19,9 @@ in a reused slot would verify). And each block verifies under its key where it l
 covers the key, its descriptor and its payload). If either fails, the whole get goes the usual way
 (counted in PresenceLink.counters.read_again, not as corruption: nothing was damaged). A key deleted
 before the call is absent from the index, so it is not read here; one deleted while the call copies
-it is read again the usual way (its bucket changed). A TOUCH the server refuses (no read right)
-fails the call with its status, and what was copied into the destinations is zeroed first. The
+it is read again the usual way (its bucket changed). A TOUCH the server refuses (no read right,
+the tenant over its rate: with a token, every TOUCH is waited for) fails the call with its status,
+and what was copied into the destinations is zeroed first. The
 server offers locations only where the arena is one tenant's: another tenant's block of the same
 key could verify in a reused slot (stack_config).
 
