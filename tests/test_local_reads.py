@@ -390,6 +390,42 @@ def test_touches_go_unanswered_back_to_back_and_never_on_a_connection_the_server
     assert server.running.bulk.counters.get("aborted") == 0
 
 
+def test_a_copy_that_fails_after_an_unanswered_touch_still_reads_its_answer_before_the_close(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The copies fail (here a RuntimeError) after a TOUCH left unanswered was sent: the call raises
+    it, the connection is closed, and its close reads the answer owed first: no reset seen by the
+    server (its `aborted`), the TOUCH counted; the next call runs on a new connection."""
+    import time
+
+    import kvcache_client.bulk as bulk_module
+
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    items = _items(2)
+    keys = [k for k, _ in items]
+    land = bulk_module.land_plan
+    with KVCacheClient(server.target, timeout_s=30) as client:
+        assert client.put_many("ns", items).stored == 2
+        assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+
+        def broken(*args: object) -> object:
+            raise RuntimeError("test: the copies failed")
+
+        monkeypatch.setattr(bulk_module, "land_plan", broken)
+        with pytest.raises(RuntimeError):
+            client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys])
+        assert client.bulk.counters.touches_unanswered == 1
+        monkeypatch.setattr(bulk_module, "land_plan", land)
+        admission = server.running.bulk.admission
+        end = time.monotonic() + 10
+        while admission.authenticated + admission.unauthenticated and time.monotonic() < end:
+            time.sleep(0.01)  # the closed connection's thread ends
+        assert server.running.bulk.counters.get("aborted") == 0
+        assert server.running.bulk.counters.get("touches") == 2
+        assert client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        assert server.running.bulk.counters.get("touches") == 3
+
+
 def test_a_client_with_a_token_waits_for_every_touch(
     make_server, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -240,7 +240,7 @@ class BulkLink:
         with self._lock:
             self.state, self.reason = "down", reason
             self._retry_at = time.monotonic() + self.retry_after_s
-            self.counters.fallbacks += 1
+            self.counters.add("fallbacks", 1)
 
     # -- the two data calls, blocking (the async transport runs them in a worker thread) ----------
 
@@ -384,9 +384,10 @@ class BulkLink:
             # keys again and the server counts them read twice.
             ahead = conn.touch_may_go_unanswered(namespace, deadline)
             conn.send_touch(namespace, keys, deadline)
+            if ahead:  # owed from here on, whatever the copies do
+                conn.touch_unanswered(self.counters)
             got = land_plan(copies, presence)
             if ahead:
-                conn.touch_unanswered(self.counters)
                 return got
             try:
                 conn.read_touched(namespace, deadline)
@@ -427,7 +428,7 @@ class BulkLink:
             if self.lease_pool is not None:
                 self.lease_pool.close()
                 self.lease_pool = None
-            self.counters.fallbacks += 1
+            self.counters.add("fallbacks", 1)
             log.info("in-place leases over gRPC from now on: %s", reason)
 
 
