@@ -203,16 +203,21 @@ def _tokens(tmp: Path, rights: dict[str, str]) -> str:
     return str(path)
 
 
-def test_the_touch_needs_the_read_right(make_server, tmp_path: Path) -> None:
-    """A token that may write but not read maps the arena (its tenant's, same user) and locates its
-    blocks, but its get_into fails PermissionDenied as its GET would: the TOUCH is refused."""
-    tokens = _tokens(
-        tmp_path, {"kvc_rw_token_of_t": ("t", '["read", "write"]'), "kvc_w_token_of_t": ("t", '["write"]')}
-    )
-    server: ServerThread = make_server(
+def _secured(make_server, tmp_path: Path, rights: dict[str, tuple[str, str]]) -> ServerThread:  # type: ignore[no-untyped-def]
+    """A server with auth on, these tokens (name: (tenant, rights)), and its own shm directory."""
+    tokens = _tokens(tmp_path, rights)
+    return make_server(
         ram={"capacity_bytes": 64 * MiB},
         shm={"dir": str(tmp_path / "shm")},
         auth={"enabled": True, "tokens_file": tokens},
+    )
+
+
+def test_the_touch_needs_the_read_right(make_server, tmp_path: Path) -> None:
+    """A token that may write but not read maps the arena (its tenant's, same user) and locates its
+    blocks, but its get_into fails PermissionDenied as its GET would: the TOUCH is refused."""
+    server = _secured(
+        make_server, tmp_path, {"kvc_rw_token_of_t": ("t", '["read", "write"]'), "kvc_w_token_of_t": ("t", '["write"]')}
     )
     items = _items(2)
     keys = [k for k, _ in items]
@@ -434,12 +439,7 @@ def test_a_client_with_a_token_waits_for_every_touch(
     its own call's status (a tenant over its rate gets RESOURCE_EXHAUSTED where it went over, not
     one call later)."""
     armed, release = _touch_gate(monkeypatch)
-    tokens = _tokens(tmp_path, {"kvc_rw_token_of_t": ("t", '["read", "write"]')})
-    server: ServerThread = make_server(
-        ram={"capacity_bytes": 64 * MiB},
-        shm={"dir": str(tmp_path / "shm")},
-        auth={"enabled": True, "tokens_file": tokens},
-    )
+    server = _secured(make_server, tmp_path, {"kvc_rw_token_of_t": ("t", '["read", "write"]')})
     items = _items(2)
     keys = [k for k, _ in items]
     with KVCacheClient(server.target, token="kvc_rw_token_of_t", timeout_s=30) as client:
