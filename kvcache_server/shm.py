@@ -33,7 +33,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -315,17 +315,18 @@ async def read_ranges_into_slots_in_thread(
     reads: Sequence[tuple[int, int, int, ShmRange, memoryview]],
     check: Callable[[int, memoryview, Fill], None] | None = None,
     executor: Executor | None = None,
+    first: Callable[[], None] | None = None,
 ) -> None:
     """read_ranges_into in a worker thread that owns duplicates of the segments' descriptors and is
     waited for before a cancellation propagates (see _run_to_end): no write into a destination
-    outlives the call.
+    outlives the call. `first()` runs in that thread before it reads (it must not raise).
 
     Raises:
         ShmError: as read_ranges_into.
     """
     own = _duplicates([fd for _, fd, _, _, _ in reads])
     mine = [(where, own[fd], size, ref, buffer) for where, fd, size, ref, buffer in reads]
-    await _run_to_end(read_ranges_into, (mine, check), list(own.values()), executor)
+    await _run_to_end(read_ranges_into, (mine, check), list(own.values()), executor, first)
 
 
 LANE_BYTES = 4 << 20
@@ -364,12 +365,81 @@ async def read_ranges_into_slots_in_lanes(
     for r in reads:
         groups[min(lanes - 1, done * lanes // total)].append(r)
         done += len(r[4])
-    results = await asyncio.gather(
-        *(read_ranges_into_slots_in_thread(g, check, executor) for g in groups if g), return_exceptions=True
+    lead, *rest = [g for g in groups if g]
+    held = _HeldUntilReleased(executor) if executor is not None else None
+
+    async def leading() -> None:
+        try:
+            await read_ranges_into_slots_in_thread(lead, check, executor, held.release if held else None)
+        finally:  # never started, or cancelled first: the other lanes go (and end) as they would have
+            if held is not None:
+                held.release()
+
+    # The other lanes' tasks first: gather starts its tasks in order, each submitting its work (held)
+    # before its first await, so all of it is held by the time the first lane's thread releases it.
+    *others, first = await asyncio.gather(
+        *(read_ranges_into_slots_in_thread(g, check, held or executor) for g in rest),
+        leading(),
+        return_exceptions=True,
     )
-    for result in results:
+    for result in (first, *others):
         if isinstance(result, BaseException):
             raise result
+
+
+class _HeldUntilReleased(Executor):
+    """Lanes 1.. of a put: their work is handed to `executor` only once release() is called, from the
+    first lane's thread as it starts (read_ranges_into_slots_in_lanes). Woken by the event loop, one
+    after the other, the lane threads of a put after an idle gap were often queued on the loop's CPU
+    while the other one slept, and the second lane started a scheduler tick (3-4 ms here) late; woken
+    by the first lane, already running, it started 0.35-0.45 ms after. 4 x 32 MiB same-host puts 50 ms
+    apart, p50, two alternating pairs: 29.21 / 29.44 -> 25.80 / 27.02 ms; back to back, and 16 x 2 MiB,
+    the same within the noise (docs/shm.md).
+
+    What submit() returns is completed as the work handed on is (its result or exception); work that
+    cannot be handed on (the executor shut down) fails with that RuntimeError, as a submit would."""
+
+    def __init__(self, executor: Executor) -> None:
+        self._executor = executor
+        self._lock = threading.Lock()
+        self._held: list[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]]] | None = []
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        if kwargs:
+            raise TypeError("submit takes positional arguments only here")
+        outer: Future[T] = Future()
+        with self._lock:
+            if self._held is not None:
+                self._held.append((outer, fn, args))
+                return outer
+        self._hand_on(outer, fn, args)
+        return outer
+
+    def release(self) -> None:
+        """Hands on what is held, and anything submitted later at once. Never raises."""
+        with self._lock:
+            held, self._held = self._held or [], None
+        for outer, fn, args in held:
+            self._hand_on(outer, fn, args)
+
+    def _hand_on(self, outer: Future[Any], fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        if not outer.set_running_or_notify_cancel():
+            return
+        try:
+            inner = self._executor.submit(fn, *args)
+        except BaseException as exc:  # RuntimeError: shut down; the lane fails as its own submit would
+            outer.set_exception(exc)
+            return
+        inner.add_done_callback(functools.partial(_complete, outer))
+
+
+def _complete(outer: Future[Any], inner: Future[Any]) -> None:
+    if inner.cancelled():  # nobody cancels the executor's futures; were one, its lane did not run
+        outer.set_exception(RuntimeError("the lane's work was cancelled before it ran"))
+    elif (exc := inner.exception()) is not None:
+        outer.set_exception(exc)
+    else:
+        outer.set_result(inner.result())
 
 
 def write_range(fd: int, data: bytes | memoryview, offset: int) -> None:
@@ -477,9 +547,14 @@ async def write_ranges_in_thread(fd: int, writes: Sequence[tuple[bytes | memoryv
 
 
 async def _run_to_end(
-    fn: Callable[..., T], args: tuple[Any, ...], fds: list[int], executor: Executor | None = None
+    fn: Callable[..., T],
+    args: tuple[Any, ...],
+    fds: list[int],
+    executor: Executor | None = None,
+    first: Callable[[], None] | None = None,
 ) -> T:
-    """fn(*args, stop=event) in a worker thread that closes `fds` (its own descriptors) when fn returns.
+    """fn(*args, stop=event) in a worker thread that closes `fds` (its own descriptors) when fn returns
+    (with `first()` called in that thread before fn: it must not raise).
 
     If the awaiting task is cancelled (the client's deadline, a cancelled call, server stop), the event
     is set, so fn stops before its next block, and the thread is still waited for before
@@ -492,6 +567,8 @@ async def _run_to_end(
         nonlocal ran
         ran = True
         try:
+            if first is not None:
+                first()
             return fn(*args, stop=stop)
         finally:
             for fd in fds:
