@@ -212,6 +212,11 @@ def run(adapter: Any, alloc: HostMemoryAllocator, n: int, chunk: int, repeat: in
     dst = [alloc.allocate(shape, torch.bfloat16) for _ in range(n)]
     best = {"store": float("inf"), "lookup": float("inf"), "load": float("inf")}
     stores: dict[int, Any] = {}
+
+    def popped(t: int) -> Any:
+        stores.update(adapter.pop_completed_store_tasks())
+        return stores.pop(t, None)
+
     for r in range(repeat):
         keys = _keys(tag, r, n)
         for obj in src:
@@ -220,11 +225,6 @@ def run(adapter: Any, alloc: HostMemoryAllocator, n: int, chunk: int, repeat: in
             obj.tensor.view(torch.uint8).zero_()
         t0 = time.perf_counter()
         task = adapter.submit_store_task(keys, src)
-
-        def popped(t: int) -> Any:
-            stores.update(adapter.pop_completed_store_tasks())
-            return stores.pop(t, None)
-
         assert wait(adapter.get_store_event_fd(), popped, task).is_successful()
         t1 = time.perf_counter()
         task = adapter.submit_lookup_and_lock_task(keys, {})
