@@ -153,6 +153,13 @@ class Holding:
         await self._budget.reserve(n, what, self.tenant)
         self.bytes += n
 
+    def would_fit(self, n: int) -> bool:
+        """Whether reserve(n) would take `n` now, without waiting: a read of the budget's counts from
+        any thread (a hint there, never a reservation). A bulk session commits a put in its own thread
+        only where it would (TierStack.commits_off_loop; its bytes are arena slots or its own staging
+        memory, not counted): under pressure its puts go to the loop and wait their turn as others."""
+        return n <= self.cap and self._budget._fits(n, self.tenant)
+
     def release(self, n: int) -> None:
         n = min(n, self.bytes)
         self.bytes -= n

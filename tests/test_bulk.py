@@ -822,6 +822,14 @@ def never_runs_once(monkeypatch: pytest.MonkeyPatch, name: str) -> list[str]:
     return dropped
 
 
+def loop_commits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every bulk PUT committed on the event loop, as on a stack with a tier below RAM or an event
+    subscriber (TierStack.commits_off_loop): for tests of the loop's side of a commit."""
+    from kvcache_server.stack import TierStack
+
+    monkeypatch.setattr(TierStack, "commits_off_loop", property(lambda self: False))
+
+
 def test_a_commit_the_loop_never_starts_frees_its_slots(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
     """A PUT whose commit is given up on before the event loop ran it (here: its future comes back
     cancelled, as a task cancelled before its first step) abandons the arena slots it received into:
@@ -829,6 +837,7 @@ def test_a_commit_the_loop_never_starts_frees_its_slots(make_server, monkeypatch
     import kvcache_server.bulk.session as session
 
     server = bulk_server(make_server)
+    loop_commits(monkeypatch)
     dropped = never_runs_once(monkeypatch, "_then_release")
     data = blocks(4, session._STAGED_PUT_BYTES // 2)  # over it: its blocks land in their slots
     client = KVCacheClient(server.target, shm=False, bulk_connections=1)

@@ -1,5 +1,7 @@
 """Small bulk PUTs (docs/bulk.md, "Inside the server"): received into the session's own memory first,
-then budget, slots, copy and commit in one trip to the event loop. Real servers, the SDK and raw frames."""
+then slots, copy and commit by the session's own thread on a server of RAM alone (no trip to the event
+loop), or budget, slots, copy and commit in one trip to the loop elsewhere. Real servers, the SDK and
+raw frames."""
 
 from __future__ import annotations
 
@@ -11,7 +13,18 @@ import pytest
 from kvcache_client import KVCacheClient, RPCError
 from kvcache_core import bulkwire as bw
 from tests.backends import wait_for
-from tests.test_bulk import Raw, _hold, _release, blocks, bulk_server, counters, never_runs_once, settled, stored
+from tests.test_bulk import (
+    Raw,
+    _hold,
+    _release,
+    blocks,
+    bulk_server,
+    counters,
+    loop_commits,
+    never_runs_once,
+    settled,
+    stored,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -40,24 +53,33 @@ def trips(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return names
 
 
-def test_a_small_put_takes_one_trip_to_the_loop_a_large_one_two(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("where", ["thread", "loop"])
+def test_the_trips_a_put_takes_to_the_loop(make_server, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
     """16 blocks of 16 KiB (the median request of Mooncake's conversation trace) were two trips to
-    the event loop (budget and slots, then the commit), each two thread wake-ups; now one. A PUT over
-    _STAGED_PUT_BYTES keeps the two (its blocks land straight in their slots). Blocks byte-exact."""
+    the event loop (budget and slots, then the commit), each two thread wake-ups; then one; now, on a
+    server of RAM alone with no event subscriber, none: the session's thread reserves RAM's slots and
+    commits them itself, for any PUT up to _RESERVE_AT_ONCE_BYTES. Where the loop must do it (a tier
+    below RAM, a subscriber: `loop`), a staged PUT takes one trip and a larger one two. Over
+    _RESERVE_AT_ONCE_BYTES: each block's slot and the commit on the loop. Blocks byte-exact."""
     import kvcache_server.bulk.session as session
 
+    if where == "loop":
+        loop_commits(monkeypatch)
     server = bulk_server(make_server)
     sink = server.running.bulk.sink
     small, large = blocks(16, 16 * KIB), blocks(2, session._STAGED_PUT_BYTES // 2 + 4 * KIB)
+    larger = blocks(2, session._RESERVE_AT_ONCE_BYTES // 2 + 4 * KIB)
     with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
         client.put_many("warm", blocks(1, 1 << 20))  # the bulk port on
         names = trips(monkeypatch)
-        assert put_trips(client, names, small) == ["_commit_staged"]
-        assert put_trips(client, names, large) == ["_admit", "_then_release"]
-        got = client.get_many("n", [k for k, _ in small + large])
-        assert [bytes(g) for g in got] == [b for _, b in small + large]
-    assert (sink.reserved, sink.in_arena, sink.committed, sink.abandoned) == (19, 19, 19, 0)
-    settled(server, puts=3, errors=0)
+        expected = {"thread": ([], []), "loop": (["_commit_staged"], ["_admit", "_then_release"])}[where]
+        assert put_trips(client, names, small) == expected[0]
+        assert put_trips(client, names, large) == expected[1]
+        assert put_trips(client, names, larger) == ["reserve", "reserve", "reserve", "_then_release"]
+        got = client.get_many("n", [k for k, _ in small + large + larger])
+        assert [bytes(g) for g in got] == [b for _, b in small + large + larger]
+    assert (sink.reserved, sink.in_arena, sink.committed, sink.abandoned) == (21, 21, 21, 0)
+    settled(server, puts=4, errors=0)
 
 
 def test_a_small_put_whose_trip_never_runs_holds_nothing(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,6 +87,7 @@ def test_a_small_put_whose_trip_never_runs_holds_nothing(make_server, monkeypatc
     cancelled before its first step): nothing was reserved, nothing is stored, the put fails INTERNAL
     and the server serves the next one."""
     server = bulk_server(make_server)
+    loop_commits(monkeypatch)
     dropped = never_runs_once(monkeypatch, "_commit_staged")
     data = blocks(4, 16 * KIB)
     with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
@@ -81,9 +104,11 @@ def test_a_small_put_whose_trip_never_runs_holds_nothing(make_server, monkeypatc
 
 
 def test_the_staged_limit_is_exact(make_server, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A PUT of exactly _STAGED_PUT_BYTES is staged; one byte more takes the two trips."""
+    """A PUT of exactly _STAGED_PUT_BYTES is staged; one byte more takes the two trips (where the loop
+    commits: on a server of RAM alone, neither takes one)."""
     import kvcache_server.bulk.session as session
 
+    loop_commits(monkeypatch)
     server = bulk_server(make_server)
     limit = session._STAGED_PUT_BYTES
     header = len(blocks(1, 1024)[0][1]) - 1024  # an encoded block's header, for any payload size here

@@ -477,8 +477,15 @@ class Session:
         started: list[bool] = []  # set by the commit on the loop as it starts
         sink = self._s.sink
         sizes = [n for _, n in entries]
+        in_thread = False  # reserved and committed by this thread (RAM alone: TierStack.commits_off_loop)
         try:
-            if total <= _RESERVE_AT_ONCE_BYTES:  # small: budget and every slot in one trip to the loop
+            if (
+                total <= _RESERVE_AT_ONCE_BYTES
+                and held.would_fit(total)
+                and (made := sink.reserve_in_thread(scoped, sizes)) is not None
+            ):
+                slots, in_thread = made, True
+            elif total <= _RESERVE_AT_ONCE_BYTES:  # small: budget and every slot in one trip to the loop
                 slots = self._on_loop(self._admit(held, scoped, sizes, total), undo=self._abandon_all)
             else:  # large: each slot just before its block arrives (memory only for bytes on their way)
                 self._on_loop(held.reserve(total, "bulk PUT"))  # before a byte of it is allocated
@@ -495,10 +502,15 @@ class Session:
                 # the request there, and the connection (Session.run, _fail).
                 self._recv_verified(i, entries[i][0], slot.view, deadline)
                 self._s.counters.add("bytes_received", n)
-            commit = sink.commit(scoped, list(zip((k for k, _ in entries), slots, strict=True)))
-            committed = None  # from here the commit owns the slots (it frees what it does not keep), ended or not
-            outcome = self._on_loop(_then_release(commit, held, started))
-            committed = True
+            blocks = list(zip((k for k, _ in entries), slots, strict=True))
+            if in_thread:
+                committed = True  # commit_in_thread frees what it does not keep, however it ends
+                outcome = sink.commit_in_thread(scoped, blocks)
+            else:
+                commit = sink.commit(scoped, blocks)
+                committed = None  # from here the commit owns the slots (it frees what it does not keep), ended or not
+                outcome = self._on_loop(_then_release(commit, held, started))
+                committed = True
             self._s.block_sizes.saw(scoped, max(n for _, n in entries))
         finally:
             if committed is False:
@@ -506,7 +518,7 @@ class Session:
                     sink.abandon(slot)
             elif committed is None:  # given up on: a commit the loop never started owns nothing
                 self._s.loop.call_soon_threadsafe(_unless_started, started, commit, slots, sink.abandon)
-            if committed is not True:  # else the commit released it on the loop: no wake-up of it for that
+            if committed is not True and not in_thread:  # else released on the loop, or nothing was reserved
                 self._release(held)
         self._s.counters.add("puts")
         self._put_done(outcome, len(entries), total, deadline)
@@ -533,7 +545,20 @@ class Session:
             self._s.counters.add("bytes_received", n)
             views.append(view)
             at += n
-        outcome = self._on_loop(self._commit_staged(held, namespace, [k for k, _ in entries], views, total))
+        keys = [k for k, _ in entries]
+        sink = self._s.sink
+        slots = sink.reserve_in_thread(namespace, [n for _, n in entries]) if held.would_fit(total) else None
+        if slots is None:  # on the loop: budget, slots, the copy into them and the commit, in one trip
+            outcome = self._on_loop(self._commit_staged(held, namespace, keys, views, total))
+        else:  # RAM alone: reserved, written and committed in this thread, no trip to the loop and back
+            try:
+                for slot, view in zip(slots, views, strict=True):
+                    slot.view[:] = view
+            except BaseException:
+                for slot in slots:
+                    sink.abandon(slot)
+                raise
+            outcome = sink.commit_in_thread(namespace, list(zip(keys, slots, strict=True)))
         self._s.block_sizes.saw(namespace, max(n for _, n in entries))
         self._s.counters.add("puts")
         self._put_done(outcome, len(entries), total, deadline)

@@ -13,7 +13,10 @@ and committing indexes it under its key without a copy. Where RAM has no room fo
 now (every slot leased or reserved), that block falls back to a fresh buffer, which the stack's put
 then stores as any other put. BufferSink is that fallback alone (tests, and a stack without an arena).
 
-Reservations are made on the event loop (reserving may evict, and eviction feeds demotions); the
+Reservations are made on the event loop (reserving may evict, and eviction feeds demotions), except
+on a stack of RAM alone with no event subscriber (TierStack.commits_off_loop), where a PUT of at most
+session._RESERVE_AT_ONCE_BYTES is reserved and committed by the session's thread itself
+(reserve_in_thread, commit_in_thread: no trip to the loop and back). The
 session thread (or, for a small PUT, the loop's copy) only writes into the slot's memory, which
 nothing else touches until it is committed or abandoned: every path out of a PUT abandons what it
 did not commit, after the session thread has stopped writing. The reservations never expire
@@ -57,6 +60,15 @@ class BlockSink(Protocol):
 
     async def commit(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome: ...
 
+    def reserve_in_thread(self, namespace: str, sizes: Sequence[int]) -> list[Slot] | None:
+        """reserve_many from the session's thread, with no trip to the event loop; None where the loop
+        must do it (then nothing is held)."""
+        ...
+
+    def commit_in_thread(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome:
+        """commit of reserve_in_thread's slots, from the session's thread; frees what it does not keep."""
+        ...
+
 
 class _Buffer:
     __slots__ = ("view",)
@@ -86,6 +98,12 @@ class BufferSink:
         with self._lock:
             self.reserved += len(sizes)
         return [_Buffer(n) for n in sizes]
+
+    def reserve_in_thread(self, namespace: str, sizes: Sequence[int]) -> list[Slot] | None:
+        return None  # the stack's put runs on the loop
+
+    def commit_in_thread(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome:
+        raise AssertionError("BufferSink.reserve_in_thread never hands out slots")
 
     def abandon(self, slot: Slot) -> None:
         with self._lock:
@@ -138,6 +156,22 @@ class ArenaSink(BufferSink):
             self.reserved += len(made)
             self.in_arena += len(made)
         return [_ArenaSlot(r) for r in made]
+
+    def reserve_in_thread(self, namespace: str, sizes: Sequence[int]) -> list[Slot] | None:
+        """Arena slots reserved from the session's thread (TierStack.reserve_in_thread: RAM alone, no
+        event subscriber, room now); None, with nothing held, where the loop must reserve them."""
+        made = self._stack.reserve_in_thread(namespace, sizes)
+        if made is None:
+            return None
+        with self._lock:
+            self.reserved += len(made)
+            self.in_arena += len(made)
+        return [_ArenaSlot(r) for r in made]
+
+    def commit_in_thread(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome:
+        with self._lock:
+            self.committed += len(blocks)
+        return self._stack.commit_in_thread(namespace, [(key, slot.reservation) for key, slot in blocks])  # type: ignore[attr-defined]
 
     def abandon(self, slot: Slot) -> None:
         if isinstance(slot, _ArenaSlot):

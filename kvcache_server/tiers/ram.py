@@ -571,16 +571,30 @@ class RamTier(Tier):
             else:
                 res.buffer[:] = block
 
-    def adopt_many(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> list[bool]:
+    def adopt_many(
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, Reservation]],
+        *,
+        fenced: Callable[[str, bytes], bool] | None = None,
+    ) -> list[bool]:
         """Indexes reserved slots under their keys, without a copy (the caller verified the blocks).
 
         A reservation that expired, was abandoned, is already committed or was made for another
-        namespace is not stored (False)."""
+        namespace is not stored (False); nor, with `fenced`, one whose key fenced(namespace, key) says
+        must not land (a Delete of it is running), asked under the same hold of the lock as the
+        indexing: a thread other than the event loop's commits so (TierStack.commit_in_thread). Its
+        reservation stays open, for the caller to abandon."""
         with self._lock:
             self._reap_locked(self._clock())
-            return self._adopt_locked(namespace, items)
+            return self._adopt_locked(namespace, items, fenced)
 
-    def _adopt_locked(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> list[bool]:
+    def _adopt_locked(
+        self,
+        namespace: str,
+        items: Sequence[tuple[bytes, Reservation]],
+        fenced: Callable[[str, bytes], bool] | None = None,
+    ) -> list[bool]:
         stored: list[bool] = []
         part = self._partition(namespace)
         for key, given in items:
@@ -588,6 +602,9 @@ class RamTier(Tier):
             res = self._reservations.get(given.id)
             if res is None or res.namespace != namespace:
                 self._stats.rejected += 1
+                stored.append(False)
+                continue
+            if fenced is not None and fenced(namespace, key):
                 stored.append(False)
                 continue
             # The reservation already counts against the share and the cap: it becomes the
