@@ -1118,24 +1118,34 @@ class TierStack:
         abandoned (RamTier.abandon) by whoever gave up on them."""
         if not self.commits_off_loop:
             return None
-        made, evicted = self._ram.reserve_many(namespace, sizes)
-        self._ram.settle(evicted)  # no copy to wait for: nothing is demoted without a tier below
+        made, evicted = self._ram.reserve_many(namespace, sizes, count_refusal=False)  # the loop's try counts it
         slots = [r for r in made if r is not None]
+        try:
+            self._ram.settle(evicted)  # no copy to wait for: nothing is demoted without a tier below
+        except BaseException:
+            self._ram.abandon([r.id for r in slots])
+            raise
         if len(slots) < len(sizes):
             self._ram.abandon([r.id for r in slots])
             return None
         return slots
 
-    def commit_in_thread(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> PutOutcome:
+    def commit_in_thread(self, namespace: str, items: Sequence[tuple[bytes, Reservation]]) -> PutOutcome | None:
         """put_reserved of slots that reserve_in_thread gave, from the thread that wrote and verified
-        them: RAM indexes each under its key, without a copy; every reservation it does not index is
-        freed, however this ends.
+        them: RAM indexes each under its key, without a copy, and retains it in the same hold of the RAM
+        tier's lock (retention's default TTL); every reservation it does not index is freed, however
+        this ends. None, with nothing indexed or freed, where an event subscriber came since the slots
+        were reserved: the caller commits them on the loop (put_reserved), which publishes in order.
 
         Deletes stay deleted (DeleteFence): a Delete fences its keys off before it removes them from
         RAM, under the RAM tier's lock; here the fence is asked under that lock too, in the same hold
         as the indexing (RamTier.adopt_many's `fenced`). So either the Delete fenced the key before it
         was asked (not indexed: counted as deleted) or its removal comes after the indexing and removes
-        what was indexed. The put begins where it is committed, as put_reserved's does."""
+        what was indexed. The put begins where it is committed, as put_reserved's does. No STORED event
+        is published from here: a subscription that lands while this runs may miss this put's (as if
+        it had come a moment later), and none is ever published after the REMOVED of what it names."""
+        if self.events.subscribers:
+            return None
         start = time.perf_counter()
         running = self._fence.running
         fenced_keys: list[bytes] = []
@@ -1147,19 +1157,16 @@ class TierStack:
             return False
 
         try:
-            stored = self._ram.adopt_many(namespace, items, fenced=fenced)
+            retain_s = self._ram.retention_ttl(0.0)
+            stored = self._ram.adopt_many(namespace, items, fenced=fenced, retain_ttl_s=retain_s)
         finally:
             self._ram.abandon([res.id for _, res in items])  # those indexed are not open any more
         self._ram_op("put", start)
-        in_ram = [(key, res.length) for (key, res), ok in zip(items, stored, strict=True) if ok]
-        self._retain(namespace, in_ram, 0.0)
-        self._ram_counters.bytes_written += sum(n for _, n in in_ram)  # one add, no call between its read and write
-        if in_ram and self.events.subscribers and self._loop is not None:  # one subscribed meanwhile: on the loop
-            keys = [key for key, _ in in_ram]
-            self._loop.call_soon_threadsafe(self.events.publish, EventKind.STORED, TierKind.RAM, namespace, keys)
-        ram = TierPut(self._ram.name, TierKind.RAM, stored=len(in_ram))
+        written = sum(res.length for (_, res), ok in zip(items, stored, strict=True) if ok)
+        self._ram_counters.bytes_written += written  # one add: no call between its read and its write
+        ram = TierPut(self._ram.name, TierKind.RAM, stored=sum(stored))
         ram.deleted = len(fenced_keys)
-        ram.failed = len(items) - len(in_ram) - ram.deleted
+        ram.failed = len(items) - ram.stored - ram.deleted
         return PutOutcome(stored, [ram])
 
     async def _put(
@@ -1184,7 +1191,8 @@ class TierStack:
         self._ram_op("put", start)
         in_ram = [items[i] for i in live if kept[i]]
         until = self._retain(namespace, in_ram, retain_ttl_s)
-        self._ram_counters.bytes_written += sum(len(b) for _, b in in_ram)
+        written = sum(len(b) for _, b in in_ram)
+        self._ram_counters.bytes_written += written  # one add: no call between its read and its write
         self.events.publish(EventKind.STORED, TierKind.RAM, namespace, [k for k, _ in in_ram])
         ram = TierPut(self._ram.name, TierKind.RAM, stored=len(in_ram))
         ram.failed, ram.deleted = len(live) - len(in_ram), len(items) - len(live)

@@ -175,3 +175,108 @@ def test_a_damaged_block_in_a_put_reserved_in_its_thread_frees_every_slot(make_s
     assert (sink.reserved, sink.in_arena, sink.committed, sink.abandoned) == (2, 2, 0, 2)
     assert stored(server, "n", [k1, k2]) == 0
     assert not server.stack.ram._reservations
+
+
+def test_a_subscriber_that_comes_after_the_slots_were_reserved_gets_the_commit_on_the_loop(
+    make_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subscriber arrives between the session thread's reservation and its commit: the commit goes
+    to the loop with the same slots (one trip), and the subscriber's STORED event names the keys; no
+    STORED is ever published from a session thread (it could follow the REMOVED of what it names)."""
+    from kvcache_server.stack import TierStack
+
+    server = bulk_server(make_server)
+    stack = server.stack
+    subs: list[object] = []
+    real = TierStack.reserve_in_thread
+
+    async def subscribe():  # type: ignore[no-untyped-def]
+        return stack.events.subscribe("n")
+
+    def reserve_then_subscribe(self, namespace, sizes):  # type: ignore[no-untyped-def]
+        made = real(self, namespace, sizes)
+        if namespace == "n" and not subs:
+            subs.append(server.call(subscribe()))
+        return made
+
+    monkeypatch.setattr(TierStack, "reserve_in_thread", reserve_then_subscribe)
+    data = blocks(4, 16 * KIB)
+    with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
+        client.put_many("warm", blocks(1, MIB))
+        names = trips(monkeypatch)
+        assert put_trips(client, names, data) == ["subscribe", "_then_release"]  # the test's, then the commit
+        events = server.call(subs[0].next_batch())  # type: ignore[attr-defined]
+        assert [set(e.keys) for _, e in events] == [{k for k, _ in data}]
+        assert [bytes(g) for g in client.get_many("n", [k for k, _ in data])] == [b for _, b in data]
+    sink = server.running.bulk.sink
+    assert (sink.reserved, sink.committed, sink.abandoned) == (5, 5, 0)
+    assert not stack.ram._reservations
+
+
+@pytest.mark.parametrize("where", ["thread", "loop"])
+def test_a_reservation_refused_in_the_thread_is_counted_once(
+    make_server, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Readers lease most of RAM: the session thread's reservation is refused, the loop's is refused
+    too and the PUT goes through buffers. The RAM tier counts one refusal, as where the loop alone
+    tries (the thread's try counted a second before)."""
+    from tests.test_bulk import loop_commits
+
+    if where == "loop":
+        loop_commits(monkeypatch)
+    server = bulk_server(make_server, ram={"capacity_bytes": 2 * MIB})
+    with KVCacheClient(server.target, shm=False, bulk_connections=1) as client:
+        held = blocks(24, 64 * KIB)
+        client.put_many("h", held)
+        leases = server.stack.ram.lease_many("h", [k for k, _ in held], 60.0)
+        assert None not in leases
+        before = next(t for t in client.stats().tiers if t.name == "ram").rejected
+        assert client.put_many("n", blocks(8, 64 * KIB)).stored >= 1
+        after = next(t for t in client.stats().tiers if t.name == "ram").rejected
+        assert after - before == 1
+        server.stack.ram.release([lease.id for lease in leases])
+    assert not server.stack.ram._reservations
+
+
+def test_two_connections_putting_the_same_keys_while_a_third_deletes_them(make_server) -> None:
+    """Puts of overlapping keys (repeated within a PUT too) into 1 MiB of RAM from two connections,
+    Deletes of them from a third: no error, nothing left reserved, the sink balanced, and the RAM
+    tier's byte count exactly the cost of what it indexes."""
+    import random
+
+    server = bulk_server(make_server, ram={"capacity_bytes": MIB})
+    pool = blocks(16, 16 * KIB)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    rng = random.Random(7)
+
+    def putter(seed: int) -> None:
+        r = random.Random(seed)
+        try:
+            with KVCacheClient(server.target, shm=False, bulk_connections=1, timeout_s=20) as c:
+                for _ in range(150):
+                    items = r.choices(pool, k=r.choice([1, 4, 12, 40]))
+                    result = c.put_many("n", items)
+                    assert result.stored + result.rejected == len(items)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    def deleter() -> None:
+        with KVCacheClient(server.target, shm=False, timeout_s=20) as c:
+            while not stop.is_set():
+                c.delete("n", [k for k, _ in rng.sample(pool, 4)])
+
+    putters = [threading.Thread(target=putter, args=(seed,)) for seed in (1, 2)]
+    deleting = threading.Thread(target=deleter)
+    for t in [*putters, deleting]:
+        t.start()
+    for t in putters:
+        t.join(60)
+    stop.set()
+    deleting.join(10)
+    assert not errors, errors
+    ram, sink = server.stack.ram, server.running.bulk.sink
+    assert not ram._reservations and sink.reserved == sink.committed + sink.abandoned
+    with ram._lock:
+        assert ram._used == sum(ram.entry_cost_of(slot.length) for slot in ram._blocks.values())
+        assert ram._reserved == 0

@@ -504,8 +504,9 @@ class Session:
                 self._s.counters.add("bytes_received", n)
             blocks = list(zip((k for k, _ in entries), slots, strict=True))
             if in_thread:
-                committed = True  # commit_in_thread frees what it does not keep, however it ends
-                outcome = sink.commit_in_thread(scoped, blocks)
+                committed = None  # from here the commit owns the slots, and cleans up after itself
+                outcome = self._commit_here(scoped, blocks, held)
+                committed = True
             else:
                 commit = sink.commit(scoped, blocks)
                 committed = None  # from here the commit owns the slots (it frees what it does not keep), ended or not
@@ -516,7 +517,7 @@ class Session:
             if committed is False:
                 for slot in slots:
                     sink.abandon(slot)
-            elif committed is None:  # given up on: a commit the loop never started owns nothing
+            elif committed is None and not in_thread:  # given up on: a commit the loop never started owns nothing
                 self._s.loop.call_soon_threadsafe(_unless_started, started, commit, slots, sink.abandon)
             if committed is not True and not in_thread:  # else released on the loop, or nothing was reserved
                 self._release(held)
@@ -558,10 +559,27 @@ class Session:
                 for slot in slots:
                     sink.abandon(slot)
                 raise
-            outcome = sink.commit_in_thread(namespace, list(zip(keys, slots, strict=True)))
+            outcome = self._commit_here(namespace, list(zip(keys, slots, strict=True)), held)
         self._s.block_sizes.saw(namespace, max(n for _, n in entries))
         self._s.counters.add("puts")
         self._put_done(outcome, len(entries), total, deadline)
+
+    def _commit_here(self, namespace: str, blocks: list[tuple[bytes, Slot]], held: Holding) -> PutOutcome:
+        """Slots that reserve_in_thread gave, committed in this thread (commit_in_thread), or on the
+        loop where an event subscriber came meanwhile (events are published in order there). Owns the
+        slots from its call: whatever it does not commit it frees, however it ends."""
+        sink = self._s.sink
+        outcome = sink.commit_in_thread(namespace, blocks)
+        if outcome is not None:
+            return outcome
+        started: list[bool] = []
+        commit = sink.commit(namespace, blocks)
+        try:
+            return self._on_loop(_then_release(commit, held, started))
+        except BaseException:  # given up on: a commit the loop never started owns nothing
+            slots = [slot for _, slot in blocks]
+            self._s.loop.call_soon_threadsafe(_unless_started, started, commit, slots, sink.abandon)
+            raise
 
     async def _commit_staged(
         self, held: Holding, namespace: str, keys: list[bytes], views: list[memoryview], total: int

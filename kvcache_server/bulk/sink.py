@@ -65,8 +65,9 @@ class BlockSink(Protocol):
         must do it (then nothing is held)."""
         ...
 
-    def commit_in_thread(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome:
-        """commit of reserve_in_thread's slots, from the session's thread; frees what it does not keep."""
+    def commit_in_thread(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome | None:
+        """commit of reserve_in_thread's slots, from the session's thread; frees what it does not keep.
+        None, with the slots untouched, where the loop must commit them (commit())."""
         ...
 
 
@@ -102,7 +103,7 @@ class BufferSink:
     def reserve_in_thread(self, namespace: str, sizes: Sequence[int]) -> list[Slot] | None:
         return None  # the stack's put runs on the loop
 
-    def commit_in_thread(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome:
+    def commit_in_thread(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome | None:
         raise AssertionError("BufferSink.reserve_in_thread never hands out slots")
 
     def abandon(self, slot: Slot) -> None:
@@ -168,10 +169,12 @@ class ArenaSink(BufferSink):
             self.in_arena += len(made)
         return [_ArenaSlot(r) for r in made]
 
-    def commit_in_thread(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome:
-        with self._lock:
-            self.committed += len(blocks)
-        return self._stack.commit_in_thread(namespace, [(key, slot.reservation) for key, slot in blocks])  # type: ignore[attr-defined]
+    def commit_in_thread(self, namespace: str, blocks: Sequence[tuple[bytes, Slot]]) -> PutOutcome | None:
+        outcome = self._stack.commit_in_thread(namespace, [(key, slot.reservation) for key, slot in blocks])  # type: ignore[attr-defined]
+        if outcome is not None:
+            with self._lock:
+                self.committed += len(blocks)
+        return outcome
 
     def abandon(self, slot: Slot) -> None:
         if isinstance(slot, _ArenaSlot):

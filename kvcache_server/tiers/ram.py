@@ -577,6 +577,7 @@ class RamTier(Tier):
         items: Sequence[tuple[bytes, Reservation]],
         *,
         fenced: Callable[[str, bytes], bool] | None = None,
+        retain_ttl_s: float = 0.0,
     ) -> list[bool]:
         """Indexes reserved slots under their keys, without a copy (the caller verified the blocks).
 
@@ -584,10 +585,16 @@ class RamTier(Tier):
         namespace is not stored (False); nor, with `fenced`, one whose key fenced(namespace, key) says
         must not land (a Delete of it is running), asked under the same hold of the lock as the
         indexing: a thread other than the event loop's commits so (TierStack.commit_in_thread). Its
-        reservation stays open, for the caller to abandon."""
+        reservation stays open, for the caller to abandon. With `retain_ttl_s`, what was indexed is
+        retained (retain_many) in that same hold: no reservation in another thread evicts it between."""
         with self._lock:
-            self._reap_locked(self._clock())
-            return self._adopt_locked(namespace, items, fenced)
+            now = self._clock()
+            self._reap_locked(now)
+            stored = self._adopt_locked(namespace, items, fenced)
+            if retain_ttl_s > 0:
+                kept = [key for (key, _), ok in zip(items, stored, strict=True) if ok]
+                self._retain_locked(namespace, kept, retain_ttl_s, now)
+            return stored
 
     def _adopt_locked(
         self,
@@ -644,22 +651,25 @@ class RamTier(Tier):
         unretained, counted in retention_stats()["refused"]."""
         if ttl_s <= 0:
             return 0
-        retained = 0
         with self._lock:
             now = self._clock()
             self._reap_locked(now)
-            part = self._partition(namespace)
-            tenant = tenant_of(namespace)
-            for key in keys:
-                entry = (namespace, key)
-                slot = self._blocks.get(entry)
-                if slot is None:
-                    continue
-                fresh = entry not in self._retention
-                if self._retention.grant(entry, tenant, self.entry_cost_of(slot.length), ttl_s, now):
-                    retained += 1
-                    if fresh:
-                        part.policy.keep(entry)
+            return self._retain_locked(namespace, keys, ttl_s, now)
+
+    def _retain_locked(self, namespace: str, keys: Sequence[bytes], ttl_s: float, now: float) -> int:
+        retained = 0
+        part = self._partition(namespace)
+        tenant = tenant_of(namespace)
+        for key in keys:
+            entry = (namespace, key)
+            slot = self._blocks.get(entry)
+            if slot is None:
+                continue
+            fresh = entry not in self._retention
+            if self._retention.grant(entry, tenant, self.entry_cost_of(slot.length), ttl_s, now):
+                retained += 1
+                if fresh:
+                    part.policy.keep(entry)
         return retained
 
     def retention_ttl(self, asked_s: float) -> float:
@@ -728,7 +738,9 @@ class RamTier(Tier):
         self._copy_then_settle([res], evicted)
         return res
 
-    def reserve_many(self, namespace: str, sizes: Sequence[int]) -> tuple[list[Reservation | None], Evicted]:
+    def reserve_many(
+        self, namespace: str, sizes: Sequence[int], *, count_refusal: bool = True
+    ) -> tuple[list[Reservation | None], Evicted]:
         """Phase one of reserving writable slots for blocks of `sizes`, one after the other, evicting
         to make room; within the tenant's pin cap. The list stops at the first size that cannot fit
         (its None last) and every slot is reserved only if none is None.
@@ -740,8 +752,13 @@ class RamTier(Tier):
         Reservations are the server's own (a segment put, a bulk session): only server threads write
         into them, and their owner abandons whatever it did not commit, after its writer has ended.
         They never expire: a reservation reclaimed while its writer still ran would let that
-        writer's late bytes land in a slot reused for another key."""
-        return self._reserve_batch(namespace, [(n, None) for n in sizes], capped=True, stop=True)
+        writer's late bytes land in a slot reused for another key.
+
+        count_refusal=False: a refusal is not counted in the tier's `rejected` (a caller that then asks
+        again another way, which counts it: TierStack.reserve_in_thread)."""
+        return self._reserve_batch(
+            namespace, [(n, None) for n in sizes], capped=True, stop=True, count_refusal=count_refusal
+        )
 
     def _reserve_batch(
         self,
@@ -751,6 +768,7 @@ class RamTier(Tier):
         capped: bool,
         ttl_s: float = math.inf,
         stop: bool = False,
+        count_refusal: bool = True,
     ) -> tuple[list[Reservation | None], Evicted]:
         """A slot for each (nbytes, entry it replaces), under one hold of the lock; None where it
         cannot fit or (with `capped`) the tenant pins its share already; with `stop`, none after the
@@ -758,6 +776,7 @@ class RamTier(Tier):
         evicted = Evicted(region=self.region if self._on_evict is not None and self._copy_evicted else None)
         out: list[Reservation | None] = []
         with self._lock:
+            rejected = self._stats.rejected
             now = self._clock()
             self._reap_locked(now)
             part = self._partition(namespace)
@@ -766,6 +785,8 @@ class RamTier(Tier):
                 out.append(res)
                 if res is None and stop:
                     break
+            if not count_refusal:
+                self._stats.rejected = rejected
         return out, evicted
 
     def _reserve_locked(
