@@ -63,6 +63,7 @@ class FrameType(enum.IntEnum):
     RELEASED = 0x33  # server -> client: how many of them were live
     LOOKUP = 0x40  # client -> server: namespace, the caller's time left, keys
     LOOKED_UP = 0x41  # server -> client: the stored prefix's length and each of its keys' tier
+    PUT_MEM = 0x13  # client -> server, same host: namespace, a registered process, each block's head and range
     TOUCH = 0x50  # client -> server, same host: namespace, keys read out of the arena (counted as read)
     TOUCHED = 0x51  # server -> client: how many keys the TOUCH named
 
@@ -189,6 +190,59 @@ def parse_put(payload: bytes) -> tuple[str, list[tuple[bytes, int]]]:
     if len(payload) != at + count * _PUT_ENTRY.size:
         raise FrameError(f"PUT frame announces {count} blocks but its length disagrees")
     return namespace, [_PUT_ENTRY.unpack_from(payload, at + i * _PUT_ENTRY.size) for i in range(count)]
+
+
+_PUT_MEM_ENTRY = struct.Struct("<16sIQQQ")  # key, head length, address, range length, seal_before_ns
+_NAME_LEN = struct.Struct("<B")
+MAX_HEAD_BYTES = 64 << 10
+"""The most bytes of a PUT_MEM block sent inline before its range (a header), as Block.data beside
+Block.shm in a gRPC Put (kvcache_core.blockwire)."""
+
+
+def put_mem(namespace: str, process: str, blocks: Sequence[tuple[bytes, int, int, int, bytes]]) -> bytes:
+    """A PUT_MEM frame's payload: `process` the name the server gave the client's registration
+    (docs/shm.md, "Puts out of the client's memory"), then per block (key, address, length,
+    seal_before_ns, head): its head sent inline, then `length` bytes at `address` in the client's
+    memory, which the server reads itself; seal_before_ns nonzero: the server computes the checksum."""
+    name = process.encode("ascii")
+    parts = [_namespace(namespace), _NAME_LEN.pack(len(name)), name, _COUNT.pack(len(blocks))]
+    for key, address, length, seal_before_ns, head in blocks:
+        parts += [_PUT_MEM_ENTRY.pack(key, len(head), address, length, seal_before_ns), head]
+    return b"".join(parts)
+
+
+def parse_put_mem(payload: bytes) -> tuple[str, str, list[tuple[bytes, int, int, int, bytes]]]:
+    """(namespace, process, [(key, address, length, seal_before_ns, head)]). Raises FrameError when
+    malformed (a head over MAX_HEAD_BYTES included)."""
+    namespace, at = _read_namespace(payload, "PUT_MEM")
+    if len(payload) < at + 1:
+        raise FrameError("PUT_MEM frame too short")
+    (n,) = _NAME_LEN.unpack_from(payload, at)
+    at += 1
+    try:
+        process = payload[at : at + n].decode("ascii")
+    except UnicodeDecodeError:
+        raise FrameError("PUT_MEM process name is not ASCII") from None
+    at += n
+    if len(process) != n or len(payload) < at + _COUNT.size:
+        raise FrameError("PUT_MEM frame too short")
+    (count,) = _COUNT.unpack_from(payload, at)
+    at += _COUNT.size
+    blocks: list[tuple[bytes, int, int, int, bytes]] = []
+    for i in range(count):
+        if len(payload) < at + _PUT_MEM_ENTRY.size:
+            raise FrameError(f"PUT_MEM frame announces {count} blocks but ends in block {i}")
+        key, head_len, address, length, seal_before_ns = _PUT_MEM_ENTRY.unpack_from(payload, at)
+        at += _PUT_MEM_ENTRY.size
+        if head_len > MAX_HEAD_BYTES:
+            raise FrameError(f"PUT_MEM block {i}: a head of {head_len} bytes; at most {MAX_HEAD_BYTES}")
+        if len(payload) < at + head_len:
+            raise FrameError(f"PUT_MEM frame announces {count} blocks but ends in block {i}")
+        blocks.append((key, address, length, seal_before_ns, bytes(payload[at : at + head_len])))
+        at += head_len
+    if at != len(payload):
+        raise FrameError(f"PUT_MEM frame announces {count} blocks but its length disagrees")
+    return namespace, process, blocks
 
 
 def get(namespace: str, keys: Sequence[bytes], prefix_only: bool) -> bytes:

@@ -297,7 +297,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls", "arena_path", "arena_bytes", "shm_socket", "server_uid", "presence_path", "instance_id", "sealed_puts")
+    __slots__ = ("version", "max_block_bytes", "max_keys_per_request", "shm_dir", "block_parts", "bulk_port", "bulk_host", "bulk_tls", "bulk_put_mem", "arena_path", "arena_bytes", "shm_socket", "server_uid", "presence_path", "instance_id", "sealed_puts")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_KEYS_PER_REQUEST_FIELD_NUMBER: _ClassVar[int]
@@ -306,6 +306,7 @@ class InfoResponse(_message.Message):
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     BULK_HOST_FIELD_NUMBER: _ClassVar[int]
     BULK_TLS_FIELD_NUMBER: _ClassVar[int]
+    BULK_PUT_MEM_FIELD_NUMBER: _ClassVar[int]
     ARENA_PATH_FIELD_NUMBER: _ClassVar[int]
     ARENA_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHM_SOCKET_FIELD_NUMBER: _ClassVar[int]
@@ -321,6 +322,7 @@ class InfoResponse(_message.Message):
     bulk_port: int
     bulk_host: str
     bulk_tls: bool
+    bulk_put_mem: bool
     arena_path: str
     arena_bytes: int
     shm_socket: str
@@ -328,7 +330,7 @@ class InfoResponse(_message.Message):
     presence_path: str
     instance_id: int
     sealed_puts: bool
-    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., shm_socket: _Optional[str] = ..., server_uid: _Optional[int] = ..., presence_path: _Optional[str] = ..., instance_id: _Optional[int] = ..., sealed_puts: _Optional[bool] = ...) -> None: ...
+    def __init__(self, version: _Optional[str] = ..., max_block_bytes: _Optional[int] = ..., max_keys_per_request: _Optional[int] = ..., shm_dir: _Optional[str] = ..., block_parts: _Optional[bool] = ..., bulk_port: _Optional[int] = ..., bulk_host: _Optional[str] = ..., bulk_tls: _Optional[bool] = ..., bulk_put_mem: _Optional[bool] = ..., arena_path: _Optional[str] = ..., arena_bytes: _Optional[int] = ..., shm_socket: _Optional[str] = ..., server_uid: _Optional[int] = ..., presence_path: _Optional[str] = ..., instance_id: _Optional[int] = ..., sealed_puts: _Optional[bool] = ...) -> None: ...
 
 class ArenaReserveRequest(_message.Message):
     __slots__ = ("namespace", "lengths")

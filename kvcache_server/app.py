@@ -202,6 +202,10 @@ async def create_server(config: ServerConfig) -> RunningServer:
         service.bulk = bulk
     handoff = _open_handoff(config.shm, shm, tokens)
     service.handoff = handoff
+    if bulk is not None and handoff is not None:
+        bulk.use_registry(
+            handoff.registry, service._counters, service
+        )  # PUT_MEM: puts out of registered processes' memory
     await server.start()
     running = RunningServer(
         server=server,

@@ -60,6 +60,9 @@ class ProcessReads:
         self.executor = DaemonThreads(READ_THREADS, "kvcache-process-read")
         self.same_clock = same_clock  # its CLOCK_MONOTONIC is the server's: it may seal (same_clock())
         self._stage: asyncio.Semaphore | None = None  # made on the event loop, at its first use
+        # The same for a bulk session's PUT_MEM (a session thread): held before it reserves arena room
+        # until its reads end. Apart from `stage`: a process holds at most STAGE_CALLS of each.
+        self.thread_stage = threading.BoundedSemaphore(STAGE_CALLS)
 
     @property
     def stage(self) -> asyncio.Semaphore:

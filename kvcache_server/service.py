@@ -411,4 +411,5 @@ class KVCacheService(InPlaceRPCs, PutStages, GetStages, pb_grpc.KVCacheServicer)
             presence_path=self._stack.ram.presence_path(principal.tenant if principal is not None else ""),
             instance_id=self._stack.ram.instance_id,
             sealed_puts=self.handoff is not None,
+            bulk_put_mem=self.bulk is not None and self.handoff is not None,
         )

@@ -359,13 +359,7 @@ async def read_ranges_into_slots_in_lanes(
     if lanes <= 1:
         await read_ranges_into_slots_in_thread(reads, check, executor)
         return
-    total = sum(len(r[4]) for r in reads)
-    groups: list[list[tuple[int, int, int, ShmRange, memoryview]]] = [[] for _ in range(lanes)]
-    done = 0
-    for r in reads:
-        groups[min(lanes - 1, done * lanes // total)].append(r)
-        done += len(r[4])
-    lead, *rest = [g for g in groups if g]
+    lead, *rest = _lane_groups(reads, lanes)
     held = _HeldUntilReleased(executor) if executor is not None else None
 
     async def leading() -> None:
@@ -385,6 +379,78 @@ async def read_ranges_into_slots_in_lanes(
     for result in (first, *others):
         if isinstance(result, BaseException):
             raise result
+
+
+def _lane_groups(
+    reads: Sequence[tuple[int, int, int, ShmRange, memoryview]], lanes: int
+) -> list[list[tuple[int, int, int, ShmRange, memoryview]]]:
+    """`reads` in `lanes` runs of consecutive blocks of about equal bytes (the empty ones left out)."""
+    total = sum(len(r[4]) for r in reads)
+    groups: list[list[tuple[int, int, int, ShmRange, memoryview]]] = [[] for _ in range(lanes)]
+    done = 0
+    for r in reads:
+        groups[min(lanes - 1, done * lanes // total)].append(r)
+        done += len(r[4])
+    return [g for g in groups if g]
+
+
+def read_ranges_into_slots_here(
+    reads: Sequence[tuple[int, int, int, ShmRange, memoryview]],
+    check: Callable[[int, memoryview, Fill], None],
+    executor: Executor,
+) -> None:
+    """read_ranges_into_slots_in_lanes for a caller in a thread that may block (a bulk session's): the
+    first lane in this thread, through the caller's descriptors, the others on `executor`, each owning
+    duplicates of its descriptors. Every lane is waited for, however any of them ends, before this
+    returns or raises (a lane that failed stops the others before their next block): no write into a
+    slot outlives it.
+
+    Raises:
+        ShmError (FAILED_PRECONDITION where the executor is shut down: the client process's
+        registration ended), or whatever `check` raises: the first lane's (in block order) that failed.
+    """
+    lead, *rest = _lane_groups(reads, lanes_for(reads))
+    stop = threading.Event()
+    started: list[Future[None]] = []
+    failure: BaseException | None = None
+    try:
+        for group in rest:
+            own = _duplicates([fd for _, fd, _, _, _ in group])
+            mine = [(where, own[fd], size, ref, buffer) for where, fd, size, ref, buffer in group]
+            try:
+                started.append(executor.submit(_read_and_close, mine, check, stop, list(own.values())))
+            except RuntimeError:  # shut down: the registration was dropped
+                for fd in own.values():
+                    os.close(fd)
+                raise ShmError(
+                    grpc.StatusCode.FAILED_PRECONDITION, "the client process's registration ended during the call"
+                ) from None
+        read_ranges_into(lead, check, stop)
+    except BaseException as exc:
+        failure = exc
+        stop.set()
+    for lane in started:  # waited for, whatever happened: each writes into slots until it ends
+        try:
+            lane.result()
+        except BaseException as exc:
+            if failure is None:
+                failure = exc
+                stop.set()
+    if failure is not None:
+        raise failure
+
+
+def _read_and_close(
+    reads: list[tuple[int, int, int, ShmRange, memoryview]],
+    check: Callable[[int, memoryview, Fill], None],
+    stop: threading.Event,
+    fds: list[int],
+) -> None:
+    try:
+        read_ranges_into(reads, check, stop)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 class _HeldUntilReleased(Executor):

@@ -69,7 +69,9 @@ def _expected(keys: list[bytes], payloads: list[np.ndarray]) -> list[bytes]:
 
 
 class _Sent:
-    """Every range the gRPC transports put, captured on its way to the server."""
+    """Every range the gRPC transports put, captured on its way to the server. The blocking clients of
+    these tests have no bulk port (bulk=False): with one, a same-host put out of this process's memory
+    is a PUT_MEM frame instead of a gRPC Put (tests/test_bulk_put_mem.py), sealed the same way."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.ranges: list[ShmRange] = []
@@ -105,7 +107,7 @@ def test_put_payloads_on_the_same_host_leaves_the_checksums_to_the_server(
     monkeypatch.setattr(sealing, "encode_bytes_parts", no_encoding)
     keys = [os.urandom(16) for _ in range(6)]
     payloads = _payloads(4, 2 << 20, 1) + _payloads(2, 300_000, 2)  # two sizes: two headers
-    with KVCacheClient(server.target) as client:
+    with KVCacheClient(server.target, bulk=False) as client:
         assert client.put_payloads(NS, keys, payloads).stored == 6
         assert client._transport.shm.process.state == "on"
         got = [bytes(g) for g in client.get_many(NS, keys)]  # type: ignore[arg-type]
@@ -116,7 +118,7 @@ def test_put_payloads_on_the_same_host_leaves_the_checksums_to_the_server(
     monkeypatch.setattr(sealing, "encode_bytes_parts", encode)
 
     async def from_asyncio() -> list[bytes]:
-        async with AsyncKVCacheClient(server.target) as c:
+        async with AsyncKVCacheClient(server.target, bulk=False) as c:
             assert (await c.put_payloads("async", akeys, apayloads)).stored == 3
             return [bytes(g) for g in await c.get_many("async", akeys)]  # type: ignore[arg-type]
 
@@ -273,7 +275,7 @@ def test_a_sealed_put_the_server_cannot_take_is_put_again_checksummed_by_the_sdk
     monkeypatch.setattr(sealing, "SEAL_WINDOW_BYTES_PER_S", 1e15)  # a window of microseconds
     keys = [os.urandom(16) for _ in range(4)]
     payloads = _payloads(4, 1 << 20, 9)
-    with KVCacheClient(server.target) as client:
+    with KVCacheClient(server.target, bulk=False) as client:
         assert client.put_payloads(NS, keys, payloads).stored == 4
         assert [bytes(g) for g in client.get_many(NS, keys)] == _expected(keys, payloads)  # type: ignore[arg-type]
         assert [r.seal for r in sent.ranges] == [True] * 4 + [False] * 4
@@ -286,7 +288,7 @@ def test_a_sealed_put_the_server_cannot_take_is_put_again_checksummed_by_the_sdk
 
     monkeypatch.setattr(put_stage, "check_block_for_put", unsealing)
     keys = [os.urandom(16) for _ in range(4)]
-    with KVCacheClient(server.target) as client:
+    with KVCacheClient(server.target, bulk=False) as client:
         assert client.put_payloads(NS, keys, payloads).stored == 4
         assert not client._transport.shm.process.sealing
         assert client.put_payloads(NS, keys[:2], payloads[:2]).stored == 2  # not sealed again
@@ -308,7 +310,7 @@ def test_a_sealed_put_interrupted_in_the_client_returns_only_once_the_server_may
         seen.extend(d.seal_before_ns for _, d in items if isinstance(d, ShmRange))
         raise KeyboardInterrupt
 
-    with KVCacheClient(server.target) as client:
+    with KVCacheClient(server.target, bulk=False) as client:
         client.lookup(NS, [os.urandom(16)])  # Info taken, the process registered
         monkeypatch.setattr(transport.GrpcTransport, "_send_put", interrupted)
         with pytest.raises(KeyboardInterrupt):
@@ -338,7 +340,7 @@ def test_a_sealed_put_gRPC_ended_on_the_client_side_waits_out_the_servers_reads_
         attempts.extend((d.seal_before_ns, time.monotonic_ns()) for _, d in items if isinstance(d, ShmRange))
         raise _Unavailable()
 
-    with KVCacheClient(server.target) as client:
+    with KVCacheClient(server.target, bulk=False) as client:
         client.lookup(NS, [os.urandom(16)])
         monkeypatch.setattr(transport.GrpcTransport, "_send_put", lost)
         with pytest.raises(KVCacheError):
@@ -407,7 +409,7 @@ def test_put_tensors_on_the_same_host_is_sealed_by_the_server_and_stores_what_it
     ]
     keys = [os.urandom(16) for _ in tensors]
     expected = [b"".join(bytes(p) for p in tensor_block_parts(t, k)) for k, t in zip(keys, tensors, strict=True)]
-    with KVCacheClient(server.target) as client:
+    with KVCacheClient(server.target, bulk=False) as client:
         assert client.put_tensors(NS, keys, tensors).stored == 3
         assert [bytes(g) for g in client.get_many(NS, keys)] == expected  # type: ignore[arg-type]
         back = client.get_tensors(NS, keys)
@@ -416,7 +418,7 @@ def test_put_tensors_on_the_same_host_is_sealed_by_the_server_and_stores_what_it
     assert _counters(server)["sealed_blocks"] == 3
 
     async def from_asyncio() -> list[bytes]:
-        async with AsyncKVCacheClient(server.target) as c:
+        async with AsyncKVCacheClient(server.target, bulk=False) as c:
             assert (await c.put_tensors("async", keys, tensors)).stored == 3
             return [bytes(g) for g in await c.get_many("async", keys)]  # type: ignore[arg-type]
 

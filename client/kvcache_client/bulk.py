@@ -42,6 +42,7 @@ from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.errors import RPCError
 from kvcache_client.inplace_core import BulkRefusal
 from kvcache_client.local_reads import land_plan, plan
+from kvcache_client.messages import PROCESS_MESSAGE_BYTES
 from kvcache_client.results import (
     TIER_NAMES,
     Fetched,
@@ -51,11 +52,11 @@ from kvcache_client.results import (
     ServerStats,
     TierPutResult,
 )
-from kvcache_client.sealing import encoded_off_loop, payload_items
-from kvcache_client.shm import run_to_end
+from kvcache_client.sealing import MIN_FALLBACK_S, encoded_off_loop, payload_items, sealed_ranges, wait_out
+from kvcache_client.shm import MIN_PUT_BYTES, run_to_end
 from kvcache_client.transport import AsyncGrpcTransport, GrpcTransport
 from kvcache_core import bulkwire as bw
-from kvcache_core.blockwire import BlockData, Buffer, data_len
+from kvcache_core.blockwire import BlockData, Buffer, ShmRange, data_len
 from kvcache_proto import kvcache_pb2 as pb
 
 T = TypeVar("T")
@@ -126,6 +127,19 @@ log = logging.getLogger(__name__)
 _SHM_ON = "the same-host shared-memory path is on"
 
 
+_PUT_MEM_ELSEWHERE = frozenset(
+    {
+        grpc.StatusCode.ABORTED,  # a sealed block read too late, or from another clock
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.DATA_LOSS,  # sealed: a server that took the zero for a checksum
+        grpc.StatusCode.FAILED_PRECONDITION,  # the registration is gone (a restart), or no segment socket
+        grpc.StatusCode.RESOURCE_EXHAUSTED,  # no room for the slots now: gRPC reads them into memory first
+    }
+)
+"""A PUT_MEM refused so is put again through gRPC (GrpcTransport.put, put_payloads), within what is
+left of the caller's deadline; any other refusal is the put's outcome."""
+
+
 class BulkLink:
     """Whether this client uses the bulk path, its pool, and which path moved the bytes.
 
@@ -167,6 +181,7 @@ class BulkLink:
         self.same_host_put_bytes = SAME_HOST_BULK_PUT_BYTES  # 0: every same-host put through a segment
         self.same_host_get_bytes = SAME_HOST_BULK_GET_BYTES  # 0: every same-host get leases in place
         self.read_in_place = True  # get_into copies straight out of the arena where blocks are located
+        self.puts_mem = False  # same-host puts out of this process's memory go as PUT_MEM frames (Info.bulk_put_mem)
         self._lock = threading.Lock()
 
     @property
@@ -205,6 +220,7 @@ class BulkLink:
             )
             if shm_on:  # blocks move through shared memory; the port carries the in-place reads' leases
                 self.lease_pool = pool
+                self.puts_mem = info.bulk_put_mem  # and puts out of this process's memory (PUT_MEM)
                 self._off(_SHM_ON)  # reconsidered once shared memory turns off (reconsider)
                 return
             self.pool = pool
@@ -260,6 +276,26 @@ class BulkLink:
         lanes = stripes(sizes, wide, self.request_bytes)
         done = [d for per_lane in pool.parallel([lane(r) for r in lanes], deadline) for d in per_lane]
         self.counters.add("bulk_bytes_sent", sum(sizes))
+        return _put_result(done)
+
+    def put_mem(
+        self, pool: BulkPool, namespace: str, refs: Sequence[tuple[bytes, ShmRange]], timeout_s: float
+    ) -> PutResult:
+        """Blocks the server reads out of this process's memory (ProcessLink's ranges, all of one
+        registration), as PUT_MEM frames of at most PROCESS_MESSAGE_BYTES each (what the server reserves
+        at once), one after the other on one connection."""
+        deadline = time.monotonic() + timeout_s
+        groups: list[list[tuple[bytes, ShmRange]]] = [[]]
+        size = 0
+        for key, ref in refs:
+            if groups[-1] and size + ref.block_length > PROCESS_MESSAGE_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append((key, ref))
+            size += ref.block_length
+        process = refs[0][1].segment
+        done = pool.run(lambda conn: [conn.put_mem(namespace, process, g, deadline) for g in groups], deadline)
+        self.counters.add("put_mem_bytes", sum(ref.block_length for _, ref in refs))
         return _put_result(done)
 
     def get(
@@ -527,6 +563,15 @@ class BulkTransport:
                 return self.link.put(pool, namespace, items, timeout_s - (time.monotonic() - start))
             except BulkUnreachable as exc:
                 self.link.unreachable(pool, str(exc))
+        elif (mem := self._put_mem_pool(nbytes)) is not None and (refs := self.inner.shm.process.ranges(items)):
+            try:  # checksummed here: a buffer changed under the server's read fails its block, nothing else
+                return self.link.put_mem(mem, namespace, refs, timeout_s - (time.monotonic() - start))
+            except BulkUnreachable as exc:
+                self.link.lease_down(str(exc))
+            except RPCError as exc:
+                if exc.code not in _PUT_MEM_ELSEWHERE or timeout_s - (time.monotonic() - start) < MIN_FALLBACK_S:
+                    raise
+            self.link.counters.add("fallbacks", 1)
         result = self.inner.put(namespace, items, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_sent", nbytes)
         return result
@@ -547,6 +592,11 @@ class BulkTransport:
         start = time.monotonic()
         on_grpc = retain_ttl_s or (self._pool(nbytes, timeout_s) is None and nbytes >= self.link.same_host_put_bytes)
         left = timeout_s - (time.monotonic() - start)
+        if on_grpc and not retain_ttl_s and (mem := self._put_mem_pool(nbytes)) is not None:
+            done = self._put_mem_sealed(mem, namespace, keys, payloads, left, headers)
+            if done is not None:
+                return done
+            left = timeout_s - (time.monotonic() - start)
         if on_grpc:
             result = self.inner.put_payloads(
                 namespace, keys, payloads, left, retain_ttl_s=retain_ttl_s, headers=headers
@@ -554,6 +604,52 @@ class BulkTransport:
             self.link.counters.add("grpc_bytes_sent", nbytes)
             return result
         return self.put(namespace, payload_items(keys, payloads, headers), left, retain_ttl_s=retain_ttl_s)
+
+    def _put_mem_pool(self, nbytes: int) -> BulkPool | None:
+        """Where a same-host put out of this process's memory goes as PUT_MEM frames: the same-host
+        pool of a server whose Info says bulk_put_mem, for a put the process path takes (MIN_PUT_BYTES);
+        None: through gRPC (GrpcTransport.put, put_payloads)."""
+        if not self.link.puts_mem or nbytes < MIN_PUT_BYTES or self.inner.shm.process.state != "on":
+            return None
+        return self.link.lease_pool
+
+    def _put_mem_sealed(
+        self,
+        pool: BulkPool,
+        namespace: str,
+        keys: Sequence[bytes],
+        payloads: Sequence[Buffer],
+        timeout_s: float,
+        headers: Sequence[bytes] | None,
+    ) -> PutResult | None:
+        """GrpcTransport.put_payloads's sealed put, as PUT_MEM frames: None where it did not store the
+        blocks and another path may (not sealable here, the connection failed, or a refusal a put
+        checksummed by the SDK avoids). As there, this returns only once the server can no longer
+        store what it reads: its answer (the server answers once its reads are over), or, where the
+        connection failed or the deadline came first, after waiting out seal_before_ns."""
+        start = time.monotonic()
+        sealed = sealed_ranges(self.inner.shm, keys, payloads, timeout_s, headers)
+        if sealed is None:
+            return None
+        try:
+            return self.link.put_mem(pool, namespace, sealed.refs, sealed.window_s)
+        except BulkUnreachable as exc:  # the server may still be reading: until before_ns
+            wait_out(sealed)
+            self.link.lease_down(str(exc))
+        except RPCError as exc:
+            if exc.code is grpc.StatusCode.DEADLINE_EXCEEDED:
+                wait_out(sealed)  # not answered in time: the server may still be reading (past before_ns: none)
+            elif exc.code is grpc.StatusCode.DATA_LOSS:  # a server that took the zero for a checksum
+                self.inner.shm.process.sealing = False
+            if exc.code not in _PUT_MEM_ELSEWHERE or timeout_s - (time.monotonic() - start) < MIN_FALLBACK_S:
+                raise
+        except BaseException:  # interrupted here: the server may read until before_ns
+            wait_out(sealed)
+            raise
+        finally:
+            del sealed  # the payloads' exports, held until the server's reads are over
+        self.link.counters.add("fallbacks", 1)
+        return None
 
     def get(self, namespace: str, keys: Sequence[bytes], prefix_only: bool, timeout_s: float) -> list[Fetched | None]:
         start = time.monotonic()

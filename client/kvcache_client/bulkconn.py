@@ -29,7 +29,7 @@ from kvcache_client.bufpool import BufferPool
 from kvcache_client.errors import DeadlineExceeded, ResourceExhausted, RPCError, error_for
 from kvcache_client.results import TIER_NAMES, Fetched
 from kvcache_core import bulkwire as bw
-from kvcache_core.blockwire import BlockData, data_len
+from kvcache_core.blockwire import BlockData, ShmRange, data_len
 from kvcache_core.format import FIXED_HEADER_BYTES, MAX_NDIM, BlockFormatError, parse_header, verify_payload_in_pieces
 
 T = TypeVar("T")
@@ -53,6 +53,7 @@ class BulkCounters:
     reconnects: int = 0  # pooled connections found closed and replaced within a call
     bulk_lookups: int = 0  # Lookups answered over the bulk port (LOOKUP frames)
     touches_unanswered: int = 0  # TOUCHes whose answers were left to the connection's next request
+    put_mem_bytes: int = 0  # same-host puts the server read out of this process's memory on the bulk port (PUT_MEM)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def add(self, name: str, n: int) -> None:
@@ -241,6 +242,16 @@ class BulkConnection:
             buffers.extend(data if isinstance(data, tuple) else (data,))  # type: ignore[arg-type]
         self.send(buffers, deadline)
         return self._answer(bw.FrameType.PUT_DONE, bw.parse_put_done, "PUT", deadline)
+
+    def put_mem(
+        self, namespace: str, process: str, refs: Sequence[tuple[bytes, ShmRange]], deadline: float
+    ) -> bw.PutDone:
+        """A PUT_MEM: blocks the server reads out of this process's memory (`process` its registration's
+        name; each ShmRange an address, a length, a head, and seal_before_ns for a sealed one)."""
+        blocks = [(key, ref.offset, ref.length, ref.seal_before_ns, ref.head) for key, ref in refs]
+        payload = bw.put_mem(namespace, process, blocks)
+        self.send([bw.header(bw.FrameType.PUT_MEM, len(payload)), payload], deadline)
+        return self._answer(bw.FrameType.PUT_DONE, bw.parse_put_done, "PUT_MEM", deadline)
 
     def _answer(
         self, kind: bw.FrameType, parse: Callable[[bytes], T], what: str, deadline: float, limit: int = 1 << 20

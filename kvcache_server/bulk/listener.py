@@ -16,6 +16,7 @@ import socket
 import ssl
 import threading
 import time
+from typing import Any
 
 import grpc
 
@@ -23,6 +24,8 @@ from kvcache_core import bulkwire as bw
 from kvcache_server.auth import Authenticator
 from kvcache_server.budget import MemoryBudget
 from kvcache_server.config import ServerConfig, TlsSection
+from kvcache_server.handoff import HandoffRegistry
+from kvcache_server.pipeline import Counters
 from kvcache_server.pipeline.get import BlockSizes
 from kvcache_server.stack import TierStack
 
@@ -66,6 +69,7 @@ class BulkListener:
         self._budget = budget
         self._block_sizes = block_sizes or BlockSizes()
         self._authenticator = authenticator
+        self._shared: Shared | None = None
         self._tls = server_tls_context(config.tls) if config.tls.enabled else None
         bulk = config.bulk
         self.admission: ConnectionAdmission[threading.Thread] = ConnectionAdmission(
@@ -126,11 +130,20 @@ class BulkListener:
             block_sizes=self._block_sizes,
             lease_timeout_s=self._config.ram.lease_timeout_s,
         )
+        self._shared = shared
         self._accept_thread = threading.Thread(
             target=self._accept_forever, args=(shared,), name="kvcache-bulk-accept", daemon=True
         )
         self._accept_thread.start()
         return self.port
+
+    def use_registry(self, registry: HandoffRegistry, put_counters: Counters, service: Any) -> None:
+        """The segment socket's registrations, for PUT_MEM (the socket opens after this listener), and
+        the service's Put counters, which a PUT_MEM moves as a gRPC Put of the same ranges does."""
+        if self._shared is not None:
+            self._shared.registry = registry
+            self._shared.put_counters = put_counters
+            self._shared.service = service
 
     def _accept_forever(self, shared: Shared) -> None:
         assert self._sock is not None

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import socket
 import sys
 import threading
@@ -41,14 +42,21 @@ import grpc
 import numpy as np
 
 from kvcache_core import bulkwire as bw
+from kvcache_core.blockwire import ShmRange
 from kvcache_core.errors import ChecksumMismatch, UnknownFormatVersion
-from kvcache_core.format import BlockFormatError, verify_block_in_pieces
+from kvcache_core.format import CHECKSUM_AT, FIXED_HEADER_BYTES, BlockFormatError, verify_block_in_pieces
+from kvcache_server.arena import Reservation
 from kvcache_server.auth import Authenticator, AuthError, Principal
 from kvcache_server.budget import Holding, MemoryBudget
 from kvcache_server.config import BulkSection, LimitsSection
+from kvcache_server.handoff import HandoffRegistry
+from kvcache_server.pipeline import Counters
 from kvcache_server.pipeline.get import BlockSizes, locate_window
 from kvcache_server.pipeline.inplace import leading_leases, releasing_tenant
+from kvcache_server.pipeline.verify import BlockRefused, check_block_for_put
+from kvcache_server.procmem import ProcessReads
 from kvcache_server.refusal import Refused
+from kvcache_server.shm import read_ranges_into_slots_here
 from kvcache_server.stack import Found, PutOutcome, TierStack
 from kvcache_server.tiers.base import TierKind
 
@@ -94,6 +102,25 @@ async def _then_release(coro: Coroutine[Any, Any, T], held: Holding, started: li
         return await coro
     finally:
         held.release_all()
+
+
+async def _committed_reserved(
+    stack: TierStack, namespace: str, items: list[tuple[bytes, Reservation]], started: list[bool]
+) -> PutOutcome:
+    """put_reserved on the loop; whatever it did not commit is abandoned as it ends. `started` is set
+    as it starts (a task cancelled before its first step never runs this: _abandon_unless_started)."""
+    started.append(True)
+    try:
+        return await stack.put_reserved(namespace, items)
+    finally:
+        stack.ram.abandon([res.id for _, res in items])
+
+
+def _abandon_unless_started(started: list[bool], stack: TierStack, ids: list[int]) -> None:
+    """On the loop, after a session gave up on a _committed_reserved: its reservations abandoned if it
+    never started (a commit that starts after this finds them gone and stores nothing)."""
+    if not started:
+        stack.ram.abandon(ids)
 
 
 def _unless_started(started: list[bool], commit: Coroutine[Any, Any, Any], slots: list[Slot], abandon: Any) -> None:
@@ -167,6 +194,9 @@ class Shared:
     admission: ConnectionAdmission[threading.Thread]
     block_sizes: BlockSizes
     lease_timeout_s: float = 30.0  # ram.lease_timeout_s: how long a LEASE's leases last
+    registry: HandoffRegistry | None = None  # the segment socket's registrations (PUT_MEM), once it is open
+    put_counters: Counters | None = None  # the gRPC Put's counters, which PUT_MEM moves as a Put of ranges does
+    service: Any = None  # the KVCacheService: its inplace_bytes_received, which PUT_MEM's commits add to
 
 
 class _Batch:
@@ -358,6 +388,8 @@ class Session:
                     self._lookup(length, deadline)
                 elif kind is bw.FrameType.TOUCH:
                     self._touch(length, deadline)
+                elif kind is bw.FrameType.PUT_MEM:
+                    self._put_mem(length, deadline)
                 else:
                     raise bw.FrameError(f"unexpected {kind.name} frame where a request must start")
         except Refused as exc:
@@ -448,26 +480,7 @@ class Session:
         namespace, entries = bw.parse_put(self._control(bw.FrameType.PUT, length, deadline))
         self._authorize("Put")
         scoped = self._namespace(namespace)
-        limits = self._s.limits
-        if not entries:
-            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "PUT carried no blocks")
-        if len(entries) > limits.max_put_stream_blocks:
-            raise Refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"{len(entries)} blocks exceed max_put_stream_blocks={limits.max_put_stream_blocks}; split it",
-            )
-        for i, (_, n) in enumerate(entries):
-            if n > limits.max_block_bytes:
-                raise Refused(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED,
-                    f"block {i}: {n} bytes exceed max_block_bytes={limits.max_block_bytes}",
-                )
-        total = sum(n for _, n in entries)
-        if total > limits.max_put_stream_bytes:
-            raise Refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"PUT of {total} bytes exceeds max_put_stream_bytes={limits.max_put_stream_bytes}; split it",
-            )
+        total = self._put_sizes([n for _, n in entries])
         held = self._s.budget.holding(self.tenant)
         if total <= _STAGED_PUT_BYTES:  # small: received first, then one trip to the loop
             self._put_staged(scoped, entries, total, held, deadline)
@@ -523,6 +536,174 @@ class Session:
                 self._release(held)
         self._s.counters.add("puts")
         self._put_done(outcome, len(entries), total, deadline)
+
+    def _put_sizes(self, sizes: list[int]) -> int:
+        """A PUT's (or PUT_MEM's) blocks, checked against the limits; their total.
+
+        Raises:
+            Refused: INVALID_ARGUMENT (no block), RESOURCE_EXHAUSTED (too many, too large).
+        """
+        limits = self._s.limits
+        if not sizes:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "PUT carried no blocks")
+        if len(sizes) > limits.max_put_stream_blocks:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(sizes)} blocks exceed max_put_stream_blocks={limits.max_put_stream_blocks}; split it",
+            )
+        for i, n in enumerate(sizes):
+            if n > limits.max_block_bytes:
+                raise Refused(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"block {i}: {n} bytes exceed max_block_bytes={limits.max_block_bytes}",
+                )
+        total = sum(sizes)
+        if total > limits.max_put_stream_bytes:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"PUT of {total} bytes exceeds max_put_stream_bytes={limits.max_put_stream_bytes}; split it",
+            )
+        return total
+
+    # -- PUT_MEM: a same-host put out of the client's own memory (docs/shm.md) -------------------
+
+    def _put_mem(self, length: int, deadline: Deadline) -> None:
+        """A Put of ranges of a registered client process's memory, as the gRPC Put's Block.shm of a
+        process's name (docs/shm.md, "Puts out of the client's memory"), without a gRPC call: the
+        registration bound to this connection's tenant, each block read (process_vm_readv) straight
+        into an arena slot and verified there, or sealed (its checksum computed over what landed,
+        ShmRange.seal_before_ns) and stored only if read before the client's deadline; the reads in
+        lanes (this thread the first, the process's own read threads the others), one PUT_MEM of a
+        process reading at a time. On a server of RAM alone the slots are reserved and committed in
+        this thread (TierStack.commits_off_loop), elsewhere on the loop. Where RAM has no room for the
+        slots now, RESOURCE_EXHAUSTED, having read nothing: the SDK puts them through gRPC, which
+        reads them into memory first.
+
+        Raises:
+            Refused: as the gRPC Put of such ranges (FAILED_PRECONDITION: no such registration of this
+                tenant; ABORTED: a sealed block read too late, or another clock; DATA_LOSS ...).
+        """
+        namespace, name, entries = bw.parse_put_mem(self._control(bw.FrameType.PUT_MEM, length, deadline))
+        self._authorize("Put")
+        scoped = self._namespace(namespace)
+        refs = [(key, ShmRange(name, address, n, head, seal)) for key, address, n, seal, head in entries]
+        total = self._put_sizes([ref.block_length for _, ref in refs])
+        registry = self._s.registry
+        if registry is None:
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "this server has no segment socket: PUT_MEM names none")
+        fd, size = registry.open(name, self.tenant, writable=False)
+        try:
+            if size >= 0:
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"PUT_MEM names {name}, not a registered process")
+            process = registry.reads(name)
+            if process is None:
+                raise Refused(
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    f"{name}: the client process's registration ended; send the bytes another way",
+                )
+            for i, (_, ref) in enumerate(refs):
+                if ref.seal and (len(ref.head) < FIXED_HEADER_BYTES or any(ref.head[CHECKSUM_AT : CHECKSUM_AT + 8])):
+                    raise Refused(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"block {i}: a sealed block sends its header inline, with checksum 0",
+                    )
+            due = min((ref.seal_before_ns for _, ref in refs if ref.seal), default=0)
+            wait_s = (due - time.monotonic_ns()) / 1e9 if due else self._s.bulk.request_timeout_s
+            if not process.thread_stage.acquire(timeout=max(0.0, wait_s)):
+                raise Refused(
+                    grpc.StatusCode.ABORTED if due else grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{name}: another put of this process is still reading it",
+                )
+            try:
+                self._in_time(refs, process)
+                outcome = self._read_mem_into_slots(scoped, refs, fd, size, process, total)
+            finally:
+                process.thread_stage.release()
+        finally:
+            os.close(fd)
+        self._s.counters.add("puts")
+        self._put_done(outcome, len(refs), total, deadline)
+
+    def _in_time(self, refs: list[tuple[bytes, ShmRange]], process: ProcessReads) -> None:
+        """The gRPC Put's _sealed_in_time: a sealed block read at or after its client's seal_before_ns
+        (or from a process of another clock) is not stored, ABORTED (the SDK puts it again)."""
+        due = min((ref.seal_before_ns for _, ref in refs if ref.seal), default=0)
+        if due and not process.same_clock:
+            message = "sealed blocks from a process whose CLOCK_MONOTONIC is not the server's (a time namespace)"
+            raise Refused(grpc.StatusCode.ABORTED, message)
+        if due and time.monotonic_ns() >= due:
+            if (counters := self._s.put_counters) is not None:
+                counters.sealed_too_late += 1
+            raise Refused(
+                grpc.StatusCode.ABORTED,
+                "sealed blocks read after the client's seal_before_ns: not stored (the client puts them again)",
+            )
+
+    def _read_mem_into_slots(
+        self,
+        scoped: str,
+        refs: list[tuple[bytes, ShmRange]],
+        fd: int,
+        size: int,
+        process: ProcessReads,
+        total: int,
+    ) -> PutOutcome:
+        """_put_mem's slots: reserved, read into and verified (or sealed) in lanes, committed. Every
+        reservation not committed is abandoned, after every lane ended, however this ends."""
+        stack = self._s.stack
+        sizes = [ref.block_length for _, ref in refs]
+        held = self._s.budget.holding(self.tenant)
+        made = stack.reserve_in_thread(scoped, sizes) if held.would_fit(total) else None
+        in_thread = made is not None
+        if made is None:
+            made = self._on_loop(stack.reserve_many(scoped, sizes), undo=self._abandon_reservations)
+        if made is None:
+            raise Refused(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                "RAM has no room for this put's slots now (leases or reservations pin it): put it another way",
+            )
+        ids = [res.id for res in made]
+        owned = True  # until a commit on the loop takes them over
+        try:
+            keys = [key for key, _ in refs]
+            limit = self._s.limits.max_block_bytes
+
+            def check(where: int, slot: memoryview, fill: Callable[[int, int], None]) -> None:
+                check_block_for_put(where, keys[where], slot, limit, fill, seal=refs[where][1].seal)
+
+            reads = [(i, fd, size, ref, res.buffer) for i, ((_, ref), res) in enumerate(zip(refs, made, strict=True))]
+            counters = self._s.put_counters
+            try:
+                read_ranges_into_slots_here(reads, check, process.executor)
+            except BlockRefused as exc:
+                if exc.checksum and counters is not None:
+                    counters.put_checksum_failures += 1
+                raise
+            self._in_time(refs, process)
+            if counters is not None:  # as a gRPC Put of these ranges counts them
+                counters.shm_bytes_received += total
+                counters.sealed_blocks += sum(1 for _, ref in refs if ref.seal)
+            items = [(key, res) for key, res in zip(keys, made, strict=True)]
+            outcome = stack.commit_in_thread(scoped, items) if in_thread else None
+            if outcome is None:
+                owned = False  # the commit on the loop owns them from here, or _abandon_unless_started does
+                started: list[bool] = []
+                try:
+                    outcome = self._on_loop(_committed_reserved(stack, scoped, items, started))
+                except BaseException:
+                    self._s.loop.call_soon_threadsafe(_abandon_unless_started, started, stack, ids)
+                    raise
+        finally:
+            if owned:
+                stack.ram.abandon(ids)
+        if self._s.service is not None:  # committed from the server's reservations, as the gRPC Put counts them
+            kept = sum(res.length for res, ok in zip(made, outcome.kept, strict=True) if ok)
+            self._s.service.inplace_bytes_received += kept
+        return outcome
+
+    def _abandon_reservations(self, made: list[Reservation] | None) -> None:
+        if made:
+            self._s.stack.ram.abandon([res.id for res in made])
 
     def _put_staged(
         self, namespace: str, entries: list[tuple[bytes, int]], total: int, held: Holding, deadline: Deadline
