@@ -109,6 +109,11 @@ class DaemonThreads(Executor):
         self._idle = 0
         self._closed = False
 
+    @property
+    def closed(self) -> bool:
+        """Shut down: submit() raises (a registered process's threads, its registration dropped)."""
+        return self._closed
+
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         if kwargs:
             raise TypeError("DaemonThreads.submit takes positional arguments only")

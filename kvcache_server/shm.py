@@ -386,6 +386,8 @@ def _lane_groups(
 ) -> list[list[tuple[int, int, int, ShmRange, memoryview]]]:
     """`reads` in `lanes` runs of consecutive blocks of about equal bytes (the empty ones left out)."""
     total = sum(len(r[4]) for r in reads)
+    if lanes <= 1 or total == 0:  # blocks of no bytes are refused by the check, as any
+        return [list(reads)]
     groups: list[list[tuple[int, int, int, ShmRange, memoryview]]] = [[] for _ in range(lanes)]
     done = 0
     for r in reads:

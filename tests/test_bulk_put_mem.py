@@ -24,6 +24,7 @@ import pytest
 
 from kvcache_client import KVCacheClient, sealing, transport
 from kvcache_client.bulkconn import BulkConnection, BulkUnreachable
+from kvcache_client.errors import DataCorrupted
 from kvcache_client.handoff import Handoff
 from kvcache_core import bulkwire as bw
 from kvcache_core.format import encode_bytes_parts, unsealed_bytes_header
@@ -191,6 +192,9 @@ def test_what_a_put_mem_may_not_name_is_refused_and_stores_nothing(make_server: 
         handoff.close()
     counters = server.running.service.counters()
     assert (counters["put_checksum_failures"], counters["sealed_too_late"]) == (1, 1)
+    # Read out of the client: the refused block (as the gRPC Put counts it) and the stored one.
+    assert counters["shm_bytes_received"] == other.nbytes + good.nbytes
+    assert server.running.service.block_sizes.get(NS) == good.nbytes
     assert server.stack.ram.used_bytes == server.stack.ram.entry_cost_of(good.nbytes)
     assert not server.stack.ram._reservations
 
@@ -242,6 +246,7 @@ def test_a_sealed_put_mem_cut_off_in_the_client_returns_only_once_the_server_may
         assert seen and seen[0] > 0 and done >= seen[0]
         if how == "lost":
             assert [bytes(g) for g in client.get_many(NS, keys)] == _expected(keys, payloads)  # type: ignore[arg-type]
+            assert client.bulk.counters.fallbacks == 1
 
 
 def test_with_no_room_for_slots_a_put_mem_goes_through_grpc(make_server: Any, place: Path) -> None:
@@ -279,3 +284,65 @@ def test_a_put_mem_on_a_server_with_a_tier_below_commits_on_the_loop(
         assert client.bulk.counters.put_mem_bytes > 0
         assert server.stack.ram.delete_many_sync(NS, keys) == 3
         assert [bytes(g) for g in client.get_many(NS, keys)] == _expected(keys, payloads)  # type: ignore[arg-type]
+
+
+def test_blocks_of_no_bytes_and_a_seal_deadline_far_away_are_answered_as_the_grpc_put_answers(
+    make_server: Any, place: Path
+) -> None:
+    """A PUT_MEM of blocks of no bytes: INVALID_ARGUMENT, as the gRPC Put (it was INTERNAL, a division
+    by zero in the lanes' split). A sealed one whose seal_before_ns is the largest u64, while another
+    put of the process holds its read stage: ABORTED after bulk.request_timeout_s, never a wait of
+    years nor an overflow (INTERNAL)."""
+    server = _server(make_server, place, bulk={"request_timeout_s": 0.5})
+    handoff, name = _registered(server, place)
+    try:
+        k = os.urandom(16)
+        got = _raw_put_mem(server, name, [(k, 4096, 0, 0, b""), (os.urandom(16), 4096, 0, 0, b"")])
+        assert isinstance(got, tuple) and got[0] is grpc.StatusCode.INVALID_ARGUMENT, got
+        payload = np.frombuffer(os.urandom(200_000), dtype=np.uint8)
+        stage = server.running.service.handoff.registry.reads(name).thread_stage
+        assert stage.acquire(timeout=5)
+        try:
+            start = time.monotonic()
+            blocks = [(k, payload.ctypes.data, payload.nbytes, (1 << 64) - 1, unsealed_bytes_header(payload.nbytes))]
+            got = _raw_put_mem(server, name, blocks)
+            assert isinstance(got, tuple) and got[0] is grpc.StatusCode.ABORTED, got
+            assert time.monotonic() - start < 5
+        finally:
+            stage.release()
+    finally:
+        handoff.close()
+    assert not server.stack.ram._reservations
+
+
+def test_a_block_put_mem_refuses_for_its_checksum_is_not_put_again(
+    make_server: Any, place: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """put_many of a block made for another key, out of this process's memory: DataCorrupted, one
+    checksum failure counted, and no gRPC Put of it after the PUT_MEM (DATA_LOSS is the put's own
+    outcome where the SDK computed the checksums; only a sealed put goes again, checksummed)."""
+    server = _server(make_server, place)
+    grpc_puts = _no_grpc_puts(monkeypatch)
+    key, other = os.urandom(16), os.urandom(16)
+    head, body = encode_bytes_parts([other], [os.urandom(2 * MIB)])[0]
+    with KVCacheClient(server.target) as client, pytest.raises(DataCorrupted):
+        client.put_many(NS, [(key, (head, body))])
+    assert grpc_puts == []
+    assert server.running.service.counters()["put_checksum_failures"] == 1
+
+
+def test_a_registration_whose_threads_were_shut_down_is_not_read_by_a_put_mem(make_server: Any, place: Path) -> None:
+    """The registration's read threads shut down (what dropping it does) after its name was looked
+    up: FAILED_PRECONDITION and nothing stored, as the gRPC Put answers (one lane read it before)."""
+    server = _server(make_server, place)
+    handoff, name = _registered(server, place)
+    try:
+        server.running.service.handoff.registry.reads(name).executor.shutdown()
+        k = os.urandom(16)
+        good = np.frombuffer(raw_block(k, os.urandom(100_000)), dtype=np.uint8)
+        got = _raw_put_mem(server, name, [(k, good.ctypes.data, good.nbytes, 0, b"")])
+        assert isinstance(got, tuple) and got[0] is grpc.StatusCode.FAILED_PRECONDITION, got
+        assert not server.stack.ram.contains_many_sync(NS, [k])[0]
+    finally:
+        handoff.close()
+    assert not server.stack.ram._reservations

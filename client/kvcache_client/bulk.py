@@ -564,14 +564,15 @@ class BulkTransport:
             except BulkUnreachable as exc:
                 self.link.unreachable(pool, str(exc))
         elif (mem := self._put_mem_pool(nbytes)) is not None and (refs := self.inner.shm.process.ranges(items)):
-            try:  # checksummed here: a buffer changed under the server's read fails its block, nothing else
+            try:  # checksummed here: a buffer changed under the server's read fails its block (DATA_LOSS)
                 return self.link.put_mem(mem, namespace, refs, timeout_s - (time.monotonic() - start))
             except BulkUnreachable as exc:
-                self.link.lease_down(str(exc))
+                self.link.lease_down(str(exc))  # counted as a fallback there
             except RPCError as exc:
-                if exc.code not in _PUT_MEM_ELSEWHERE or timeout_s - (time.monotonic() - start) < MIN_FALLBACK_S:
+                elsewhere = _PUT_MEM_ELSEWHERE - {grpc.StatusCode.DATA_LOSS}  # the put's own outcome here
+                if exc.code not in elsewhere or timeout_s - (time.monotonic() - start) < MIN_FALLBACK_S:
                     raise
-            self.link.counters.add("fallbacks", 1)
+                self.link.counters.add("fallbacks", 1)
         result = self.inner.put(namespace, items, timeout_s - (time.monotonic() - start))
         self.link.counters.add("grpc_bytes_sent", nbytes)
         return result
@@ -635,7 +636,8 @@ class BulkTransport:
             return self.link.put_mem(pool, namespace, sealed.refs, sealed.window_s)
         except BulkUnreachable as exc:  # the server may still be reading: until before_ns
             wait_out(sealed)
-            self.link.lease_down(str(exc))
+            self.link.lease_down(str(exc))  # counted as a fallback there
+            return None
         except RPCError as exc:
             if exc.code is grpc.StatusCode.DEADLINE_EXCEEDED:
                 wait_out(sealed)  # not answered in time: the server may still be reading (past before_ns: none)

@@ -608,15 +608,17 @@ class Session:
                         f"block {i}: a sealed block sends its header inline, with checksum 0",
                     )
             due = min((ref.seal_before_ns for _, ref in refs if ref.seal), default=0)
-            wait_s = (due - time.monotonic_ns()) / 1e9 if due else self._s.bulk.request_timeout_s
-            if not process.thread_stage.acquire(timeout=max(0.0, wait_s)):
+            wait_s = self._s.bulk.request_timeout_s  # at most this, whatever seal_before_ns the client named
+            if due:
+                wait_s = min(wait_s, max(0.0, (due - time.monotonic_ns()) / 1e9))
+            if not process.thread_stage.acquire(timeout=wait_s):
                 raise Refused(
                     grpc.StatusCode.ABORTED if due else grpc.StatusCode.RESOURCE_EXHAUSTED,
                     f"{name}: another put of this process is still reading it",
                 )
             try:
                 self._in_time(refs, process)
-                outcome = self._read_mem_into_slots(scoped, refs, fd, size, process, total)
+                outcome = self._read_mem_into_slots(scoped, refs, fd, size, process, total, registry, name)
             finally:
                 process.thread_stage.release()
         finally:
@@ -647,9 +649,13 @@ class Session:
         size: int,
         process: ProcessReads,
         total: int,
+        registry: HandoffRegistry,
+        name: str,
     ) -> PutOutcome:
         """_put_mem's slots: reserved, read into and verified (or sealed) in lanes, committed. Every
-        reservation not committed is abandoned, after every lane ended, however this ends."""
+        reservation not committed is abandoned, after every lane ended, however this ends. A
+        registration dropped during the reads (its connection closed) ends the call FAILED_PRECONDITION
+        before the commit, as the gRPC Put's reads on its dropped threads do."""
         stack = self._s.stack
         sizes = [ref.block_length for _, ref in refs]
         held = self._s.budget.holding(self.tenant)
@@ -668,21 +674,33 @@ class Session:
             keys = [key for key, _ in refs]
             limit = self._s.limits.max_block_bytes
 
+            landed: list[int] = []  # bytes read out of the process, piece by piece (lanes append: thread-safe)
+
             def check(where: int, slot: memoryview, fill: Callable[[int, int], None]) -> None:
-                check_block_for_put(where, keys[where], slot, limit, fill, seal=refs[where][1].seal)
+                def counted(start: int, end: int) -> None:
+                    fill(start, end)
+                    landed.append(end - start)
+
+                check_block_for_put(where, keys[where], slot, limit, counted, seal=refs[where][1].seal)
 
             reads = [(i, fd, size, ref, res.buffer) for i, ((_, ref), res) in enumerate(zip(refs, made, strict=True))]
             counters = self._s.put_counters
+            self._registered(registry, name, process)
             try:
                 read_ranges_into_slots_here(reads, check, process.executor)
             except BlockRefused as exc:
-                if exc.checksum and counters is not None:
-                    counters.put_checksum_failures += 1
+                if counters is not None:  # as the gRPC Put counts a refused block's read
+                    received = sum(landed)
+                    counters.shm_bytes_received += received
+                    if exc.checksum:
+                        counters.put_checksum_failures += 1
                 raise
+            self._registered(registry, name, process)
             self._in_time(refs, process)
             if counters is not None:  # as a gRPC Put of these ranges counts them
+                sealed = sum(1 for _, ref in refs if ref.seal)  # each += below one add, no call inside it
                 counters.shm_bytes_received += total
-                counters.sealed_blocks += sum(1 for _, ref in refs if ref.seal)
+                counters.sealed_blocks += sealed
             items = [(key, res) for key, res in zip(keys, made, strict=True)]
             outcome = stack.commit_in_thread(scoped, items) if in_thread else None
             if outcome is None:
@@ -696,10 +714,22 @@ class Session:
         finally:
             if owned:
                 stack.ram.abandon(ids)
+        self._s.block_sizes.saw(scoped, max(sizes))
         if self._s.service is not None:  # committed from the server's reservations, as the gRPC Put counts them
             kept = sum(res.length for res, ok in zip(made, outcome.kept, strict=True) if ok)
             self._s.service.inplace_bytes_received += kept
         return outcome
+
+    @staticmethod
+    def _registered(registry: HandoffRegistry, name: str, process: ProcessReads) -> None:
+        """Raises FAILED_PRECONDITION where the registration ended (its connection closed: its read
+        threads shut down), before the reads (as the gRPC Put's submit to those threads fails) and
+        after them (nothing read then is committed)."""
+        if process.executor.closed or registry.reads(name) is not process:
+            raise Refused(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                f"{name}: the client process's registration ended during the call; send the bytes another way",
+            )
 
     def _abandon_reservations(self, made: list[Reservation] | None) -> None:
         if made:

@@ -315,9 +315,8 @@ class PutStages:
                     retain_ttl_s=retain_ttl_s,
                 )
                 # Committed from the server's reservations: what RAM kept (refused blocks are not counted).
-                self.inplace_bytes_received += sum(  # type: ignore[attr-defined]
-                    r.length for r, kept in zip(made, outcome.kept, strict=True) if kept
-                )
+                kept = sum(r.length for r, ok in zip(made, outcome.kept, strict=True) if ok)
+                self.inplace_bytes_received += kept  # type: ignore[attr-defined]  # one add: PUT_MEM's threads add too
                 return outcome
             finally:
                 ram.abandon([r.id for r in made])  # what was not committed: refused, cancelled, no room
