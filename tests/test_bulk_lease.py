@@ -249,9 +249,12 @@ def test_lease_wire_round_trips_and_refuses_garbage() -> None:
         bw.parse_lease(bw.lease("ns", keys, False)[:-20])
 
 
-def test_small_same_host_puts_go_over_the_bulk_port_large_ones_through_a_segment(make_server, tmp_path: Path) -> None:
+def test_small_same_host_puts_go_over_the_bulk_port_large_ones_out_of_the_clients_memory(
+    make_server, tmp_path: Path
+) -> None:
     """Below bulk.SAME_HOST_BULK_PUT_BYTES a same-host put is one bulk PUT (cheaper than a segment
-    and a gRPC Put for small blocks); a larger one still goes through the client's segment."""
+    and a gRPC Put for small blocks); a larger one the server reads out of the client's memory, named
+    in a PUT_MEM frame on the same port (tests/test_bulk_put_mem.py), its bytes never on the socket."""
     server = make_server(ram={"capacity_bytes": 64 << 20}, shm={"dir": str(tmp_path / "shm")})
     small, large = _blocks(20, 16 << 10), _blocks(4, 512 << 10)
     with KVCacheClient(server.target, timeout_s=10) as client:
@@ -259,7 +262,9 @@ def test_small_same_host_puts_go_over_the_bulk_port_large_ones_through_a_segment
         assert server.running.bulk.counters.get("puts") == 1
         assert client.bulk.counters.bulk_bytes_sent == sum(len(b) for _, b in small)
         assert client.put_many("n", large).stored == 4
-        assert server.running.bulk.counters.get("puts") == 1
+        assert server.running.bulk.counters.get("puts") == 2
+        assert client.bulk.counters.bulk_bytes_sent == sum(len(b) for _, b in small)
+        assert client.bulk.counters.put_mem_bytes == sum(len(b) for _, b in large)
         assert client.stats().shm_bytes_received == sum(len(b) for _, b in large)
         got = client.get_many("n", [k for k, _ in small + large])
         assert [bytes(g) for g in got] == [b for _, b in small + large]
