@@ -250,7 +250,7 @@ def test_a_sealed_put_mem_cut_off_in_the_client_returns_only_once_the_server_may
 
 
 def test_with_no_room_for_slots_a_put_mem_goes_through_grpc(make_server: Any, place: Path) -> None:
-    """Readers lease most of RAM: the PUT_MEM is refused RESOURCE_EXHAUSTED having read nothing, and
+    """Readers lease most of RAM: the PUT_MEM is refused ABORTED having read nothing, and
     the SDK puts the blocks through gRPC, which reads them into memory first; what is stored is exact."""
     server = _server(make_server, place, ram={"capacity_bytes": 8 * MIB})
     held = [keyed(os.urandom(MIB)) for _ in range(6)]

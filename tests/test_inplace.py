@@ -30,6 +30,7 @@ from kvcache_core.errors import ChecksumMismatch
 from kvcache_core.format import encode_block, payload_view, verify_copy
 from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
+from tests.backends import wait_for
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(120)
@@ -386,6 +387,10 @@ def test_arena_reserve_and_arena_commit_are_withdrawn_and_change_nothing(arena_s
     data = blocks(2, 256 << 10)
     with KVCacheClient(arena_server.target) as client:
         assert client.put_many(NS, data).stored == 2
+    # The put's bulk connection ends on the server's side a moment after the client closed it (its
+    # session thread sees the close): the stats below are compared only once it has.
+    bulk = arena_server.running.bulk
+    wait_for(lambda: bulk.counters.get("connections") == 0, 10, "the put's bulk connection to end")
     k = os.urandom(16)
     block = raw_block(k, os.urandom(1000))
     own = ram.reserve("a", len(block))  # one of the server's own reservations (a segment put's)

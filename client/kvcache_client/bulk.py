@@ -129,11 +129,10 @@ _SHM_ON = "the same-host shared-memory path is on"
 
 _PUT_MEM_ELSEWHERE = frozenset(
     {
-        grpc.StatusCode.ABORTED,  # a sealed block read too late, or from another clock
+        grpc.StatusCode.ABORTED,  # a sealed block read too late, from another clock, or no room for the slots now
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.DATA_LOSS,  # sealed: a server that took the zero for a checksum
         grpc.StatusCode.FAILED_PRECONDITION,  # the registration is gone (a restart), or no segment socket
-        grpc.StatusCode.RESOURCE_EXHAUSTED,  # no room for the slots now: gRPC reads them into memory first
     }
 )
 """A PUT_MEM refused so is put again through gRPC (GrpcTransport.put, put_payloads), within what is

@@ -663,9 +663,9 @@ class Session:
         in_thread = made is not None
         if made is None:
             made = self._on_loop(stack.reserve_many(scoped, sizes), undo=self._abandon_reservations)
-        if made is None:
+        if made is None:  # ABORTED, not RESOURCE_EXHAUSTED: a limit refused is the put's outcome, this is not
             raise Refused(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                grpc.StatusCode.ABORTED,
                 "RAM has no room for this put's slots now (leases or reservations pin it): put it another way",
             )
         ids = [res.id for res in made]
