@@ -346,3 +346,19 @@ def test_a_registration_whose_threads_were_shut_down_is_not_read_by_a_put_mem(ma
     finally:
         handoff.close()
     assert not server.stack.ram._reservations
+
+
+def test_put_mem_frames_take_blocks_until_they_name_64_mib_as_grpc_messages_do() -> None:
+    """4 x 32 MiB (each with its head) is two frames of two blocks, so each frame's blocks are read in
+    two lanes; one block a frame (the first grouping, which stopped short of 64 MiB) read one lane at
+    a time: 50 ms p50 against 30 through gRPC on this VM."""
+    from kvcache_client.bulk import put_mem_frames
+    from kvcache_core.blockwire import ShmRange
+
+    def refs(n: int, size: int) -> list[tuple[bytes, ShmRange]]:
+        return [(bytes(16), ShmRange("p", 4096 * i, size, b"h" * 56)) for i in range(n)]
+
+    assert [len(f) for f in put_mem_frames(refs(4, 32 * MIB))] == [2, 2]
+    assert [len(f) for f in put_mem_frames(refs(16, 2 * MIB))] == [16]
+    assert [len(f) for f in put_mem_frames(refs(3, 64 * MIB))] == [1, 1, 1]
+    assert [len(f) for f in put_mem_frames(refs(33, 2 * MIB))] == [32, 1]

@@ -127,6 +127,21 @@ log = logging.getLogger(__name__)
 _SHM_ON = "the same-host shared-memory path is on"
 
 
+def put_mem_frames(refs: Sequence[tuple[bytes, ShmRange]]) -> list[list[tuple[bytes, ShmRange]]]:
+    """A PUT_MEM's blocks in frames, each taking blocks until it names PROCESS_MESSAGE_BYTES (as
+    kvcache_client.messages.put_messages groups a gRPC Put's ranges): the server reserves a frame's
+    slots at once and reads its blocks in lanes, one block per lane at most."""
+    groups: list[list[tuple[bytes, ShmRange]]] = [[]]
+    size = 0
+    for key, ref in refs:
+        if groups[-1] and size >= PROCESS_MESSAGE_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append((key, ref))
+        size += ref.block_length
+    return groups
+
+
 _PUT_MEM_ELSEWHERE = frozenset(
     {
         grpc.StatusCode.ABORTED,  # a sealed block read too late, from another clock, or no room for the slots now
@@ -281,17 +296,12 @@ class BulkLink:
         self, pool: BulkPool, namespace: str, refs: Sequence[tuple[bytes, ShmRange]], timeout_s: float
     ) -> PutResult:
         """Blocks the server reads out of this process's memory (ProcessLink's ranges, all of one
-        registration), as PUT_MEM frames of at most PROCESS_MESSAGE_BYTES each (what the server reserves
-        at once), one after the other on one connection."""
+        registration), as PUT_MEM frames one after the other on one connection, each taking blocks
+        until it names PROCESS_MESSAGE_BYTES (what the server reserves at once), as the gRPC Put's
+        messages do: 4 x 32 MiB is two frames of two blocks, read in two lanes each (one block a
+        frame, one lane each, took 50 ms p50 here against 30 through gRPC)."""
         deadline = time.monotonic() + timeout_s
-        groups: list[list[tuple[bytes, ShmRange]]] = [[]]
-        size = 0
-        for key, ref in refs:
-            if groups[-1] and size + ref.block_length > PROCESS_MESSAGE_BYTES:
-                groups.append([])
-                size = 0
-            groups[-1].append((key, ref))
-            size += ref.block_length
+        groups = put_mem_frames(refs)
         process = refs[0][1].segment
         done = pool.run(lambda conn: [conn.put_mem(namespace, process, g, deadline) for g in groups], deadline)
         self.counters.add("put_mem_bytes", sum(ref.block_length for _, ref in refs))
