@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,6 +31,7 @@ from kvcache_proto import kvcache_pb2 as pb
 from kvcache_proto import kvcache_pb2_grpc as pb_grpc
 from tests.conftest import ServerThread, keyed, raw_block
 from tests.test_bulk import Raw
+from tests.test_bulk_thread_commits import hold_the_loop
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,15 +117,7 @@ def test_a_put_mem_is_answered_while_the_event_loop_is_held(make_server: Any, pl
     payloads = _payloads(4, MIB, 3)
     with KVCacheClient(server.target, timeout_s=20) as client:
         client.put_payloads("warm", [os.urandom(16)], _payloads(1, MIB, 4))  # Info, registration, connection
-        held, freed = threading.Event(), threading.Event()
-
-        def hold_the_loop() -> None:
-            held.set()
-            time.sleep(1.5)
-            freed.set()
-
-        server.loop.call_soon_threadsafe(hold_the_loop)
-        assert held.wait(5)
+        freed = hold_the_loop(server, 1.5)
         assert client.put_payloads(NS, keys, payloads).stored == 4
         assert not freed.is_set(), "the PUT_MEM was answered only after the loop was free again"
         assert freed.wait(5)

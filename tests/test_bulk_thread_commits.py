@@ -28,6 +28,21 @@ KIB = 1 << 10
 MIB = 1 << 20
 
 
+def hold_the_loop(server, seconds: float) -> threading.Event:  # type: ignore[no-untyped-def]
+    """A callback that sleeps `seconds` on the server's event loop (as a slow handler would), once it
+    has started; the event is set when the loop is free again."""
+    held, freed = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        held.set()
+        time.sleep(seconds)
+        freed.set()
+
+    server.loop.call_soon_threadsafe(hold)
+    assert held.wait(5)
+    return freed
+
+
 @pytest.mark.parametrize(("count", "size"), [(8, 16 * KIB), (3, MIB)], ids=["staged", "reserved-at-once"])
 def test_a_put_is_answered_while_the_event_loop_is_held(make_server, count: int, size: int) -> None:
     """The event loop is stuck (a callback sleeping on it, as a slow handler would): a bulk PUT is
@@ -36,15 +51,7 @@ def test_a_put_is_answered_while_the_event_loop_is_held(make_server, count: int,
     data = blocks(count, size)
     with KVCacheClient(server.target, shm=False, bulk_connections=1, timeout_s=20) as client:
         client.put_many("warm", blocks(1, MIB))  # Info asked, the bulk port on
-        held, freed = threading.Event(), threading.Event()
-
-        def hold_the_loop() -> None:
-            held.set()
-            time.sleep(1.5)
-            freed.set()
-
-        server.loop.call_soon_threadsafe(hold_the_loop)
-        assert held.wait(5)
+        freed = hold_the_loop(server, 1.5)
         assert client.put_many("n", data).stored == count
         assert not freed.is_set(), "the PUT was answered only after the loop was free again"
         assert freed.wait(5)
