@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
@@ -380,8 +380,7 @@ class PutStages:
             if segments[ref.segment][1] >= 0:
                 message = f"seal is for ranges of a registered process's memory, not of segment {ref.segment}"
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: {message}")
-            if len(ref.head) < FIXED_HEADER_BYTES or any(ref.head[CHECKSUM_AT : CHECKSUM_AT + 8]):
-                message = "a sealed block sends its header inline, with checksum 0"
+            if (message := sealed_head_refusal(ref)) is not None:
                 await self._abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"block {where}: {message}")
 
     async def _read_shm_blocks(
@@ -433,13 +432,7 @@ class PutStages:
         every read of the message has ended, before anything of it is stored (and before they start,
         so that a late message is not read for nothing). A client in another time namespace than the
         server's (procmem.same_clock) may not seal: its deadline is in another clock."""
-        due = min((ref.seal_before_ns for ref in refs if ref.seal), default=0)
-        if due and (process is None or not process.same_clock):
-            message = "sealed blocks from a process whose CLOCK_MONOTONIC is not the server's (a time namespace)"
-            await self._abort(context, grpc.StatusCode.ABORTED, message)
-        if due and time.monotonic_ns() >= due:
-            self._counters.sealed_too_late += 1
-            message = "sealed blocks read after the client's seal_before_ns: not stored (the client puts them again)"
+        if (message := seal_refusal(refs, process, self._counters)) is not None:
             await self._abort(context, grpc.StatusCode.ABORTED, message)
 
     async def _block(self, context: grpc.aio.ServicerContext, index: int, key: bytes, data: bytes | memoryview) -> None:
@@ -464,3 +457,26 @@ def _off_the_loop(reads: Sequence[tuple[Any, ...]]) -> bool:
     any is out of a client process's memory (a read the client's mappings could make slow must never
     hold the event loop). reads: (block index, fd, size, range, ...); size < 0: a process."""
     return any(r[2] < 0 for r in reads) or sum(r[3].block_length for r in reads) >= OFFLOAD_BYTES
+
+
+def sealed_head_refusal(ref: ShmRange) -> str | None:
+    """Why a sealed range may not be taken as it is (its header not inline, or with a checksum), or
+    None: the gRPC Put's and the bulk PUT_MEM's check, before anything is reserved."""
+    if ref.seal and (len(ref.head) < FIXED_HEADER_BYTES or any(ref.head[CHECKSUM_AT : CHECKSUM_AT + 8])):
+        return "a sealed block sends its header inline, with checksum 0"
+    return None
+
+
+def seal_refusal(refs: Iterable[ShmRange], process: ProcessReads | None, counters: Counters | None) -> str | None:
+    """Why sealed blocks of `refs` may not be stored now (ABORTED), or None: read at or after their
+    client's seal_before_ns (counted in `counters.sealed_too_late`), or from a process whose
+    CLOCK_MONOTONIC is not the server's (procmem.same_clock), whose deadline is in another clock.
+    The gRPC Put's _sealed_in_time and the bulk PUT_MEM's, before their reads and after them."""
+    due = min((ref.seal_before_ns for ref in refs if ref.seal), default=0)
+    if due and (process is None or not process.same_clock):
+        return "sealed blocks from a process whose CLOCK_MONOTONIC is not the server's (a time namespace)"
+    if due and time.monotonic_ns() >= due:
+        if counters is not None:
+            counters.sealed_too_late += 1
+        return "sealed blocks read after the client's seal_before_ns: not stored (the client puts them again)"
+    return None
