@@ -41,7 +41,7 @@ from kvcache_client.bulkconn import BulkConnection, BulkCounters, BulkPool, Bulk
 from kvcache_client.connection import TOKEN_ENV, TLSConfig
 from kvcache_client.errors import RPCError
 from kvcache_client.inplace_core import BulkRefusal
-from kvcache_client.local_reads import land_plan, plan
+from kvcache_client.local_reads import land_blocks, land_plan, plan, plan_blocks
 from kvcache_client.messages import PROCESS_MESSAGE_BYTES
 from kvcache_client.results import (
     TIER_NAMES,
@@ -419,9 +419,75 @@ class BulkLink:
         copies = plan(presence, same_host.arena, info.arena_path, namespace, keys, sinks)
         if copies is None:
             return Received()
+
+        def wipe() -> None:  # the TOUCH was refused: nothing copied is the caller's to keep
+            for _, _, sink, _ in copies.jobs:
+                sink[:] = bytes(len(sink))
+
+        try:
+            got = self._touched(pool, namespace, keys, lambda: land_plan(copies, presence), wipe, timeout_s)
+        except BulkUnreachable as exc:
+            self.lease_down(str(exc))
+            return Received()
+        if got.landed:
+            presence.counters.read_in_place += len(got.landed)
+        else:
+            presence.counters.read_again += 1
+        return got
+
+    def blocks_in_place(
+        self,
+        pool: BulkPool | None,
+        same_host: GrpcTransport | AsyncGrpcTransport,
+        namespace: str,
+        keys: Sequence[bytes],
+        timeout_s: float,
+    ) -> list[memoryview] | None:
+        """get_many's blocks copied straight out of the server's arena, as get_in_place copies
+        get_into's, each whole block into a buffer of the client's pool (`same_host.buffers`) and its
+        payload verified there as it lands: one pass, where the lease path copies, then verifies in a
+        second, after a LEASE and before a RELEASE. None (the usual path then) where get_in_place
+        would take it.
+
+        Raises:
+            RPCError: the server refused the TOUCH, as get_in_place.
+        """
+        presence, info = same_host.presence, same_host.info_response
+        if pool is None or info is None or not self.read_in_place or not presence.locates:
+            return None
+        copies = plan_blocks(presence, same_host.arena, info.arena_path, namespace, keys, same_host.buffers.take)
+        if copies is None:
+            return None
+        try:
+            got = self._touched(pool, namespace, keys, lambda: land_blocks(copies, presence), lambda: None, timeout_s)
+        except BulkUnreachable as exc:
+            self.lease_down(str(exc))
+            return None
+        if got is not None:
+            presence.counters.read_in_place += len(got)
+        else:
+            presence.counters.read_again += 1
+        return got
+
+    def _touched(
+        self,
+        pool: BulkPool,
+        namespace: str,
+        keys: Sequence[bytes],
+        copy: Callable[[], T],
+        wipe: Callable[[], None],
+        timeout_s: float,
+    ) -> T:
+        """copy() with the keys named to the server in one TOUCH on `pool`, whose answer is read after
+        the copies (one round trip, overlapped with them); wipe() where the TOUCH is refused.
+
+        Raises:
+            RPCError: the server refused the TOUCH.
+            BulkUnreachable: the port failed.
+        """
         deadline = time.monotonic() + timeout_s
 
-        def touched(conn: BulkConnection) -> Received:
+        def touched(conn: BulkConnection) -> T:
             # The TOUCH goes first and its answer is read after the copies: one round trip, overlapped
             # with them. Once a TOUCH of this namespace was answered on this (tokenless, open)
             # connection, the answer waits for the connection's next request: no round trip at all.
@@ -431,27 +497,17 @@ class BulkLink:
             conn.send_touch(namespace, keys, deadline)
             if ahead:  # owed from here on, whatever the copies do
                 conn.touch_unanswered(self.counters)
-            got = land_plan(copies, presence)
+            got = copy()
             if ahead:
                 return got
             try:
                 conn.read_touched(namespace, deadline)
             except BaseException:  # refused (the read right), or no answer: not the caller's to keep
-                for _, _, sink, _ in copies.jobs:
-                    sink[:] = bytes(len(sink))
+                wipe()
                 raise
             return got
 
-        try:
-            got = pool.run(touched, deadline)
-        except BulkUnreachable as exc:
-            self.lease_down(str(exc))
-            return Received()
-        if got.landed:
-            presence.counters.read_in_place += len(got.landed)
-        else:
-            presence.counters.read_again += 1
-        return got
+        return pool.run(touched, deadline)
 
     def small_same_host_pool(self, nkeys: int) -> BulkPool | None:
         """The pool a same-host get of `nkeys` goes to as a bulk GET (SAME_HOST_BULK_GET_BYTES), or
@@ -679,6 +735,18 @@ class BulkTransport:
         self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
         return fetched
 
+    def blocks_in_place(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> list[memoryview] | None:
+        """get_many's one-pass path on the server's host: every block copied straight out of the arena
+        into a buffer of the client's pool and verified there (BulkLink.blocks_in_place); None
+        elsewhere, or where the index does not locate every key (the caller then takes get())."""
+        start = time.monotonic()
+        self.inner.info(timeout_s)
+        if not (self.inner.arena.on and self.link.read_in_place and self.presence.locates):
+            return None
+        pool = self._lease_pool(timeout_s)
+        left = timeout_s - (time.monotonic() - start)
+        return self.link.blocks_in_place(pool, self.inner, namespace, keys, left)
+
     def receive_into(
         self,
         namespace: str,
@@ -887,6 +955,17 @@ class AsyncBulkTransport:
             self.link.saw_blocks(fetched)
         self.link.counters.add("grpc_bytes_received", sum(len(f[0]) for f in fetched if f is not None))
         return fetched
+
+    async def blocks_in_place(self, namespace: str, keys: Sequence[bytes], timeout_s: float) -> list[memoryview] | None:
+        """As BulkTransport.blocks_in_place, the copies in a worker thread awaited to their end even
+        when the caller is cancelled (run_to_end)."""
+        start = time.monotonic()
+        await self.inner.info(timeout_s)
+        if not (self.inner.arena.on and self.link.read_in_place and self.presence.locates):
+            return None
+        pool = await self._lease_pool(timeout_s)
+        left = timeout_s - (time.monotonic() - start)
+        return await run_to_end(lambda _: self.link.blocks_in_place(pool, self.inner, namespace, keys, left))
 
     async def receive_into(
         self,

@@ -35,9 +35,10 @@ ValueError; nothing is copied here first).
 from __future__ import annotations
 
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import xxhash
 
 from kvcache_client.arena import ArenaLink
@@ -45,7 +46,7 @@ from kvcache_client.bulkconn import Received
 from kvcache_client.inplace_core import ArenaMoved
 from kvcache_client.presence import Located, PresenceLink
 from kvcache_core.format import FIXED_HEADER_BYTES, BlockFormatError, Compression, parse_header, payload_seed
-from kvcache_core.landing import land
+from kvcache_core.landing import PIECE_BYTES, each, land
 from kvcache_core.presence import unpack_location
 
 
@@ -129,6 +130,86 @@ def land_plan(plan: Plan, presence: PresenceLink) -> Received:
     if not (ok and presence.unchanged(plan.located)):
         return Received()
     return Received(landed=dict.fromkeys(range(len(jobs)), "ram"), landed_bytes=sum(len(j[0]) for j in jobs))
+
+
+@dataclass(slots=True)
+class BlocksPlan:
+    """A get_many to read in place: a job per key (its payload's sink is the part of its buffer after
+    the header), each whole block's buffer, and what locate() read."""
+
+    jobs: list[Job]
+    buffers: list[np.ndarray]
+    located: Located
+
+
+def plan_blocks(
+    presence: PresenceLink,
+    arena: ArenaLink,
+    arena_path: str,
+    namespace: str,
+    keys: Sequence[bytes],
+    take: Callable[[int], np.ndarray],
+) -> BlocksPlan | None:
+    """get_many's copies, where the index locates every key inside the arena and each block's header
+    is sound and uncompressed; else None (the usual path takes the whole get). Each block goes whole
+    into a buffer take(its length) (the client's pool): its header is copied there first and parsed
+    from that copy, so the header handed out is the one its payload is verified under. Only while
+    `arena` maps `arena_path`, as plan()."""
+    if not arena.on or arena.path != arena_path:
+        return None
+    located = presence.locate(namespace, keys)
+    if len(located.words) != len(keys):
+        return None
+    headers = _Headers()
+    jobs: list[Job] = []
+    buffers: list[np.ndarray] = []
+    for key, word in zip(keys, located.words, strict=True):
+        offset, length = unpack_location(word)
+        try:
+            block = arena.view(offset, length)
+        except (ValueError, ArenaMoved):  # a location past the arena (a torn read of it), or unmapped
+            return None
+        first = headers.parse(block)  # how long its header is
+        if first is None:
+            return None
+        out = take(length)
+        copy = memoryview(out)
+        copy[: first.header_len] = block[: first.header_len]
+        parsed = headers.parse(copy)  # what the caller gets; the arena's header may change meanwhile
+        if parsed is None or parsed.header_len != first.header_len or parsed.header_len + parsed.payload_len != length:
+            return None
+        jobs.append((block, key, copy[parsed.header_len :], parsed))
+        buffers.append(out)
+    return BlocksPlan(jobs, buffers, located)
+
+
+def land_blocks(plan: BlocksPlan, presence: PresenceLink) -> list[memoryview] | None:
+    """Every block of `plan` in its buffer, its payload verified there under its key (in pieces, a
+    few blocks at a time on the landing threads when large), then the index's buckets found unchanged
+    since locate(): each buffer read-only, by index. Else None (a slot reused or being written
+    meanwhile, counted in read_again by the caller): the usual path then takes the whole get."""
+    jobs = plan.jobs
+    sizes = [len(block) for block, _, _, _ in jobs]
+    if sum(sizes) < SMALL_BYTES:
+        ok = all(_copied(*job) for job in jobs)
+    else:
+        ok = all(each(lambda job: _copied_in_pieces(*job), jobs, sizes))
+    if not (ok and presence.unchanged(plan.located)):
+        return None
+    return [memoryview(out).toreadonly() for out in plan.buffers]
+
+
+def _copied_in_pieces(block: memoryview, key: bytes, sink: memoryview, parsed: Parsed) -> bool:
+    """_copied of a large block: PIECE_BYTES at a time, each piece hashed right after it landed
+    (while it is in cache), numpy's copy and xxh3 both without the GIL."""
+    src = np.frombuffer(block, np.uint8, parsed.payload_len, parsed.header_len)
+    dst = np.frombuffer(sink, np.uint8)
+    hasher = xxhash.xxh3_64(key + parsed.seed)
+    for start in range(0, len(dst), PIECE_BYTES):
+        end = min(len(dst), start + PIECE_BYTES)
+        np.copyto(dst[start:end], src[start:end])
+        hasher.update(dst[start:end])
+    return hasher.intdigest() == parsed.checksum
 
 
 def _copied(block: memoryview, key: bytes, sink: memoryview, parsed: Parsed) -> bool:
