@@ -104,12 +104,17 @@ def face(request: pytest.FixtureRequest) -> Iterator[Callable[..., Face]]:
         f.close()
 
 
+@pytest.mark.parametrize("in_place", [True, False], ids=["in_place", "leased"])
 def test_same_host_blocks_land_in_warm_buffers_once_the_last_ones_were_dropped(
-    arena_server: ServerThread, releases: list[int], face: Callable[..., Face]
+    arena_server: ServerThread, releases: list[int], face: Callable[..., Face], in_place: bool
 ) -> None:
+    """Where the presence index locates every key, the blocks are copied straight out of the arena
+    (no lease: docs/presence.md); with reads in place off, leased and copied out. Either way into
+    the pool's warm buffers once the caller let the last ones go."""
     data = blocks(4)
     keys = [k for k, _ in data]
     c = face(arena_server.target)
+    c.client.bulk.read_in_place = in_place
     c("put_many", NS, data)
     pool = c.client.buffers
     got = c("get_many", NS, keys)
@@ -125,8 +130,9 @@ def test_same_host_blocks_land_in_warm_buffers_once_the_last_ones_were_dropped(
     tensors = c("get_tensors", NS, keys)
     assert [t.numpy().tobytes() for t in tensors] == [b[48:] for _, b in data]
     assert counts(pool) == (8, 4) and pool.kept_bytes == 4 * len(data[0][1])
-    # Every call leased each block once and handed every lease back.
-    assert releases == [4, 4, 4]
+    # Every call leased each block once and handed every lease back, or leased none.
+    assert releases == ([] if in_place else [4, 4, 4])
+    assert c.client.presence.counters.read_in_place == (12 if in_place else 0)
     assert arena_server.stack.ram.arena_stats()["leases"] == 0
     assert c("stats").inplace_bytes_leased == 3 * sum(len(b) for _, b in data)
 
@@ -178,6 +184,7 @@ def test_bytes_changed_in_the_arena_between_the_lease_and_the_copy_are_a_miss(
     data = blocks(3)
     keys = [k for k, _ in data]
     c = face(arena_server.target)
+    c.client.bulk.read_in_place = False  # the lease path (the copy straight out of the arena: below)
     c("put_many", NS, data)
     region = arena_server.stack.ram.region
     changed: list[int] = []
@@ -204,9 +211,58 @@ def test_bytes_changed_in_the_arena_between_the_lease_and_the_copy_are_a_miss(
     assert arena_server.stack.ram.arena_stats()["leases"] == 0
 
 
+def test_bytes_changed_in_a_located_slot_are_a_miss_read_in_place_or_not(
+    arena_server: ServerThread, releases: list[int], face: Callable[..., Face]
+) -> None:
+    """A block changed in its slot while indexed there (the index unchanged: only a writer of the
+    server's own user could do it) fails its checksum where it lands in the pool's buffer: the copies
+    straight out of the arena are dropped (read_again), and the lease path the get then takes finds it
+    damaged too: a miss, counted as corruption once, the other blocks exact."""
+    data = blocks(3)
+    keys = [k for k, _ in data]
+    c = face(arena_server.target)
+    c("put_many", NS, data)
+    region = arena_server.stack.ram.region
+    offset = bytes(region.view).find(data[1][1][:4096])
+    region.view[offset + 5000 : offset + 5008] = b"\xa5" * 8
+    got = c("get_many", NS, keys)
+    assert [None if b is None else bytes(b) for b in got] == [data[0][1], None, data[2][1]]
+    counters = c.client.presence.counters
+    assert c.client.corrupt_blocks == 1 and counters.read_again == 1 and counters.read_in_place == 0
+    assert releases == [3] and arena_server.stack.ram.arena_stats()["leases"] == 0
+
+
+def test_a_copy_out_of_the_arena_that_fails_sends_nothing_and_holds_nothing(arena_server: ServerThread) -> None:
+    """A buffer the pool cannot give (MemoryError) while get_many plans its copies straight out of
+    the arena: raised, with no TOUCH sent and nothing leased; the buffers taken before it are the
+    pool's again for the next call."""
+    data = blocks(4)
+    with KVCacheClient(arena_server.target) as client:
+        client.put_many(NS, data)
+        pool = client.buffers
+        real, taken = pool.take, []
+
+        def fails_third(nbytes: int) -> np.ndarray:
+            taken.append(nbytes)
+            if len(taken) == 3:
+                raise MemoryError("no room for the third block")
+            return real(nbytes)
+
+        pool.take = fails_third  # type: ignore[method-assign]
+        with pytest.raises(MemoryError):
+            client.get_many(NS, [k for k, _ in data])
+        gc.collect()  # the traceback's frames
+        assert arena_server.running.bulk.counters.get("touches") == 0
+        assert arena_server.stack.ram.arena_stats()["leases"] == 0
+        del pool.take
+        assert [bytes(b) for b in client.get_many(NS, [k for k, _ in data])] == [b for _, b in data]
+        assert counts(pool) == (2, 4) and client.presence.counters.read_in_place == 4
+
+
 def test_a_copy_that_fails_hands_back_every_lease(arena_server: ServerThread, releases: list[int]) -> None:
     data = blocks(4)
     with KVCacheClient(arena_server.target) as client:
+        client.bulk.read_in_place = False  # the lease path
         client.put_many(NS, data)
         pool = client.buffers
         real, taken = pool.take, []
