@@ -248,9 +248,20 @@ class BulkConnection:
     ) -> bw.PutDone:
         """A PUT_MEM: blocks the server reads out of this process's memory (`process` its registration's
         name; each ShmRange an address, a length, a head, and seal_before_ns for a sealed one)."""
+        self.send_put_mem(namespace, process, refs, deadline)
+        return self.read_put_done(deadline)
+
+    def send_put_mem(
+        self, namespace: str, process: str, refs: Sequence[tuple[bytes, ShmRange]], deadline: float
+    ) -> None:
+        """Sends a PUT_MEM (see put_mem); its answer is read_put_done's, in the order they were sent."""
         blocks = [(key, ref.offset, ref.length, ref.seal_before_ns, ref.head) for key, ref in refs]
         payload = bw.put_mem(namespace, process, blocks)
         self.send([bw.header(bw.FrameType.PUT_MEM, len(payload)), payload], deadline)
+
+    def read_put_done(self, deadline: float) -> bw.PutDone:
+        """A PUT_MEM's answer (an ERROR raises its status; the server then closes the connection and
+        handles none of the frames sent after it)."""
         return self._answer(bw.FrameType.PUT_DONE, bw.parse_put_done, "PUT_MEM", deadline)
 
     def _answer(
