@@ -193,6 +193,8 @@ def parse_put(payload: bytes) -> tuple[str, list[tuple[bytes, int]]]:
 
 
 _PUT_MEM_ENTRY = struct.Struct("<16sIQQQ")  # key, head length, address, range length, seal_before_ns
+PUT_MEM_ENTRY_BYTES = _PUT_MEM_ENTRY.size
+"""What each block adds to a PUT_MEM frame, besides its head."""
 _NAME_LEN = struct.Struct("<B")
 MAX_HEAD_BYTES = 64 << 10
 """The most bytes of a PUT_MEM block sent inline before its range (a header), as Block.data beside

@@ -363,13 +363,13 @@ def test_put_mem_frames_take_blocks_until_they_name_128_mib() -> None:
     assert [len(f) for f in put_mem_frames(refs(65, 2 * MIB))] == [64, 1]
 
 
-def test_a_puts_frames_go_out_together_and_a_refused_one_ends_them(
+def test_a_puts_frames_go_one_at_a_time_and_a_refused_one_ends_them(
     make_server: Any, place: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Frames of 1 MiB here (PUT_MEM_FRAME_BYTES patched): a put of three is three PUT_MEM frames sent
-    before the first answer is read, all stored, no gRPC Put. Then the server refuses the second frame
-    of the next put (ABORTED): it handles no frame after it (the connection ends and the third is
-    drained unread), and the SDK puts the whole put again through gRPC; every byte exact."""
+    """Frames of 1 MiB here (PUT_MEM_FRAME_BYTES patched): a put of three is three PUT_MEM frames, all
+    stored, no gRPC Put. Then the server refuses the second frame of the next put (ABORTED): the third
+    is never sent (a put that fails leaves at most one frame the server may still be reading), and the
+    SDK puts the whole put again through gRPC; every byte exact."""
     from kvcache_client import bulk
     from kvcache_server.bulk.put_mem import PutMemRequests
     from kvcache_server.refusal import Refused
@@ -408,6 +408,22 @@ def test_a_puts_frames_go_out_together_and_a_refused_one_ends_them(
         again = _payloads(3, MIB, 22)
         refuse_at.append(len(handled) + 2)
         assert client.put_payloads(NS, more, again).stored == 3
-        assert len(sends) == 6 and len(handled) == 5 and grpc_puts  # the third frame never handled
+        assert len(sends) == 5 and len(handled) == 5 and grpc_puts  # the third frame never sent
         assert client.bulk.counters.fallbacks == 1
         assert [bytes(g) for g in client.get_many(NS, more)] == _expected(more, again)  # type: ignore[arg-type]
+
+
+def test_many_small_blocks_go_in_frames_the_server_takes(make_server: Any, place: Path) -> None:
+    """A put of 7,000 blocks of 4 KiB to a server whose control frames may hold 591,370 bytes (64 keys
+    a request): each block's entry and head take 92 bytes, so one frame of them all (644,000 bytes)
+    was refused RESOURCE_EXHAUSTED and the put failed (found in review of frames of 128 MiB); now the
+    SDK cuts its frames at the server's limit: every block stored through PUT_MEM, none through gRPC."""
+    server = _server(make_server, place, limits={"max_keys_per_request": 64})
+    keys = [os.urandom(16) for _ in range(7000)]
+    payloads = list(_payloads(1, 7000 * 4096, 23)[0].reshape(7000, 4096))
+    with KVCacheClient(server.target, timeout_s=60) as client:
+        client.lookup(NS, [os.urandom(16)])  # Info taken, the process registered
+        assert client.put_payloads(NS, keys, payloads).stored == 7000
+        assert client.bulk.counters.put_mem_bytes == 7000 * (4096 + 48) and client.bulk.counters.fallbacks == 0
+        got = client.get_many(NS, keys[:5] + keys[-5:])
+        assert [bytes(g) for g in got] == _expected(keys[:5] + keys[-5:], payloads[:5] + payloads[-5:])  # type: ignore[arg-type]

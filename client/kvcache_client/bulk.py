@@ -135,17 +135,26 @@ of four blocks instead of two of two: 22.98 against 25.40 ms p50 (this 2-core VM
 alternating, 2026-12-07); 64 x 2 MiB 24.33 against 25.62 ms; 16 x 2 MiB (one frame either way) the same."""
 
 
-def put_mem_frames(refs: Sequence[tuple[bytes, ShmRange]]) -> list[list[tuple[bytes, ShmRange]]]:
+def put_mem_frames(
+    refs: Sequence[tuple[bytes, ShmRange]], frame_limit: int | None = None, fixed: int = 0
+) -> list[list[tuple[bytes, ShmRange]]]:
     """A PUT_MEM's blocks in frames, each taking blocks until it names PUT_MEM_FRAME_BYTES: the server
-    reserves a frame's slots at once and reads its blocks in lanes, one block per lane at most."""
+    reserves a frame's slots at once and reads its blocks in lanes, one block per lane at most. With
+    `frame_limit` (the server's control frame limit, from its READY), a frame also stops before its
+    encoding (`fixed` bytes, then an entry and a head per block) would pass it: many small blocks."""
     groups: list[list[tuple[bytes, ShmRange]]] = [[]]
     size = 0
+    encoded = fixed
     for key, ref in refs:
-        if groups[-1] and size >= PUT_MEM_FRAME_BYTES:
+        entry = bw.PUT_MEM_ENTRY_BYTES + len(ref.head)
+        full = size >= PUT_MEM_FRAME_BYTES or (frame_limit is not None and encoded + entry > frame_limit)
+        if groups[-1] and full:
             groups.append([])
             size = 0
+            encoded = fixed
         groups[-1].append((key, ref))
         size += ref.block_length
+        encoded += entry
     return groups
 
 
@@ -303,23 +312,20 @@ class BulkLink:
         self, pool: BulkPool, namespace: str, refs: Sequence[tuple[bytes, ShmRange]], timeout_s: float
     ) -> PutResult:
         """Blocks the server reads out of this process's memory (ProcessLink's ranges, all of one
-        registration), as PUT_MEM frames on one connection, each taking blocks until it names
-        PUT_MEM_FRAME_BYTES (what the server reserves at once): 4 x 32 MiB is one frame of four blocks,
-        read in two lanes (one block a frame, one lane each, took 50 ms p50 here against 30 through
-        gRPC). Every frame is sent before the first answer is read."""
+        registration), as PUT_MEM frames one after the other on one connection, each taking blocks
+        until it names PUT_MEM_FRAME_BYTES (what the server reserves at once) or its encoding would
+        pass the server's control frame limit: 4 x 32 MiB is one frame of four blocks, read in two
+        lanes (one block a frame, one lane each, took 50 ms p50 here against 30 through gRPC). One
+        frame at a time: a put that fails has at most one frame the server may still be reading."""
         deadline = time.monotonic() + timeout_s
-        groups = put_mem_frames(refs)
         process = refs[0][1].segment
+        fixed = len(bw.put_mem(namespace, process, []))
 
-        def pipelined(conn: BulkConnection) -> list[bw.PutDone]:
-            # Every frame sent before the first answer is read: the server starts the next frame's
-            # reservation as it answers one, with no round trip to this process between them. An ERROR
-            # answer ends the connection there; the frames after it are drained unread, never read from.
-            for group in groups:
-                conn.send_put_mem(namespace, process, group, deadline)
-            return [conn.read_put_done(deadline) for _ in groups]
+        def frames(conn: BulkConnection) -> list[bw.PutDone]:
+            limit = bw.control_limit(conn.ready.max_keys_per_request)
+            return [conn.put_mem(namespace, process, g, deadline) for g in put_mem_frames(refs, limit, fixed)]
 
-        done = pool.run(pipelined, deadline)
+        done = pool.run(frames, deadline)
         self.counters.add("put_mem_bytes", sum(ref.block_length for _, ref in refs))
         return _put_result(done)
 
