@@ -767,7 +767,10 @@ class BulkTransport:
             return None
         pool = self._lease_pool(timeout_s)
         left = timeout_s - (time.monotonic() - start)
-        return self.link.blocks_in_place(pool, self.inner, namespace, keys, left)
+        got = self.link.blocks_in_place(pool, self.inner, namespace, keys, left)
+        if got is not None:  # their size picks the path of a get the index cannot serve (saw_blocks)
+            self.link.saw_blocks([(b, "ram") for b in got])
+        return got
 
     def receive_into(
         self,
@@ -987,7 +990,10 @@ class AsyncBulkTransport:
             return None
         pool = await self._lease_pool(timeout_s)
         left = timeout_s - (time.monotonic() - start)
-        return await run_to_end(lambda _: self.link.blocks_in_place(pool, self.inner, namespace, keys, left))
+        got = await run_to_end(lambda _: self.link.blocks_in_place(pool, self.inner, namespace, keys, left))
+        if got is not None:  # their size picks the path of a get the index cannot serve (saw_blocks)
+            self.link.saw_blocks([(b, "ram") for b in got])
+        return got
 
     async def receive_into(
         self,
