@@ -147,7 +147,7 @@ def test_the_mamba_hybrids_tokens_depend_on_the_state_and_the_kv(
     """The Mamba hybrid's comparisons have teeth too: P1 decoded after its first 64 tokens, which leave
     their K/V in the attention group and the state after token 63 in one block of the state group (as in
     "align" mode), gives the reference's tokens and logits, as does the model with no cache at all; with
-    that state block zeroed, other greedy tokens; with one bit of the state flipped, other logits; over
+    that state block zeroed, other greedy tokens; with one value of the state off by a thousandth, other logits; over
     another prompt's K/V with P1's own state, other greedy tokens."""
     model = StateModel(model_dirs["mamba"])
     tables = (list(range(1, 9)), list(range(9, 17)))  # the attention group's blocks, the state group's
@@ -175,7 +175,10 @@ def test_the_mamba_hybrids_tokens_depend_on_the_state_and_the_kv(
     assert decode(zeroed)[0] != expected[0]
     flipped = prefill(P1)
     _, ssm = state_views(flipped[MAMBA_LAYER_NAMES[1]][state_block])
-    ssm.view(torch.int32)[5] += 1  # one fp32 value of the state, nudged by one ulp
+    # One fp32 value of the state nudged by 2^13 ulps (one part in about a thousand). A nudge of one
+    # ulp changed the logits on AVX2 hosts, and on an AVX-512 one (2026-12-07) was rounded away within
+    # the five tokens of decay before the first digested logits: the test was the CPU's, not the cache's.
+    ssm.view(torch.int32)[5] += 1 << 13
     assert decode(flipped)[1] != expected[1]
     other_kv = prefill(P3[:64])
     own = prefill(P1)
