@@ -9,6 +9,11 @@ Paths, each timed on the same prompt (`--chunks` blocks of `--chunk-mib`, bf16-l
 and interleaved round by round (every path once per round, medians over the rounds):
 
 - numpy memcpy: the floor (copy the prompt into a warm buffer, and back);
+- the verified copy floor: what one verified copy on one host costs on the threads and in the pieces the
+  SDK and the server use, with no call around it (put: out of another process's memory with
+  process_vm_readv, as the server reads a same-host put, hashed as it lands; get: out of a shared
+  mapping, as get_into copies out of the arena, hashed as it lands): what a same-host put or get
+  could reach here;
 - raw loopback TCP socket, Python at both ends (sendall / recv_into into warm buffers): the floor
   of a remote client;
 - redis-py: SET / MGET of the chunks against a redis-server child (pipelined);
@@ -19,7 +24,9 @@ and interleaved round by round (every path once per round, medians over the roun
   of its three gets is a row: get_into (one copy into a warm destination, verified), get_many and
   get_tensors (memory the SDK hands out), with their time over get_into's in a table of their own;
   and with `shm=False, bulk=False` (pure gRPC, as a client in another language starts), get_into,
-  beside the bulk port in a table of its own;
+  beside the bulk port in a table of its own; and same host once more with the blocks it puts in one
+  numpy buffer, which numpy has the kernel back with huge pages (the server reads a same-host put out
+  of the client's memory, 1.4-1.6x faster out of huge pages: docs/shm.md);
 - peers, where they are installed (docs: ../shared/reference/peers.md; `--peers-dir`), each driven
   by a child (bench/peers/*.py), skipped with a message otherwise: LMCache's MP server with its
   shared-memory L1 (in `<peers-dir>/lmc`, else in this Python where it has lmcache) and Mooncake
@@ -49,6 +56,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from kvcache_client import KVCacheClient
 from kvcache_core.format import encode_block
@@ -144,6 +152,92 @@ class RawSocket(Path_):
     def close(self) -> None:
         self.sock.close()
         self.proc.stop()
+
+
+_HOLDER = r"""
+import sys
+import numpy as np
+sizes = [int(a) for a in sys.argv[1:]]
+# bytes objects, as the SDK's rows put (encoded blocks): malloc's pages, where numpy would ask for huge pages
+chunks = [np.random.default_rng(i).integers(0, 256, n, dtype=np.uint8).tobytes() for i, n in enumerate(sizes)]
+print(" ".join(str(np.frombuffer(c, np.uint8).ctypes.data) for c in chunks), flush=True)
+sys.stdin.read()
+"""
+
+
+class VerifiedCopy(Path_):
+    """The floor of a verified copy on one host, on the threads the SDK and the server use
+    (kvcache_core.landing.each) in the pieces they use: put, each chunk read out of another process's
+    memory (process_vm_readv, as the server reads a same-host put) into a warm buffer and hashed
+    (xxh3) 2 MiB at a time as it lands; get, each chunk copied out of a shared mapping (as get_into
+    copies out of the arena) and hashed 1 MiB at a time. No server, no call, no bookkeeping: what the
+    kernel's copy and the hash cost on this machine."""
+
+    name = "verified copy floor (put: process_vm_readv, get: shared memory; + xxh3)"
+
+    def __init__(self, chunks: list[np.ndarray]) -> None:
+        import mmap
+        import subprocess
+
+        from kvcache_server.procmem import AVAILABLE
+
+        if not AVAILABLE:
+            raise RuntimeError("process_vm_readv or pidfd_open is missing here")
+        sizes = [c.nbytes for c in chunks]
+        self.holder = subprocess.Popen(
+            python_cmd("-c", _HOLDER, *map(str, sizes)), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        self.addresses = [int(a) for a in self.holder.stdout.readline().split()]  # type: ignore[union-attr]
+        self.pidfd = os.pidfd_open(self.holder.pid)
+        self.dst = [np.ones(n, np.uint8) for n in sizes]
+        fd = os.memfd_create("bench-shared")
+        os.ftruncate(fd, sum(sizes))
+        self.shared = mmap.mmap(fd, sum(sizes), flags=mmap.MAP_SHARED)
+        os.close(fd)
+        whole = np.frombuffer(self.shared, np.uint8)
+        starts = np.cumsum([0, *sizes])
+        self.src = [whole[starts[i] : starts[i + 1]] for i in range(len(sizes))]
+        for s, c in zip(self.src, chunks, strict=True):
+            np.copyto(s, c)
+        self.sizes = sizes
+
+    def put(self) -> None:
+        from kvcache_core.landing import each
+        from kvcache_server.pipeline.verify import SLOT_PIECE_BYTES
+        from kvcache_server.procmem import ProcessCopy
+
+        def one(i: int) -> int:
+            dst = memoryview(self.dst[i]).cast("B")
+            copy = ProcessCopy(self.holder.pid, self.pidfd, "holder", self.addresses[i], dst)
+            h = xxhash.xxh3_64()
+            for start in range(0, len(dst), SLOT_PIECE_BYTES):
+                end = min(len(dst), start + SLOT_PIECE_BYTES)
+                copy.read(start, end)
+                h.update(dst[start:end])
+            return h.intdigest()
+
+        each(one, range(len(self.sizes)), self.sizes)
+
+    def get(self) -> None:
+        from kvcache_core.landing import PIECE_BYTES, each
+
+        def one(i: int) -> int:
+            src, dst = self.src[i], self.dst[i]
+            h = xxhash.xxh3_64()
+            for start in range(0, len(dst), PIECE_BYTES):
+                end = min(len(dst), start + PIECE_BYTES)
+                np.copyto(dst[start:end], src[start:end])
+                h.update(dst[start:end])
+            return h.intdigest()
+
+        each(one, range(len(self.sizes)), self.sizes)
+
+    def close(self) -> None:
+        self.holder.kill()
+        self.holder.wait(10)
+        os.close(self.pidfd)
+        self.src = []  # the views of the mapping, which must go before it closes
+        self.shared.close()
 
 
 class BareGrpc(Path_):
@@ -242,17 +336,27 @@ that copies each block on and lets it go)."""
 
 
 class Sdk(Path_):
-    def __init__(self, target: str, chunks: list[np.ndarray], *, shm: bool, get: str, bulk: bool = True) -> None:
+    def __init__(
+        self, target: str, chunks: list[np.ndarray], *, shm: bool, get: str, bulk: bool = True, huge: bool = False
+    ) -> None:
         self.client = KVCacheClient(target, shm=shm, bulk=bulk, timeout_s=120)
         self.keys = [os.urandom(16) for _ in chunks]
-        self.blocks = [
+        self.blocks: list[bytes | memoryview] = [
             encode_block(memoryview(c).cast("B"), key=k, dtype="bfloat16", shape=(c.nbytes // 2,))
             for k, c in zip(self.keys, chunks, strict=True)
         ]
+        if huge:  # the same blocks in one numpy buffer, which numpy asks the kernel to back with huge pages
+            whole = np.empty(sum(len(b) for b in self.blocks), np.uint8)
+            views, at = [], 0
+            for b in self.blocks:
+                whole[at : at + len(b)] = np.frombuffer(b, np.uint8)
+                views.append(memoryview(whole[at : at + len(b)]))
+                at += len(b)
+            self.blocks = views
         self.op = get if hasattr(self.client, get) else "get_many"  # code without get_into
         self.dst = [np.empty(c.nbytes, dtype=np.uint8) for c in chunks]
         self.where = "shm" if shm else "shm=False, as a remote client" if bulk else PURE_GRPC
-        self.name = f"kvcache SDK ({self.where}), {self.op}"
+        self.name = f"kvcache SDK ({self.where}{', blocks in huge pages' if huge else ''}), {self.op}"
         self.put()
 
     def put(self) -> None:
@@ -349,12 +453,17 @@ def run_table(args: argparse.Namespace) -> dict[str, dict[str, float]]:
     n = args.chunk_mib * MiB
     chunks = [rng.integers(0, 256, n, dtype=np.uint8) for _ in range(args.chunks)]
     total = n * args.chunks
-    proc, target = start_kvcache(max(1 << 30, (2 * len(GETS) + 3) * total))  # every SDK row's blocks, and room
+    proc, target = start_kvcache(max(1 << 30, (2 * len(GETS) + 4) * total))  # every SDK row's blocks, and room
     paths: list[Path_] = []
     try:
         paths = [Memcpy(chunks), RawSocket(chunks), RedisPy(chunks), BareGrpc(chunks)]
+        try:
+            paths.append(VerifiedCopy(chunks))
+        except (RuntimeError, OSError) as exc:
+            print(f"skipped the verified copy floor: {exc}")
         paths += [Sdk(target, chunks, shm=shm, get=get) for shm in (True, False) for get in GETS]
         paths += [Sdk(target, chunks, shm=False, get="get_into", bulk=False)]
+        paths += [Sdk(target, chunks, shm=True, get="get_into", huge=True)]
         if not args.no_peers:
             paths += peers(args)
         times: dict[str, dict[str, list[float]]] = {p.name: {"put": [], "get": []} for p in paths}
@@ -388,6 +497,7 @@ def print_table(rates: dict[str, dict[str, float]], args: argparse.Namespace) ->
         row += "".join(f" {r['put'] / rates[p]['put']:.2f} | {r['get'] / rates[p]['get']:.2f} |" for p in peer_names)
         print(row)
     print_convenient(rates)
+    print_verified_floor(rates)
     print_pure_grpc(rates)
 
 
@@ -401,6 +511,22 @@ def print_convenient(rates: dict[str, dict[str, float]]) -> None:
             continue
         ratios = [f"{row['get_into'] / r:.2f}" if r else "-" for r in (row["get_many"], row["get_tensors"])]
         print(f"| {where} | {row['get_into']:.2f} | {ratios[0]} | {ratios[1]} |")
+
+
+def print_verified_floor(rates: dict[str, dict[str, float]]) -> None:
+    """The same-host SDK's put and get_into over the verified copy floor (VerifiedCopy) of the same run."""
+    floor = rates.get(VerifiedCopy.name)
+    sdk = rates.get("kvcache SDK (shm), get_into")
+    if floor is None or sdk is None:
+        return
+    print("\n| same host | put GB/s | get_into GB/s |")
+    print("|---|---:|---:|")
+    print(f"| {VerifiedCopy.name} | {floor['put']:.2f} | {floor['get']:.2f} |")
+    huge = rates.get("kvcache SDK (shm, blocks in huge pages), get_into")
+    for name, row in (("kvcache SDK (shm)", sdk), ("kvcache SDK (shm), blocks in huge pages", huge)):
+        if row is not None:
+            print(f"| {name} | {row['put']:.2f} | {row['get']:.2f} |")
+            print(f"| {name} / floor | {row['put'] / floor['put']:.2f} | {row['get'] / floor['get']:.2f} |")
 
 
 def print_pure_grpc(rates: dict[str, dict[str, float]]) -> None:
