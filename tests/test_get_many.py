@@ -211,6 +211,21 @@ def test_bytes_changed_in_the_arena_between_the_lease_and_the_copy_are_a_miss(
     assert arena_server.stack.ram.arena_stats()["leases"] == 0
 
 
+def _third_take_fails(pool: BufferPool) -> list[int]:
+    """pool.take patched (on the instance; `del pool.take` undoes it): the third take raises
+    MemoryError. Returns the sizes asked for, in order."""
+    real, taken = pool.take, []
+
+    def fails_third(nbytes: int) -> np.ndarray:
+        taken.append(nbytes)
+        if len(taken) == 3:
+            raise MemoryError("no room for the third block")
+        return real(nbytes)
+
+    pool.take = fails_third  # type: ignore[method-assign]
+    return taken
+
+
 def test_bytes_changed_in_a_located_slot_are_a_miss_read_in_place_or_not(
     arena_server: ServerThread, releases: list[int], face: Callable[..., Face]
 ) -> None:
@@ -240,15 +255,7 @@ def test_a_copy_out_of_the_arena_that_fails_sends_nothing_and_holds_nothing(aren
     with KVCacheClient(arena_server.target) as client:
         client.put_many(NS, data)
         pool = client.buffers
-        real, taken = pool.take, []
-
-        def fails_third(nbytes: int) -> np.ndarray:
-            taken.append(nbytes)
-            if len(taken) == 3:
-                raise MemoryError("no room for the third block")
-            return real(nbytes)
-
-        pool.take = fails_third  # type: ignore[method-assign]
+        _third_take_fails(pool)
         with pytest.raises(MemoryError):
             client.get_many(NS, [k for k, _ in data])
         gc.collect()  # the traceback's frames
@@ -265,15 +272,7 @@ def test_a_copy_that_fails_hands_back_every_lease(arena_server: ServerThread, re
         client.bulk.read_in_place = False  # the lease path
         client.put_many(NS, data)
         pool = client.buffers
-        real, taken = pool.take, []
-
-        def fails_third(nbytes: int) -> np.ndarray:
-            taken.append(nbytes)
-            if len(taken) == 3:
-                raise MemoryError("no room for the third block")
-            return real(nbytes)
-
-        pool.take = fails_third  # type: ignore[method-assign]
+        taken = _third_take_fails(pool)
         with pytest.raises(MemoryError):
             client.get_many(NS, [k for k, _ in data])
         made = len(taken) - 1  # 2, or 3 when the copies ran on two threads (the other one went on)

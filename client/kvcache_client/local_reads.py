@@ -91,10 +91,8 @@ def plan(
     usual path then takes the whole get, with its own rules for sizes, misses and destinations
     without a byte view: a ValueError for a sink of another size before anything is written). Only
     while `arena` maps `arena_path`, the arena of the Info answer that named the index's table."""
-    if not arena.on or arena.path != arena_path or len(sinks) != len(keys):
-        return None
-    located = presence.locate(namespace, keys)
-    if len(located.words) != len(keys):
+    located = _located(presence, arena, arena_path, namespace, keys) if len(sinks) == len(keys) else None
+    if located is None:
         return None
     headers = _Headers()
     jobs: list[Job] = []
@@ -111,6 +109,16 @@ def plan(
             return None
         jobs.append((block, key, sink, parsed))
     return Plan(jobs, located)
+
+
+def _located(
+    presence: PresenceLink, arena: ArenaLink, arena_path: str, namespace: str, keys: Sequence[bytes]
+) -> Located | None:
+    """Every key's location (and its bucket's version), while `arena` maps `arena_path`; else None."""
+    if not arena.on or arena.path != arena_path:
+        return None
+    located = presence.locate(namespace, keys)
+    return located if len(located.words) == len(keys) else None
 
 
 def land_plan(plan: Plan, presence: PresenceLink) -> Received:
@@ -155,10 +163,8 @@ def plan_blocks(
     into a buffer take(its length) (the client's pool): its header is copied there first and parsed
     from that copy, so the header handed out is the one its payload is verified under. Only while
     `arena` maps `arena_path`, as plan()."""
-    if not arena.on or arena.path != arena_path:
-        return None
-    located = presence.locate(namespace, keys)
-    if len(located.words) != len(keys):
+    located = _located(presence, arena, arena_path, namespace, keys)
+    if located is None:
         return None
     headers = _Headers()
     jobs: list[Job] = []
