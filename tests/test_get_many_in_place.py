@@ -19,21 +19,9 @@ import pytest
 from kvcache_client import AsyncKVCacheClient, KVCacheClient, PermissionDenied
 from kvcache_core.format import payload_view
 from tests.conftest import ServerThread, raw_block
-from tests.test_local_reads import _secured
+from tests.test_local_reads import KiB, MiB, _frames, _items, _secured
 
 pytestmark = pytest.mark.timeout(120)
-
-MiB = 1 << 20
-KiB = 1 << 10
-
-
-def _items(n: int, size: int = 16 * KiB) -> list[tuple[bytes, bytes]]:
-    return [(k, raw_block(k, os.urandom(size))) for k in (os.urandom(16) for _ in range(n))]
-
-
-def _frames(server: ServerThread) -> tuple[int, int, int]:
-    c = server.running.bulk.counters
-    return c.get("gets"), c.get("leases"), c.get("touches")
 
 
 @pytest.mark.parametrize("size", [16 * KiB, 2 * MiB], ids=["small", "large"])
