@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from pathlib import Path
 
 import pytest
 
-from kvcache_client import AsyncKVCacheClient, KVCacheClient, PermissionDenied
+from kvcache_client import AsyncKVCacheClient, KVCacheClient
 from kvcache_core.format import payload_view
 from tests.conftest import ServerThread, raw_block
-from tests.test_local_reads import KiB, MiB, _frames, _items, _secured
+from tests.test_local_reads import KiB, MiB, _frames, _items
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -104,24 +103,3 @@ def test_a_stale_location_is_never_another_blocks_bytes(make_server) -> None:
                 client.presence.locate = real  # type: ignore[method-assign]
             client.delete(ns, [taker[0]])
         assert client.presence.counters.read_in_place == 0 and client.corrupt_blocks == 0
-
-
-def test_get_many_needs_the_read_right(make_server, tmp_path: Path) -> None:
-    """A token that may write but not read locates its tenant's blocks, but its get_many fails
-    PermissionDenied, as its LEASE would: the TOUCH is refused, and no block is handed out."""
-    server = _secured(
-        make_server, tmp_path, {"kvc_rw_token_of_t": ("t", '["read", "write"]'), "kvc_w_token_of_t": ("t", '["write"]')}
-    )
-    items = _items(2)
-    keys = [k for k, _ in items]
-    with KVCacheClient(server.target, token="kvc_rw_token_of_t", timeout_s=10) as rw:
-        assert rw.put_many("ns", items).stored == 2
-        assert rw.get_many("ns", keys) == [b for _, b in items]
-        assert rw.presence.counters.read_in_place == 2
-    with KVCacheClient(server.target, token="kvc_w_token_of_t", timeout_s=10) as writer:
-        writer.put_many("ns", _items(1))  # Info asked, the index mapped
-        assert writer.presence.locates and len(writer.presence.locate("ns", keys).words) == 2
-        with pytest.raises(PermissionDenied):
-            writer.get_many("ns", keys)
-        assert writer.presence.counters.read_in_place == 0
-        assert server.running.bulk.counters.get("touches") == 1  # rw's; the writer's was refused

@@ -213,9 +213,11 @@ def _secured(make_server, tmp_path: Path, rights: dict[str, tuple[str, str]]) ->
     )
 
 
-def test_the_touch_needs_the_read_right(make_server, tmp_path: Path) -> None:
+@pytest.mark.parametrize("read", ["get_into", "get_many"])
+def test_the_touch_needs_the_read_right(make_server, tmp_path: Path, read: str) -> None:
     """A token that may write but not read maps the arena (its tenant's, same user) and locates its
-    blocks, but its get_into fails PermissionDenied as its GET would: the TOUCH is refused."""
+    blocks, but its get_into (or get_many) fails PermissionDenied as its GET would: the TOUCH is
+    refused, and nothing copied is handed over."""
     server = _secured(
         make_server, tmp_path, {"kvc_rw_token_of_t": ("t", '["read", "write"]'), "kvc_w_token_of_t": ("t", '["write"]')}
     )
@@ -223,15 +225,19 @@ def test_the_touch_needs_the_read_right(make_server, tmp_path: Path) -> None:
     keys = [k for k, _ in items]
     with KVCacheClient(server.target, token="kvc_rw_token_of_t", timeout_s=10) as rw:
         assert rw.put_many("ns", items).stored == 2
-        assert rw.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        if read == "get_into":
+            assert rw.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]) == [True, True]
+        else:
+            assert rw.get_many("ns", keys) == [b for _, b in items]
         assert rw.presence.counters.read_in_place == 2
     with KVCacheClient(server.target, token="kvc_w_token_of_t", timeout_s=10) as writer:
         writer.put_many("ns", _items(1))  # Info asked, the index mapped
         assert writer.presence.locates and len(writer.presence.locate("ns", keys).words) == 2
         dst = [bytearray(b"\xff" * (16 * KiB)) for _ in keys]
         with pytest.raises(PermissionDenied):
-            writer.get_into("ns", keys, dst)
-        assert all(d == bytes(16 * KiB) for d in dst)  # what was copied is wiped, not handed over
+            writer.get_into("ns", keys, dst) if read == "get_into" else writer.get_many("ns", keys)
+        if read == "get_into":
+            assert all(d == bytes(16 * KiB) for d in dst)  # what was copied is wiped, not handed over
         assert writer.presence.counters.read_in_place == 0
         assert server.running.bulk.counters.get("touches") == 1  # rw's; the writer's was refused
 
