@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -427,3 +428,57 @@ def test_many_small_blocks_go_in_frames_the_server_takes(make_server: Any, place
         assert client.bulk.counters.put_mem_bytes == 7000 * (4096 + 48) and client.bulk.counters.fallbacks == 0
         got = client.get_many(NS, keys[:5] + keys[-5:])
         assert [bytes(g) for g in got] == _expected(keys[:5] + keys[-5:], payloads[:5] + payloads[-5:])  # type: ignore[arg-type]
+
+
+def test_a_put_mem_whose_client_closed_during_the_reads_stores_nothing(
+    make_server: Any, place: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection lost while the server reads an unsealed PUT_MEM: the SDK closes it, puts the
+    blocks through gRPC and returns, and its caller may reuse the memory. The server, whose reads may
+    have overlapped that, commits nothing read so (ABORTED, no answer to give). The reads are held here
+    until the client's socket is closed; on the code before, the PUT_MEM was committed after it."""
+    from kvcache_server.bulk import put_mem as server_put_mem
+    from kvcache_server.stack import TierStack
+
+    server = _server(make_server, place)
+    read_done, closed = threading.Event(), threading.Event()
+    reads = server_put_mem.read_ranges_into_slots_here
+
+    def held(*args: Any) -> None:
+        reads(*args)
+        read_done.set()
+        closed.wait(10)
+
+    monkeypatch.setattr(server_put_mem, "read_ranges_into_slots_here", held)
+    commits: list[int] = []
+    commit = TierStack.commit_in_thread
+
+    def counted(stack: TierStack, *args: Any) -> Any:
+        commits.append(1)
+        return commit(stack, *args)
+
+    monkeypatch.setattr(TierStack, "commit_in_thread", counted)
+    read, close = BulkConnection.read_put_done, BulkConnection.close
+
+    def lost(conn: BulkConnection, deadline: float) -> Any:
+        if not read_done.is_set():
+            assert read_done.wait(10)
+            raise BulkUnreachable("lost")
+        return read(conn, deadline)
+
+    def closing(conn: BulkConnection) -> None:
+        close(conn)
+        closed.set()
+
+    monkeypatch.setattr(BulkConnection, "read_put_done", lost)
+    monkeypatch.setattr(BulkConnection, "close", closing)
+    items = [keyed(os.urandom(2 * MIB)) for _ in range(2)]
+    with KVCacheClient(server.target) as client:
+        client.lookup(NS, [os.urandom(16)])  # Info taken, the process registered
+        assert client.put_many(NS, items).stored == 2  # through gRPC, after the PUT_MEM was lost
+        assert client.bulk.counters.fallbacks == 1
+        end = time.monotonic() + 10
+        while server.running.bulk.counters.get("errors") < 1 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert server.running.bulk.counters.get("errors") == 1 and commits == []
+        assert [bytes(g) for g in client.get_many(NS, [k for k, _ in items])] == [b for _, b in items]  # type: ignore[arg-type]

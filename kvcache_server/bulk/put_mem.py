@@ -7,6 +7,8 @@ registrations, the process's read threads and the seal rules, which the other re
 from __future__ import annotations
 
 import os
+import select
+import socket
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -37,6 +39,7 @@ class PutMemRequests:
 
     _s: Shared
     tenant: str | None
+    sock: socket.socket
 
     if TYPE_CHECKING:  # provided by Session (declared only: a stub here would shadow it)
 
@@ -171,6 +174,7 @@ class PutMemRequests:
                 raise
             self._registered(registry, name, process)
             self._in_time(refs, process)
+            self._client_still_there(name)
             if counters is not None:  # as a gRPC Put of these ranges counts them
                 sealed = sum(1 for _, ref in refs if ref.seal)  # each += below one add, no call inside it
                 counters.shm_bytes_received += total
@@ -193,6 +197,19 @@ class PutMemRequests:
             kept = sum(res.length for res, ok in zip(made, outcome.kept, strict=True) if ok)
             self._s.service.inplace_bytes_received += kept
         return outcome
+
+    def _client_still_there(self, name: str) -> None:
+        """Raises ABORTED where the client closed (or reset) this connection before the commit. The SDK
+        closes it before it puts the blocks another way and returns, and its caller may then reuse the
+        memory those blocks were read from: a read that overlapped the close may hold bytes put there
+        since (for an unsealed block, another namespace's valid block of the same key would verify). A
+        close after this check came after every read, of bytes still the put's."""
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLRDHUP)
+        if poller.poll(0):  # POLLRDHUP, POLLHUP or POLLERR: the client's end is closed
+            raise Refused(
+                grpc.StatusCode.ABORTED, f"{name}: the client closed the connection during the put: nothing stored"
+            )
 
     @staticmethod
     def _registered(registry: HandoffRegistry, name: str, process: ProcessReads) -> None:
