@@ -219,16 +219,10 @@ class VerifiedCopy(Path_):
         each(one, range(len(self.sizes)), self.sizes)
 
     def get(self) -> None:
-        from kvcache_core.landing import PIECE_BYTES, each
+        from kvcache_core.landing import copy_hashed, each
 
         def one(i: int) -> int:
-            src, dst = self.src[i], self.dst[i]
-            h = xxhash.xxh3_64()
-            for start in range(0, len(dst), PIECE_BYTES):
-                end = min(len(dst), start + PIECE_BYTES)
-                np.copyto(dst[start:end], src[start:end])
-                h.update(dst[start:end])
-            return h.intdigest()
+            return copy_hashed(self.src[i], self.dst[i], xxhash.xxh3_64())
 
         each(one, range(len(self.sizes)), self.sizes)
 

@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TypeVar
 
 import numpy as np
+import xxhash
 
 from kvcache_core.errors import BlockFormatError
 from kvcache_core.format import BlockHeader, matched, parse_header, payload_hasher
@@ -146,12 +147,17 @@ def _land_one(job: Job, header: object) -> str | None:
     if not len(target):
         return _matched_or_why(header, key, hasher.intdigest())
     src = np.frombuffer(block, np.uint8, len(target), header.header_len)  # type: ignore[attr-defined]
-    dst = np.frombuffer(target, np.uint8)
+    return _matched_or_why(header, key, copy_hashed(src, np.frombuffer(target, np.uint8), hasher))
+
+
+def copy_hashed(src: np.ndarray, dst: np.ndarray, hasher: xxhash.xxh3_64) -> int:
+    """src copied into dst (uint8 arrays of one length) PIECE_BYTES at a time, each piece fed to
+    `hasher` right after it landed, from dst (what is hashed is what lies there); the digest."""
     for start in range(0, len(dst), PIECE_BYTES):
         end = min(len(dst), start + PIECE_BYTES)
         np.copyto(dst[start:end], src[start:end])
         hasher.update(dst[start:end])
-    return _matched_or_why(header, key, hasher.intdigest())
+    return hasher.intdigest()  # type: ignore[no-any-return]
 
 
 def _matched_or_why(header: object, key: bytes, digest: int) -> str | None:

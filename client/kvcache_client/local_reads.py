@@ -46,7 +46,7 @@ from kvcache_client.bulkconn import Received
 from kvcache_client.inplace_core import ArenaMoved
 from kvcache_client.presence import Located, PresenceLink
 from kvcache_core.format import FIXED_HEADER_BYTES, BlockFormatError, Compression, parse_header, payload_seed
-from kvcache_core.landing import PIECE_BYTES, each, land
+from kvcache_core.landing import copy_hashed, each, land
 from kvcache_core.presence import unpack_location
 
 
@@ -206,16 +206,10 @@ def land_blocks(plan: BlocksPlan, presence: PresenceLink) -> list[memoryview] | 
 
 
 def _copied_in_pieces(block: memoryview, key: bytes, sink: memoryview, parsed: Parsed) -> bool:
-    """_copied of a large block: PIECE_BYTES at a time, each piece hashed right after it landed
-    (while it is in cache), numpy's copy and xxh3 both without the GIL."""
+    """_copied of a large block: in pieces, each hashed right after it landed (while it is in cache),
+    numpy's copy and xxh3 both without the GIL (landing.copy_hashed)."""
     src = np.frombuffer(block, np.uint8, parsed.payload_len, parsed.header_len)
-    dst = np.frombuffer(sink, np.uint8)
-    hasher = xxhash.xxh3_64(key + parsed.seed)
-    for start in range(0, len(dst), PIECE_BYTES):
-        end = min(len(dst), start + PIECE_BYTES)
-        np.copyto(dst[start:end], src[start:end])
-        hasher.update(dst[start:end])
-    return hasher.intdigest() == parsed.checksum
+    return copy_hashed(src, np.frombuffer(sink, np.uint8), xxhash.xxh3_64(key + parsed.seed)) == parsed.checksum
 
 
 def _copied(block: memoryview, key: bytes, sink: memoryview, parsed: Parsed) -> bool:
