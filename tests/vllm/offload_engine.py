@@ -20,7 +20,11 @@ wrong prefix changes the tokens; one wrong bit of one loaded value, which greedy
 changes the logits.
 
 Run as a script (`python -m tests.vllm.offload_engine SPEC.json`) it is one engine process: it reads
-the prompts, runs them, and prints one JSON line with the tokens and what it loaded.
+the prompts, runs them, and prints one JSON line with the tokens and what it loaded. With `--fork-server`
+it imports vLLM, torch and transformers once (9 s of every engine process here) and then, for each
+SPEC.json path read from stdin, forks a new process that runs that engine alone (its own CPU tier, its
+own everything: nothing of one engine is in the next) with stdout and stderr in SPEC.json.out and
+SPEC.json.err, and answers each path with the child's exit status on a line of its own.
 """
 
 from __future__ import annotations
@@ -438,10 +442,43 @@ def main(spec_path: str) -> None:
         "invalid_block_ids": sorted(engine.invalid_block_ids),
         "killed": bool(killed),
         "seconds": time.monotonic() - started,
+        "pid": os.getpid(),
     }
     engine.close()
     print(json.dumps(result), flush=True)
 
 
+def fork_server() -> None:
+    """Each line of stdin a SPEC.json path: one forked engine process per line, its exit status printed."""
+    for line in sys.stdin:
+        spec_path = line.strip()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # the engine process: nothing of the fork server's pipes, the spec's files instead
+            code = 1
+            try:
+                with open(spec_path + ".out", "wb") as out, open(spec_path + ".err", "wb") as err:
+                    os.dup2(out.fileno(), 1)
+                    os.dup2(err.fileno(), 2)
+                    os.close(0)
+                try:
+                    main(spec_path)
+                    code = 0
+                except BaseException:
+                    import traceback
+
+                    traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status), flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    if sys.argv[1] == "--fork-server":
+        fork_server()
+    else:
+        main(sys.argv[1])

@@ -1,8 +1,8 @@
 """vLLM's own OffloadingConnector with the kvcache tier below its CPU tier, engine to engine, greedy tokens compared.
 
-Each engine is its own process (tests/vllm/offload_engine.py): vLLM 0.33's Scheduler and
-OffloadingConnector (scheduler and worker sides), vLLM's TieringOffloadingManager with its CPU tier
-and the kvcache tier, CPU KV caches, and a tiny random-weight model that samples greedily (a Llama, a
+Each engine is its own process (tests/vllm/offload_engine.py, forked from one that imported vLLM once):
+vLLM 0.33's Scheduler and OffloadingConnector (scheduler and worker sides), vLLM's TieringOffloadingManager
+with its CPU tier and the kvcache tier, CPU KV caches, and a tiny random-weight model that samples greedily (a Llama, a
 Qwen2 whose layers all slide, a full + sliding hybrid, and a Mamba hybrid whose recurrent state lives in
 vLLM's Mamba cache in "align" mode: tests/vllm/state_model.py). Only the worker's device copy runs on
 the CPU (tests/vllm/cpu_offload.py). The kvcache server is a real `python -m kvcache_server` process. A
@@ -13,10 +13,15 @@ SIGKILLed while requests wait for it is a recompute with the same tokens, in bou
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
+import select
+import signal
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,21 +96,63 @@ def reference(references: dict[str, dict[str, Any]]) -> dict[str, Any]:
     return references["full"]
 
 
-def run_engine(tmp_path: Path, name: str, llama_dir: str, target: str | None, **spec: Any) -> dict[str, Any]:
+class EngineProcesses:
+    """Engine processes forked from one that imported vLLM, torch and transformers once
+    (`python -m tests.vllm.offload_engine --fork-server`): each engine is still a process of its own,
+    without the 9 s of imports each one took here."""
+
+    def __init__(self, log: Path) -> None:
+        self.log = log
+        self.server: subprocess.Popen[str] | None = None
+
+    def run(self, spec_path: Path, timeout_s: float = 180.0) -> int:
+        if self.server is None or self.server.poll() is not None:
+            with self.log.open("a") as log:
+                self.server = subprocess.Popen(
+                    [sys.executable, "-m", "tests.vllm.offload_engine", "--fork-server"],
+                    cwd=REPO,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=log,
+                    text=True,
+                    start_new_session=True,  # its engine processes with it: one killpg ends both
+                )
+        assert self.server.stdin is not None and self.server.stdout is not None
+        self.server.stdin.write(f"{spec_path}\n")
+        self.server.stdin.flush()
+        ready, _, _ = select.select([self.server.stdout], [], [], timeout_s)
+        line = self.server.stdout.readline() if ready else ""
+        if not line:
+            self.close()
+            raise AssertionError(f"no engine result within {timeout_s} s: {self.log.read_text()[-4000:]}")
+        return int(line)
+
+    def close(self) -> None:
+        if self.server is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.server.pid, signal.SIGKILL)
+            self.server.wait(10)
+            self.server = None
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineProcesses]:
+    processes = EngineProcesses(tmp_path_factory.mktemp("engines") / "fork-server.log")
+    yield processes
+    processes.close()
+
+
+def run_engine(
+    engines: EngineProcesses, tmp_path: Path, name: str, llama_dir: str, target: str | None, **spec: Any
+) -> dict[str, Any]:
     """One engine process over PROMPTS; its JSON result."""
     path = tmp_path / f"{name}.json"
     path.write_text(
         json.dumps({"model_dir": llama_dir, "target": target, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, **spec})
     )
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.vllm.offload_engine", str(path)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    returncode = engines.run(path)
+    assert returncode == 0, Path(f"{path}.err").read_text()[-4000:]
+    return json.loads(Path(f"{path}.out").read_text().strip().splitlines()[-1])
 
 
 def ram_hits(target: str) -> int:
@@ -188,7 +235,12 @@ def test_the_mamba_hybrids_tokens_depend_on_the_state_and_the_kv(
 
 @pytest.mark.parametrize("kind", list(LAYER_TYPES))
 def test_a_prompt_stored_by_one_engine_process_loads_in_another_from_kvcache_alone(
-    model_dirs: dict[str, str], references: dict[str, dict[str, Any]], server_process, tmp_path: Path, kind: str
+    model_dirs: dict[str, str],
+    references: dict[str, dict[str, Any]],
+    server_process,
+    engines: EngineProcesses,
+    tmp_path: Path,
+    kind: str,
 ) -> None:
     """For a full-attention model, one whose layers all slide, a hybrid one (a full and a sliding
     group) and a Mamba hybrid (a full group and a state group, mamba_cache_mode "align"): the loading
@@ -196,7 +248,7 @@ def test_a_prompt_stored_by_one_engine_process_loads_in_another_from_kvcache_alo
     from kvcache, with the blocks (and, for the Mamba hybrid, the one state block) vLLM loads."""
     _, target = server_process
     llama_dir, reference = model_dirs[kind], references[kind]
-    stored = run_engine(tmp_path, "store", llama_dir, target)
+    stored = run_engine(engines, tmp_path, "store", llama_dir, target)
     assert (stored["tokens"], stored["logits"]) == (reference["tokens"], reference["logits"])
     assert stored["connector_hit_tokens"] == 0  # nothing there yet (p2 reuses p1's blocks on the "GPU")
     with KVCacheClient(target, timeout_s=10) as client:
@@ -204,7 +256,8 @@ def test_a_prompt_stored_by_one_engine_process_loads_in_another_from_kvcache_alo
     assert ram.blocks == CHUNKS[kind]
 
     hits = ram_hits(target)
-    loaded = run_engine(tmp_path, "load", llama_dir, target)
+    loaded = run_engine(engines, tmp_path, "load", llama_dir, target)
+    assert loaded["pid"] != stored["pid"]  # another process: its CPU tier holds nothing
     assert (loaded["tokens"], loaded["logits"]) == (reference["tokens"], reference["logits"])
     assert loaded["loaded"] == LOADABLE
     assert loaded["invalid_block_ids"] == []
@@ -216,16 +269,22 @@ def test_a_prompt_stored_by_one_engine_process_loads_in_another_from_kvcache_alo
 
 @pytest.mark.parametrize("kill", [{"kill_on_idle_step": 1}, {"kill_on_load": True}])
 def test_a_server_killed_while_requests_wait_for_it_is_a_recompute_with_the_same_tokens(
-    llama_dir: str, reference: dict[str, Any], server_process, tmp_path: Path, kill: dict[str, Any]
+    llama_dir: str,
+    reference: dict[str, Any],
+    server_process,
+    engines: EngineProcesses,
+    tmp_path: Path,
+    kill: dict[str, Any],
 ) -> None:
     """The kvcache server is SIGKILLed by the loading engine while its requests wait for it: the
     first time a step schedules nothing (lookups in flight), or as the tier starts its first load, after its
     lookups said HIT. What was not loaded is computed again, the tokens and logits are the reference's,
     and the run ends (the engine's own deadline, 60 s, is an assertion)."""
     process, target = server_process
-    assert run_engine(tmp_path, "store", llama_dir, target)["logits"] == reference["logits"]
+    assert run_engine(engines, tmp_path, "store", llama_dir, target)["logits"] == reference["logits"]
     tier = {"timeout_s": 2.0, "lookup_timeout_s": 1.0}
     after = run_engine(
+        engines,
         tmp_path,
         "killed",
         llama_dir,
@@ -243,15 +302,19 @@ def test_a_server_killed_while_requests_wait_for_it_is_a_recompute_with_the_same
 
 
 def test_a_mamba_state_loaded_from_kvcache_is_one_the_tokens_depend_on(
-    model_dirs: dict[str, str], references: dict[str, dict[str, Any]], server_process, tmp_path: Path
+    model_dirs: dict[str, str],
+    references: dict[str, dict[str, Any]],
+    server_process,
+    engines: EngineProcesses,
+    tmp_path: Path,
 ) -> None:
     """The Mamba hybrid's loading engine again, with each state page its loads wrote zeroed as soon as it
     is written (the state vLLM would have had, had its connector not loaded it): p1's and p3's greedy
     tokens are not the reference's, and no request's logits are (p2 reuses p1's blocks, and its state)."""
     _, target = server_process
     model_dir, reference = model_dirs["mamba"], references["mamba"]
-    assert run_engine(tmp_path, "store", model_dir, target)["logits"] == reference["logits"]
-    zeroed = run_engine(tmp_path, "zeroed", model_dir, target, zero_loaded_states=True)
+    assert run_engine(engines, tmp_path, "store", model_dir, target)["logits"] == reference["logits"]
+    zeroed = run_engine(engines, tmp_path, "zeroed", model_dir, target, zero_loaded_states=True)
     assert zeroed["zeroed_states"] == 2  # p1's state after 64 tokens, p3's after 96
     assert zeroed["loaded"] == LOADABLE
     for request_id in ("p1", "p3"):
