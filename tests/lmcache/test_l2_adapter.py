@@ -12,6 +12,7 @@ import json
 import os
 import select
 import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -24,7 +25,9 @@ from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_re
 
 from kvcache_client import KVCacheClient
 from kvcache_connectors.lmcache_l2 import KVCacheL2Adapter, KVCacheL2Config
+from kvcache_connectors.lmcache_l2.adapter import LEASE_GRACE_S
 from kvcache_connectors.lmcache_l2.keys import KeyMapper, lmcache_namespace, scope_of
+from kvcache_connectors.lmcache_l2.lanes import Task
 from kvcache_server.launcher import LocalKVCacheServer
 from tests.backends import sigstop
 from tests.lmcache.harness import (
@@ -129,8 +132,9 @@ def test_store_lookup_lock_load_unlock_delete_usage(server, make_adapter, buffer
         "loaded_chunks": 4,
         "unlocks": 4,
         "deleted_chunks": 4,
-        # Same host: the last lookup's first key is gone from the presence index, no LeaseGet.
-        **({"lookups_local": 1} if shm else {}),
+        # Same host: the last lookup's keys are gone from the presence index, which answers it on
+        # the caller's thread (no LeaseGet).
+        **({"lookups_inline": 1} if shm else {}),
     }
 
 
@@ -177,7 +181,7 @@ def test_a_first_key_the_presence_index_lacks_sends_no_lease_get(server, make_ad
     start = time.monotonic()
     assert lookup(adapter, object_keys(3, first=90)) == [0, 0, 0]
     assert time.monotonic() - start < 0.3
-    assert adapter.counters.snapshot()["lookups_local"] == 1
+    assert adapter.counters.snapshot()["lookups_inline"] == 2  # both lookups: the index answered them
 
 
 def test_empty_tasks_complete(server, make_adapter) -> None:
@@ -254,6 +258,7 @@ def test_locks_past_max_locked_bytes_are_hits_not_held(server, make_adapter, buf
     src = buffers.filled([6, 7, 8])
     assert store(adapter, keys, src).is_successful()
     assert lookup(adapter, keys) == [1, 1, 1]
+    assert eventually(lambda: adapter.report_status()["locks_not_held"] == 3)  # once the leases came back
     status = adapter.report_status()
     assert (status["locked_keys"], status["locked_bytes"], status["locks_not_held"]) == (3, 0, 3)
     dst = buffers.empty(3)
@@ -410,11 +415,14 @@ def test_a_killed_server_degrades_to_misses_within_the_deadline(make_adapter, bu
 
 
 def test_a_stopped_server_costs_one_deadline_per_cooldown(make_adapter, buffers) -> None:
-    """A server SIGSTOPped (it accepts connections, answers nothing): of 5 lookups queued at once the
+    """A server SIGSTOPped (it accepts connections, answers nothing), lookups that wait for their
+    leases (early_lookups off; the early path has its own test): of 5 lookups queued at once the
     first waits out its 0.5 s deadline and opens the breaker, the other 4 miss without a call; all 5
     answer within 1.5 s, each submit returned at once, and LMCache's thread was never held."""
     with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
-        adapter = make_adapter(target=server.target, timeout_s=1.0, lookup_timeout_s=0.5, breaker_cooldown_s=60.0)
+        adapter = make_adapter(
+            target=server.target, timeout_s=1.0, lookup_timeout_s=0.5, breaker_cooldown_s=60.0, early_lookups=False
+        )
         keys = object_keys(1, first=120)
         assert store(adapter, keys, buffers.filled([3])).is_successful()
         sigstop(server.proc.pid)
@@ -476,7 +484,7 @@ def test_close_fails_queued_tasks_and_releases_held_leases(server, make_adapter,
     assert store(adapter, keys, buffers.filled([1, 2])).is_successful()
     assert lookup(adapter, keys) == [1, 1]
     with KVCacheClient(server.target) as probe:
-        assert probe.stats().arena_leases > 0
+        assert eventually(lambda: probe.stats().arena_leases > 0)  # the leases behind the early answer
         adapter.close()
         assert probe.stats().arena_leases == 0
     adapter.close()  # twice is harmless
@@ -493,7 +501,7 @@ def test_a_lock_outlived_by_its_lease_is_read_again(make_server, make_adapter, b
     assert store(adapter, keys, src).is_successful()
     assert lookup(adapter, keys) == [1, 1]
     with KVCacheClient(server.target) as probe:
-        assert probe.stats().arena_leases > 0
+        assert eventually(lambda: probe.stats().arena_leases > 0)  # the leases behind the early answer
         assert eventually(lambda: probe.stats().arena_leases == 0, 5.0)  # expired on the server
         assert probe.stats().arena_leases_expired > 0
         dst = buffers.empty(2)
@@ -507,10 +515,10 @@ def test_a_lock_outlived_by_its_lease_is_read_again(make_server, make_adapter, b
 
 
 def test_a_server_killed_mid_call_is_a_miss_within_the_deadline(make_adapter, buffers) -> None:
-    """The server stopped, a lookup sent (the call hangs), then the server killed while it waits:
-    the lookup answers all misses no later than its deadline, and nothing stays locked."""
+    """The server stopped, a lookup sent (the call hangs; early_lookups off), then the server killed
+    while it waits: the lookup answers all misses no later than its deadline, and nothing stays locked."""
     with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
-        adapter = make_adapter(target=server.target, timeout_s=1.0, lookup_timeout_s=1.0)
+        adapter = make_adapter(target=server.target, timeout_s=1.0, lookup_timeout_s=1.0, early_lookups=False)
         keys = object_keys(2, first=600)
         assert store(adapter, keys, buffers.filled([1, 2])).is_successful()
         sigstop(server.proc.pid)
@@ -524,6 +532,168 @@ def test_a_server_killed_mid_call_is_a_miss_within_the_deadline(make_adapter, bu
         assert time.monotonic() - started < 1.0 + 0.5
         assert adapter.report_status()["locked_keys"] == 0
         assert adapter.counters.snapshot()["lookup_failures"] == 1
+
+
+# -- early lookups: the presence index answers, the leases follow on the lookup lane ---------------
+
+
+class LaneGate:
+    """Holds the adapter's lookup lane with a task that waits for open(): the leases an early lookup
+    leaves behind wait in its queue, at a moment the test chooses."""
+
+    def __init__(self, adapter: KVCacheL2Adapter) -> None:
+        self.event = threading.Event()
+        assert adapter._lookups.submit(Task(run=lambda: self.event.wait(30), drop=self.event.set))
+
+    def open(self) -> None:
+        self.event.set()
+
+
+def test_an_early_lookup_answers_before_its_leases_and_its_load_waits_for_them(server, make_adapter, buffers) -> None:
+    """Every key in RAM: the lookup is answered while the lookup lane is held (no call made yet), its
+    locks taken; the load submitted then waits for the leases, and once they come copies the leased
+    blocks byte-identical: two RAM hits in all (the leases), no second read. Unlock releases them."""
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(2, first=700)
+    src = buffers.filled([7, 8])
+    assert store(adapter, keys, src).is_successful()
+    with KVCacheClient(server.target) as probe:
+        hits = probe.stats().tier("ram").hits
+        gate = LaneGate(adapter)
+        assert lookup(adapter, keys) == [1, 1]
+        assert adapter.report_status()["locked_keys"] == 2
+        dst = buffers.empty(2)
+        task = adapter.submit_load_task(keys, dst)
+        assert not readable(adapter.get_load_event_fd(), 0.3)  # waiting for the leases
+        assert probe.stats().arena_leases == 0
+        gate.open()
+        assert bits(wait_result(adapter.query_load_result, task, adapter.get_load_event_fd())) == [1, 1]
+        assert same_bytes(src, dst)
+        assert probe.stats().tier("ram").hits - hits == 2
+        assert probe.stats().arena_leases > 0
+        adapter.submit_unlock(keys)
+        assert eventually(lambda: probe.stats().arena_leases == 0)
+    counters = adapter.counters.snapshot()
+    assert (counters["lookups_inline"], counters["leases_lost"], counters["loaded_chunks"]) == (1, 0, 2)
+
+
+def test_an_early_lookup_unlocked_before_its_leases_asks_none(server, make_adapter, buffers) -> None:
+    """Unlocked while its leases wait in the lane: no LEASE is sent, nothing stays pinned."""
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(2, first=720)
+    assert store(adapter, keys, buffers.filled([1, 2])).is_successful()
+    with KVCacheClient(server.target) as probe:
+        leased = probe.stats().inplace_bytes_leased
+        gate = LaneGate(adapter)
+        assert lookup(adapter, keys) == [1, 1]
+        adapter.submit_unlock(keys)
+        gate.open()
+        assert adapter._lookups.idle(5.0)
+        assert probe.stats().inplace_bytes_leased == leased and probe.stats().arena_leases == 0
+    assert adapter.report_status()["locked_keys"] == 0
+
+
+def test_an_early_lookup_unlocked_while_its_leases_are_asked_releases_them(make_adapter, buffers) -> None:
+    """The server SIGSTOPped with the LEASE on the wire, the locks dropped meanwhile, the server
+    resumed: the leases that come back are released at once, none stays pinned."""
+    with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
+        adapter = make_adapter(target=server.target, lookup_timeout_s=5.0)
+        keys = object_keys(2, first=740)
+        assert store(adapter, keys, buffers.filled([1, 2])).is_successful()
+        sigstop(server.proc.pid)
+        try:
+            assert lookup(adapter, keys) == [1, 1]
+            time.sleep(0.3)  # the LEASE is sent, unanswered
+            adapter.submit_unlock(keys)
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert adapter._lookups.idle(10.0)
+        with KVCacheClient(server.target) as probe:
+            assert probe.stats().inplace_bytes_leased >= 2 * CHUNK_BYTES
+            assert eventually(lambda: probe.stats().arena_leases == 0)
+        assert adapter.report_status()["locked_keys"] == 0
+        assert adapter.counters.snapshot()["lookup_failures"] == 0
+
+
+def test_a_hit_deleted_before_its_lease_is_a_counted_miss_never_other_bytes(server, make_adapter, buffers) -> None:
+    """Deleted between the early answer and its leases: the leases find nothing (`leases_lost`), the
+    load reads the keys again and misses, LMCache's buffers untouched."""
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(2, first=760)
+    assert store(adapter, keys, buffers.filled([3, 4])).is_successful()
+    gate = LaneGate(adapter)
+    assert lookup(adapter, keys) == [1, 1]
+    with KVCacheClient(server.target) as probe:
+        ((ns, _, kv_keys),) = KeyMapper().group(keys)
+        assert probe.delete(ns, kv_keys) == 2
+    gate.open()
+    dst = buffers.empty(2)
+    assert load(adapter, keys, dst) == [0, 0]
+    assert all(not any(bytes(obj.byte_array)) for obj in dst)
+    adapter.submit_unlock(keys)
+    counters = adapter.counters.snapshot()
+    assert (counters["leases_lost"], counters["load_missing_chunks"], counters["corrupt_chunks"]) == (2, 2, 0)
+    assert adapter.report_status()["locked_keys"] == 0
+
+
+def test_leases_the_lane_reaches_past_the_lookups_deadline_are_not_asked(server, make_adapter, buffers) -> None:
+    """The lane held past the lookup's deadline: its leases are not asked (a lookup failure), the
+    load stops waiting for them at that deadline and reads the keys itself, byte-identical."""
+    adapter = make_adapter(target=server.target, lookup_timeout_s=0.3)
+    keys = object_keys(2, first=780)
+    src = buffers.filled([5, 6])
+    assert store(adapter, keys, src).is_successful()
+    gate = LaneGate(adapter)
+    assert lookup(adapter, keys) == [1, 1]
+    dst = buffers.empty(2)
+    started = time.monotonic()
+    assert load(adapter, keys, dst) == [1, 1]
+    assert 0.2 < time.monotonic() - started < 0.3 + LEASE_GRACE_S + 1.0
+    assert same_bytes(src, dst)
+    gate.open()
+    assert adapter._lookups.idle(5.0)
+    adapter.submit_unlock(keys)
+    assert adapter.counters.snapshot()["lookup_failures"] == 1
+    with KVCacheClient(server.target) as probe:
+        assert eventually(lambda: probe.stats().arena_leases == 0)
+
+
+def test_an_early_lookup_under_a_stopped_server_costs_one_lookup_deadline(make_adapter, buffers) -> None:
+    """SIGSTOPped: the presence index still says the blocks are there, so the lookup answers hits at
+    once; the load gets misses within the lookup's deadline (the leases' call failed and opened the
+    breaker, so the load does not call again), nothing stays locked, and the next lookup, on the
+    lane with the breaker open, misses without a call."""
+    with LocalKVCacheServer("--ram-capacity", "64MiB") as server:
+        adapter = make_adapter(target=server.target, timeout_s=5.0, lookup_timeout_s=0.5, breaker_cooldown_s=60.0)
+        keys = object_keys(2, first=800)
+        assert store(adapter, keys, buffers.filled([1, 2])).is_successful()
+        sigstop(server.proc.pid)
+        try:
+            started = time.monotonic()
+            assert lookup(adapter, keys) == [1, 1]
+            dst = buffers.empty(2)
+            assert load(adapter, keys, dst) == [0, 0]
+            elapsed_s = time.monotonic() - started
+            adapter.submit_unlock(keys)
+            assert lookup(adapter, keys) == [0, 0]
+        finally:
+            os.kill(server.proc.pid, signal.SIGCONT)
+        assert 0.5 <= elapsed_s < 0.5 + LEASE_GRACE_S + 0.5
+        assert all(not any(bytes(obj.byte_array)) for obj in dst)
+        assert adapter.report_status()["locked_keys"] == 0
+        counters = adapter.counters.snapshot()
+        assert (counters["lookup_failures"], counters["breaker_skips"]) == (2, 2)  # the load's read, the lookup
+
+
+def test_early_lookups_off_answers_once_the_leases_are_held(server, make_adapter, buffers) -> None:
+    adapter = make_adapter(target=server.target, early_lookups=False)
+    keys = object_keys(2, first=820)
+    assert store(adapter, keys, buffers.filled([1, 2])).is_successful()
+    with KVCacheClient(server.target) as probe:
+        assert lookup(adapter, keys) == [1, 1]
+        assert probe.stats().arena_leases > 0
+        adapter.submit_unlock(keys)
+    assert adapter.counters.snapshot()["lookups_inline"] == 0
 
 
 # -- locks="keys": what LMCache's own adapters hold ----------------------------------------------

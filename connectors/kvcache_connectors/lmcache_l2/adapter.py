@@ -6,7 +6,8 @@ lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
 
     store     submit_store_task: one put_payloads per namespace of LMCache's buffers
     lookup    submit_lookup_and_lock_task: one leased(verify=False) per namespace; the hits stay
-              held (locked)
+              held (locked). On the server's host, where its presence index answers, the answer
+              comes first, on LMCache's thread, and the leases right behind it (early_lookups)
     load      submit_load_task: copies from the held blocks into LMCache's buffers, each copy
               verified where it landed; keys not held (or whose leases ran out) are read again with
               leased() and copied (get_into would refuse the whole call for one buffer of the wrong
@@ -39,6 +40,7 @@ import itertools
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -75,6 +77,11 @@ INLINE_LOOKUP_KEYS = 128
 """The most keys a lookup-and-lock with locks="keys" answers on LMCache's thread from the presence
 index (about 2 µs a key warm, so at most ~0.3 ms; several times that right after a store); more go
 to the lookup lane."""
+
+
+LEASE_GRACE_S = 0.25
+"""How long past an early lookup's deadline a load waits for the lookup lane to report its leases'
+call: the call has ended by then, so the load knows whether the breaker opened."""
 
 
 class ServerSkipped(Exception):
@@ -233,6 +240,13 @@ class KVCacheL2Adapter(L2AdapterInterface):
         if local is not None:  # answered here: no lane thread to wake, no call
             publish(local)
             return task_id
+        early = self._answer_early(keys)
+        if early is not None:  # answered here, the leases behind it queued after the answer is out
+            bitmap, pending = early
+            publish(bitmap)
+            if pending:
+                self._lease_behind_later(pending)
+            return task_id
 
         def run() -> None:
             bitmap = Bitmap(len(keys))
@@ -253,37 +267,114 @@ class KVCacheL2Adapter(L2AdapterInterface):
         return task_id
 
     def _lock_locally(self, keys: list[ObjectKey]) -> Bitmap | None:
-        """locks="keys": the lookup answered on the caller's thread, where the server's presence index
-        (docs/presence.md) answers every namespace's group with certainty: reads of shared memory,
-        about 2 µs a key (up to INLINE_LOOKUP_KEYS), never a call or a wait, so LMCache's loop is not
-        held; a lane thread woken for it cost more than the answer (0.4 ms cold against 0.13 warm).
-        None where the lane must ask (another lock mode, no index, an uncertain answer, many keys,
-        the breaker not closed, closed): nothing is locked or counted then."""
-        presence = getattr(self._client, "presence", None)
-        if self.config.locks != "keys" or presence is None or len(keys) > INLINE_LOOKUP_KEYS or self._closed:
-            return None
-        with self._breaker_lock:
-            if self._breaker.state is not BreakerState.CLOSED:
-                return None
-        answers: list[tuple[list[int], int]] = []
-        try:
-            for ns, positions, kv_keys in self._keys.group(keys):
-                local = presence.prefix(ns, kv_keys)  # None while the index is not to be trusted
-                if local is None or not local[1]:
-                    return None
-                answers.append((positions, local[0]))
-        except Exception:  # the index remapped under the read (its Info on a lane thread): the lane asks
-            log.debug("kvcache L2 adapter: the presence index could not answer inline", exc_info=True)
+        """locks="keys": the lookup answered on the caller's thread from the presence index (see
+        _located), never a call or a wait, so LMCache's loop is not held; a lane thread woken for it
+        cost more than the answer (0.4 ms cold against 0.13 warm). None where the lane must ask:
+        nothing is locked or counted then."""
+        answers = self._located(keys, locks="keys")
+        if answers is None:
             return None
         bitmap = Bitmap(len(keys))
-        for positions, found in answers:
+        for _, positions, _, found in answers:
             self._lock_found([keys[i] for i in positions], positions, found, bitmap)
-        presence.counters.local += len(answers)  # as the client's own lookup counts an answer it gave
         hits = bitmap.popcount()
         self.counters.add("lookups_inline")
         self.counters.add("lookup_hits", hits)
         self.counters.add("lookup_misses", len(keys) - hits)
         return bitmap
+
+    def _located(self, keys: list[ObjectKey], *, locks: str) -> list[tuple[str, list[int], list[bytes], int]] | None:
+        """Each namespace's group of `keys` with its stored prefix as the server's presence index
+        (docs/presence.md) answers it, with certainty, on the caller's thread: reads of shared
+        memory, about 2 µs a key (up to INLINE_LOOKUP_KEYS). None where the lane must ask (another
+        lock mode, no index, an uncertain answer, many keys, the breaker not closed, closed)."""
+        presence = getattr(self._client, "presence", None)
+        if self.config.locks != locks or presence is None or len(keys) > INLINE_LOOKUP_KEYS or self._closed:
+            return None
+        with self._breaker_lock:
+            if self._breaker.state is not BreakerState.CLOSED:
+                return None
+        answers = []
+        try:
+            for ns, positions, kv_keys in self._keys.group(keys):
+                local = presence.prefix(ns, kv_keys)  # None while the index is not to be trusted
+                if local is None or not local[1]:
+                    return None
+                answers.append((ns, positions, kv_keys, local[0]))
+        except Exception:  # the index remapped under the read (its Info on a lane thread): the lane asks
+            log.debug("kvcache L2 adapter: the presence index could not answer inline", exc_info=True)
+            return None
+        presence.counters.local += len(answers)  # as the client's own lookup counts an answer it gave
+        return answers
+
+    def _answer_early(self, keys: list[ObjectKey]) -> tuple[Bitmap, list[tuple[str, list[bytes], Hold]]] | None:
+        """locks="leases" with early_lookups: the lookup answered on the caller's thread from the
+        presence index where it finds each namespace's keys all there (or the first in no tier),
+        each hit locked at once on a pending hold (LockTable.lock_ahead), and the hits' leases taken
+        right behind on the lookup lane; a load waits for them. A hit evicted in between (one LEASE
+        round trip) comes back without a block (`leases_lost`): its load reads it again, a miss if
+        it is gone. Returns the answer and the pending holds to lease (_lease_behind_later); None
+        where the lane must answer (see _located)."""
+        if not self.config.early_lookups:
+            return None
+        answers = self._located(keys, locks="leases")
+        # Each group all hits or none (its first key in no tier, as the lane answers it too); a hit
+        # after a miss (a sliding window's chunks) is the lane's, which leases every key.
+        if answers is None or any(0 < found < len(kv_keys) for _, _, kv_keys, found in answers):
+            return None
+        bitmap = Bitmap(len(keys))
+        pending: list[tuple[str, list[bytes], Hold]] = []
+        deadline = time.monotonic() + self.config.lookup_timeout_s  # the leases', as the lane's lookup's
+        for ns, positions, kv_keys, found in answers:
+            if found:
+                hits = kv_keys[:found]
+                hold = self._locks.lock_ahead([keys[i] for i in positions[:found]], hits, deadline)
+                pending.append((ns, hits, hold))
+                for i in positions[:found]:
+                    bitmap.set(i)
+        hits = bitmap.popcount()
+        self.counters.add("lookups_inline")
+        self.counters.add("lookup_hits", hits)
+        self.counters.add("lookup_misses", len(keys) - hits)
+        return bitmap, pending
+
+    def _lease_behind_later(self, pending: list[tuple[str, list[bytes], Hold]]) -> None:
+        def abandon() -> None:
+            for _, _, hold in pending:
+                self._locks.abandon(hold)
+
+        self._submit(self._lookups, Task(run=lambda: self._lease_behind(pending), drop=abandon))
+
+    def _lease_behind(self, pending: list[tuple[str, list[bytes], Hold]]) -> None:
+        """The leases of an early lookup's hits (lookup lane), each namespace's handed to its pending
+        hold; a hold no longer locked (unlocked, closed) asks nothing."""
+        for ns, kv_keys, hold in pending:
+            try:
+                if self._locks.wanted(hold):
+                    self._lease_hold(ns, kv_keys, hold)
+            except (*CALL_ERRORS, ServerSkipped) as exc:  # the loads read these keys again (misses if it is down)
+                self.counters.add("lookup_failures")
+                log.warning("kvcache leases of %d chunks looked up failed: %s", len(kv_keys), exc)
+            finally:
+                self._locks.abandon(hold)  # settled or not, no load waits for it any longer
+
+    def _lease_hold(self, ns: str, kv_keys: list[bytes], hold: Hold) -> None:
+        timeout_s = hold.deadline - time.monotonic()
+        if timeout_s <= 0:  # the lane was busy past the lookup's deadline: the loads read again
+            raise KVCacheError(f"the lookup's deadline passed before its {len(kv_keys)} leases were asked")
+        stack = contextlib.ExitStack()
+        try:
+            blocks = self._guarded(
+                lambda: stack.enter_context(self._client.leased(ns, kv_keys, timeout_s=timeout_s, verify=False))
+            )
+        except BaseException:
+            stack.close()
+            raise
+        self.counters.add("leases_lost", sum(block is None for block in blocks))
+        if not self._locks.settle(hold, stack, blocks):
+            self._close_leases(stack)
+            if self._locks.wanted(hold):  # past max_locked_bytes: hits stay hits, loads read them again
+                self.counters.add("locks_not_held", sum(block is not None for block in blocks))
 
     def _lock_found(self, keys: list[ObjectKey], positions: list[int], found: int, bitmap: Bitmap) -> None:
         """locks="keys": a lock on each of the first `found` of a group's keys (the stored prefix), its
@@ -346,8 +437,11 @@ class KVCacheL2Adapter(L2AdapterInterface):
         self._control.submit(Task(run=lambda: self._release(hold), drop=hold.stack.close), force=True)
 
     def _release(self, hold: Hold) -> None:
+        self._close_leases(hold.stack)
+
+    def _close_leases(self, stack: contextlib.ExitStack) -> None:
         try:
-            hold.stack.close()
+            stack.close()
         except CALL_ERRORS as exc:  # the server expires the leases on its own
             self.counters.add("releases_failed")
             log.debug("kvcache lease release failed (the server expires them): %s", exc)
@@ -414,6 +508,9 @@ class KVCacheL2Adapter(L2AdapterInterface):
                     continue
                 held, index = got
                 borrowed.append((i, held))
+                if not held.wait(LEASE_GRACE_S):  # its leases came too late: read it again
+                    again.append(i)
+                    continue
                 block = held.blocks[index]
                 if block is None or held.expired():
                     again.append(i)

@@ -41,6 +41,12 @@ class KVCacheL2Config:
             adapter's delete skips it): the lookup is one Lookup, answered on the same host from
             the server's presence index without a call, and the load reads the blocks; a hit the
             server evicts before its load is a counted load miss, never other bytes.
+        early_lookups: With locks="leases" on the server's host: a lookup that the server's presence
+            index answers (every key in RAM or in no tier) is answered at once on LMCache's thread,
+            each hit locked, and the hits' leases are taken right behind it on the lookup lane; a
+            load waits for them. A hit the server evicts in that window (one LEASE round trip) is
+            read again by its load, a counted miss if it is gone (`leases_lost`), never other
+            bytes. false: a lookup's answer waits for its leases.
         shm: Same-host transfers through the server's block arena and shared memory (docs/arena.md);
             locks then pin the blocks in the server's RAM under read leases.
         bulk: Remote transfers over the server's bulk port (docs/bulk.md).
@@ -67,6 +73,7 @@ class KVCacheL2Config:
     namespace_extra: Mapping[str, str] = field(default_factory=dict)
     retain_ttl_s: float | None = None
     locks: str = "leases"
+    early_lookups: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.target, str) or not self.target:
@@ -89,7 +96,7 @@ class KVCacheL2Config:
             raise ValueError(f"max_capacity_bytes must be >= 0, got {self.max_capacity_bytes!r}")
         if self.locks not in LOCKS:
             raise ValueError(f"locks must be one of {list(LOCKS)}, got {self.locks!r}")
-        for name in ("shm", "bulk"):
+        for name in ("shm", "bulk", "early_lookups"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         extra = self.namespace_extra

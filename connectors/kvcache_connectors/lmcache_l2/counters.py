@@ -17,7 +17,8 @@ class Counters:
         "locks_not_held",  # hits answered without holding their blocks (max_locked_bytes reached)
         "key_locks",  # hits locked on the key alone (locks="keys"): the load reads them
         "lookups_local",  # lookup groups the presence index answered "none" without a LeaseGet
-        "lookups_inline",  # lookups (locks="keys") answered from the presence index on LMCache's thread
+        "lookups_inline",  # lookups answered from the presence index on LMCache's thread
+        "leases_lost",  # hits of early lookups whose lease found the block gone (the load reads them again)
         "loaded_chunks",  # chunks copied into LMCache's buffers
         "load_missing_chunks",  # chunks a load did not copy (gone, failed, wrong size)
         "load_failed_tasks",  # load tasks that did not load every chunk

@@ -13,12 +13,18 @@ by unlock, or a load's borrow given back.
 `max_locked_bytes` bounds the bytes of all holds: a lookup past it takes locks without a hold
 (its hits are hits, and the load reads them again). Thread-safe: the lookup, load and control
 lanes and LMCache's threads all use it.
+
+A lookup answered from the server's presence index takes its locks before its leases
+(lock_ahead): its hold is pending, without blocks, until the lookup lane's leases arrive and
+settle() gives it them (or not: past max_bytes, every lock dropped meanwhile, the adapter
+closed). A load borrowing a pending hold waits for it (Hold.wait).
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
@@ -34,6 +40,18 @@ class Hold:
     kv_keys: Sequence[bytes] = ()
     """Each block's kvcache key: a load verifies its copy under it (kvcache_core.landing), whether the
     block is a leased view of the server's arena or a copy this process received."""
+
+    ready: threading.Event | None = None
+    """Set once a pending hold (LockTable.lock_ahead) is settled; None: its blocks came with it."""
+    dropped: bool = False
+    """The adapter closed (LockTable.drain): leases that arrive after are released at once."""
+    deadline: float = 0.0
+    """A pending hold's: time.monotonic() by which its leases' call has ended, one way or another."""
+
+    def wait(self, grace_s: float) -> bool:
+        """Whether the hold's blocks are there: a pending hold waits for its leases' call to end (at
+        its deadline at the latest, plus `grace_s` for the thread that ends it)."""
+        return self.ready is None or self.ready.wait(max(self.deadline + grace_s - time.monotonic(), 0.0))
 
     def expired(self) -> bool:
         """Whether the server may have ended the leases (its slots may hold other blocks by now)."""
@@ -76,6 +94,48 @@ class LockTable:
             for j in hits:
                 self._locks.setdefault(keys[j], []).append(_Lock(hold, j))
         return len(hits), hold is not None
+
+    def lock_ahead(self, keys: Sequence[Hashable], kv_keys: Sequence[bytes], deadline: float) -> Hold:
+        """Takes a lock on each key before its block is leased, by a call that ends by `deadline`: the
+        hold is pending (no blocks, no bytes) until settle() or abandon(), and a load that borrows
+        it waits for that."""
+        hold = Hold(contextlib.ExitStack(), [None] * len(keys), 0, len(keys), kv_keys, threading.Event())
+        hold.deadline = deadline
+        with self._mutex:
+            for j, key in enumerate(keys):
+                self._locks.setdefault(key, []).append(_Lock(hold, j))
+        return hold
+
+    def wanted(self, hold: Hold) -> bool:
+        """Whether a pending hold is still referenced (a lock not dropped, a load waiting for it)."""
+        with self._mutex:
+            return hold.refs > 0 and not hold.dropped
+
+    def settle(self, hold: Hold, stack: contextlib.ExitStack, blocks: Sequence[memoryview | None]) -> bool:
+        """A pending hold's leases arrived: True when the hold keeps them (`stack` becomes its own, to
+        be released with its last reference); False when the caller must close `stack` itself
+        (nothing found, every reference gone meanwhile, the adapter closed, or past max_bytes: the
+        locks then hold no block and a load reads those keys again). Wakes the loads waiting."""
+        nbytes = sum(len(block) for block in blocks if block is not None)
+        with self._mutex:
+            keep = (
+                hold.refs > 0
+                and not hold.dropped
+                and any(block is not None for block in blocks)
+                and self._bytes + nbytes <= self._max_bytes
+            )
+            if keep:
+                hold.stack, hold.blocks, hold.nbytes = stack, blocks, nbytes
+                self._bytes += nbytes
+        self.abandon(hold)
+        return keep
+
+    @staticmethod
+    def abandon(hold: Hold) -> None:
+        """Ends a pending hold's wait without blocks (its lease failed or was never asked): loads
+        read its keys again."""
+        if hold.ready is not None:
+            hold.ready.set()
 
     def lock_keys(self, keys: Sequence[Hashable]) -> None:
         """Takes a lock on each key, holding no block (the load reads it again)."""
@@ -121,6 +181,8 @@ class LockTable:
         """Forgets every lock (the adapter closes); the holds to release."""
         with self._mutex:
             holds = {id(lk.hold): lk.hold for locks in self._locks.values() for lk in locks if lk.hold is not None}
+            for hold in holds.values():
+                hold.dropped = True
             self._locks.clear()
             self._bytes = 0
         return list(holds.values())
