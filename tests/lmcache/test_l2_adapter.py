@@ -538,12 +538,12 @@ def test_a_server_killed_mid_call_is_a_miss_within_the_deadline(make_adapter, bu
 
 
 class LaneGate:
-    """Holds the adapter's lookup lane with a task that waits for open(): the leases an early lookup
-    leaves behind wait in its queue, at a moment the test chooses."""
+    """Holds one of the adapter's lanes (by default the lease lane) with a task that waits for open():
+    the leases an early lookup leaves behind wait in its queue, at a moment the test chooses."""
 
-    def __init__(self, adapter: KVCacheL2Adapter) -> None:
+    def __init__(self, adapter: KVCacheL2Adapter, lane: str = "_leases") -> None:
         self.event = threading.Event()
-        assert adapter._lookups.submit(Task(run=lambda: self.event.wait(30), drop=self.event.set))
+        assert getattr(adapter, lane).submit(Task(run=lambda: self.event.wait(30), drop=self.event.set))
 
     def open(self) -> None:
         self.event.set()
@@ -588,7 +588,7 @@ def test_an_early_lookup_unlocked_before_its_leases_asks_none(server, make_adapt
         assert lookup(adapter, keys) == [1, 1]
         adapter.submit_unlock(keys)
         gate.open()
-        assert adapter._lookups.idle(5.0)
+        assert adapter._leases.idle(5.0)
         assert probe.stats().inplace_bytes_leased == leased and probe.stats().arena_leases == 0
     assert adapter.report_status()["locked_keys"] == 0
 
@@ -607,7 +607,7 @@ def test_an_early_lookup_unlocked_while_its_leases_are_asked_releases_them(make_
             adapter.submit_unlock(keys)
         finally:
             os.kill(server.proc.pid, signal.SIGCONT)
-        assert adapter._lookups.idle(10.0)
+        assert adapter._leases.idle(10.0)
         with KVCacheClient(server.target) as probe:
             assert probe.stats().inplace_bytes_leased >= 2 * CHUNK_BYTES
             assert eventually(lambda: probe.stats().arena_leases == 0)
@@ -651,7 +651,7 @@ def test_leases_the_lane_reaches_past_the_lookups_deadline_are_not_asked(server,
     assert 0.2 < time.monotonic() - started < 0.3 + LEASE_GRACE_S + 1.0
     assert same_bytes(src, dst)
     gate.open()
-    assert adapter._lookups.idle(5.0)
+    assert adapter._leases.idle(5.0)
     adapter.submit_unlock(keys)
     assert adapter.counters.snapshot()["lookup_failures"] == 1
     with KVCacheClient(server.target) as probe:
@@ -683,6 +683,103 @@ def test_an_early_lookup_under_a_stopped_server_costs_one_lookup_deadline(make_a
         assert adapter.report_status()["locked_keys"] == 0
         counters = adapter.counters.snapshot()
         assert (counters["lookup_failures"], counters["breaker_skips"]) == (2, 2)  # the load's read, the lookup
+
+
+def test_a_load_takes_an_older_lookups_held_block_before_a_later_pending_or_empty_one(
+    server, make_adapter, buffers
+) -> None:
+    """Lookup A holds its leases; lookup B of the same keys, early, is pending. A load borrows A's
+    held blocks at once (not B's pending hold); and once B's leases found the keys deleted (no
+    block), a load still copies A's, which A's leases kept: byte-identical, no miss."""
+    adapter = make_adapter(target=server.target, lookup_timeout_s=1.0)
+    keys = object_keys(2, first=900)
+    src = buffers.filled([1, 2])
+    assert store(adapter, keys, src).is_successful()
+    assert lookup(adapter, keys) == [1, 1]  # A
+    assert adapter._leases.idle(5.0)  # A's leases held
+    gate = LaneGate(adapter)
+    assert lookup(adapter, keys) == [1, 1]  # B, pending
+    dst = buffers.empty(2)
+    started = time.monotonic()
+    assert load(adapter, keys, dst) == [1, 1]
+    assert time.monotonic() - started < 0.5  # not B's deadline (1 s): A's blocks, at once
+    assert same_bytes(src, dst)
+    with KVCacheClient(server.target) as probe:
+        ((ns, _, kv_keys),) = KeyMapper().group(keys)
+        assert probe.delete(ns, kv_keys) == 2
+    gate.open()
+    assert adapter._leases.idle(5.0)
+    assert adapter.counters.snapshot()["leases_lost"] == 2  # B's found nothing
+    dst = buffers.empty(2)
+    assert load(adapter, keys, dst) == [1, 1]  # from A's leases, still pinned
+    assert same_bytes(src, dst)
+    adapter.submit_unlock(keys)
+    adapter.submit_unlock(keys)
+    assert adapter.report_status()["locked_keys"] == 0
+
+
+def test_a_busy_lookup_lane_delays_neither_early_leases_nor_loads(server, make_adapter, buffers) -> None:
+    """The lookup lane held (a lookup reading a lower tier, say): an early lookup's leases and its
+    load go through their own lanes at once."""
+    adapter = make_adapter(target=server.target, lookup_timeout_s=2.0)
+    keys = object_keys(2, first=1200)
+    src = buffers.filled([1, 2])
+    assert store(adapter, keys, src).is_successful()
+    gate = LaneGate(adapter, "_lookups")
+    try:
+        started = time.monotonic()
+        assert lookup(adapter, keys) == [1, 1]
+        dst = buffers.empty(2)
+        assert load(adapter, keys, dst) == [1, 1]
+        assert time.monotonic() - started < 1.0
+        assert same_bytes(src, dst)
+    finally:
+        gate.open()
+    adapter.submit_unlock(keys)
+
+
+def test_leases_reached_a_sliver_before_the_deadline_are_not_asked_and_keep_the_breaker_closed(
+    server, make_adapter, buffers
+) -> None:
+    """The lease lane reaches an early lookup's leases 1 ms before its deadline on a healthy server:
+    no LEASE with that sliver of time (which would fail and open the breaker for its cooldown); the
+    breaker stays closed, the load reads the keys itself, and the next store works."""
+    adapter = make_adapter(target=server.target, lookup_timeout_s=0.5, breaker_cooldown_s=30.0)
+    keys = object_keys(2, first=940)
+    src = buffers.filled([5, 6])
+    assert store(adapter, keys, src).is_successful()
+    start = threading.Event()
+
+    def busy_until_just_before_the_deadline() -> None:
+        start.wait(5)
+        deadline = adapter._locks._locks[keys[0]][-1].hold.deadline
+        while time.monotonic() < deadline - 0.001:
+            time.sleep(0.0002)
+
+    assert adapter._leases.submit(Task(run=busy_until_just_before_the_deadline, drop=start.set))
+    assert lookup(adapter, keys) == [1, 1]
+    start.set()
+    assert adapter._leases.idle(5.0)
+    status = adapter.report_status()
+    assert (status["breaker"], status["lookup_failures"], status["breaker_skips"]) == ("closed", 1, 0)
+    dst = buffers.empty(2)
+    assert load(adapter, keys, dst) == [1, 1] and same_bytes(src, dst)
+    assert store(adapter, object_keys(1, first=960), buffers.filled([7])).is_successful()
+    adapter.submit_unlock(keys)
+
+
+def test_the_presence_counter_counts_only_the_answers_used(server, make_adapter, buffers) -> None:
+    """A hit after a miss goes to the lookup lane: the index's answer was not used, nor counted."""
+    adapter = make_adapter(target=server.target)
+    keys = object_keys(2, first=980)
+    assert store(adapter, [keys[0]], buffers.filled([1])).is_successful()
+    presence = adapter._client.presence
+    local = presence.counters.local
+    assert lookup(adapter, [keys[0], keys[1]]) == [1, 0]  # the lane's
+    assert presence.counters.local == local
+    assert lookup(adapter, [keys[0]]) == [1]  # the index's
+    assert presence.counters.local == local + 1
+    adapter.submit_unlock([keys[0], keys[0]])
 
 
 def test_early_lookups_off_answers_once_the_leases_are_held(server, make_adapter, buffers) -> None:

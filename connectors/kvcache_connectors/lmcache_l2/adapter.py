@@ -1,7 +1,7 @@
 """KVCacheL2Adapter: kvcache below LMCache's L1, as an L2 adapter of LMCache's MP server (0.5.x).
 
 LMCache's store controller and prefetch controller call the adapter from their own threads and
-poll its three eventfds; every method here returns at once. The calls to the server run on four
+poll its three eventfds; every method here returns at once. The calls to the server run on five
 lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
 
     store     submit_store_task: one put_payloads per namespace of LMCache's buffers
@@ -12,6 +12,7 @@ lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
               verified where it landed; keys not held (or whose leases ran out) are read again with
               leased() and copied (get_into would refuse the whole call for one buffer of the wrong
               size; here that key alone misses)
+    lease     the leases an early lookup takes right behind its answer (see _answer_early)
     control   submit_unlock's releases and delete
 
 A lock is a read lease: on the server's host (its block arena shared, docs/arena.md) the blocks of
@@ -79,6 +80,10 @@ index (about 2 µs a key warm, so at most ~0.3 ms; several times that right afte
 to the lookup lane."""
 
 
+LEASE_MIN_S = 0.05
+"""The least time left of an early lookup's deadline its leases are asked with (or half the lookup's
+deadline where that is less); with less, they are not asked."""
+
 LEASE_GRACE_S = 0.25
 """How long past an early lookup's deadline a load waits for the lookup lane to report its leases'
 call: the call has ended by then, so the load knows whether the breaker opened."""
@@ -141,6 +146,9 @@ class KVCacheL2Adapter(L2AdapterInterface):
         self._lookups = Lane("kvcache-l2-lookup", max_tasks=tasks, max_bytes=nbytes)
         self._loads = Lane("kvcache-l2-load", max_tasks=tasks, max_bytes=nbytes)
         self._control = Lane("kvcache-l2-control", max_tasks=tasks, max_bytes=nbytes)
+        # The leases behind early lookups: a lane of their own, so a lookup the lookup lane is still
+        # working on (a lower tier, a slow Lookup) never delays them, nor the loads that wait for them.
+        self._leases = Lane("kvcache-l2-lease", max_tasks=tasks, max_bytes=nbytes)
         log.info("kvcache L2 adapter: server %s (%s)", config.target, self._client)
 
     # -- event fds ------------------------------------------------------------------------------
@@ -274,6 +282,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         answers = self._located(keys, locks="keys")
         if answers is None:
             return None
+        self._answered_locally(len(answers))
         bitmap = Bitmap(len(keys))
         for _, positions, _, found in answers:
             self._lock_found([keys[i] for i in positions], positions, found, bitmap)
@@ -304,8 +313,13 @@ class KVCacheL2Adapter(L2AdapterInterface):
         except Exception:  # the index remapped under the read (its Info on a lane thread): the lane asks
             log.debug("kvcache L2 adapter: the presence index could not answer inline", exc_info=True)
             return None
-        presence.counters.local += len(answers)  # as the client's own lookup counts an answer it gave
         return answers
+
+    def _answered_locally(self, groups: int) -> None:
+        """Counts the presence index's answers used, as the client's own lookup counts one it gave."""
+        presence = getattr(self._client, "presence", None)
+        if presence is not None:
+            presence.counters.local += groups
 
     def _answer_early(self, keys: list[ObjectKey]) -> tuple[Bitmap, list[tuple[str, list[bytes], Hold]]] | None:
         """locks="leases" with early_lookups: the lookup answered on the caller's thread from the
@@ -322,6 +336,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         # after a miss (a sliding window's chunks) is the lane's, which leases every key.
         if answers is None or any(0 < found < len(kv_keys) for _, _, kv_keys, found in answers):
             return None
+        self._answered_locally(len(answers))
         bitmap = Bitmap(len(keys))
         pending: list[tuple[str, list[bytes], Hold]] = []
         deadline = time.monotonic() + self.config.lookup_timeout_s  # the leases', as the lane's lookup's
@@ -343,10 +358,10 @@ class KVCacheL2Adapter(L2AdapterInterface):
             for _, _, hold in pending:
                 self._locks.abandon(hold)
 
-        self._submit(self._lookups, Task(run=lambda: self._lease_behind(pending), drop=abandon))
+        self._submit(self._leases, Task(run=lambda: self._lease_behind(pending), drop=abandon))
 
     def _lease_behind(self, pending: list[tuple[str, list[bytes], Hold]]) -> None:
-        """The leases of an early lookup's hits (lookup lane), each namespace's handed to its pending
+        """The leases of an early lookup's hits (lease lane), each namespace's handed to its pending
         hold; a hold no longer locked (unlocked, closed) asks nothing."""
         for ns, kv_keys, hold in pending:
             try:
@@ -360,7 +375,9 @@ class KVCacheL2Adapter(L2AdapterInterface):
 
     def _lease_hold(self, ns: str, kv_keys: list[bytes], hold: Hold) -> None:
         timeout_s = hold.deadline - time.monotonic()
-        if timeout_s <= 0:  # the lane was busy past the lookup's deadline: the loads read again
+        if timeout_s < min(LEASE_MIN_S, self.config.lookup_timeout_s / 2):
+            # The lane reached them at (or too near) the lookup's deadline: not asked, so a call given
+            # a sliver of time does not fail and open the breaker on a healthy server; the loads read again.
             raise KVCacheError(f"the lookup's deadline passed before its {len(kv_keys)} leases were asked")
         stack = contextlib.ExitStack()
         try:
@@ -622,7 +639,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
                 return
             self._closed = True
         wait_s = max(self.config.timeout_s, self.config.lookup_timeout_s) + 1.0
-        for lane in (self._stores, self._lookups, self._loads):
+        for lane in (self._stores, self._lookups, self._leases, self._loads):
             if not lane.close(wait_s):
                 log.warning("kvcache L2 adapter: a %s task still runs at close", lane.name)
         for hold in self._locks.drain():
@@ -637,7 +654,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
     # -- helpers --------------------------------------------------------------------------------
 
     def _lanes(self) -> tuple[Lane, ...]:
-        return (self._stores, self._lookups, self._loads, self._control)
+        return (self._stores, self._lookups, self._leases, self._loads, self._control)
 
     def _submit(self, lane: Lane, task: Task) -> bool:
         if not self._closed and lane.submit(task):

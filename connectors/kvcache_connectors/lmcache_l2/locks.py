@@ -160,12 +160,23 @@ class LockTable:
         return dropped, done
 
     def borrow(self, key: Hashable) -> tuple[Hold, int] | None:
-        """The hold and index of `key`'s latest held block, referenced until give_back; None if none."""
+        """The hold and index of `key`'s latest held block, referenced until give_back; else its
+        latest pending hold (whose leases are on their way: Hold.wait); None if neither. A settled
+        hold that found no block is skipped: an older lock's block is as good, and still there."""
+        pending: _Lock | None = None
         with self._mutex:
             for lock in reversed(self._locks.get(key, ())):
-                if lock.hold is not None:
-                    lock.hold.refs += 1
-                    return lock.hold, lock.index
+                hold = lock.hold
+                if hold is None:
+                    continue
+                if hold.ready is not None and not hold.ready.is_set():
+                    pending = pending or lock
+                elif hold.blocks[lock.index] is not None:
+                    hold.refs += 1
+                    return hold, lock.index
+            if pending is not None and pending.hold is not None:
+                pending.hold.refs += 1
+                return pending.hold, pending.index
         return None
 
     def give_back(self, hold: Hold) -> bool:
