@@ -379,6 +379,18 @@ class KVCacheL2Adapter(L2AdapterInterface):
             # The lane reached them at (or too near) the lookup's deadline: not asked, so a call given
             # a sliver of time does not fail and open the breaker on a healthy server; the loads read again.
             raise KVCacheError(f"the lookup's deadline passed before its {len(kv_keys)} leases were asked")
+        stack, blocks = self._leased(ns, kv_keys, timeout_s)
+        self.counters.add("leases_lost", sum(block is None for block in blocks))
+        if not self._locks.settle(hold, stack, blocks):
+            self._close_leases(stack)
+            if self._locks.wanted(hold):  # past max_locked_bytes: hits stay hits, loads read them again
+                self.counters.add("locks_not_held", sum(block is not None for block in blocks))
+
+    def _leased(
+        self, ns: str, kv_keys: list[bytes], timeout_s: float
+    ) -> tuple[contextlib.ExitStack, list[memoryview | None]]:
+        """The keys' blocks under read leases (verify=False: a load verifies what it copies), through
+        the breaker, entered on a stack of their own that ends them; nothing held on a failure."""
         stack = contextlib.ExitStack()
         try:
             blocks = self._guarded(
@@ -387,11 +399,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         except BaseException:
             stack.close()
             raise
-        self.counters.add("leases_lost", sum(block is None for block in blocks))
-        if not self._locks.settle(hold, stack, blocks):
-            self._close_leases(stack)
-            if self._locks.wanted(hold):  # past max_locked_bytes: hits stay hits, loads read them again
-                self.counters.add("locks_not_held", sum(block is not None for block in blocks))
+        return stack, blocks
 
     def _lock_found(self, keys: list[ObjectKey], positions: list[int], found: int, bitmap: Bitmap) -> None:
         """locks="keys": a lock on each of the first `found` of a group's keys (the stored prefix), its
@@ -417,14 +425,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         if presence is not None and presence.prefix(ns, kv_keys[:1]) == (0, True):
             self.counters.add("lookups_local")
             return
-        stack = contextlib.ExitStack()
-        try:
-            blocks = self._guarded(
-                lambda: stack.enter_context(self._client.leased(ns, kv_keys, timeout_s=timeout_s, verify=False))
-            )
-        except BaseException:
-            stack.close()
-            raise
+        stack, blocks = self._leased(ns, kv_keys, timeout_s)
         # Leased views of the server's arena not read yet, or copies in this process: a load verifies
         # what it copies either way.
         hits, held = self._locks.lock(keys, stack, blocks, kv_keys)
