@@ -738,6 +738,36 @@ def test_a_busy_lookup_lane_delays_neither_early_leases_nor_loads(server, make_a
     adapter.submit_unlock(keys)
 
 
+def test_a_load_waiting_for_late_leases_holds_up_no_load_whose_blocks_are_held(server, make_adapter, buffers) -> None:
+    """Load B waits for an early lookup's leases (the lease lane held, as behind a slow LEASE); load C,
+    whose lookup's leases are held already, submitted after B, completes at once, byte-identical,
+    and B completes once its leases come."""
+    adapter = make_adapter(target=server.target, lookup_timeout_s=5.0)
+    kb, kc = object_keys(2, first=1300), object_keys(2, first=1310)
+    src_b, src_c = buffers.filled([1, 2]), buffers.filled([3, 4])
+    assert store(adapter, kb, src_b).is_successful() and store(adapter, kc, src_c).is_successful()
+    assert lookup(adapter, kc) == [1, 1]
+    assert adapter._leases.idle(5.0)  # C's leases held
+    gate = LaneGate(adapter)
+    try:
+        assert lookup(adapter, kb) == [1, 1]  # B's leases wait behind the gate
+        dst_b = buffers.empty(2)
+        task_b = adapter.submit_load_task(kb, dst_b)
+        started = time.monotonic()
+        dst_c = buffers.empty(2)
+        assert load(adapter, kc, dst_c) == [1, 1]
+        assert time.monotonic() - started < 1.0  # not B's 5 s
+        assert same_bytes(src_c, dst_c)
+        assert adapter.query_load_result(task_b) is None  # B still waits
+    finally:
+        gate.open()
+    fd = adapter.get_load_event_fd()
+    assert bits(wait_result(adapter.query_load_result, task_b, fd)) == [1, 1]
+    assert same_bytes(src_b, dst_b)
+    adapter.submit_unlock(kb + kc)
+    assert adapter.report_status()["locked_keys"] == 0
+
+
 def test_leases_reached_a_sliver_before_the_deadline_are_not_asked_and_keep_the_breaker_closed(
     server, make_adapter, buffers
 ) -> None:

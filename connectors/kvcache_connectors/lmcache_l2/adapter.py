@@ -1,7 +1,7 @@
 """KVCacheL2Adapter: kvcache below LMCache's L1, as an L2 adapter of LMCache's MP server (0.5.x).
 
 LMCache's store controller and prefetch controller call the adapter from their own threads and
-poll its three eventfds; every method here returns at once. The calls to the server run on five
+poll its three eventfds; every method here returns at once. The calls to the server run on six
 lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
 
     store     submit_store_task: one put_payloads per namespace of LMCache's buffers
@@ -13,6 +13,7 @@ lanes (kvcache_connectors.lmcache_l2.lanes), each a thread with a bounded queue:
               leased() and copied (get_into would refuse the whole call for one buffer of the wrong
               size; here that key alone misses)
     lease     the leases an early lookup takes right behind its answer (see _answer_early)
+    waiting   loads of keys whose only locks wait for such leases (moved off the load lane)
     control   submit_unlock's releases and delete
 
 A lock is a read lease: on the server's host (its block arena shared, docs/arena.md) the blocks of
@@ -149,6 +150,8 @@ class KVCacheL2Adapter(L2AdapterInterface):
         # The leases behind early lookups: a lane of their own, so a lookup the lookup lane is still
         # working on (a lower tier, a slow Lookup) never delays them, nor the loads that wait for them.
         self._leases = Lane("kvcache-l2-lease", max_tasks=tasks, max_bytes=nbytes)
+        # Loads that wait for such leases: behind each other, never in front of the other loads.
+        self._waiting_loads = Lane("kvcache-l2-load-waiting", max_tasks=tasks, max_bytes=nbytes)
         log.info("kvcache L2 adapter: server %s (%s)", config.target, self._client)
 
     # -- event fds ------------------------------------------------------------------------------
@@ -490,7 +493,16 @@ class KVCacheL2Adapter(L2AdapterInterface):
                 self._notify_keys_accessed(accessed)
             self._signal(self._load_fd)
 
+        nbytes = sum(obj.get_size() for obj in objects)
+        moved: list[bool] = []
+
         def run() -> None:
+            if not moved and self._locks.waits(keys):
+                # Leases an early lookup left behind are still on their way: this load waits for them
+                # on a lane of its own, not in front of the loads whose blocks are held already.
+                moved.append(True)
+                self._submit(self._waiting_loads, Task(run=run, drop=drop, nbytes=nbytes))
+                return
             bitmap = Bitmap(len(keys))
             try:
                 again = self._load_held(keys, objects, bitmap)
@@ -505,8 +517,10 @@ class KVCacheL2Adapter(L2AdapterInterface):
             finally:
                 publish(bitmap)
 
-        nbytes = sum(obj.get_size() for obj in objects)
-        self._submit(self._loads, Task(run=run, drop=lambda: publish(Bitmap(len(keys))), nbytes=nbytes))
+        def drop() -> None:
+            publish(Bitmap(len(keys)))
+
+        self._submit(self._loads, Task(run=run, drop=drop, nbytes=nbytes))
         return task_id
 
     def _load_held(self, keys: list[ObjectKey], objects: list[MemoryObj], bitmap: Bitmap) -> list[int]:
@@ -640,7 +654,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
                 return
             self._closed = True
         wait_s = max(self.config.timeout_s, self.config.lookup_timeout_s) + 1.0
-        for lane in (self._stores, self._lookups, self._leases, self._loads):
+        for lane in (self._stores, self._lookups, self._leases, self._loads, self._waiting_loads):
             if not lane.close(wait_s):
                 log.warning("kvcache L2 adapter: a %s task still runs at close", lane.name)
         for hold in self._locks.drain():
@@ -655,7 +669,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
     # -- helpers --------------------------------------------------------------------------------
 
     def _lanes(self) -> tuple[Lane, ...]:
-        return (self._stores, self._lookups, self._leases, self._loads, self._control)
+        return (self._stores, self._lookups, self._leases, self._loads, self._waiting_loads, self._control)
 
     def _submit(self, lane: Lane, task: Task) -> bool:
         if not self._closed and lane.submit(task):

@@ -48,6 +48,10 @@ class Hold:
     deadline: float = 0.0
     """A pending hold's: time.monotonic() by which its leases' call has ended, one way or another."""
 
+    def pending(self) -> bool:
+        """Whether its leases are still on their way (lock_ahead, not yet settled or abandoned)."""
+        return self.ready is not None and not self.ready.is_set()
+
     def wait(self, grace_s: float) -> bool:
         """Whether the hold's blocks are there: a pending hold waits for its leases' call to end (at
         its deadline at the latest, plus `grace_s` for the thread that ends it)."""
@@ -163,21 +167,34 @@ class LockTable:
         """The hold and index of `key`'s latest held block, referenced until give_back; else its
         latest pending hold (whose leases are on their way: Hold.wait); None if neither. A settled
         hold that found no block is skipped: an older lock's block is as good, and still there."""
-        pending: _Lock | None = None
         with self._mutex:
-            for lock in reversed(self._locks.get(key, ())):
-                hold = lock.hold
-                if hold is None:
-                    continue
-                if hold.ready is not None and not hold.ready.is_set():
-                    pending = pending or lock
-                elif hold.blocks[lock.index] is not None:
-                    hold.refs += 1
-                    return hold, lock.index
-            if pending is not None and pending.hold is not None:
-                pending.hold.refs += 1
-                return pending.hold, pending.index
-        return None
+            lock = self._choice(key)
+            if lock is None or lock.hold is None:
+                return None
+            lock.hold.refs += 1
+            return lock.hold, lock.index
+
+    def waits(self, keys: Sequence[Hashable]) -> bool:
+        """Whether borrowing any of `keys` now would give a pending hold (a load would wait for it)."""
+        with self._mutex:
+            for key in keys:
+                lock = self._choice(key)
+                if lock is not None and lock.hold is not None and lock.hold.pending():
+                    return True
+        return False
+
+    def _choice(self, key: Hashable) -> _Lock | None:
+        """borrow()'s lock for `key` (under the mutex)."""
+        pending: _Lock | None = None
+        for lock in reversed(self._locks.get(key, ())):
+            hold = lock.hold
+            if hold is None:
+                continue
+            if hold.pending():
+                pending = pending or lock
+            elif hold.blocks[lock.index] is not None:
+                return lock
+        return pending
 
     def give_back(self, hold: Hold) -> bool:
         """Ends a borrow; True when that was the hold's last reference (release it)."""
