@@ -456,6 +456,8 @@ def test_a_client_with_a_token_waits_for_every_touch(
         gated = _in_thread(lambda: client.get_into("ns", keys, [bytearray(16 * KiB) for _ in keys]), 2)
         assert gated == []  # waits for its TOUCH's answer
         release.set()  # the TOUCH answered: the call returns
+        # The gated TOUCH is counted when its session thread runs again, which may come after the
+        # gets below were answered on other connections: wait for the gated call's answer first.
         deadline = time.monotonic() + 10
         while not gated and time.monotonic() < deadline:
             time.sleep(0.01)
