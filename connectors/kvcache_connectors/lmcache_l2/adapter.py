@@ -31,8 +31,10 @@ Failures degrade: a failed or timed-out call makes a lookup's or load's keys mis
 fail, counted in `counters`; after one, a breaker stops calling the server for breaker_cooldown_s
 (tasks then complete at once), so a hung server costs one deadline per cooldown.
 
-Just past the project's ~500-line module guideline: one class per LMCache interface, whose methods
-share the lanes, the lock table and the breaker; keys, locks, lanes and counters are modules of their own.
+Past the project's ~500-line module guideline (about 730): one class per LMCache interface,
+whose methods all share the lanes, the lock table, the breaker and the counters (the early lookups'
+leases as much as the lane's); keys, locks, lanes and counters are modules of their own, and a split
+of the class would pass that shared state between modules instead.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ LEASE_MIN_S = 0.05
 deadline where that is less); with less, they are not asked."""
 
 LEASE_GRACE_S = 0.25
-"""How long past an early lookup's deadline a load waits for the lookup lane to report its leases'
+"""How long past an early lookup's deadline a load waits for the lease lane to report its leases'
 call: the call has ended by then, so the load knows whether the breaker opened."""
 
 
@@ -289,10 +291,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         bitmap = Bitmap(len(keys))
         for _, positions, _, found in answers:
             self._lock_found([keys[i] for i in positions], positions, found, bitmap)
-        hits = bitmap.popcount()
-        self.counters.add("lookups_inline")
-        self.counters.add("lookup_hits", hits)
-        self.counters.add("lookup_misses", len(keys) - hits)
+        self._count_inline(bitmap, len(keys))
         return bitmap
 
     def _located(self, keys: list[ObjectKey], *, locks: str) -> list[tuple[str, list[int], list[bytes], int]] | None:
@@ -318,6 +317,13 @@ class KVCacheL2Adapter(L2AdapterInterface):
             return None
         return answers
 
+    def _count_inline(self, bitmap: Bitmap, n: int) -> None:
+        """Counts a lookup of `n` keys answered on the caller's thread, its hits those of `bitmap`."""
+        hits = bitmap.popcount()
+        self.counters.add("lookups_inline")
+        self.counters.add("lookup_hits", hits)
+        self.counters.add("lookup_misses", n - hits)
+
     def _answered_locally(self, groups: int) -> None:
         """Counts the presence index's answers used, as the client's own lookup counts one it gave."""
         presence = getattr(self._client, "presence", None)
@@ -328,7 +334,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         """locks="leases" with early_lookups: the lookup answered on the caller's thread from the
         presence index where it finds each namespace's keys all there (or the first in no tier),
         each hit locked at once on a pending hold (LockTable.lock_ahead), and the hits' leases taken
-        right behind on the lookup lane; a load waits for them. A hit evicted in between (one LEASE
+        right behind on the lease lane; a load waits for them. A hit evicted in between (one LEASE
         round trip) comes back without a block (`leases_lost`): its load reads it again, a miss if
         it is gone. Returns the answer and the pending holds to lease (_lease_behind_later); None
         where the lane must answer (see _located)."""
@@ -350,10 +356,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
                 pending.append((ns, hits, hold))
                 for i in positions[:found]:
                     bitmap.set(i)
-        hits = bitmap.popcount()
-        self.counters.add("lookups_inline")
-        self.counters.add("lookup_hits", hits)
-        self.counters.add("lookup_misses", len(keys) - hits)
+        self._count_inline(bitmap, len(keys))
         return bitmap, pending
 
     def _lease_behind_later(self, pending: list[tuple[str, list[bytes], Hold]]) -> None:

@@ -43,7 +43,7 @@ class KVCacheL2Config:
             server evicts before its load is a counted load miss, never other bytes.
         early_lookups: With locks="leases" on the server's host: a lookup that the server's presence
             index answers (every key in RAM or in no tier) is answered at once on LMCache's thread,
-            each hit locked, and the hits' leases are taken right behind it on the lookup lane; a
+            each hit locked, and the hits' leases are taken right behind it on a lane of their own; a
             load waits for them. A hit the server evicts in that window (one LEASE round trip) is
             read again by its load, a counted miss if it is gone (`leases_lost`), never other
             bytes. false: a lookup's answer waits for its leases.

@@ -15,7 +15,7 @@ by unlock, or a load's borrow given back.
 lanes and LMCache's threads all use it.
 
 A lookup answered from the server's presence index takes its locks before its leases
-(lock_ahead): its hold is pending, without blocks, until the lookup lane's leases arrive and
+(lock_ahead): its hold is pending, without blocks, until the lease lane's leases arrive and
 settle() gives it them (or not: past max_bytes, every lock dropped meanwhile, the adapter
 closed). A load borrowing a pending hold waits for it (Hold.wait).
 """
@@ -103,8 +103,9 @@ class LockTable:
         """Takes a lock on each key before its block is leased, by a call that ends by `deadline`: the
         hold is pending (no blocks, no bytes) until settle() or abandon(), and a load that borrows
         it waits for that."""
-        hold = Hold(contextlib.ExitStack(), [None] * len(keys), 0, len(keys), kv_keys, threading.Event())
-        hold.deadline = deadline
+        hold = Hold(
+            contextlib.ExitStack(), [None] * len(keys), 0, len(keys), kv_keys, threading.Event(), deadline=deadline
+        )
         with self._mutex:
             for j, key in enumerate(keys):
                 self._locks.setdefault(key, []).append(_Lock(hold, j))
