@@ -35,6 +35,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from kvcache_core.filelock import hold_record_lock
+
 log = logging.getLogger(__name__)
 
 SLOT_ALIGN = 64
@@ -367,14 +369,16 @@ class Reservation:
 
 def create_shared_file(directory: str, prefix: str, size: int) -> tuple[int, str, mmap.mmap]:
     """A new file `prefix` + 32 random hex digits in `directory`, `size` bytes, mapped shared:
-    (its descriptor, its path, the mapping). flock'd while the descriptor lives (a client tells a
-    live server's file from a dead one's by the lock), mode 0400 for every other opener (clients map
-    it read-only; an open for writing fails with EACCES), every page allocated now (a full tmpfs is
-    an OSError here, never a SIGBUS later). On an error nothing is left behind."""
+    (its descriptor, its path, the mapping). flock'd and record-locked while the descriptor lives (a
+    client tells a live server's file from a dead one's by the locks: kvcache_core.filelock), mode
+    0400 for every other opener (clients map it read-only; an open for writing fails with EACCES),
+    every page allocated now (a full tmpfs is an OSError here, never a SIGBUS later). On an error
+    nothing is left behind."""
     path = os.path.join(directory, prefix + secrets.token_hex(16))
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held while this server lives
+        hold_record_lock(fd)  # the same, which a reader checks without an exception (kvcache_core.filelock)
         os.fchmod(fd, 0o400)  # this descriptor stays writable
         os.posix_fallocate(fd, 0, size)
         return fd, path, mmap.mmap(fd, size, flags=mmap.MAP_SHARED)

@@ -8,11 +8,13 @@ no index, no counters and no switch.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import random
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -24,8 +26,11 @@ import grpc
 import pytest
 
 from kvcache_client import InvalidRequest, KVCacheClient, KVCacheError
+from kvcache_client.presence import PresenceLink
+from kvcache_core.filelock import record_lock_held
 from kvcache_core.presence import BUCKET_SLOTS, W_BUCKETS, W_SEED, fingerprint, unpack_header
 from kvcache_server.auth import token_digest
+from kvcache_server.presence import PresenceTable
 from tests.conftest import ServerThread, raw_block
 
 pytestmark = pytest.mark.timeout(120)
@@ -352,3 +357,62 @@ def test_a_killed_servers_index_is_not_trusted_and_the_new_one_is_mapped(killabl
         assert client.presence.state == "on" and client.presence.path != old_path
         assert client.presence.counters.local == 2
         assert not os.path.exists(old_path)  # the new server removed the dead one's file
+
+
+# -- how a reader tells a live server's index from a dead one's ----------------------------------------------
+
+
+def test_liveness_is_read_from_the_record_lock_else_from_the_flock(tmp_path: Path) -> None:
+    """A live server holds an OFD record lock and a flock on its index (kvcache_core.filelock): the
+    reader checks the record lock (one fcntl call, no exception); where there is none (a server from
+    before it) the flock decides, as it did alone before; with neither the index is not trusted. The
+    reader's own descriptor is another open file, so in one process the checks see the table's locks
+    exactly as a client's see a server's."""
+    table = PresenceTable(str(tmp_path), 1024, instance_id=7, lower_tiers=False)
+    try:
+        key = os.urandom(16)
+        table.add("ns", key)
+        link = PresenceLink()
+        link.configure(table.path, 7)
+        assert link.state == "on" and link.prefix("ns", [key]) == (1, True)
+        assert record_lock_held(link._fd)
+        unlock = struct.pack("@hhqqi4x", fcntl.F_UNLCK, os.SEEK_SET, 0, 0, 0)
+        fcntl.fcntl(table._fd, fcntl.F_OFD_SETLK, unlock)  # as a server without the record lock
+        assert not record_lock_held(link._fd)
+        assert link.prefix("ns", [key]) == (1, True)  # its flock says it lives
+        fcntl.flock(table._fd, fcntl.LOCK_UN)  # neither lock: as a killed server's
+        assert link.prefix("ns", [key]) is None
+        assert link.state == "stale"
+    finally:
+        table.close()
+
+
+def test_a_stopped_server_holds_its_record_locks_and_a_killed_one_none(killable, tmp_path: Path) -> None:
+    """SIGSTOP keeps both files' record locks (the index is trusted and answers); SIGKILL drops them
+    with the process, and the flock with them."""
+    port, shm = _free_port(), tmp_path / "shm"
+    killable.append(_server_process(port, shm))
+    keys = _keys(2)
+    with KVCacheClient(f"127.0.0.1:{port}", timeout_s=10) as client:
+        client.put_many("ns", [(k, _block(k)) for k in keys])
+        assert client.lookup("ns", keys).prefix_length == 2
+        files = sorted(str(p) for p in shm.iterdir())
+        assert any("kvcache-arena-" in f for f in files) and client.presence.path in files
+        fds = [os.open(f, os.O_RDONLY) for f in files]
+        try:
+            assert all(record_lock_held(fd) for fd in fds)
+            killable[0].send_signal(signal.SIGSTOP)
+            try:
+                assert all(record_lock_held(fd) for fd in fds)
+                assert client.presence.prefix("ns", keys) == (2, True)
+            finally:
+                killable[0].send_signal(signal.SIGCONT)
+            killable[0].send_signal(signal.SIGKILL)
+            killable[0].wait(10)
+            assert not any(record_lock_held(fd) for fd in fds)
+            for fd in fds:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # the flock went too: no BlockingIOError
+            assert client.presence.prefix("ns", keys) is None and client.presence.state == "stale"
+        finally:
+            for fd in fds:
+                os.close(fd)

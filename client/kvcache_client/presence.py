@@ -24,6 +24,7 @@ import logging
 import mmap
 import os
 import stat
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -32,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import xxhash
 
+from kvcache_core.filelock import record_lock_held
 from kvcache_core.presence import (
     BUCKET_SLOTS,
     FLAG_CLOSED,
@@ -97,6 +99,9 @@ class Located:
     instance: int = 0  # the server instance whose table was read
 
 
+_BUCKET = struct.Struct(f"={BUCKET_SLOTS}Q")
+"""One bucket's fingerprints, read in one call (a tuple): a third of a memoryview slice's .tolist()."""
+
 KEY_BYTES = 16
 MAX_NAMESPACE_BYTES = 128  # the server's rule (kvcache_server/service.py)
 
@@ -130,6 +135,7 @@ class PresenceLink:
         self._instance = 0
         self._fd = -1
         self._words: memoryview | None = None  # the file as uint64 words (header, buckets)
+        self._mapped: mmap.mmap | None = None  # the same, for struct reads of a bucket
         self._table: np.ndarray | None = None  # the buckets, (n, 8) uint64
         self._overflow: np.ndarray | None = None  # n x uint8
         self._locations: np.ndarray | None = None  # (n, 8) uint64, with FLAG_LOCATIONS
@@ -194,7 +200,7 @@ class PresenceLink:
             os.close(fd)
             self._set("off", str(exc))
             return
-        self._fd, self._words, self.path, self._instance = fd, words, path, instance_id
+        self._fd, self._words, self._mapped, self.path, self._instance = fd, words, mapped, path, instance_id
         self._table = np.frombuffer(mapped, np.uint64, buckets * BUCKET_SLOTS, HEADER_BYTES).reshape(buckets, -1)
         self._overflow = np.frombuffer(mapped, np.uint8, buckets, HEADER_BYTES + buckets * BUCKET_SLOTS * 8)
         self._mask, self._seed = buckets - 1, words[W_SEED]
@@ -208,7 +214,7 @@ class PresenceLink:
     def _unmap(self) -> None:
         if self._fd >= 0:
             os.close(self._fd)
-        self._fd, self._words, self._table, self._overflow, self.path = -1, None, None, None, ""
+        self._fd, self._words, self._mapped, self._table, self._overflow, self.path = -1, None, None, None, None, ""
         self._locations = self._versions = None
 
     def _trusted(self) -> bool:
@@ -218,7 +224,9 @@ class PresenceLink:
             return False
         if words[W_FLAGS] & FLAG_CLOSED or words[W_INSTANCE] != self._instance:
             return self._stale("the server closed its presence index")
-        try:
+        if record_lock_held(self._fd):
+            return True  # the server holds its record lock: it lives (one fcntl call, no exception)
+        try:  # no record lock: a server without one, or a dead server (its flock says which)
             fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True  # the server holds its exclusive lock: it lives
@@ -309,17 +317,17 @@ class PresenceLink:
         """
         if self.state != "on" or not well_formed(namespace, keys, self.max_keys) or not self._trusted():
             return None  # a request the server would refuse goes to it, for its precise error
-        table, overflow, words = self._table, self._overflow, self._words
-        if table is None or overflow is None or words is None:  # unmapped by another thread meanwhile
+        table, overflow, words, mapped = self._table, self._overflow, self._words, self._mapped
+        if table is None or overflow is None or words is None or mapped is None:  # unmapped meanwhile
             return None
         ns, seed, mask = namespace.encode() + b"\x00", self._seed, self._mask
         n = len(keys)
         if n <= _SCALAR_KEYS:
             found, absent = n, 0
+            fingerprint, bucket = xxhash.xxh3_64_intdigest, _BUCKET.unpack_from
             for i, key in enumerate(keys):
-                fp = xxhash.xxh3_64_intdigest(ns + key, seed=seed) or 1
-                base = HEADER_BYTES // 8 + (fp & mask) * BUCKET_SLOTS
-                if fp not in words[base : base + BUCKET_SLOTS].tolist():
+                fp = fingerprint(ns + key, seed) or 1
+                if fp not in bucket(mapped, HEADER_BYTES + (fp & mask) * _BUCKET.size):
                     found, absent = i, fp & mask
                     break
         else:
