@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import threading
+import time
 
 import pytest
 
@@ -61,3 +63,35 @@ def test_past_max_bytes_the_locks_hold_nothing() -> None:
     assert table.borrow("b") is None  # locked, nothing held: the load reads it again
     assert table.lock(["d"], contextlib.ExitStack(), blocks(None)) == (0, False)
     assert len(table.drain()) == 1 and table.usage() == (0, 0)
+
+
+def test_a_pending_hold_wakes_every_waiter_once_abandoned_and_abandon_is_idempotent() -> None:
+    """lock_ahead's hold is pending behind a gate: every load waiting on it (Hold.wait) wakes when it is
+    settled or abandoned, however many wait, and a second abandon (the lease lane's finally after a
+    settle) is a no-op, never a second release of the gate."""
+    table = LockTable(max_bytes=100)
+    hold = table.lock_ahead(["a", "b"], [b"ka", b"kb"], time.monotonic() + 5)
+    assert hold.pending() and table.waits(["a"])
+    woke: list[bool] = []
+    waiters = [threading.Thread(target=lambda: woke.append(hold.wait(0.0))) for _ in range(4)]
+    for t in waiters:
+        t.start()
+    time.sleep(0.1)
+    assert woke == []  # all four waiting
+    table.abandon(hold)
+    table.abandon(hold)
+    for t in waiters:
+        t.join(5)
+    assert woke == [True] * 4 and not hold.pending() and not table.waits(["a"])
+    assert hold.wait(0.0)  # a later waiter does not wait
+
+
+def test_a_pending_hold_not_settled_by_its_deadline_is_waited_for_no_longer() -> None:
+    table = LockTable(max_bytes=100)
+    hold = table.lock_ahead(["a"], [b"ka"], time.monotonic() + 0.05)
+    start = time.monotonic()
+    assert not hold.wait(0.05)  # deadline plus grace: about 0.1 s, then not there
+    assert 0.05 <= time.monotonic() - start < 5
+    stack = contextlib.ExitStack()
+    assert table.settle(hold, stack, blocks(10))  # the leases came late: the hold keeps them
+    assert hold.wait(0.0) and not hold.pending() and table.usage() == (1, 10)

@@ -291,7 +291,7 @@ class KVCacheL2Adapter(L2AdapterInterface):
         bitmap = Bitmap(len(keys))
         for _, positions, _, found in answers:
             self._lock_found([keys[i] for i in positions], positions, found, bitmap)
-        self._count_inline(bitmap, len(keys))
+        self._count_inline(bitmap.popcount(), len(keys))
         return bitmap
 
     def _located(self, keys: list[ObjectKey], *, locks: str) -> list[tuple[str, list[int], list[bytes], int]] | None:
@@ -317,9 +317,8 @@ class KVCacheL2Adapter(L2AdapterInterface):
             return None
         return answers
 
-    def _count_inline(self, bitmap: Bitmap, n: int) -> None:
-        """Counts a lookup of `n` keys answered on the caller's thread, its hits those of `bitmap`."""
-        hits = bitmap.popcount()
+    def _count_inline(self, hits: int, n: int) -> None:
+        """Counts a lookup of `n` keys answered on the caller's thread, `hits` of them hits."""
         self.counters.add("lookups_inline")
         self.counters.add("lookup_hits", hits)
         self.counters.add("lookup_misses", n - hits)
@@ -346,17 +345,24 @@ class KVCacheL2Adapter(L2AdapterInterface):
         if answers is None or any(0 < found < len(kv_keys) for _, _, kv_keys, found in answers):
             return None
         self._answered_locally(len(answers))
-        bitmap = Bitmap(len(keys))
         pending: list[tuple[str, list[bytes], Hold]] = []
         deadline = time.monotonic() + self.config.lookup_timeout_s  # the leases', as the lane's lookup's
-        for ns, positions, kv_keys, found in answers:
+        # Each group found is all hits (found == its length) or none, as checked above.
+        if len(answers) == 1:  # one namespace (the usual case): its positions are 0..n-1, in order
+            ((ns, _, kv_keys, found),) = answers
             if found:
-                hits = kv_keys[:found]
-                hold = self._locks.lock_ahead([keys[i] for i in positions[:found]], hits, deadline)
-                pending.append((ns, hits, hold))
-                for i in positions[:found]:
-                    bitmap.set(i)
-        self._count_inline(bitmap, len(keys))
+                pending.append((ns, kv_keys, self._locks.lock_ahead(keys, kv_keys, deadline)))
+            bitmap, hits = Bitmap(len(keys), found), found  # the first `found` bits set at once
+        else:
+            bitmap, at = Bitmap(len(keys)), []
+            for ns, positions, kv_keys, found in answers:
+                if found:
+                    hold = self._locks.lock_ahead([keys[i] for i in positions], kv_keys, deadline)
+                    pending.append((ns, kv_keys, hold))
+                    at += positions
+            bitmap.batched_set(at)
+            hits = len(at)
+        self._count_inline(hits, len(keys))
         return bitmap, pending
 
     def _lease_behind_later(self, pending: list[tuple[str, list[bytes], Hold]]) -> None:

@@ -41,8 +41,12 @@ class Hold:
     """Each block's kvcache key: a load verifies its copy under it (kvcache_core.landing), whether the
     block is a leased view of the server's arena or a copy this process received."""
 
-    ready: threading.Event | None = None
-    """Set once a pending hold (LockTable.lock_ahead) is settled; None: its blocks came with it."""
+    ready: threading.Lock | None = None
+    """A pending hold's (LockTable.lock_ahead) gate: held until it is settled or abandoned (a C-level
+    lock, made and released in a fraction of an Event's time, on the lookup's answer's path); None:
+    its blocks came with it."""
+    settled: bool = False
+    """A pending hold's leases ended, one way or another (its gate released once, under the table's mutex)."""
     dropped: bool = False
     """The adapter closed (LockTable.drain): leases that arrive after are released at once."""
     deadline: float = 0.0
@@ -50,12 +54,18 @@ class Hold:
 
     def pending(self) -> bool:
         """Whether its leases are still on their way (lock_ahead, not yet settled or abandoned)."""
-        return self.ready is not None and not self.ready.is_set()
+        return self.ready is not None and not self.settled
 
     def wait(self, grace_s: float) -> bool:
         """Whether the hold's blocks are there: a pending hold waits for its leases' call to end (at
         its deadline at the latest, plus `grace_s` for the thread that ends it)."""
-        return self.ready is None or self.ready.wait(max(self.deadline + grace_s - time.monotonic(), 0.0))
+        gate = self.ready
+        if gate is None or self.settled:
+            return True
+        if gate.acquire(timeout=max(self.deadline + grace_s - time.monotonic(), 0.0)):
+            gate.release()  # the next waiter's turn: a released gate stays open
+            return True
+        return self.settled
 
     def expired(self) -> bool:
         """Whether the server may have ended the leases (its slots may hold other blocks by now)."""
@@ -103,9 +113,9 @@ class LockTable:
         """Takes a lock on each key before its block is leased, by a call that ends by `deadline`: the
         hold is pending (no blocks, no bytes) until settle() or abandon(), and a load that borrows
         it waits for that."""
-        hold = Hold(
-            contextlib.ExitStack(), [None] * len(keys), 0, len(keys), kv_keys, threading.Event(), deadline=deadline
-        )
+        gate = threading.Lock()
+        gate.acquire()
+        hold = Hold(contextlib.ExitStack(), [None] * len(keys), 0, len(keys), kv_keys, gate, deadline=deadline)
         with self._mutex:
             for j, key in enumerate(keys):
                 self._locks.setdefault(key, []).append(_Lock(hold, j))
@@ -135,12 +145,16 @@ class LockTable:
         self.abandon(hold)
         return keep
 
-    @staticmethod
-    def abandon(hold: Hold) -> None:
+    def abandon(self, hold: Hold) -> None:
         """Ends a pending hold's wait without blocks (its lease failed or was never asked): loads
-        read its keys again."""
-        if hold.ready is not None:
-            hold.ready.set()
+        read its keys again. Idempotent."""
+        if hold.ready is None:
+            return
+        with self._mutex:
+            if hold.settled:
+                return
+            hold.settled = True
+        hold.ready.release()
 
     def lock_keys(self, keys: Sequence[Hashable]) -> None:
         """Takes a lock on each key, holding no block (the load reads it again)."""
