@@ -48,6 +48,6 @@ def record_lock_held(fd: int) -> bool:
         return False
     try:
         answer = fcntl.fcntl(fd, _OFD_GETLK, _PROBE_READ)
-    except OSError:
+    except (OSError, ValueError):  # ValueError: fd -1 (the index unmapped by another thread meanwhile)
         return False
     return bool(_FLOCK.unpack(answer)[0] == fcntl.F_WRLCK)

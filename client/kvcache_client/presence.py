@@ -228,20 +228,20 @@ class PresenceLink:
 
     def _trusted(self) -> bool:
         """The header names the instance Info named, is not closed, and its server holds its lock."""
-        words = self._words
-        if words is None:
+        words, fd = self._words, self._fd
+        if words is None or fd < 0:  # not mapped, or unmapped by another thread meanwhile
             return False
         if words[W_FLAGS] & FLAG_CLOSED or words[W_INSTANCE] != self._instance:
             return self._stale("the server closed its presence index")
-        if record_lock_held(self._fd):
+        if record_lock_held(fd):
             return True  # the server holds its record lock: it lives (one fcntl call, no exception)
         try:  # no record lock: a server without one, or a dead server (its flock says which)
-            fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         except BlockingIOError:
             return True  # the server holds its exclusive lock: it lives
         except OSError:
             return self._stale("cannot check the presence index's lock")
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        fcntl.flock(fd, fcntl.LOCK_UN)
         return self._stale("the server of the presence index is gone")
 
     def _stale(self, reason: str) -> bool:
@@ -264,15 +264,15 @@ class PresenceLink:
         holds after the copy (the seqlock of kvcache_core.presence)."""
         if not self.locates or not well_formed(namespace, keys, self.max_keys) or not self._trusted():
             return Located()
-        words, table, locations, versions = self._words, self._table, self._locations, self._versions
-        if words is None or table is None or locations is None or versions is None:  # unmapped meanwhile
-            return Located()
+        words, table, locations, versions, mapped = (
+            self._words, self._table, self._locations, self._versions, self._mapped
+        )  # fmt: skip  # one snapshot: a bucket's slots and its location words from the same table
+        if words is None or table is None or locations is None or versions is None or mapped is None:
+            return Located()  # unmapped meanwhile
         ns, seed, mask, located = namespace.encode() + b"\x00", self._seed, self._mask, self._located
         out = Located(instance=self._instance)
         if len(keys) <= _SCALAR_KEYS:
-            at_versions, mapped = self._versions_at, self._mapped
-            if mapped is None:  # unmapped by another thread meanwhile
-                return Located()
+            at_versions = self._versions_at
             fingerprint, read_bucket = xxhash.xxh3_64_intdigest, _BUCKET.unpack_from
             for key in keys:
                 fp = fingerprint(ns + key, seed) or 1
