@@ -7,6 +7,7 @@ it queued wrongly, or took tasks after close.
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -60,6 +61,40 @@ def test_a_full_lane_refuses_by_count_and_by_bytes_but_takes_one_large_task_alon
         assert lane.idle(5)
     finally:
         lane.close(5)
+
+
+def test_idle_waiters_are_woken_when_the_lane_empties_and_when_it_closes() -> None:
+    """idle() returns when the last task ends (or the lane closes), not at its time-out: a lost wake-up
+    would still answer True there (wait_for checks again at the end), only 10 s late."""
+    lane = Lane("t", max_tasks=10, max_bytes=1000)
+    gate = _blocked(lane)
+    assert lane.submit(Task(run=lambda: None, drop=lambda: None))
+    answers: list[tuple[bool, float]] = []
+
+    def wait_idle() -> None:
+        got = lane.idle(10)
+        answers.append((got, time.monotonic()))
+
+    waiter = threading.Thread(target=wait_idle)
+    waiter.start()
+    time.sleep(0.1)
+    opened = time.monotonic()
+    gate.set()
+    waiter.join(15)
+    assert answers and answers[0][0] and answers[0][1] - opened < 5
+
+    gate = _blocked(lane)
+    assert lane.submit(Task(run=lambda: None, drop=lambda: None))
+    answers.clear()
+    waiter = threading.Thread(target=wait_idle)
+    waiter.start()
+    time.sleep(0.1)
+    closed = time.monotonic()
+    assert not lane.close(0.05)  # drops the queued task; the running one still runs
+    gate.set()
+    waiter.join(15)
+    assert answers and answers[0][0] and answers[0][1] - closed < 5
+    assert lane.close(5)
 
 
 def test_tasks_from_many_threads_each_run_once_in_order_per_thread() -> None:

@@ -72,17 +72,26 @@ def test_a_pending_hold_wakes_every_waiter_once_abandoned_and_abandon_is_idempot
     table = LockTable(max_bytes=100)
     hold = table.lock_ahead(["a", "b"], [b"ka", b"kb"], time.monotonic() + 5)
     assert hold.pending() and table.waits(["a"])
-    woke: list[bool] = []
-    waiters = [threading.Thread(target=lambda: woke.append(hold.wait(0.0))) for _ in range(4)]
+    woke: list[tuple[bool, float]] = []
+
+    def waiter() -> None:
+        got = hold.wait(0.0)
+        woke.append((got, time.monotonic()))
+
+    waiters = [threading.Thread(target=waiter) for _ in range(4)]
     for t in waiters:
         t.start()
     time.sleep(0.1)
     assert woke == []  # all four waiting
+    abandoned = time.monotonic()
     table.abandon(hold)
     table.abandon(hold)
     for t in waiters:
         t.join(5)
-    assert woke == [True] * 4 and not hold.pending() and not table.waits(["a"])
+    assert [got for got, _ in woke] == [True] * 4 and not hold.pending() and not table.waits(["a"])
+    # Each woke when the gate opened, not at the hold's deadline 5 s on (a waiter that did not pass
+    # the gate on would leave the others to time out, then answer from `settled`).
+    assert max(at for _, at in woke) - abandoned < 2.0
     assert hold.wait(0.0)  # a later waiter does not wait
 
 
