@@ -420,3 +420,30 @@ def test_a_stopped_server_holds_its_record_locks_and_a_killed_one_none(killable,
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def _read_only_maps_of_server_files() -> int:
+    """This process's read-only shared mappings of a server's arena or presence index: a client's (the
+    in-process server maps its own files read-write)."""
+    with open("/proc/self/maps") as f:
+        return sum(
+            ("kvcache-arena-" in line or "kvcache-presence-" in line) and line.split()[1] == "r--s" for line in f
+        )
+
+
+def test_a_closed_client_unmaps_the_arena_and_the_index_at_once(make_server) -> None:
+    """close() lets go of the server's arena and presence index while the client object is still
+    referenced (an engine's connector object often lives on). Before, both stayed mapped until the
+    client was collected: the vLLM tests' process held 256 MiB arenas of servers long stopped, 15 GB
+    of /dev/shm at its peak."""
+    server: ServerThread = make_server(ram={"capacity_bytes": 64 * MiB})
+    keys = _keys(2)
+    client = KVCacheClient(server.target)
+    client.put_many("ns", [(k, _block(k)) for k in keys])
+    got = client.get_many("ns", keys)
+    assert client.lookup("ns", keys).prefix_length == 2 and client.presence.state == "on"
+    assert _read_only_maps_of_server_files() == 2  # the arena and the tenant's index
+    client.close()
+    assert _read_only_maps_of_server_files() == 0
+    assert client.presence.state == "off"
+    assert [bytes(b) for b in got] == [_block(k) for k in keys]  # what it returned stays valid

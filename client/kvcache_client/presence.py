@@ -178,6 +178,13 @@ class PresenceLink:
                 return
             self._map(path, instance_id)
 
+    def close(self) -> None:
+        """Unmaps the index for good (its client is closed): a closed client kept the tenant's table
+        mapped until the client object itself was collected, and an engine's connector often never is."""
+        with self._lock:
+            self._unmap()
+            self._set("off", "the client is closed")
+
     def _set(self, state: str, reason: str) -> None:
         if state != self.state:
             log.debug("presence index %s: %s", state, reason)

@@ -176,6 +176,12 @@ class _Channel:
             self.presence.configure(info.presence_path, info.instance_id, info.max_keys_per_request)
         self._info_done = True
 
+    def unmap(self) -> None:
+        """Lets go of the server's arena and presence index (the client closes): their mappings end
+        once no view handed out holds them, instead of when the client object is collected."""
+        self.arena.off("the client is closed")
+        self.presence.close()
+
 
 def _info_or_none(exc: grpc.RpcError) -> None:
     """An Info call that failed: None for a server without Info (UNIMPLEMENTED), else the error."""
@@ -404,6 +410,7 @@ class GrpcTransport(_Channel):
     def close(self) -> None:
         self._inplace.drain()  # abandoned LeaseGets and their hand-backs, each with its own deadline
         self.shm.close()
+        self.unmap()
         self._channel.close()
 
 
@@ -623,4 +630,5 @@ class AsyncGrpcTransport(_Channel):
     async def close(self) -> None:
         await self._inplace.drain()  # abandons and releases still under way, each with its own deadline
         self.shm.close()
+        self.unmap()
         await self._channel.close()
