@@ -89,11 +89,6 @@ class EngineNamespace:
         """The namespace string sent to the server (32 lowercase hex characters)."""
         return self._name
 
-    @property
-    def key_prefix(self) -> bytes:
-        """KEY_DOMAIN || fingerprint: what every key of this namespace hashes first (see keys())."""
-        return self._key_prefix
-
     def key(self, engine_key: bytes) -> bytes:
         """The 16-byte kvcache key of one engine key in this namespace."""
         return self.keys([engine_key])[0]

@@ -244,17 +244,3 @@ def test_config_is_parsed_once_and_refuses_what_it_does_not_know(server: ServerT
             storage_config(extra_config_json(server.target), is_mla=False, layout="layer_first"),
             mha_host_pool(layout="layer_first"),
         )
-
-
-@pytest.mark.parametrize("segments", [1, 2, 3])
-def test_segment_keys_in_one_pass_are_the_keys_of_the_segment_engine_keys(segments: int) -> None:
-    """The backend's one-pass mapping (segment_keys) gives exactly the keys the documented definition
-    does (docs/keys.md: namespace.keys of u32le(segment) || utf8(page key)), for page keys of several
-    lengths, non-ASCII ones and the empty one; a page key mapped differently would miss, or worse."""
-    from kvcache_connectors.engine_keys import EngineNamespace
-    from kvcache_connectors.sglang_hicache.namespace import segment_engine_keys, segment_keys
-
-    namespace = EngineNamespace.of("sglang", "sglang.page_key.v1", {"model": "m"})
-    pages = ["", "a", "0" * 64, "ключ-страницы", "x" * 300, "a"]
-    assert segment_keys(namespace, pages, segments) == namespace.keys(segment_engine_keys(pages, segments))
-    assert len(set(segment_keys(namespace, pages[:-1], segments))) == (len(pages) - 1) * segments

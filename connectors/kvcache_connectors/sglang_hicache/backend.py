@@ -38,7 +38,7 @@ from kvcache_client import KVCacheClient, KVCacheError
 from kvcache_client.retry import NO_RETRY
 from kvcache_connectors.engine_keys import EngineNamespace
 from kvcache_connectors.sglang_hicache.config import HiCacheBackendConfig
-from kvcache_connectors.sglang_hicache.namespace import segment_keys, sglang_namespace
+from kvcache_connectors.sglang_hicache.namespace import segment_engine_keys, sglang_namespace
 from kvcache_connectors.sglang_hicache.pages import PageMap
 from kvcache_core.breaker import CircuitBreaker
 
@@ -182,7 +182,7 @@ class KVCacheHiCacheStorage(HiCacheStorage):
         try:
             found = self._client.lookup(
                 self._ns,
-                segment_keys(self.namespace, keys, pages.segments),
+                self.namespace.keys(segment_engine_keys(keys, pages.segments)),
                 timeout_s=self.config.lookup_timeout_s,
             ).prefix_length
         except CALL_ERRORS as exc:
@@ -346,7 +346,7 @@ class KVCacheHiCacheStorage(HiCacheStorage):
 
     def _keys(self, keys: Sequence[str]) -> list[bytes]:
         assert self.namespace is not None and self._pages is not None
-        return segment_keys(self.namespace, keys, self._pages.segments)
+        return self.namespace.keys(segment_engine_keys(keys, self._pages.segments))
 
     def _views(self, kind: str, keys: Sequence[str], host_indices: torch.Tensor) -> list[torch.Tensor] | None:
         if self._pages is None or self.namespace is None:
